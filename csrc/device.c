@@ -1,0 +1,495 @@
+/*
+ * device.c - virtual NPU devices: configuration from the environment, capacity accounting,
+ * the thread's current device and peer access.
+ */
+#include "device.h"
+
+#include <ctype.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+typedef struct device {
+    pthread_mutex_t lock; /* guards used[] */
+    size_t used[MEM_KIND_COUNT];
+    atomic_int set_count;                     /* aclrtSetDevice minus aclrtResetDevice */
+    atomic_uint epoch;                        /* bumped when the device is reset */
+    atomic_bool peer_enabled[NPU_MAX_DEVICES]; /* this device may access peer i */
+} device;
+
+static const npualloc_config default_config = {
+    .device_count = 8,
+    .device_memory = (uint64_t)64 << 30,
+    .huge_memory = (uint64_t)64 << 30,
+    .huge1g_memory = 0,
+    .ddr_memory = 0,
+};
+
+/* Guards the start of the runtime and the configuration before it. */
+static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_bool initialized;
+static bool configured; /* npualloc_configure() was called */
+static npualloc_config config;
+static char init_error[256];
+static device devices[NPU_MAX_DEVICES];
+
+/* The current device of this thread, valid while the device's epoch is unchanged. */
+static _Thread_local int32_t current_dev = -1;
+static _Thread_local unsigned current_epoch;
+
+size_t mem_kind_page_size(mem_kind kind)
+{
+    switch (kind) {
+    case MEM_NORMAL:
+        return 4 * KiB;
+    case MEM_HUGE:
+        return 2 * MiB;
+    case MEM_HUGE1G:
+        return GiB;
+    default:
+        return 4 * KiB;
+    }
+}
+
+/* ---- sizes and the environment ---- */
+
+int npualloc_parse_size(const char *text, uint64_t *out)
+{
+    if (!text)
+        return -1;
+    const char *p = text;
+    while (isspace((unsigned char)*p))
+        p++;
+    if (!isdigit((unsigned char)*p))
+        return -1;
+    /* Integer part exactly, then an optional fraction: no floating point for plain integers. */
+    uint64_t whole = 0;
+    while (isdigit((unsigned char)*p)) {
+        unsigned d = (unsigned)(*p++ - '0');
+        if (whole > (UINT64_MAX - d) / 10)
+            return -1;
+        whole = whole * 10 + d;
+    }
+    uint64_t frac_num = 0, frac_den = 1;
+    if (*p == '.') {
+        p++;
+        if (!isdigit((unsigned char)*p))
+            return -1;
+        while (isdigit((unsigned char)*p)) {
+            if (frac_den < 1000000000000ULL) { /* 12 digits are plenty */
+                frac_num = frac_num * 10 + (unsigned)(*p - '0');
+                frac_den *= 10;
+            }
+            p++;
+        }
+    }
+    while (isspace((unsigned char)*p))
+        p++;
+    static const struct {
+        const char *suffix;
+        unsigned shift;
+    } units[] = {{"KiB", 10}, {"MiB", 20}, {"GiB", 30}, {"TiB", 40}, {"K", 10}, {"M", 20},
+                 {"G", 30},   {"T", 40},   {"B", 0},    {"", 0}};
+    for (size_t i = 0; i < ARRAY_LEN(units); i++) {
+        size_t n = strlen(units[i].suffix);
+        if (strncmp(p, units[i].suffix, n) != 0)
+            continue;
+        const char *rest = p + n;
+        while (isspace((unsigned char)*rest))
+            rest++;
+        if (*rest != '\0')
+            continue;
+        unsigned shift = units[i].shift;
+        if (shift && whole > (UINT64_MAX >> shift))
+            return -1;
+        uint64_t bytes = whole << shift;
+        if (frac_num) {
+            /* frac_num / frac_den of one unit, rounded down to whole bytes. */
+            long double extra = (long double)frac_num / (long double)frac_den * (long double)((uint64_t)1 << shift);
+            uint64_t add = (uint64_t)extra;
+            if (bytes > UINT64_MAX - add)
+                return -1;
+            bytes += add;
+        }
+        *out = bytes;
+        return 0;
+    }
+    return -1;
+}
+
+static int env_size(const char *name, uint64_t *value, char *err, size_t errlen)
+{
+    const char *text = getenv(name);
+    if (!text || !*text)
+        return 0;
+    if (npualloc_parse_size(text, value) != 0) {
+        snprintf(err, errlen,
+                 "%s='%s' is not a size: use bytes or a number with KiB, MiB, GiB or TiB (or K, M, G, T)",
+                 name, text);
+        return -1;
+    }
+    return 0;
+}
+
+aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen)
+{
+    npualloc_config c = default_config;
+    const char *count = getenv("NPUALLOC_DEVICE_COUNT");
+    if (count && *count) {
+        char *end;
+        long n = strtol(count, &end, 10);
+        if (*end != '\0' || end == count || n < 1 || n > NPU_MAX_DEVICES) {
+            snprintf(err, errlen, "NPUALLOC_DEVICE_COUNT='%s' is not a device count: use a whole number from 1 to %d",
+                     count, NPU_MAX_DEVICES);
+            return ACL_ERROR_INVALID_PARAM;
+        }
+        c.device_count = (int32_t)n;
+    }
+    bool huge_given = getenv("NPUALLOC_HUGE_MEMORY") && *getenv("NPUALLOC_HUGE_MEMORY");
+    if (env_size("NPUALLOC_DEVICE_MEMORY", &c.device_memory, err, errlen) ||
+        env_size("NPUALLOC_HUGE_MEMORY", &c.huge_memory, err, errlen) ||
+        env_size("NPUALLOC_HUGE1G_MEMORY", &c.huge1g_memory, err, errlen) ||
+        env_size("NPUALLOC_DDR_MEMORY", &c.ddr_memory, err, errlen))
+        return ACL_ERROR_INVALID_PARAM;
+    if (!huge_given)
+        c.huge_memory = c.device_memory;
+    aclError rc = npualloc_config_check(&c, err, errlen);
+    if (rc == ACL_SUCCESS)
+        *out = c;
+    return rc;
+}
+
+aclError npualloc_config_check(const npualloc_config *c, char *err, size_t errlen)
+{
+    const char *problem = NULL;
+    if (c->device_count < 1 || c->device_count > NPU_MAX_DEVICES)
+        problem = "NPUALLOC_DEVICE_COUNT must be from 1 to 64";
+    else if (c->device_memory == 0)
+        problem = "NPUALLOC_DEVICE_MEMORY must be more than 0";
+    else if (c->device_memory > ((uint64_t)1 << 50))
+        problem = "NPUALLOC_DEVICE_MEMORY must be at most 1024 TiB";
+    else if (c->huge_memory > c->device_memory)
+        problem = "NPUALLOC_HUGE_MEMORY must not exceed NPUALLOC_DEVICE_MEMORY";
+    else if (c->huge1g_memory > c->device_memory)
+        problem = "NPUALLOC_HUGE1G_MEMORY must not exceed NPUALLOC_DEVICE_MEMORY";
+    else if (c->huge1g_memory % GiB != 0)
+        problem = "NPUALLOC_HUGE1G_MEMORY must be a whole number of GiB";
+    else if (c->ddr_memory > ((uint64_t)1 << 50))
+        problem = "NPUALLOC_DDR_MEMORY must be at most 1024 TiB";
+    if (!problem)
+        return ACL_SUCCESS;
+    if (err && errlen)
+        snprintf(err, errlen, "%s", problem);
+    return ACL_ERROR_INVALID_PARAM;
+}
+
+aclError npualloc_configure(const npualloc_config *cfg, char *err, size_t errlen)
+{
+    aclError rc = npualloc_config_check(cfg, err, errlen);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&init_lock);
+    if (atomic_load(&initialized)) {
+        pthread_mutex_unlock(&init_lock);
+        if (err && errlen)
+            snprintf(err, errlen, "the devices are already initialised: configure npualloc before its first use");
+        return ACL_ERROR_REPEAT_INITIALIZE;
+    }
+    config = *cfg;
+    configured = true;
+    pthread_mutex_unlock(&init_lock);
+    return ACL_SUCCESS;
+}
+
+static void reset_devices(void)
+{
+    for (int i = 0; i < NPU_MAX_DEVICES; i++) {
+        device *d = &devices[i];
+        pthread_mutex_init(&d->lock, NULL);
+        memset(d->used, 0, sizeof d->used);
+        atomic_store(&d->set_count, 0);
+        atomic_fetch_add(&d->epoch, 1); /* forget every thread's current device */
+        for (int j = 0; j < NPU_MAX_DEVICES; j++)
+            atomic_store(&d->peer_enabled[j], false);
+    }
+}
+
+aclError runtime_ensure_init(void)
+{
+    if (likely(atomic_load_explicit(&initialized, memory_order_acquire)))
+        return ACL_SUCCESS;
+    pthread_mutex_lock(&init_lock);
+    aclError rc = ACL_SUCCESS;
+    if (!atomic_load(&initialized)) {
+        if (!configured)
+            rc = npualloc_config_from_env(&config, init_error, sizeof init_error);
+        if (rc == ACL_SUCCESS) {
+            init_error[0] = '\0';
+            reset_devices();
+            atomic_store_explicit(&initialized, true, memory_order_release);
+        } else {
+            rc = ACL_ERROR_UNINITIALIZE;
+        }
+    }
+    pthread_mutex_unlock(&init_lock);
+    return rc;
+}
+
+bool npualloc_initialized(void) { return atomic_load(&initialized); }
+
+const char *npualloc_init_error(void) { return init_error[0] ? init_error : NULL; }
+
+aclError npualloc_get_config(npualloc_config *out)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc == ACL_SUCCESS)
+        *out = config;
+    return rc;
+}
+
+const npualloc_config *device_config(void) { return &config; }
+
+int device_count(void) { return atomic_load(&initialized) ? config.device_count : 0; }
+
+bool device_valid(int32_t dev) { return dev >= 0 && dev < device_count(); }
+
+void device_atfork_child(void)
+{
+    /* Device memory is not inherited (MADV_DONTFORK): start with empty devices. */
+    pthread_mutex_init(&init_lock, NULL);
+    if (atomic_load(&initialized))
+        reset_devices();
+}
+
+void device_shutdown(void)
+{
+    pthread_mutex_lock(&init_lock);
+    if (atomic_load(&initialized))
+        reset_devices();
+    atomic_store(&initialized, false);
+    configured = false;
+    pthread_mutex_unlock(&init_lock);
+}
+
+/* ---- the current device ---- */
+
+aclError aclrtSetDevice(int32_t dev)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (!device_valid(dev))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    atomic_fetch_add(&devices[dev].set_count, 1);
+    current_dev = dev;
+    current_epoch = atomic_load(&devices[dev].epoch);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtResetDevice(int32_t dev)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (!device_valid(dev))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    device *d = &devices[dev];
+    int count = atomic_load(&d->set_count);
+    while (count > 0 && !atomic_compare_exchange_weak(&d->set_count, &count, count - 1)) {
+    }
+    if (count == 1) {
+        /* Last reference: every thread's context on this device ends. */
+        atomic_fetch_add(&d->epoch, 1);
+        for (int j = 0; j < NPU_MAX_DEVICES; j++)
+            atomic_store(&d->peer_enabled[j], false);
+    }
+    return ACL_SUCCESS;
+}
+
+aclError device_current(int32_t *dev)
+{
+    if (current_dev < 0 || !atomic_load(&initialized) ||
+        atomic_load(&devices[current_dev].epoch) != current_epoch)
+        return ACL_ERROR_RT_CONTEXT_NULL;
+    *dev = current_dev;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtGetDevice(int32_t *dev)
+{
+    if (!dev)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    return device_current(dev);
+}
+
+aclError aclrtGetDeviceCount(uint32_t *count)
+{
+    if (!count)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    *count = (uint32_t)config.device_count;
+    return ACL_SUCCESS;
+}
+
+/* ---- peer access ---- */
+
+aclError aclrtDeviceCanAccessPeer(int32_t *can, int32_t dev, int32_t peer)
+{
+    if (!can)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (!device_valid(dev) || !device_valid(peer))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (dev == peer)
+        return ACL_ERROR_INVALID_PARAM;
+    *can = 1; /* every device of the virtual server is linked to every other */
+    return ACL_SUCCESS;
+}
+
+aclError aclrtDeviceEnablePeerAccess(int32_t peer, uint32_t flags)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    int32_t dev;
+    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+        return rc;
+    if (flags != 0)
+        return ACL_ERROR_FEATURE_UNSUPPORTED;
+    if (!device_valid(peer))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (peer == dev)
+        return ACL_ERROR_INVALID_PARAM;
+    atomic_store(&devices[dev].peer_enabled[peer], true);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtDeviceDisablePeerAccess(int32_t peer)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    int32_t dev;
+    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+        return rc;
+    if (!device_valid(peer))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (peer == dev)
+        return ACL_ERROR_INVALID_PARAM;
+    atomic_store(&devices[dev].peer_enabled[peer], false);
+    return ACL_SUCCESS;
+}
+
+bool device_peer_enabled(int32_t a, int32_t b)
+{
+    return a == b || atomic_load(&devices[a].peer_enabled[b]) || atomic_load(&devices[b].peer_enabled[a]);
+}
+
+/* ---- capacity ---- */
+
+/* Bytes still available to `kind` on a device; called with the device lock held. */
+static size_t available(const device *d, mem_kind kind)
+{
+    const npualloc_config *c = &config;
+    size_t paged_cap = c->device_memory - c->huge1g_memory; /* normal + huge share this */
+    size_t paged_used = d->used[MEM_NORMAL] + d->used[MEM_HUGE];
+    size_t paged_free = paged_used >= paged_cap ? 0 : paged_cap - paged_used;
+    switch (kind) {
+    case MEM_NORMAL:
+        return paged_free;
+    case MEM_HUGE: {
+        size_t huge_free = d->used[MEM_HUGE] >= c->huge_memory ? 0 : c->huge_memory - d->used[MEM_HUGE];
+        return huge_free < paged_free ? huge_free : paged_free;
+    }
+    case MEM_HUGE1G:
+        return c->huge1g_memory - d->used[MEM_HUGE1G];
+    case MEM_DDR:
+        return c->ddr_memory - d->used[MEM_DDR];
+    default:
+        return 0;
+    }
+}
+
+aclError device_charge(int32_t dev, mem_kind kind, size_t bytes)
+{
+    device *d = &devices[dev];
+    aclError rc = ACL_SUCCESS;
+    pthread_mutex_lock(&d->lock);
+    if (bytes > available(d, kind))
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    else
+        d->used[kind] += bytes;
+    pthread_mutex_unlock(&d->lock);
+    return rc;
+}
+
+void device_uncharge(int32_t dev, mem_kind kind, size_t bytes)
+{
+    device *d = &devices[dev];
+    pthread_mutex_lock(&d->lock);
+    d->used[kind] -= bytes;
+    pthread_mutex_unlock(&d->lock);
+}
+
+void device_mem_info(int32_t dev, aclrtMemAttr attr, size_t *free_bytes, size_t *total_bytes)
+{
+    device *d = &devices[dev];
+    const npualloc_config *c = &config;
+    size_t f = 0, t = 0;
+    pthread_mutex_lock(&d->lock);
+    switch (attr) {
+    case ACL_DDR_MEM:
+    case ACL_DDR_MEM_HUGE:
+    case ACL_DDR_MEM_NORMAL:
+    case ACL_DDR_MEM_P2P_HUGE:
+    case ACL_DDR_MEM_P2P_NORMAL:
+        f = available(d, MEM_DDR);
+        t = c->ddr_memory;
+        break;
+    case ACL_HBM_MEM: {
+        size_t used = d->used[MEM_NORMAL] + d->used[MEM_HUGE] + d->used[MEM_HUGE1G];
+        f = c->device_memory - used;
+        t = c->device_memory;
+        break;
+    }
+    case ACL_HBM_MEM_HUGE:
+    case ACL_HBM_MEM_P2P_HUGE:
+    case ACL_MEM_HUGE:
+    case ACL_MEM_P2P_HUGE:
+        f = available(d, MEM_HUGE);
+        t = c->huge_memory < c->device_memory - c->huge1g_memory ? c->huge_memory
+                                                                 : c->device_memory - c->huge1g_memory;
+        break;
+    case ACL_HBM_MEM_NORMAL:
+    case ACL_HBM_MEM_P2P_NORMAL:
+    case ACL_MEM_NORMAL:
+    case ACL_MEM_P2P_NORMAL:
+        f = available(d, MEM_NORMAL);
+        t = c->device_memory - c->huge1g_memory;
+        break;
+    case ACL_HBM_MEM_HUGE1G:
+    case ACL_HBM_MEM_P2P_HUGE1G:
+    case ACL_MEM_HUGE1G:
+    case ACL_MEM_P2P_HUGE1G:
+        f = available(d, MEM_HUGE1G);
+        t = c->huge1g_memory;
+        break;
+    default: /* an attribute the device does not have reports 0/0, as CANN does */
+        break;
+    }
+    pthread_mutex_unlock(&d->lock);
+    *free_bytes = f;
+    *total_bytes = t;
+}

@@ -1,0 +1,60 @@
+/*
+ * device.h - the virtual NPU devices: configuration, capacity accounting per page kind,
+ * the calling thread's current device, and peer access.
+ *
+ * Capacity model (per device):
+ *   HBM of `device_memory` bytes holds normal (4 KiB) pages, 2 MiB huge pages and the 1 GiB
+ *   page pool.  The 1 GiB pool (`huge1g_memory`) is set aside when the device starts, so
+ *   normal + huge usage never exceeds device_memory - huge1g_memory, and huge usage alone
+ *   never exceeds `huge_memory`.  DDR (low-bandwidth memory, `ddr_memory`) is separate.
+ *   The host has no huge pages reserved: page kinds are accounting, every page is backed by
+ *   ordinary host memory.
+ *
+ * Locking: each device owns one mutex that guards its counters; nothing else is taken while
+ * it is held.
+ */
+#ifndef NPUALLOC_DEVICE_H
+#define NPUALLOC_DEVICE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "acl_rt.h"
+#include "npualloc.h"
+
+#define NPU_MAX_DEVICES 64
+
+typedef enum mem_kind { MEM_NORMAL, MEM_HUGE, MEM_HUGE1G, MEM_DDR, MEM_KIND_COUNT } mem_kind;
+
+/* Page size of each kind: what a charge is rounded to. */
+size_t mem_kind_page_size(mem_kind kind);
+
+/* Starts the runtime from the configured values (or the environment) on first use.
+ * Returns ACL_SUCCESS, or ACL_ERROR_UNINITIALIZE when the environment is malformed
+ * (npualloc_init_error() says why). Cheap after the first success. */
+aclError runtime_ensure_init(void);
+
+int device_count(void);
+bool device_valid(int32_t dev);
+const npualloc_config *device_config(void);
+
+/* The calling thread's current device (set by aclrtSetDevice); ACL_ERROR_RT_CONTEXT_NULL if none. */
+aclError device_current(int32_t *dev);
+
+/* Charges `bytes` (already rounded to the kind's page size) to a device;
+ * ACL_ERROR_RT_MEMORY_ALLOCATION when the kind's capacity is short. */
+aclError device_charge(int32_t dev, mem_kind kind, size_t bytes);
+void device_uncharge(int32_t dev, mem_kind kind, size_t bytes);
+/* aclrtGetMemInfo semantics for one device. */
+void device_mem_info(int32_t dev, aclrtMemAttr attr, size_t *free_bytes, size_t *total_bytes);
+
+/* True when copies between the two devices were enabled (in either direction). */
+bool device_peer_enabled(int32_t a, int32_t b);
+
+/* fork(): the child starts with fresh devices and no current device. */
+void device_atfork_child(void);
+/* Releases everything (tests use it before leak checks); devices restart on next use. */
+void device_shutdown(void);
+
+#endif

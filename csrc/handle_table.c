@@ -1,0 +1,99 @@
+/* handle_table.c - see handle_table.h. */
+#include "handle_table.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define INDEX_BITS 24
+#define GEN_SHIFT INDEX_BITS
+#define TAG_SHIFT 56
+#define GEN_MASK 0xFFFFFFFFu
+
+void handle_table_init(handle_table *t, uint8_t tag)
+{
+    memset(t, 0, sizeof *t);
+    t->tag = tag;
+}
+
+void handle_table_destroy(handle_table *t)
+{
+    free(t->slots);
+    uint8_t tag = t->tag;
+    handle_table_init(t, tag);
+}
+
+static int grow(handle_table *t)
+{
+    uint32_t cap = t->capacity ? t->capacity * 2 : 64;
+    if (cap > HANDLE_TABLE_MAX_SLOTS)
+        cap = HANDLE_TABLE_MAX_SLOTS;
+    if (cap <= t->capacity)
+        return -1;
+    handle_slot *slots = realloc(t->slots, cap * sizeof *slots);
+    if (!slots)
+        return -1;
+    /* New slots join the free list in index order. */
+    for (uint32_t i = t->capacity; i < cap; i++) {
+        slots[i].object = NULL;
+        slots[i].generation = 1;
+        slots[i].next_free = (i + 1 < cap) ? i + 2 : t->free_head;
+    }
+    t->free_head = t->capacity + 1;
+    t->slots = slots;
+    t->capacity = cap;
+    return 0;
+}
+
+uint64_t handle_table_insert(handle_table *t, void *object)
+{
+    if (!object || (!t->free_head && grow(t) != 0))
+        return 0;
+    uint32_t index = t->free_head - 1;
+    handle_slot *s = &t->slots[index];
+    t->free_head = s->next_free;
+    s->object = object;
+    s->next_free = 0;
+    t->live++;
+    return ((uint64_t)t->tag << TAG_SHIFT) | ((uint64_t)s->generation << GEN_SHIFT) | (uint64_t)(index + 1);
+}
+
+static handle_slot *slot_of(const handle_table *t, uint64_t handle)
+{
+    if ((handle >> TAG_SHIFT) != t->tag)
+        return NULL;
+    uint64_t index1 = handle & ((1u << INDEX_BITS) - 1);
+    uint32_t gen = (uint32_t)((handle >> GEN_SHIFT) & GEN_MASK);
+    if (index1 == 0 || index1 > t->capacity)
+        return NULL;
+    handle_slot *s = &t->slots[index1 - 1];
+    return (s->object && s->generation == gen) ? s : NULL;
+}
+
+void *handle_table_get(const handle_table *t, uint64_t handle)
+{
+    handle_slot *s = slot_of(t, handle);
+    return s ? s->object : NULL;
+}
+
+void *handle_table_remove(handle_table *t, uint64_t handle)
+{
+    handle_slot *s = slot_of(t, handle);
+    if (!s)
+        return NULL;
+    void *object = s->object;
+    s->object = NULL;
+    s->generation = (s->generation + 1) & GEN_MASK;
+    if (s->generation == 0)
+        s->generation = 1;
+    s->next_free = t->free_head;
+    t->free_head = (uint32_t)(s - t->slots) + 1;
+    t->live--;
+    return object;
+}
+
+void handle_table_each(const handle_table *t, void (*fn)(void *object, void *ctx), void *ctx)
+{
+    for (uint32_t i = 0; i < t->capacity; i++)
+        if (t->slots[i].object)
+            fn(t->slots[i].object, ctx);
+}

@@ -1,0 +1,45 @@
+/*
+ * handle_table.h - opaque 64-bit handles for runtime objects (physical memory handles,
+ * streams, events).  A handle names a slot and the slot's generation, so a stale, forged or
+ * foreign value is recognised without ever being dereferenced.
+ *
+ * Layout of a handle: bits 56..63 the table's tag (which kind of object), bits 24..55 the
+ * slot's generation, bits 0..23 the slot index + 1.  A handle is never 0.
+ *
+ * The table does no locking: the module that owns it guards it with its own lock.
+ */
+#ifndef NPUALLOC_HANDLE_TABLE_H
+#define NPUALLOC_HANDLE_TABLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct handle_slot {
+    void *object;       /* NULL when free */
+    uint32_t generation;
+    uint32_t next_free; /* index + 1 of the next free slot, 0 = none */
+} handle_slot;
+
+typedef struct handle_table {
+    handle_slot *slots;
+    uint32_t capacity;
+    uint32_t free_head; /* index + 1, 0 = none */
+    uint32_t live;
+    uint8_t tag;
+} handle_table;
+
+#define HANDLE_TABLE_MAX_SLOTS (1u << 24)
+
+void handle_table_init(handle_table *t, uint8_t tag);
+/* Frees the slot array (the objects are the owner's). */
+void handle_table_destroy(handle_table *t);
+/* Stores `object` and returns its handle, or 0 when out of memory or slots. */
+uint64_t handle_table_insert(handle_table *t, void *object);
+/* The object named by `handle`, or NULL if the handle is not live in this table. */
+void *handle_table_get(const handle_table *t, uint64_t handle);
+/* Forgets `handle`; returns its object, or NULL if it was not live. */
+void *handle_table_remove(handle_table *t, uint64_t handle);
+/* Calls fn on every live object (fn must not modify the table). */
+void handle_table_each(const handle_table *t, void (*fn)(void *object, void *ctx), void *ctx);
+
+#endif

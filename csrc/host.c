@@ -1,0 +1,271 @@
+/*
+ * host.c - the Linux host backend (see host.h for the model).
+ */
+#include "host.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+static atomic_int fd_budget = -1; /* -1: not decided yet */
+static atomic_int fds_kept;
+
+static int default_fd_budget(void)
+{
+    const char *env = getenv("NPUALLOC_FD_BUDGET");
+    if (env && *env) {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (*end == '\0' && v >= 0 && v < (1L << 30))
+            return (int)v;
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
+        return 4096;
+    return (int)(rl.rlim_cur / 2);
+}
+
+int host_fd_budget(void)
+{
+    int b = atomic_load(&fd_budget);
+    if (b < 0) {
+        int expected = -1;
+        b = default_fd_budget();
+        if (!atomic_compare_exchange_strong(&fd_budget, &expected, b))
+            b = expected;
+    }
+    return b;
+}
+
+void host_set_fd_budget(int budget) { atomic_store(&fd_budget, budget < 0 ? 0 : budget); }
+
+int host_fds_kept(void) { return atomic_load(&fds_kept); }
+
+/* Takes one unit of the descriptor budget, or reports that none is left. */
+static bool take_fd_slot(void)
+{
+    int budget = host_fd_budget();
+    int cur = atomic_load(&fds_kept);
+    while (cur < budget) {
+        if (atomic_compare_exchange_weak(&fds_kept, &cur, cur + 1))
+            return true;
+    }
+    return false;
+}
+
+size_t host_page_size(void)
+{
+    static size_t page;
+    if (!page)
+        page = (size_t)sysconf(_SC_PAGESIZE);
+    return page;
+}
+
+static size_t round_to_page(size_t size)
+{
+    size_t page = host_page_size();
+    return (size + page - 1) & ~(page - 1);
+}
+
+/* Maps the memory file's home view and marks it not to be inherited by fork. */
+static int map_home(int fd, size_t size, void **home)
+{
+    void *p = mmap(NULL, size, PROT_NONE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+    if (p == MAP_FAILED)
+        return errno;
+    if (madvise(p, size, MADV_DONTFORK) != 0) {
+        int err = errno;
+        munmap(p, size);
+        return err;
+    }
+    *home = p;
+    return 0;
+}
+
+int host_memfile_create(size_t size, host_memfile *out)
+{
+    if (size == 0)
+        return EINVAL;
+    size = round_to_page(size);
+    int fd = memfd_create("npualloc", MFD_CLOEXEC);
+    if (fd < 0)
+        return errno;
+    int err = 0;
+    if (ftruncate(fd, (off_t)size) != 0)
+        err = errno;
+    void *home = NULL;
+    if (!err)
+        err = map_home(fd, size, &home);
+    if (err) {
+        close(fd);
+        return err;
+    }
+    out->home = home;
+    out->size = size;
+    if (take_fd_slot()) {
+        out->fd = fd;
+    } else {
+        close(fd); /* the home mapping keeps the pages alive */
+        out->fd = -1;
+    }
+    return 0;
+}
+
+int host_memfile_adopt(int fd, size_t size, host_memfile *out)
+{
+    off_t end = lseek(fd, 0, SEEK_END);
+    if (end < 0)
+        return errno;
+    if ((size_t)end < size || size == 0 || size % host_page_size() != 0)
+        return EINVAL;
+    void *home = NULL;
+    int err = map_home(fd, size, &home);
+    if (err)
+        return err;
+    out->home = home;
+    out->size = size;
+    if (take_fd_slot()) {
+        out->fd = fd;
+    } else {
+        close(fd);
+        out->fd = -1;
+    }
+    return 0;
+}
+
+void host_memfile_destroy(host_memfile *mf)
+{
+    if (mf->home)
+        munmap(mf->home, mf->size);
+    if (mf->fd >= 0) {
+        close(mf->fd);
+        atomic_fetch_sub(&fds_kept, 1);
+    }
+    mf->home = NULL;
+    mf->fd = -1;
+}
+
+int host_memfile_dup_fd(const host_memfile *mf, int *fd_out)
+{
+    int fd;
+    if (mf->fd >= 0) {
+        fd = fcntl(mf->fd, F_DUPFD_CLOEXEC, 0);
+    } else {
+        char path[96];
+        uintptr_t start = (uintptr_t)mf->home;
+        snprintf(path, sizeof path, "/proc/self/map_files/%lx-%lx", (unsigned long)start,
+                 (unsigned long)(start + mf->size));
+        fd = open(path, O_RDWR | O_CLOEXEC);
+    }
+    if (fd < 0)
+        return errno;
+    *fd_out = fd;
+    return 0;
+}
+
+int host_reserve(size_t size, size_t align, void *hint, void **out)
+{
+    if (size == 0 || (align & (align - 1)) != 0)
+        return EINVAL;
+    size_t page = host_page_size();
+    if (align < page)
+        align = page;
+    size = round_to_page(size);
+    const int prot = PROT_NONE;
+    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    void *base;
+    if (hint) {
+        if ((uintptr_t)hint % align != 0)
+            return EINVAL;
+        base = mmap(hint, size, prot, flags | MAP_FIXED_NOREPLACE, -1, 0);
+        if (base == MAP_FAILED)
+            return errno;
+        if (base != hint) { /* kernels without MAP_FIXED_NOREPLACE treat it as a hint */
+            munmap(base, size);
+            return EEXIST;
+        }
+    } else {
+        /* Over-reserve, then trim to the requested alignment. */
+        size_t span = size + align - page;
+        if (span < size)
+            return ENOMEM;
+        void *raw = mmap(NULL, span, prot, flags, -1, 0);
+        if (raw == MAP_FAILED)
+            return errno;
+        uintptr_t start = ((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1);
+        size_t head = start - (uintptr_t)raw;
+        size_t tail = span - head - size;
+        if (head)
+            munmap(raw, head);
+        if (tail)
+            munmap((void *)(start + size), tail);
+        base = (void *)start;
+    }
+    if (madvise(base, size, MADV_DONTFORK) != 0) {
+        int err = errno;
+        munmap(base, size);
+        return err;
+    }
+    *out = base;
+    return 0;
+}
+
+int host_release(void *va, size_t size)
+{
+    return munmap(va, round_to_page(size)) == 0 ? 0 : errno;
+}
+
+int host_map(void *va, const host_memfile *mf)
+{
+    void *p = mremap(mf->home, 0, mf->size, MREMAP_MAYMOVE | MREMAP_FIXED, va);
+    if (p == MAP_FAILED)
+        return errno;
+    if (mprotect(p, mf->size, PROT_READ | PROT_WRITE) != 0) {
+        int err = errno;
+        host_unmap(va, mf->size);
+        return err;
+    }
+    return 0;
+}
+
+int host_unmap(void *va, size_t size)
+{
+    size = round_to_page(size);
+    void *p = mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    if (p == MAP_FAILED)
+        return errno;
+    return madvise(p, size, MADV_DONTFORK) == 0 ? 0 : errno;
+}
+
+int host_alloc_pinned(size_t size, void **out)
+{
+    if (size == 0)
+        return EINVAL;
+    void *p = mmap(NULL, round_to_page(size), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return errno;
+    *out = p;
+    return 0;
+}
+
+void host_free_pinned(void *p, size_t size) { munmap(p, round_to_page(size)); }
+
+uint64_t host_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+void host_sleep_ns(uint64_t ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}

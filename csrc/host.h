@@ -1,0 +1,68 @@
+/*
+ * host.h - the host backend: the only part of npualloc that talks to the operating system
+ * about memory.  Everything above it sees "memory files" (the physical memory of one handle)
+ * and "reserved ranges" (virtual address space with nothing behind it).
+ *
+ * Model (Linux):
+ *   - A memory file is an anonymous memfd, sized with ftruncate.  Its pages are committed
+ *     only when touched, so a 64 GiB device costs nothing until used.
+ *   - Each memory file has a "home" mapping (PROT_NONE, MAP_SHARED) that keeps its pages alive
+ *     without a file descriptor; the descriptor itself is kept only while the process-wide
+ *     descriptor budget allows (it is needed to export the memory to another process).
+ *   - Mapping a memory file into a reserved range duplicates the home mapping there with
+ *     mremap(old_size = 0), so mapping needs no descriptor either.
+ *   - A reserved range is PROT_NONE anonymous memory; unmapping puts PROT_NONE memory back,
+ *     so the reservation stays intact and an access to an unmapped page faults.
+ *   - Device memory is MADV_DONTFORK: a child created by fork() does not inherit it (a real
+ *     NPU context is not inherited either).
+ *
+ * All functions return 0 or a positive errno value.
+ */
+#ifndef NPUALLOC_HOST_H
+#define NPUALLOC_HOST_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct host_memfile {
+    void *home;  /* PROT_NONE shared mapping that keeps the pages alive */
+    size_t size; /* bytes, a multiple of the host page size */
+    int fd;      /* -1 when the descriptor budget was exhausted at creation */
+} host_memfile;
+
+/* Creates a memory file of `size` bytes (rounded up to the host page size). */
+int host_memfile_create(size_t size, host_memfile *out);
+/* Releases the home mapping and the descriptor; the pages live on while mapped elsewhere. */
+void host_memfile_destroy(host_memfile *mf);
+/* Adopts a descriptor received from another process (the memory file of an exporter). */
+int host_memfile_adopt(int fd, size_t size, host_memfile *out);
+/* Returns a new descriptor for the memory file (caller closes it): a dup of the kept one, or
+ * one reopened through /proc/self/map_files when the budget had been exhausted (this needs
+ * CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE; EMFILE-like errors are reported otherwise). */
+int host_memfile_dup_fd(const host_memfile *mf, int *fd_out);
+
+/* Reserves `size` bytes of address space aligned to `align` (a power of two).  When `hint` is
+ * non-NULL the range must start exactly there (EEXIST if taken). */
+int host_reserve(size_t size, size_t align, void *hint, void **out);
+int host_release(void *va, size_t size);
+/* Maps the whole memory file read-write at `va` (inside a reservation). */
+int host_map(void *va, const host_memfile *mf);
+/* Puts reserved, inaccessible memory back over [va, va + size). */
+int host_unmap(void *va, size_t size);
+
+/* Page-aligned host memory for pinned-host allocations (inherited by fork like any memory). */
+int host_alloc_pinned(size_t size, void **out);
+void host_free_pinned(void *p, size_t size);
+
+size_t host_page_size(void);
+uint64_t host_now_ns(void); /* CLOCK_MONOTONIC */
+void host_sleep_ns(uint64_t ns);
+
+/* How many memory-file descriptors may be kept open (NPUALLOC_FD_BUDGET, default half of the
+ * open-file limit), and how many are kept now. */
+int host_fd_budget(void);
+int host_fds_kept(void);
+void host_set_fd_budget(int budget);
+
+#endif

@@ -1,0 +1,166 @@
+/*
+ * npualloc.h - the npualloc core API: what the virtual NPU offers beyond the aclrt* names
+ * (configuration, introspection, test hooks).  The aclrt* functions are in acl_rt.h.
+ *
+ * Every function that can fail returns an aclError (0 = success).
+ */
+#ifndef NPUALLOC_H
+#define NPUALLOC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "acl_rt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- configuration (before the devices start) ---- */
+typedef struct npualloc_config {
+    int32_t device_count;   /* NPUALLOC_DEVICE_COUNT, default 8 */
+    uint64_t device_memory; /* NPUALLOC_DEVICE_MEMORY: HBM per device, default 64 GiB */
+    uint64_t huge_memory;   /* NPUALLOC_HUGE_MEMORY: HBM usable as 2 MiB pages, default all */
+    uint64_t huge1g_memory; /* NPUALLOC_HUGE1G_MEMORY: 1 GiB page pool, default 0 */
+    uint64_t ddr_memory;    /* NPUALLOC_DDR_MEMORY: low-bandwidth memory per device, default 0 */
+} npualloc_config;
+
+/* Parses "123", "64GiB", "1.5G", "512 MiB": bytes or KiB/MiB/GiB/TiB (K/M/G/T are the same
+ * binary units).  Returns 0, or -1 when the text is not a size. */
+int npualloc_parse_size(const char *text, uint64_t *out);
+
+/* Reads the NPUALLOC_* variables over the defaults.  On a malformed value returns
+ * ACL_ERROR_INVALID_PARAM and writes a message naming the variable and the value. */
+aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen);
+
+/* Checks a configuration (message in err on failure). */
+aclError npualloc_config_check(const npualloc_config *cfg, char *err, size_t errlen);
+
+/* Sets the configuration used when the devices start.  ACL_ERROR_REPEAT_INITIALIZE once they
+ * have started; ACL_ERROR_INVALID_PARAM (with a message) for an inconsistent configuration. */
+aclError npualloc_configure(const npualloc_config *cfg, char *err, size_t errlen);
+
+/* True once the devices have started. */
+bool npualloc_initialized(void);
+/* Why the last start failed (a malformed environment), or NULL. */
+const char *npualloc_init_error(void);
+/* The configuration in effect (starts the devices). */
+aclError npualloc_get_config(npualloc_config *out);
+
+/* ---- streams ---- */
+/* Enqueues a delay on a stream (NULL: the current device's default stream). */
+aclError npualloc_sleep_async(aclrtStream stream, double seconds);
+
+/* ---- errors and warnings of the torch-like layer ---- */
+/* How a failure surfaces in Python (torch raises these types). */
+typedef enum npualloc_error_kind {
+    NPUALLOC_ERR_NONE = 0,
+    NPUALLOC_ERR_RUNTIME, /* RuntimeError */
+    NPUALLOC_ERR_VALUE,   /* ValueError */
+    NPUALLOC_ERR_TYPE,    /* TypeError */
+    NPUALLOC_ERR_OOM      /* OutOfMemoryError (a RuntimeError) */
+} npualloc_error_kind;
+
+/* The message and kind of the calling thread's last failed npualloc_cache_* call. */
+const char *npualloc_last_error(npualloc_error_kind *kind);
+/* Pops the oldest pending warning (torch would emit it with TORCH_WARN); false when none. */
+bool npualloc_pop_warning(char *buf, size_t len);
+/* Cheap check for pending warnings. */
+bool npualloc_has_warnings(void);
+
+/* ---- the caching allocator (torch_npu's NPUCachingAllocator) ---- */
+typedef struct npualloc_stat {
+    int64_t current, peak, allocated, freed;
+} npualloc_stat;
+
+enum { NPUALLOC_STAT_ALL = 0, NPUALLOC_STAT_SMALL_POOL = 1, NPUALLOC_STAT_LARGE_POOL = 2, NPUALLOC_STAT_TYPES = 3 };
+
+typedef struct npualloc_stats {
+    npualloc_stat allocation[NPUALLOC_STAT_TYPES];
+    npualloc_stat segment[NPUALLOC_STAT_TYPES];
+    npualloc_stat active[NPUALLOC_STAT_TYPES];
+    npualloc_stat inactive_split[NPUALLOC_STAT_TYPES];
+    npualloc_stat allocated_bytes[NPUALLOC_STAT_TYPES];
+    npualloc_stat reserved_bytes[NPUALLOC_STAT_TYPES];
+    npualloc_stat active_bytes[NPUALLOC_STAT_TYPES];
+    npualloc_stat inactive_split_bytes[NPUALLOC_STAT_TYPES];
+    npualloc_stat requested_bytes[NPUALLOC_STAT_TYPES];
+    npualloc_stat oversize_allocations;
+    npualloc_stat oversize_segments;
+    int64_t num_alloc_retries;
+    int64_t num_ooms;
+    int64_t max_split_size; /* -1 when unlimited */
+    int64_t num_sync_all_streams;
+    int64_t num_device_alloc;
+    int64_t num_device_free;
+    int64_t num_oom_rejections;
+} npualloc_stats;
+
+/* What an out-of-memory failure saw (for torch_npu's message and the OOM observers). */
+typedef struct npualloc_oom_info {
+    int32_t device;
+    bool over_1eb;        /* the request was 1 EB or more */
+    bool preemptive;      /* throw_on_npumalloc_oom rejected it before trying the device */
+    size_t requested;     /* the caller's size */
+    size_t alloc_size;    /* what the allocator tried to get from the device */
+    size_t device_total, device_free;
+    size_t allocated, active, reserved; /* allocated_bytes / active_bytes / reserved_bytes, all pools */
+    bool fraction_set;
+    size_t allowed;       /* the fraction's limit, when set */
+} npualloc_oom_info;
+
+/* Allocates `size` bytes for `stream` (a stream handle, 0 = the device's default stream).
+ * size 0 gives NULL.  On out-of-memory returns ACL_ERROR_RT_MEMORY_ALLOCATION; the message
+ * (npualloc_last_error, kind OOM) is torch_npu's, and npualloc_cache_last_oom() has the figures. */
+aclError npualloc_cache_malloc(int32_t device, size_t size, uint64_t stream, void **ptr);
+/* Frees a pointer from npualloc_cache_malloc (NULL is ignored). */
+aclError npualloc_cache_free(void *ptr);
+/* The out-of-memory figures of this thread's last failed allocation. */
+void npualloc_cache_last_oom(npualloc_oom_info *out);
+int npualloc_format_oom(const npualloc_oom_info *info, char *buf, size_t len);
+/* torch's format_size: "512 bytes", "1.50 KiB", "2.00 MiB", "3.25 GiB". */
+void npualloc_format_size(uint64_t size, char *buf, size_t len);
+
+/* Marks a live block as used on another stream: its memory is reused only after the work
+ * queued on that stream when the block is freed has run. */
+aclError npualloc_cache_record_stream(void *ptr, uint64_t stream);
+/* torch_npu.erase_stream: forgets such a use (and cancels its pending event). */
+aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream);
+
+/* Synchronizes the devices in use and returns every unused cached segment to them. */
+aclError npualloc_cache_empty(void);
+aclError npualloc_cache_set_fraction(int32_t device, double fraction);
+aclError npualloc_cache_get_fraction(int32_t device, double *fraction);
+aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out);
+aclError npualloc_cache_reset_peak(int32_t device);
+aclError npualloc_cache_reset_accumulated(int32_t device);
+
+/* torch_npu.npu.memory._set_allocator_settings(text). */
+aclError npualloc_cache_set_settings(const char *text);
+/* The settings text in effect (what PYTORCH_NPU_ALLOC_CONF or the last change said). */
+const char *npualloc_cache_settings_text(void);
+
+/* Checks every invariant of a device's allocator: blocks tile their segments, live blocks
+ * never overlap, free neighbours are merged, the pools hold exactly the free blocks, and the
+ * stats equal what the blocks imply.  Returns ACL_SUCCESS or ACL_ERROR_INTERNAL_ERROR with the
+ * first violation in `why`. */
+aclError npualloc_cache_check(int32_t device, char *why, size_t len);
+
+/* ---- introspection ---- */
+typedef struct npualloc_vmm_counts {
+    size_t physical_handles; /* live physical handles (including freed-but-still-mapped) */
+    size_t reservations;     /* reserved address ranges, including those behind aclrtMalloc */
+    size_t mappings;         /* live mappings */
+    size_t fds_kept;         /* memory-file descriptors held open */
+} npualloc_vmm_counts;
+void npualloc_vmm_counts_get(npualloc_vmm_counts *out);
+
+/* Releases every resource (memory, streams, events) and stops the devices; the next call
+ * starts them again.  Tests use it before checking for leaks. */
+void npualloc_shutdown(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* NPUALLOC_H */

@@ -1,0 +1,375 @@
+/*
+ * mem.c - plain memory functions: aclrtMalloc family, pinned host memory, memset and memcpy
+ * (synchronous and on streams), aclrtGetMemInfo.
+ *
+ * Device pointers are validated against the address registry (vmm.h) and touched only while
+ * the registry's read lock is held, so an invalid or freed pointer is an error code, never a
+ * fault.  Host pointers cannot be validated (as with a real NPU); they must be valid.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "avl.h"
+#include "common.h"
+#include "device.h"
+#include "host.h"
+#include "mem.h"
+#include "stream.h"
+#include "vmm.h"
+
+#define MALLOC_PAD 32               /* aclrtMalloc pads every allocation by 32 bytes */
+#define MAX_ALLOC_SIZE ((size_t)1 << 60)
+
+/* ---- aclrtMalloc family ---- */
+
+/* Which page kinds a policy tries, in order (HUGE_FIRST falls back to normal pages). */
+static aclError choose_kinds(uint32_t policy, size_t size, vmm_kind_choice *choice)
+{
+    const uint32_t flag_bits =
+        ACL_MEM_TYPE_LOW_BAND_WIDTH | ACL_MEM_TYPE_HIGH_BAND_WIDTH | ACL_MEM_ACCESS_USER_SPACE_READONLY;
+    bool low = policy & ACL_MEM_TYPE_LOW_BAND_WIDTH, high = policy & ACL_MEM_TYPE_HIGH_BAND_WIDTH;
+    if (low && high)
+        return ACL_ERROR_INVALID_PARAM;
+    uint32_t base = policy & ~flag_bits;
+    if (low) { /* low bandwidth: DDR, whatever the page policy */
+        if (base > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
+            return ACL_ERROR_INVALID_PARAM;
+        *choice = (vmm_kind_choice){{MEM_DDR}, 1};
+        return ACL_SUCCESS;
+    }
+    switch (base) {
+    case ACL_MEM_MALLOC_HUGE_FIRST:
+    case ACL_MEM_MALLOC_HUGE_FIRST_P2P:
+        if (size <= MiB)
+            *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
+        else
+            *choice = (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
+        return ACL_SUCCESS;
+    case ACL_MEM_MALLOC_HUGE_ONLY:
+    case ACL_MEM_MALLOC_HUGE_ONLY_P2P:
+        *choice = (vmm_kind_choice){{MEM_HUGE}, 1};
+        return ACL_SUCCESS;
+    case ACL_MEM_MALLOC_NORMAL_ONLY:
+    case ACL_MEM_MALLOC_NORMAL_ONLY_P2P:
+        *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
+        return ACL_SUCCESS;
+    case ACL_MEM_MALLOC_HUGE1G_ONLY:
+    case ACL_MEM_MALLOC_HUGE1G_ONLY_P2P:
+        *choice = (vmm_kind_choice){{MEM_HUGE1G}, 1};
+        return ACL_SUCCESS;
+    default:
+        /* CANN: an unknown policy uses huge pages from 2 MiB on, normal pages below. */
+        if (size >= 2 * MiB)
+            *choice = (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
+        else
+            *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
+        return ACL_SUCCESS;
+    }
+}
+
+static bool is_1g_policy(uint32_t policy)
+{
+    uint32_t base = policy & 0xFFu;
+    return base == ACL_MEM_MALLOC_HUGE1G_ONLY || base == ACL_MEM_MALLOC_HUGE1G_ONLY_P2P;
+}
+
+static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy, bool pad)
+{
+    if (!devPtr || size == 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    int32_t dev;
+    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+        return rc;
+    if (size > MAX_ALLOC_SIZE)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    /* Aligned up to 32 bytes, plus 32 bytes of padding (none for 1 GiB pages). */
+    size_t bytes = round_up(size, 32);
+    if (pad && !is_1g_policy((uint32_t)policy))
+        bytes += MALLOC_PAD;
+    vmm_kind_choice choice;
+    if ((rc = choose_kinds((uint32_t)policy, bytes, &choice)) != ACL_SUCCESS)
+        return rc;
+    return vmm_malloc(dev, bytes, choice, devPtr);
+}
+
+aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+{
+    return device_malloc(devPtr, size, policy, true);
+}
+
+aclError aclrtMallocCached(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+{
+    return device_malloc(devPtr, size, policy, true);
+}
+
+aclError aclrtMallocAlign32(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
+{
+    return device_malloc(devPtr, size, policy, false);
+}
+
+aclError aclrtFree(void *devPtr)
+{
+    if (!devPtr)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    return vmm_free_malloc(devPtr) == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_FREE;
+}
+
+/* ---- pinned host memory ---- */
+
+typedef struct host_block {
+    avl_node node;
+    uintptr_t addr;
+    size_t size;
+} host_block;
+
+/* Owned by this module: guards the set of live pinned host blocks. */
+static pthread_mutex_t host_lock = PTHREAD_MUTEX_INITIALIZER;
+static avl_tree host_blocks;
+
+static int host_block_key_order(const void *key, const avl_node *n)
+{
+    uintptr_t x = *(const uintptr_t *)key, y = AVL_ENTRY(n, host_block, node)->addr;
+    return (x > y) - (x < y);
+}
+
+static int host_block_order(const avl_node *a, const avl_node *b)
+{
+    return host_block_key_order(&AVL_ENTRY(a, host_block, node)->addr, b);
+}
+
+aclError aclrtMallocHost(void **hostPtr, size_t size)
+{
+    if (!hostPtr || size == 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (size > MAX_ALLOC_SIZE)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    host_block *b = malloc(sizeof *b);
+    void *p;
+    if (!b || host_alloc_pinned(size, &p) != 0) {
+        free(b);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    b->addr = (uintptr_t)p;
+    b->size = size;
+    pthread_mutex_lock(&host_lock);
+    avl_insert(&host_blocks, &b->node, host_block_order);
+    pthread_mutex_unlock(&host_lock);
+    *hostPtr = p;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtFreeHost(void *hostPtr)
+{
+    if (!hostPtr)
+        return ACL_ERROR_INVALID_PARAM;
+    uintptr_t key = (uintptr_t)hostPtr;
+    pthread_mutex_lock(&host_lock);
+    avl_node *n = avl_find(&host_blocks, &key, host_block_key_order);
+    if (n)
+        avl_remove(&host_blocks, n);
+    pthread_mutex_unlock(&host_lock);
+    if (!n)
+        return ACL_ERROR_RT_MEMORY_FREE;
+    host_block *b = AVL_ENTRY(n, host_block, node);
+    host_free_pinned(hostPtr, b->size);
+    free(b);
+    return ACL_SUCCESS;
+}
+
+size_t mem_host_blocks_live(void)
+{
+    pthread_mutex_lock(&host_lock);
+    size_t n = host_blocks.count;
+    pthread_mutex_unlock(&host_lock);
+    return n;
+}
+
+/* ---- memset / memcpy ---- */
+
+/* With the registry read lock held: checks the ranges of a copy and whether its devices may
+ * exchange data.  `dst_dev`/`src_dev` are -1 for host memory. */
+static aclError check_copy_locked(void *dst, const void *src, size_t count)
+{
+    int32_t dd = -1, sd = -1;
+    range_class dc = vmm_classify_locked(dst, count, &dd);
+    range_class sc = vmm_classify_locked(src, count, &sd);
+    if (dc == RANGE_INVALID || sc == RANGE_INVALID)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    if (dc == RANGE_DEVICE && sc == RANGE_DEVICE && dd >= 0 && sd >= 0 && !device_peer_enabled(dd, sd))
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    return ACL_SUCCESS;
+}
+
+static aclError check_memset_locked(void *dst, size_t count)
+{
+    int32_t dev;
+    return vmm_classify_locked(dst, count, &dev) == RANGE_INVALID ? ACL_ERROR_RT_PARAM_INVALID : ACL_SUCCESS;
+}
+
+static aclError copy_args_check(void *dst, size_t destMax, const void *src, size_t count, int kind, int max_kind)
+{
+    if (!dst || !src || kind < 0 || kind > max_kind)
+        return ACL_ERROR_INVALID_PARAM;
+    if (count > destMax)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind)
+{
+    if (count == 0)
+        return ACL_SUCCESS;
+    aclError rc = copy_args_check(dst, destMax, src, count, (int)kind, ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
+        return rc;
+    vmm_read_lock();
+    rc = check_copy_locked(dst, src, count);
+    if (rc == ACL_SUCCESS)
+        memmove(dst, src, count);
+    vmm_read_unlock();
+    return rc;
+}
+
+aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
+{
+    if (count == 0)
+        return ACL_SUCCESS;
+    if (!devPtr)
+        return ACL_ERROR_INVALID_PARAM;
+    if (count > maxCount)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    vmm_read_lock();
+    rc = check_memset_locked(devPtr, count);
+    if (rc == ACL_SUCCESS)
+        memset(devPtr, value, count);
+    vmm_read_unlock();
+    return rc;
+}
+
+/* An asynchronous copy or memset: validated when queued and again when it runs, because
+ * the memory may be freed in between (then the stream gets a sticky error, not a fault). */
+typedef struct mem_task {
+    void *dst;
+    const void *src; /* NULL for memset */
+    size_t count;
+    int value;
+} mem_task;
+
+static aclError run_mem_task(void *arg)
+{
+    mem_task *t = arg;
+    vmm_read_lock();
+    aclError rc = t->src ? check_copy_locked(t->dst, t->src, t->count) : check_memset_locked(t->dst, t->count);
+    if (rc == ACL_SUCCESS) {
+        if (t->src)
+            memmove(t->dst, t->src, t->count);
+        else
+            memset(t->dst, t->value, t->count);
+    }
+    vmm_read_unlock();
+    return rc == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_DEVICE_MEM_ERROR;
+}
+
+static aclError enqueue_mem_task(aclrtStream stream, mem_task task)
+{
+    npu_stream *s;
+    aclError rc = stream_acquire(stream, &s);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    mem_task *t = malloc(sizeof *t);
+    if (!t) {
+        stream_release(s);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    *t = task;
+    rc = stream_enqueue(s, run_mem_task, t, free, NULL);
+    stream_release(s);
+    if (rc != ACL_SUCCESS)
+        free(t);
+    return rc;
+}
+
+aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
+                          aclrtStream stream)
+{
+    if (count == 0)
+        return ACL_SUCCESS;
+    aclError rc = copy_args_check(dst, destMax, src, count, (int)kind, ACL_MEMCPY_INTER_DEVICE_TO_DEVICE);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
+        return rc;
+    vmm_read_lock();
+    rc = check_copy_locked(dst, src, count);
+    vmm_read_unlock();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    return enqueue_mem_task(stream, (mem_task){.dst = dst, .src = src, .count = count});
+}
+
+aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream)
+{
+    if (count == 0)
+        return ACL_SUCCESS;
+    if (!devPtr)
+        return ACL_ERROR_INVALID_PARAM;
+    if (count > maxCount)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    vmm_read_lock();
+    rc = check_memset_locked(devPtr, count);
+    vmm_read_unlock();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    return enqueue_mem_task(stream, (mem_task){.dst = devPtr, .count = count, .value = value});
+}
+
+aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *total_bytes)
+{
+    if (!free_bytes || !total_bytes)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    int32_t dev;
+    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+        return rc;
+    device_mem_info(dev, attr, free_bytes, total_bytes);
+    return ACL_SUCCESS;
+}
+
+/* ---- lifetime ---- */
+
+void mem_atfork_prepare(void) { pthread_mutex_lock(&host_lock); }
+void mem_atfork_parent(void) { pthread_mutex_unlock(&host_lock); }
+void mem_atfork_child(void) { pthread_mutex_init(&host_lock, NULL); }
+
+void mem_shutdown(void)
+{
+    pthread_mutex_lock(&host_lock);
+    while (host_blocks.root) {
+        host_block *b = AVL_ENTRY(host_blocks.root, host_block, node);
+        avl_remove(&host_blocks, &b->node);
+        host_free_pinned((void *)b->addr, b->size);
+        free(b);
+    }
+    pthread_mutex_unlock(&host_lock);
+}

@@ -1,0 +1,31 @@
+/*
+ * ptr_map.h - a hash table from device pointers to blocks (open addressing, linear probing,
+ * backward-shift deletion).  Lookups and removals never allocate; an insertion allocates only
+ * when the table grows past half full, so steady-state allocation makes no heap calls.
+ * Key 0 marks an empty slot (a device pointer is never 0).
+ */
+#ifndef NPUALLOC_PTR_MAP_H
+#define NPUALLOC_PTR_MAP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct ptr_map_entry {
+    uintptr_t key;
+    void *value;
+} ptr_map_entry;
+
+typedef struct ptr_map {
+    ptr_map_entry *slots;
+    size_t mask; /* capacity - 1 (capacity a power of two), 0 while empty */
+    size_t count;
+} ptr_map;
+
+/* Returns 0, or -1 when out of memory (the map is unchanged). */
+int ptr_map_put(ptr_map *m, uintptr_t key, void *value);
+void *ptr_map_get(const ptr_map *m, uintptr_t key);
+/* Removes key; returns its value or NULL. */
+void *ptr_map_remove(ptr_map *m, uintptr_t key);
+void ptr_map_free(ptr_map *m);
+
+#endif

@@ -1,0 +1,15 @@
+/*
+ * binding.h - pieces of the npualloc._C extension, one file per face:
+ *   module.c      module init and the npualloc-level functions (configure, introspection)
+ *   acl_rt_py.c   the pyACL face: the acl.rt submodule
+ */
+#ifndef NPUALLOC_BINDING_H
+#define NPUALLOC_BINDING_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Creates the acl.rt submodule (a module object named "npualloc._C.rt"). */
+PyObject *acl_rt_module_create(void);
+
+#endif

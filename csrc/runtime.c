@@ -1,0 +1,62 @@
+/*
+ * runtime.c - process-wide lifetime of the virtual NPU: fork handling, shutdown, counters.
+ *
+ * fork(): a child starts with fresh devices.  Device memory is not inherited (MADV_DONTFORK),
+ * worker threads do not exist in the child, and every module's state is reset; pinned host
+ * memory is kept.  The prepare handler takes every module lock, top layer first, so the
+ * child never inherits a lock held by another thread mid-update.
+ */
+#include <pthread.h>
+
+#include "device.h"
+#include "host.h"
+#include "mem.h"
+#include "npualloc.h"
+#include "stream.h"
+#include "va_space.h"
+#include "vmm.h"
+
+static void atfork_prepare(void)
+{
+    stream_atfork_prepare();
+    mem_atfork_prepare();
+    vmm_atfork_prepare();
+    va_atfork_prepare();
+}
+
+static void atfork_parent(void)
+{
+    va_atfork_parent();
+    vmm_atfork_parent();
+    mem_atfork_parent();
+    stream_atfork_parent();
+}
+
+static void atfork_child(void)
+{
+    stream_atfork_child();
+    vmm_atfork_child();
+    va_atfork_child();
+    mem_atfork_child();
+    device_atfork_child();
+}
+
+__attribute__((constructor)) static void register_fork_handlers(void)
+{
+    pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+void npualloc_vmm_counts_get(npualloc_vmm_counts *out)
+{
+    vmm_counts(&out->physical_handles, &out->reservations, &out->mappings);
+    out->fds_kept = (size_t)host_fds_kept();
+}
+
+void npualloc_shutdown(void)
+{
+    stream_shutdown();
+    vmm_shutdown();
+    va_shutdown();
+    mem_shutdown();
+    device_shutdown();
+}

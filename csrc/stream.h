@@ -1,0 +1,86 @@
+/*
+ * stream.h - streams and events of the virtual NPU.
+ *
+ * A stream is an ordered queue of tasks run by its own worker thread (started on first use).
+ * Every task gets a position (1, 2, 3, ... per stream); the stream has "passed" position p
+ * once the worker finished the task at p.  An event is a recorded position on a stream, so
+ * it completes exactly when the work queued before it has run.
+ *
+ * Each device has a default stream (aclrtStream NULL means the current device's default
+ * stream).  Created streams belong to the device that was current when they were created.
+ *
+ * Internal users (the memory functions, the caching allocator) hold a stream through a
+ * reference: stream_acquire() resolves a handle and pins the stream until stream_release().
+ *
+ * An asynchronous task that fails leaves a sticky error on its stream; the next
+ * aclrtSynchronizeStream / aclrtSynchronizeDevice returns it once and clears it.
+ *
+ * Locking: the stream table lock (owned by this module) guards the handle tables; each stream
+ * owns one mutex guarding its queue.  A worker never holds a stream mutex while running a task.
+ *
+ * A task must not wait for its own stream: synchronising it (or its device, or an event not yet
+ * passed on it) from one of its tasks returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT instead of
+ * deadlocking; aclrtDestroyStream of its own stream returns the same.
+ */
+#ifndef NPUALLOC_STREAM_H
+#define NPUALLOC_STREAM_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "acl_rt.h"
+
+typedef struct npu_stream npu_stream;
+
+/* A task runs on the stream's worker; its return value becomes the stream's sticky error
+ * when it is not ACL_SUCCESS.  `cleanup` (may be NULL) runs after it, on the worker, before
+ * the task's position counts as passed.  stream_shutdown() and aclrtDestroyStream() run every
+ * queued task.  A fork child runs neither queued tasks nor their cleanups (they may take locks
+ * of threads that do not exist there): it drops them, freeing `arg` only when `cleanup` is
+ * plain free(); any other argument is leaked in the child. */
+typedef aclError (*stream_task_fn)(void *arg);
+typedef void (*stream_task_cleanup_fn)(void *arg);
+
+/* Resolves a handle (NULL: the current device's default stream) and pins the stream.
+ * ACL_ERROR_RT_CONTEXT_NULL when NULL is given and no device is current;
+ * ACL_ERROR_INVALID_PARAM for a handle that is not a live stream. */
+aclError stream_acquire(aclrtStream handle, npu_stream **out);
+/* The default stream of a device (pinned; release it too). */
+aclError stream_acquire_default(int32_t device, npu_stream **out);
+void stream_release(npu_stream *s);
+
+int32_t stream_device(const npu_stream *s);
+/* The handle applications see; 0 for a default stream. */
+uint64_t stream_id(const npu_stream *s);
+
+/* Queues a task; on success *position (if not NULL) receives its position.  On failure nothing
+ * is queued and `cleanup` is not called: the caller still owns `arg`.  Fails with
+ * ACL_ERROR_INVALID_PARAM once the stream was destroyed (or after fork, in the child). */
+aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                        uint64_t *position);
+/* Position of the last task queued so far (0 if none): a free "event" for internal users. */
+uint64_t stream_last_position(npu_stream *s);
+/* True once the worker passed `position`. Never blocks, takes no lock on the hot path. */
+bool stream_passed(const npu_stream *s, uint64_t position);
+/* Blocks until the worker passed `position` (clamped to the last queued position).  Returns
+ * at once when called from the stream's own worker. */
+void stream_wait_position(npu_stream *s, uint64_t position);
+/* Waits for everything queued so far; returns and clears the sticky error. */
+aclError stream_synchronize(npu_stream *s);
+/* Synchronizes every stream of a device (default stream included). */
+aclError stream_synchronize_device(int32_t device);
+
+/* fork(): the child has no worker threads; it starts with no streams or events.  A stream
+ * still pinned (stream_acquire) across the fork stays allocated in the child as a finished,
+ * destroyed stream until stream_release(); everything else is freed. */
+void stream_atfork_prepare(void);
+void stream_atfork_parent(void);
+void stream_atfork_child(void);
+/* Waits for all queued work, stops every worker and frees every stream and event (a stream
+ * still pinned is freed by its last stream_release).  Does nothing when called from a task. */
+void stream_shutdown(void);
+
+/* Counts for tests: live created streams and events. */
+void stream_counts(size_t *streams, size_t *events);
+
+#endif

@@ -1,0 +1,629 @@
+/*
+ * vmm.c - physical handles, reserved ranges and mappings (see vmm.h).
+ */
+#include "vmm.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "avl.h"
+#include "common.h"
+#include "handle_table.h"
+#include "host.h"
+#include "va_space.h"
+
+typedef struct phys_handle {
+    uint64_t id;        /* handle value while users may name it, 0 after aclrtFreePhysical */
+    int32_t device;     /* -1: host-resident memory (charged to no device) */
+    mem_kind kind;      /* capacity kind charged */
+    size_t size;        /* bytes as requested (a multiple of the granularity) */
+    size_t charged;     /* bytes charged to the device */
+    host_memfile mem;
+    uint32_t mappings;  /* live mappings; the memory is released when 0 and id == 0 */
+} phys_handle;
+
+typedef struct region {
+    avl_node node; /* in vmm.regions, ordered by base */
+    uintptr_t base;
+    size_t size;
+    int32_t device;         /* device of the memory mapped here, -1 while none is */
+    uint32_t mappings;
+    phys_handle *malloc_handle; /* set when the region is aclrtMalloc memory */
+} region;
+
+typedef struct mapping {
+    avl_node node; /* in vmm.mappings, ordered by va */
+    uintptr_t va;
+    size_t size;
+    region *region;
+    phys_handle *handle;
+} mapping;
+
+static struct {
+    pthread_rwlock_t lock;
+    handle_table handles; /* tag 'H' */
+    avl_tree regions;
+    avl_tree mappings;
+    size_t live_handles; /* including freed-but-mapped ones */
+} vmm = {.lock = PTHREAD_RWLOCK_INITIALIZER, .handles = {.tag = 'H'}};
+
+/* ---- ordering ---- */
+
+static int region_order(const avl_node *a, const avl_node *b)
+{
+    uintptr_t x = AVL_ENTRY(a, region, node)->base, y = AVL_ENTRY(b, region, node)->base;
+    return (x > y) - (x < y);
+}
+
+static int region_key_order(const void *key, const avl_node *n)
+{
+    uintptr_t x = *(const uintptr_t *)key, y = AVL_ENTRY(n, region, node)->base;
+    return (x > y) - (x < y);
+}
+
+static int mapping_order(const avl_node *a, const avl_node *b)
+{
+    uintptr_t x = AVL_ENTRY(a, mapping, node)->va, y = AVL_ENTRY(b, mapping, node)->va;
+    return (x > y) - (x < y);
+}
+
+static int mapping_key_order(const void *key, const avl_node *n)
+{
+    uintptr_t x = *(const uintptr_t *)key, y = AVL_ENTRY(n, mapping, node)->va;
+    return (x > y) - (x < y);
+}
+
+/* The region containing address a, or NULL. */
+static region *region_containing(uintptr_t a)
+{
+    avl_node *n = avl_floor(&vmm.regions, &a, region_key_order);
+    if (!n)
+        return NULL;
+    region *r = AVL_ENTRY(n, region, node);
+    return a - r->base < r->size ? r : NULL;
+}
+
+/* The mapping containing address a, or NULL. */
+static mapping *mapping_containing(uintptr_t a)
+{
+    avl_node *n = avl_floor(&vmm.mappings, &a, mapping_key_order);
+    if (!n)
+        return NULL;
+    mapping *m = AVL_ENTRY(n, mapping, node);
+    return a - m->va < m->size ? m : NULL;
+}
+
+/* ---- errors ---- */
+
+/* Host errors seen while creating or mapping memory: descriptors or mappings running out
+ * are a resource failure; everything else is out of memory. */
+static aclError resource_error(int err)
+{
+    return (err == EMFILE || err == ENFILE || err == ENOMEM) ? ACL_ERROR_RT_RESOURCE_ALLOC_FAIL
+                                                             : ACL_ERROR_RT_MEMORY_ALLOCATION;
+}
+
+/* ---- physical handles ---- */
+
+/* Creates a handle's memory and charges it; the handle is not yet in the table. */
+static aclError handle_create(int32_t device, mem_kind kind, size_t size, size_t charge, phys_handle **out)
+{
+    phys_handle *h = calloc(1, sizeof *h);
+    if (!h)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    h->device = device;
+    h->kind = kind;
+    h->size = size;
+    h->mem.fd = -1;
+    if (device >= 0) {
+        aclError rc = device_charge(device, kind, charge);
+        if (rc != ACL_SUCCESS) {
+            free(h);
+            return rc;
+        }
+        h->charged = charge;
+    }
+    int err = host_memfile_create(size, &h->mem);
+    if (err) {
+        if (device >= 0)
+            device_uncharge(device, kind, charge);
+        free(h);
+        return resource_error(err);
+    }
+    *out = h;
+    return ACL_SUCCESS;
+}
+
+/* Releases the memory and the charge.  Called without the vmm lock (syscalls). */
+static void handle_destroy(phys_handle *h)
+{
+    host_memfile_destroy(&h->mem);
+    if (h->device >= 0)
+        device_uncharge(h->device, h->kind, h->charged);
+    free(h);
+}
+
+/* Releases a handle when the whole runtime goes away: the devices' counters are reset by
+ * their owner, and after fork the memory is no longer in this process (only the descriptor
+ * is). */
+static void handle_discard(phys_handle *h, bool in_child)
+{
+    if (in_child)
+        h->mem.home = NULL;
+    host_memfile_destroy(&h->mem);
+    free(h);
+}
+
+/* How a physical-memory property maps onto this runtime: host or device memory, which
+ * capacity kind, which granularity. */
+typedef struct prop_class {
+    bool host;
+    mem_kind kind;
+    size_t granularity;
+} prop_class;
+
+static aclError classify_prop(const aclrtPhysicalMemProp *prop, prop_class *out)
+{
+    if (prop->handleType != ACL_MEM_HANDLE_TYPE_NONE || prop->allocationType != ACL_MEM_ALLOCATION_TYPE_PINNED)
+        return ACL_ERROR_INVALID_PARAM;
+    bool host;
+    switch (prop->location.type) {
+    case ACL_MEM_LOCATION_TYPE_HOST:
+    case ACL_MEM_LOCATION_TYPE_HOST_NUMA:
+        host = true;
+        break;
+    case ACL_MEM_LOCATION_TYPE_DEVICE:
+        host = false;
+        break;
+    default:
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    out->host = host;
+    out->granularity = VMM_GRANULARITY;
+    switch (prop->memAttr) {
+    case ACL_DDR_MEM_HUGE:
+    case ACL_DDR_MEM_NORMAL:
+    case ACL_DDR_MEM_P2P_HUGE:
+    case ACL_DDR_MEM_P2P_NORMAL:
+        if (!host) /* DDR attributes describe host memory only */
+            return ACL_ERROR_INVALID_PARAM;
+        out->kind = MEM_DDR;
+        return ACL_SUCCESS;
+    case ACL_HBM_MEM_HUGE:
+    case ACL_HBM_MEM_P2P_HUGE:
+    case ACL_HBM_MEM_NORMAL: /* CANN allocates HBM "normal" physical memory as huge pages */
+    case ACL_HBM_MEM_P2P_NORMAL:
+        if (host)
+            return ACL_ERROR_INVALID_PARAM;
+        out->kind = MEM_HUGE;
+        return ACL_SUCCESS;
+    case ACL_HBM_MEM_HUGE1G:
+    case ACL_HBM_MEM_P2P_HUGE1G:
+        if (host)
+            return ACL_ERROR_INVALID_PARAM;
+        out->kind = MEM_HUGE1G;
+        out->granularity = VMM_GRANULARITY_1G;
+        return ACL_SUCCESS;
+    case ACL_MEM_NORMAL:
+    case ACL_MEM_HUGE:
+    case ACL_MEM_P2P_NORMAL:
+    case ACL_MEM_P2P_HUGE:
+        out->kind = MEM_HUGE;
+        return ACL_SUCCESS;
+    case ACL_MEM_HUGE1G:
+    case ACL_MEM_P2P_HUGE1G:
+        out->kind = MEM_HUGE1G;
+        out->granularity = VMM_GRANULARITY_1G;
+        return ACL_SUCCESS;
+    default: /* ACL_DDR_MEM / ACL_HBM_MEM and unknown values are not physical attributes */
+        return ACL_ERROR_INVALID_PARAM;
+    }
+}
+
+aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, aclrtMemGranularityOptions option,
+                                          size_t *granularity)
+{
+    if (!prop || !granularity)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (option != ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM && option != ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return ACL_ERROR_INVALID_PARAM;
+    prop_class pc;
+    if ((rc = classify_prop(prop, &pc)) != ACL_SUCCESS)
+        return rc;
+    if (!pc.host && !device_valid((int32_t)prop->location.id))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    *granularity = pc.granularity;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrtPhysicalMemProp *prop,
+                             uint64_t flags)
+{
+    if (!handle || !prop || size == 0 || flags != 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    prop_class pc;
+    if ((rc = classify_prop(prop, &pc)) != ACL_SUCCESS)
+        return rc;
+    int32_t device = pc.host ? -1 : (int32_t)prop->location.id;
+    if (!pc.host && !device_valid(device))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (size % pc.granularity != 0)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    phys_handle *h;
+    if ((rc = handle_create(device, pc.kind, size, size, &h)) != ACL_SUCCESS)
+        return rc;
+    pthread_rwlock_wrlock(&vmm.lock);
+    h->id = handle_table_insert(&vmm.handles, h);
+    if (h->id)
+        vmm.live_handles++;
+    pthread_rwlock_unlock(&vmm.lock);
+    if (!h->id) {
+        handle_destroy(h);
+        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    }
+    *handle = (aclrtDrvMemHandle)(uintptr_t)h->id;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtFreePhysical(aclrtDrvMemHandle handle)
+{
+    if (!handle)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    pthread_rwlock_wrlock(&vmm.lock);
+    phys_handle *h = handle_table_remove(&vmm.handles, (uint64_t)(uintptr_t)handle);
+    bool release_now = false;
+    if (h) {
+        h->id = 0;
+        release_now = h->mappings == 0;
+        if (release_now)
+            vmm.live_handles--;
+    }
+    pthread_rwlock_unlock(&vmm.lock);
+    if (!h)
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    if (release_now)
+        handle_destroy(h);
+    return ACL_SUCCESS;
+}
+
+/* ---- reserved ranges ---- */
+
+static aclError region_insert(uintptr_t base, size_t size, region **out)
+{
+    region *r = calloc(1, sizeof *r);
+    if (!r)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    r->base = base;
+    r->size = size;
+    r->device = -1;
+    avl_insert(&vmm.regions, &r->node, region_order);
+    *out = r;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, void *expectPtr, uint64_t flags)
+{
+    if (!virPtr || size == 0 || alignment != 0 || flags > 1)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (size > ((size_t)1 << 50))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    size = round_up(size, VMM_GRANULARITY);
+    size_t align = size >= VMM_GRANULARITY_1G ? VMM_GRANULARITY_1G : VMM_GRANULARITY;
+    if (expectPtr && (uintptr_t)expectPtr % VMM_GRANULARITY != 0)
+        return ACL_ERROR_INVALID_PARAM;
+    uintptr_t start;
+    int err = va_alloc(size, align, (uintptr_t)expectPtr, &start);
+    if (err)
+        return err == EEXIST ? ACL_ERROR_RT_PARAM_INVALID : ACL_ERROR_RT_MEMORY_ALLOCATION;
+    void *base = (void *)start;
+    pthread_rwlock_wrlock(&vmm.lock);
+    region *r;
+    rc = region_insert((uintptr_t)base, size, &r);
+    pthread_rwlock_unlock(&vmm.lock);
+    if (rc != ACL_SUCCESS) {
+        va_free(start, size);
+        return rc;
+    }
+    *virPtr = base;
+    return ACL_SUCCESS;
+}
+
+aclError aclrtReleaseMemAddress(void *virPtr)
+{
+    if (!virPtr)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    uintptr_t base = (uintptr_t)virPtr;
+    pthread_rwlock_wrlock(&vmm.lock);
+    avl_node *n = avl_find(&vmm.regions, &base, region_key_order);
+    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    /* Only a reservation with nothing mapped may go; aclrtMalloc memory goes with aclrtFree. */
+    if (!r || r->malloc_handle || r->mappings) {
+        pthread_rwlock_unlock(&vmm.lock);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    avl_remove(&vmm.regions, &r->node);
+    va_free(r->base, r->size);
+    pthread_rwlock_unlock(&vmm.lock);
+    free(r);
+    return ACL_SUCCESS;
+}
+
+/* ---- mappings ---- */
+
+aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags)
+{
+    if (!virPtr || !handle || size == 0 || offset != 0 || flags != 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    uintptr_t va = (uintptr_t)virPtr;
+    mapping *m = calloc(1, sizeof *m);
+    if (!m)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    pthread_rwlock_wrlock(&vmm.lock);
+    phys_handle *h = handle_table_get(&vmm.handles, (uint64_t)(uintptr_t)handle);
+    region *r = region_containing(va);
+    if (!h) {
+        rc = ACL_ERROR_RT_INVALID_HANDLE;
+    } else if (size != h->size || !r || r->malloc_handle || (va - r->base) % VMM_GRANULARITY != 0 ||
+               size > r->size - (va - r->base)) {
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    } else if (r->device >= 0 && h->device >= 0 && r->device != h->device) {
+        rc = ACL_ERROR_RT_PARAM_INVALID; /* one range holds memory of one device only */
+    } else {
+        /* The range must be free: no mapping may start inside it or cover its start. */
+        uintptr_t last = va + size - 1;
+        avl_node *below = avl_floor(&vmm.mappings, &last, mapping_key_order);
+        if (below) {
+            mapping *prev = AVL_ENTRY(below, mapping, node);
+            if (prev->va + prev->size > va)
+                rc = ACL_ERROR_RT_PARAM_INVALID;
+        }
+    }
+    if (rc == ACL_SUCCESS) {
+        int err = host_map(virPtr, &h->mem);
+        if (err)
+            rc = resource_error(err);
+    }
+    if (rc == ACL_SUCCESS) {
+        m->va = va;
+        m->size = size;
+        m->region = r;
+        m->handle = h;
+        avl_insert(&vmm.mappings, &m->node, mapping_order);
+        h->mappings++;
+        r->mappings++;
+        if (h->device >= 0)
+            r->device = h->device;
+        m = NULL;
+    }
+    pthread_rwlock_unlock(&vmm.lock);
+    free(m);
+    return rc;
+}
+
+/* Removes a mapping (write lock held); returns the handle to destroy once unlocked, if any. */
+static phys_handle *mapping_remove_locked(mapping *m)
+{
+    phys_handle *h = m->handle;
+    region *r = m->region;
+    host_unmap((void *)m->va, m->size);
+    avl_remove(&vmm.mappings, &m->node);
+    if (--r->mappings == 0 && !r->malloc_handle)
+        r->device = -1;
+    free(m);
+    if (--h->mappings == 0 && h->id == 0) {
+        vmm.live_handles--;
+        return h;
+    }
+    return NULL;
+}
+
+aclError aclrtUnmapMem(void *virPtr)
+{
+    if (!virPtr)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    uintptr_t va = (uintptr_t)virPtr;
+    pthread_rwlock_wrlock(&vmm.lock);
+    avl_node *n = avl_find(&vmm.mappings, &va, mapping_key_order);
+    mapping *m = n ? AVL_ENTRY(n, mapping, node) : NULL;
+    phys_handle *dead = NULL;
+    if (!m || m->region->malloc_handle)
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    else
+        dead = mapping_remove_locked(m);
+    pthread_rwlock_unlock(&vmm.lock);
+    if (dead)
+        handle_destroy(dead);
+    return rc;
+}
+
+/* ---- aclrtMalloc memory ---- */
+
+aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, void **out)
+{
+    phys_handle *h = NULL;
+    aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    for (int i = 0; i < choice.count && rc == ACL_ERROR_RT_MEMORY_ALLOCATION; i++) {
+        size_t page = mem_kind_page_size(choice.kinds[i]);
+        if (add_overflows(size, page))
+            break;
+        size_t bytes = round_up(size, page);
+        rc = handle_create(device, choice.kinds[i], bytes, bytes, &h);
+    }
+    if (rc != ACL_SUCCESS)
+        return rc;
+    size_t span = round_up(h->mem.size, VA_UNIT);
+    uintptr_t start;
+    int err = va_alloc(span, VA_UNIT, 0, &start);
+    if (err) {
+        handle_destroy(h);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    void *base = (void *)start;
+    if ((err = host_map(base, &h->mem)) != 0) {
+        va_free(start, span);
+        handle_destroy(h);
+        return resource_error(err);
+    }
+    mapping *m = calloc(1, sizeof *m);
+    region *r = NULL;
+    pthread_rwlock_wrlock(&vmm.lock);
+    if (m)
+        rc = region_insert(start, span, &r);
+    else
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    if (rc == ACL_SUCCESS) {
+        r->malloc_handle = h;
+        r->device = device;
+        r->mappings = 1;
+        m->va = r->base;
+        m->size = h->mem.size;
+        m->region = r;
+        m->handle = h;
+        avl_insert(&vmm.mappings, &m->node, mapping_order);
+        h->mappings = 1;
+        vmm.live_handles++;
+    }
+    pthread_rwlock_unlock(&vmm.lock);
+    if (rc != ACL_SUCCESS) {
+        free(m);
+        host_unmap(base, h->mem.size);
+        va_free(start, span);
+        handle_destroy(h);
+        return rc;
+    }
+    *out = base;
+    return ACL_SUCCESS;
+}
+
+aclError vmm_free_malloc(void *ptr)
+{
+    uintptr_t base = (uintptr_t)ptr;
+    pthread_rwlock_wrlock(&vmm.lock);
+    avl_node *n = avl_find(&vmm.regions, &base, region_key_order);
+    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    if (!r || !r->malloc_handle) {
+        pthread_rwlock_unlock(&vmm.lock);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    phys_handle *h = r->malloc_handle;
+    avl_node *mn = avl_find(&vmm.mappings, &base, mapping_key_order);
+    avl_remove(&vmm.mappings, mn);
+    free(AVL_ENTRY(mn, mapping, node));
+    avl_remove(&vmm.regions, &r->node);
+    vmm.live_handles--;
+    host_unmap((void *)r->base, h->mem.size);
+    va_free(r->base, r->size);
+    pthread_rwlock_unlock(&vmm.lock);
+    free(r);
+    handle_destroy(h);
+    return ACL_SUCCESS;
+}
+
+/* ---- validation for memory functions ---- */
+
+void vmm_read_lock(void) { pthread_rwlock_rdlock(&vmm.lock); }
+void vmm_read_unlock(void) { pthread_rwlock_unlock(&vmm.lock); }
+
+range_class vmm_classify_locked(const void *p, size_t n, int32_t *device)
+{
+    uintptr_t start = (uintptr_t)p;
+    if (n == 0 || add_overflows(start, n - 1))
+        return RANGE_INVALID;
+    uintptr_t last = start + n - 1;
+    region *r = region_containing(start);
+    if (!r) /* host memory, unless it touches device address space */
+        return va_overlaps(start, n) ? RANGE_INVALID : RANGE_HOST;
+    if (last - r->base >= r->size)
+        return RANGE_INVALID;
+    /* Walk the mappings covering [start, last]: they must be contiguous. */
+    mapping *m = mapping_containing(start);
+    while (m) {
+        if (last - m->va < m->size) {
+            *device = r->device;
+            return RANGE_DEVICE;
+        }
+        uintptr_t end = m->va + m->size;
+        avl_node *nx = avl_next(&m->node);
+        m = nx ? AVL_ENTRY(nx, mapping, node) : NULL;
+        if (m && m->va != end)
+            m = NULL;
+    }
+    return RANGE_INVALID;
+}
+
+/* ---- bookkeeping ---- */
+
+void vmm_counts(size_t *handles, size_t *regions, size_t *mappings)
+{
+    pthread_rwlock_rdlock(&vmm.lock);
+    *handles = vmm.live_handles;
+    *regions = vmm.regions.count;
+    *mappings = vmm.mappings.count;
+    pthread_rwlock_unlock(&vmm.lock);
+}
+
+/* Frees every object (the devices' counters are reset by device.c).  `in_child`: after fork
+ * the memory itself is already gone from this process, so only descriptors and metadata are
+ * released. */
+static void free_everything(bool in_child)
+{
+    while (vmm.mappings.root) {
+        mapping *m = AVL_ENTRY(vmm.mappings.root, mapping, node);
+        avl_remove(&vmm.mappings, &m->node);
+        phys_handle *h = m->handle;
+        if (--h->mappings == 0 && h->id == 0)
+            handle_discard(h, in_child);
+        free(m);
+    }
+    while (vmm.regions.root) {
+        region *r = AVL_ENTRY(vmm.regions.root, region, node);
+        avl_remove(&vmm.regions, &r->node);
+        free(r); /* the address window goes as a whole (va_space.c) */
+    }
+    for (uint32_t i = 0; i < vmm.handles.capacity; i++) {
+        phys_handle *h = vmm.handles.slots[i].object;
+        if (h)
+            handle_discard(h, in_child);
+    }
+    handle_table_destroy(&vmm.handles);
+    vmm.live_handles = 0;
+}
+
+void vmm_atfork_prepare(void) { pthread_rwlock_wrlock(&vmm.lock); }
+void vmm_atfork_parent(void) { pthread_rwlock_unlock(&vmm.lock); }
+
+void vmm_atfork_child(void)
+{
+    pthread_rwlock_init(&vmm.lock, NULL);
+    free_everything(true);
+}
+
+void vmm_shutdown(void)
+{
+    pthread_rwlock_wrlock(&vmm.lock);
+    free_everything(false);
+    pthread_rwlock_unlock(&vmm.lock);
+}

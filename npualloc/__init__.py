@@ -1,0 +1,43 @@
+"""npualloc: a virtual Ascend-NPU memory stack on host memory."""
+from . import _C
+from . import acl
+
+__all__ = ["acl", "configure", "parse_size"]
+
+parse_size = _C.parse_size
+
+
+def configure(device_count=None, device_memory=None, huge_memory=None, huge1g_memory=None, ddr_memory=None):
+    """Configure the virtual devices before their first use.
+
+    Values not given come from the ``NPUALLOC_*`` environment (or the defaults). Sizes are
+    bytes (int) or strings such as ``"64GiB"``. Raises RuntimeError once the devices have
+    started, ValueError for an inconsistent configuration.
+    """
+    cfg = _C.env_config()
+    given = {
+        "device_count": device_count,
+        "device_memory": device_memory,
+        "huge_memory": huge_memory,
+        "huge1g_memory": huge1g_memory,
+        "ddr_memory": ddr_memory,
+    }
+    if device_memory is not None and huge_memory is None and "NPUALLOC_HUGE_MEMORY" not in __import__("os").environ:
+        given["huge_memory"] = device_memory  # huge pages default to all of the HBM
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key == "device_count":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"configure() argument 'device_count' must be int, not {type(value).__name__}")
+            cfg[key] = value
+        elif isinstance(value, str):
+            cfg[key] = parse_size(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if value < 0:
+                raise ValueError(f"configure() argument '{key}' must not be negative")
+            cfg[key] = value
+        else:
+            raise TypeError(f"configure() argument '{key}' must be int or str, not {type(value).__name__}")
+    _C.configure(cfg["device_count"], cfg["device_memory"], cfg["huge_memory"], cfg["huge1g_memory"],
+                 cfg["ddr_memory"])

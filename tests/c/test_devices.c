@@ -1,0 +1,205 @@
+/* test_devices.c - configuration, the current device, peer access. */
+#include <pthread.h>
+
+#include "testutil.h"
+
+static void test_parse_size_accepts_bytes_and_binary_units(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *text;
+        uint64_t bytes;
+    } ok[] = {
+        {"0", 0},
+        {"123", 123},
+        {"4KiB", 4096},
+        {"4K", 4096},
+        {"64GiB", (uint64_t)64 << 30},
+        {"64G", (uint64_t)64 << 30},
+        {"1TiB", (uint64_t)1 << 40},
+        {"2T", (uint64_t)2 << 40},
+        {"512 MiB", (uint64_t)512 << 20},
+        {"1.5GiB", (uint64_t)3 << 29},
+        {" 7M ", (uint64_t)7 << 20},
+        {"100B", 100},
+    };
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        uint64_t v = 1;
+        assert_int_equal(npualloc_parse_size(ok[i].text, &v), 0);
+        assert_int_equal(v, ok[i].bytes);
+    }
+    static const char *bad[] = {"", "GiB", "-1", "12XB", "1.GiB", "1e9", "64 GiB x", "99999999999999999999",
+                                "20000000000TiB", "0x10", "5 kib"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        uint64_t v;
+        assert_int_equal(npualloc_parse_size(bad[i], &v), -1);
+    }
+}
+
+static void clear_env(void)
+{
+    unsetenv("NPUALLOC_DEVICE_COUNT");
+    unsetenv("NPUALLOC_DEVICE_MEMORY");
+    unsetenv("NPUALLOC_HUGE_MEMORY");
+    unsetenv("NPUALLOC_HUGE1G_MEMORY");
+    unsetenv("NPUALLOC_DDR_MEMORY");
+}
+
+static void test_environment_defaults_and_overrides(void **state)
+{
+    (void)state;
+    clear_env();
+    npualloc_config c;
+    char err[256];
+    assert_int_equal(npualloc_config_from_env(&c, err, sizeof err), ACL_SUCCESS);
+    assert_int_equal(c.device_count, 8);
+    assert_int_equal(c.device_memory, (uint64_t)64 << 30);
+    assert_int_equal(c.huge_memory, (uint64_t)64 << 30);
+    assert_int_equal(c.huge1g_memory, 0);
+    assert_int_equal(c.ddr_memory, 0);
+    setenv("NPUALLOC_DEVICE_COUNT", "2", 1);
+    setenv("NPUALLOC_DEVICE_MEMORY", "16GiB", 1);
+    setenv("NPUALLOC_HUGE1G_MEMORY", "4G", 1);
+    setenv("NPUALLOC_DDR_MEMORY", "1GiB", 1);
+    assert_int_equal(npualloc_config_from_env(&c, err, sizeof err), ACL_SUCCESS);
+    assert_int_equal(c.device_count, 2);
+    assert_int_equal(c.device_memory, (uint64_t)16 << 30);
+    assert_int_equal(c.huge_memory, (uint64_t)16 << 30); /* defaults to all of the HBM */
+    assert_int_equal(c.huge1g_memory, (uint64_t)4 << 30);
+    assert_int_equal(c.ddr_memory, (uint64_t)1 << 30);
+    clear_env();
+}
+
+static void test_malformed_environment_names_variable_and_value(void **state)
+{
+    (void)state;
+    clear_env();
+    npualloc_config c;
+    char err[256];
+    setenv("NPUALLOC_DEVICE_MEMORY", "64XB", 1);
+    assert_int_equal(npualloc_config_from_env(&c, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_non_null(strstr(err, "NPUALLOC_DEVICE_MEMORY"));
+    assert_non_null(strstr(err, "64XB"));
+    clear_env();
+    setenv("NPUALLOC_DEVICE_COUNT", "eight", 1);
+    assert_int_equal(npualloc_config_from_env(&c, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_non_null(strstr(err, "NPUALLOC_DEVICE_COUNT"));
+    assert_non_null(strstr(err, "eight"));
+    clear_env();
+    setenv("NPUALLOC_HUGE_MEMORY", "128GiB", 1); /* more than the 64 GiB default HBM */
+    assert_int_equal(npualloc_config_from_env(&c, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_non_null(strstr(err, "NPUALLOC_HUGE_MEMORY"));
+    clear_env();
+    setenv("NPUALLOC_HUGE1G_MEMORY", "1536MiB", 1); /* not whole GiB */
+    assert_int_equal(npualloc_config_from_env(&c, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_non_null(strstr(err, "NPUALLOC_HUGE1G_MEMORY"));
+    clear_env();
+}
+
+static void test_bad_environment_fails_start_with_message(void **state)
+{
+    (void)state;
+    npualloc_shutdown();
+    clear_env();
+    setenv("NPUALLOC_DDR_MEMORY", "lots", 1);
+    assert_int_equal(aclrtSetDevice(0), ACL_ERROR_UNINITIALIZE);
+    assert_non_null(npualloc_init_error());
+    assert_non_null(strstr(npualloc_init_error(), "NPUALLOC_DDR_MEMORY='lots'"));
+    assert_false(npualloc_initialized());
+    clear_env();
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS); /* fixed environment: starts */
+    assert_null(npualloc_init_error());
+}
+
+static void test_configure_only_before_start(void **state)
+{
+    (void)state;
+    start_runtime(2, 1 * GiB_, 1 * GiB_, 0, 0);
+    uint32_t n = 0;
+    assert_int_equal(aclrtGetDeviceCount(&n), ACL_SUCCESS);
+    assert_int_equal(n, 2);
+    npualloc_config c = {4, GiB_, GiB_, 0, 0};
+    char err[256];
+    assert_int_equal(npualloc_configure(&c, err, sizeof err), ACL_ERROR_REPEAT_INITIALIZE);
+    assert_non_null(strstr(err, "already initialised"));
+    npualloc_config bad = {4, GiB_, 2 * GiB_, 0, 0};
+    npualloc_shutdown();
+    assert_int_equal(npualloc_configure(&bad, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_non_null(strstr(err, "NPUALLOC_HUGE_MEMORY"));
+}
+
+static void *get_device_in_thread(void *arg)
+{
+    int32_t dev = -5;
+    *(aclError *)arg = aclrtGetDevice(&dev);
+    return NULL;
+}
+
+static void test_current_device_is_per_thread_and_checked(void **state)
+{
+    (void)state;
+    start_runtime(4, GiB_, GiB_, 0, 0);
+    int32_t dev = -1;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS);
+    assert_int_equal(dev, 0);
+    assert_int_equal(aclrtSetDevice(3), ACL_SUCCESS);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS);
+    assert_int_equal(dev, 3);
+    assert_int_equal(aclrtSetDevice(4), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtSetDevice(-1), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtResetDevice(9), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtGetDevice(NULL), ACL_ERROR_INVALID_PARAM);
+    aclError in_thread = 0;
+    pthread_t t;
+    pthread_create(&t, NULL, get_device_in_thread, &in_thread);
+    pthread_join(t, NULL);
+    assert_int_equal(in_thread, ACL_ERROR_RT_CONTEXT_NULL);
+}
+
+static void test_reset_device_ends_context_after_last_reference(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0); /* device 0 set once */
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    int32_t dev;
+    assert_int_equal(aclrtResetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS); /* one reference left */
+    assert_int_equal(dev, 1);
+    assert_int_equal(aclrtResetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_RT_CONTEXT_NULL);
+    void *p;
+    assert_int_equal(aclrtMalloc(&p, 100, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_CONTEXT_NULL);
+}
+
+static void test_peer_access_rules(void **state)
+{
+    (void)state;
+    start_runtime(3, GiB_, GiB_, 0, 0);
+    int32_t can = -1;
+    assert_int_equal(aclrtDeviceCanAccessPeer(&can, 0, 1), ACL_SUCCESS);
+    assert_int_equal(can, 1);
+    assert_int_equal(aclrtDeviceCanAccessPeer(&can, 1, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDeviceCanAccessPeer(&can, 0, 3), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtDeviceCanAccessPeer(NULL, 0, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(1, 1), ACL_ERROR_FEATURE_UNSUPPORTED);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(0, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(7, 0), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(1, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtDeviceDisablePeerAccess(1), ACL_SUCCESS);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_parse_size_accepts_bytes_and_binary_units),
+        cmocka_unit_test(test_environment_defaults_and_overrides),
+        cmocka_unit_test(test_malformed_environment_names_variable_and_value),
+        cmocka_unit_test_teardown(test_bad_environment_fails_start_with_message, stop_runtime),
+        cmocka_unit_test_teardown(test_configure_only_before_start, stop_runtime),
+        cmocka_unit_test_teardown(test_current_device_is_per_thread_and_checked, stop_runtime),
+        cmocka_unit_test_teardown(test_reset_device_ends_context_after_last_reference, stop_runtime),
+        cmocka_unit_test_teardown(test_peer_access_rules, stop_runtime),
+    };
+    return cmocka_run_group_tests_name("devices", tests, NULL, NULL);
+}

@@ -1,0 +1,314 @@
+/* test_memory.c - aclrtMalloc policies and capacity accounting, memcpy, memset, host memory. */
+#include <pthread.h>
+
+#include "testutil.h"
+
+static size_t huge_free(void) { return free_of(ACL_HBM_MEM_HUGE); }
+static size_t normal_free(void) { return free_of(ACL_HBM_MEM_NORMAL); }
+
+static void test_huge_first_small_uses_normal_pages(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    size_t n0 = normal_free(), h0 = huge_free();
+    void *p;
+    /* 1 MiB - 32 bytes: + 32 pad = exactly 1 MiB, still "small": 256 normal 4 KiB pages. */
+    assert_int_equal(aclrtMalloc(&p, MiB_ - 32, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(n0 - normal_free(), MiB_);
+    /* Normal and huge pages share the HBM: huge free shrinks with it. */
+    assert_int_equal(h0 - huge_free(), MiB_);
+    assert_int_equal(free_of(ACL_HBM_MEM), 63 * MiB_);
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    assert_int_equal(normal_free(), n0);
+}
+
+static void test_padding_and_align32_rounding(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    size_t n0 = normal_free();
+    void *p, *q;
+    assert_int_equal(aclrtMalloc(&p, 4096, ACL_MEM_MALLOC_NORMAL_ONLY), ACL_SUCCESS);
+    assert_int_equal(n0 - normal_free(), 8192); /* 4096 + 32 pad -> two pages */
+    assert_int_equal(aclrtMallocAlign32(&q, 4096, ACL_MEM_MALLOC_NORMAL_ONLY), ACL_SUCCESS);
+    assert_int_equal(n0 - normal_free(), 8192 + 4096); /* no pad */
+    assert_int_equal((uintptr_t)p % 64, 0);
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(q), ACL_SUCCESS);
+    assert_int_equal(normal_free(), n0);
+}
+
+static void test_huge_first_large_prefers_huge_and_falls_back(void **state)
+{
+    (void)state;
+    /* 64 MiB HBM, of which only 8 MiB may be huge pages. */
+    start_runtime(1, 64 * MiB_, 8 * MiB_, 0, 0);
+    void *a, *b;
+    assert_int_equal(aclrtMallocAlign32(&a, 6 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(huge_free(), 2 * MiB_); /* took 3 huge pages */
+    /* 4 MiB more does not fit in huge pages: normal pages instead. */
+    assert_int_equal(aclrtMallocAlign32(&b, 4 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST_P2P), ACL_SUCCESS);
+    assert_int_equal(huge_free(), 2 * MiB_);
+    assert_int_equal(free_of(ACL_HBM_MEM), 54 * MiB_);
+    aclrtFree(a);
+    aclrtFree(b);
+    assert_int_equal(free_of(ACL_HBM_MEM), 64 * MiB_);
+}
+
+static void test_huge_only_fails_when_huge_pages_run_out(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 4 * MiB_, 0, 0);
+    void *a, *b;
+    assert_int_equal(aclrtMallocAlign32(&a, 3 * MiB_, ACL_MEM_MALLOC_HUGE_ONLY), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocAlign32(&b, 2 * MiB_, ACL_MEM_MALLOC_HUGE_ONLY), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtMallocAlign32(&b, 2 * MiB_, ACL_MEM_MALLOC_HUGE_ONLY_P2P), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    /* Small HUGE_ONLY requests still take a whole huge page. */
+    assert_int_equal(aclrtFree(a), ACL_SUCCESS);
+    assert_int_equal(aclrtMalloc(&b, 100, ACL_MEM_MALLOC_HUGE_ONLY), ACL_SUCCESS);
+    assert_int_equal(huge_free(), 2 * MiB_);
+    aclrtFree(b);
+}
+
+static void test_normal_only_uses_normal_pages(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 8 * MiB_, 0, 0);
+    void *a;
+    assert_int_equal(aclrtMallocAlign32(&a, 40 * MiB_, ACL_MEM_MALLOC_NORMAL_ONLY_P2P), ACL_SUCCESS);
+    assert_int_equal(huge_free(), 8 * MiB_);
+    assert_int_equal(normal_free(), 24 * MiB_);
+    aclrtFree(a);
+}
+
+static void test_huge1g_pool_is_separate_and_exact(void **state)
+{
+    (void)state;
+    start_runtime(1, 8 * GiB_, 8 * GiB_, 2 * GiB_, 0);
+    assert_int_equal(normal_free(), 6 * GiB_); /* the pool is set aside */
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE1G), 2 * GiB_);
+    void *a, *b;
+    assert_int_equal(aclrtMalloc(&a, GiB_ + 1, ACL_MEM_MALLOC_HUGE1G_ONLY), ACL_SUCCESS);
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE1G), 0);
+    assert_int_equal(aclrtMalloc(&b, 1, ACL_MEM_MALLOC_HUGE1G_ONLY_P2P), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(free_of(ACL_HBM_MEM), 6 * GiB_);
+    aclrtFree(a);
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE1G), 2 * GiB_);
+    start_runtime(1, 8 * GiB_, 8 * GiB_, 0, 0);
+    assert_int_equal(aclrtMalloc(&b, 1, ACL_MEM_MALLOC_HUGE1G_ONLY), ACL_ERROR_RT_MEMORY_ALLOCATION);
+}
+
+static void test_bandwidth_types_choose_ddr_or_hbm(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 16 * MiB_);
+    void *a, *b;
+    assert_int_equal(aclrtMalloc(&a, 8 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST | ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_SUCCESS);
+    assert_int_equal(free_of(ACL_DDR_MEM), 8 * MiB_ - 4096); /* 8 MiB + 32 pad in 4 KiB pages */
+    assert_int_equal(free_of(ACL_HBM_MEM), 64 * MiB_);
+    assert_int_equal(aclrtMalloc(&b, 8 * MiB_, ACL_MEM_TYPE_HIGH_BAND_WIDTH), ACL_SUCCESS);
+    assert_int_equal(free_of(ACL_HBM_MEM), 64 * MiB_ - 10 * MiB_);
+    assert_int_equal(aclrtMalloc(&b, 9 * MiB_, ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtMalloc(&b, 1, ACL_MEM_TYPE_LOW_BAND_WIDTH | ACL_MEM_TYPE_HIGH_BAND_WIDTH),
+                     ACL_ERROR_INVALID_PARAM);
+    aclrtFree(a);
+}
+
+static void test_capacity_is_exact_until_out_of_memory(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    void *p[40];
+    int n = 0;
+    while (n < 40 && aclrtMallocAlign32(&p[n], 2 * MiB_, ACL_MEM_MALLOC_HUGE_ONLY) == ACL_SUCCESS)
+        n++;
+    assert_int_equal(n, 32);
+    assert_int_equal(free_of(ACL_HBM_MEM), 0);
+    void *q;
+    assert_int_equal(aclrtMalloc(&q, 1, ACL_MEM_MALLOC_NORMAL_ONLY), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    for (int i = 0; i < n; i++)
+        assert_int_equal(aclrtFree(p[i]), ACL_SUCCESS);
+    assert_int_equal(free_of(ACL_HBM_MEM), 64 * MiB_);
+}
+
+static void test_malloc_and_free_errors(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    void *p;
+    assert_int_equal(aclrtMalloc(NULL, 10, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMalloc(&p, 0, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMalloc(&p, SIZE_MAX, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtFree(NULL), ACL_ERROR_INVALID_PARAM);
+    int local;
+    assert_int_equal(aclrtFree(&local), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtMalloc(&p, 100, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtFree((char *)p + 64), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(p), ACL_ERROR_RT_MEMORY_FREE);
+    size_t f, t;
+    assert_int_equal(aclrtGetMemInfo(ACL_HBM_MEM, NULL, &t), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtGetMemInfo(99, &f, &t), ACL_SUCCESS); /* unknown attribute: 0/0 */
+    assert_int_equal(f, 0);
+    assert_int_equal(t, 0);
+}
+
+static void test_memcpy_all_kinds_and_checks(void **state)
+{
+    (void)state;
+    start_runtime(2, 64 * MiB_, 64 * MiB_, 0, 0);
+    char host[256], back[256];
+    for (int i = 0; i < 256; i++)
+        host[i] = (char)i;
+    void *d0, *d1, *hp;
+    assert_int_equal(aclrtMalloc(&d0, 256, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost(&hp, 256), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(d0, 256, host, 256, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(hp, 256, d0, 256, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(back, 256, hp, 256, ACL_MEMCPY_HOST_TO_HOST), ACL_SUCCESS);
+    assert_memory_equal(host, back, 256);
+    assert_int_equal(aclrtMemcpy(back, 10, d0, 11, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(back, 10, d0, 0, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(NULL, 10, d0, 5, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemcpy(back, 10, d0, 5, ACL_MEMCPY_INNER_DEVICE_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemcpy(back, 10, d0, 5, (aclrtMemcpyKind)-1), ACL_ERROR_INVALID_PARAM);
+    /* Past the end of the allocation's pages: rejected, not a fault. */
+    assert_int_equal(aclrtMemcpy(back, 256, (char *)d0 + 4096 - 10, 20, ACL_MEMCPY_DEVICE_TO_HOST),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    /* Between devices: needs peer access. */
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtMalloc(&d1, 256, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(d1, 256, d0, 256, ACL_MEMCPY_DEVICE_TO_DEVICE), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(0, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(d1, 256, d0, 256, ACL_MEMCPY_DEVICE_TO_DEVICE), ACL_SUCCESS);
+    memset(back, 0, sizeof back);
+    assert_int_equal(aclrtMemcpy(back, 256, d1, 256, ACL_MEMCPY_DEFAULT), ACL_SUCCESS);
+    assert_memory_equal(host, back, 256);
+    /* A freed pointer is an error code, never a fault. */
+    assert_int_equal(aclrtFree(d1), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(back, 256, d1, 256, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    aclrtFree(d0);
+    aclrtFreeHost(hp);
+}
+
+static void test_memset_writes_and_checks(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    void *d;
+    unsigned char back[100];
+    assert_int_equal(aclrtMalloc(&d, 100, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(d, 100, 0x5A, 100), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(back, 100, d, 100, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    for (int i = 0; i < 100; i++)
+        assert_int_equal(back[i], 0x5A);
+    assert_int_equal(aclrtMemset(d, 10, 0, 11), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemset(NULL, 10, 0, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemset(d, 0, 0, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(d, 100, 0, 100), ACL_ERROR_RT_PARAM_INVALID);
+}
+
+static void test_host_memory(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    void *h;
+    assert_int_equal(aclrtMallocHost(&h, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocHost(NULL, 10), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocHost(&h, 10000), ACL_SUCCESS);
+    memset(h, 1, 10000);
+    int local;
+    assert_int_equal(aclrtFreeHost(&local), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFreeHost(h), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(h), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFreeHost(NULL), ACL_ERROR_INVALID_PARAM);
+}
+
+static void *mem_info_without_device(void *arg)
+{
+    size_t f, t;
+    *(aclError *)arg = aclrtGetMemInfo(ACL_HBM_MEM, &f, &t);
+    return NULL;
+}
+
+static void test_mem_info_needs_a_current_device(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    aclError rc = 0;
+    pthread_t t;
+    pthread_create(&t, NULL, mem_info_without_device, &rc);
+    pthread_join(t, NULL);
+    assert_int_equal(rc, ACL_ERROR_RT_CONTEXT_NULL);
+}
+
+typedef struct hammer_arg {
+    int id;
+    int failures;
+} hammer_arg;
+
+static void *hammer_malloc_free(void *p)
+{
+    hammer_arg *a = p;
+    aclrtSetDevice(a->id % 2);
+    for (int i = 0; i < 300; i++) {
+        size_t size = (size_t)(1 + (i * 7919 + a->id * 104729) % (3 * MiB_));
+        void *d;
+        if (aclrtMalloc(&d, size, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS) {
+            a->failures++;
+            continue;
+        }
+        unsigned char tag = (unsigned char)(a->id * 31 + i);
+        memset(d, tag, size);
+        unsigned char *bytes = d;
+        if (bytes[0] != tag || bytes[size - 1] != tag || bytes[size / 2] != tag)
+            a->failures++;
+        if (aclrtFree(d) != ACL_SUCCESS)
+            a->failures++;
+    }
+    return NULL;
+}
+
+static void test_eight_threads_hammer_malloc_and_free(void **state)
+{
+    (void)state;
+    start_runtime(2, 256 * MiB_, 256 * MiB_, 0, 0);
+    pthread_t t[8];
+    hammer_arg args[8];
+    for (int i = 0; i < 8; i++) {
+        args[i] = (hammer_arg){i, 0};
+        pthread_create(&t[i], NULL, hammer_malloc_free, &args[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        pthread_join(t[i], NULL);
+        assert_int_equal(args[i].failures, 0);
+    }
+    assert_int_equal(free_of(ACL_HBM_MEM), 256 * MiB_);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 0);
+    assert_int_equal(c.reservations, 0);
+    assert_int_equal(c.mappings, 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_huge_first_small_uses_normal_pages, stop_runtime),
+        cmocka_unit_test_teardown(test_padding_and_align32_rounding, stop_runtime),
+        cmocka_unit_test_teardown(test_huge_first_large_prefers_huge_and_falls_back, stop_runtime),
+        cmocka_unit_test_teardown(test_huge_only_fails_when_huge_pages_run_out, stop_runtime),
+        cmocka_unit_test_teardown(test_normal_only_uses_normal_pages, stop_runtime),
+        cmocka_unit_test_teardown(test_huge1g_pool_is_separate_and_exact, stop_runtime),
+        cmocka_unit_test_teardown(test_bandwidth_types_choose_ddr_or_hbm, stop_runtime),
+        cmocka_unit_test_teardown(test_capacity_is_exact_until_out_of_memory, stop_runtime),
+        cmocka_unit_test_teardown(test_malloc_and_free_errors, stop_runtime),
+        cmocka_unit_test_teardown(test_memcpy_all_kinds_and_checks, stop_runtime),
+        cmocka_unit_test_teardown(test_memset_writes_and_checks, stop_runtime),
+        cmocka_unit_test_teardown(test_host_memory, stop_runtime),
+        cmocka_unit_test_teardown(test_mem_info_needs_a_current_device, stop_runtime),
+        cmocka_unit_test_teardown(test_eight_threads_hammer_malloc_and_free, stop_runtime),
+    };
+    return cmocka_run_group_tests_name("memory", tests, NULL, NULL);
+}

@@ -1,0 +1,57 @@
+/* testutil.h - shared cmocka helpers for npualloc's C tests. */
+#ifndef NPUALLOC_TESTUTIL_H
+#define NPUALLOC_TESTUTIL_H
+
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "acl_rt.h"
+#include "npualloc.h"
+
+#define MiB_ ((size_t)1 << 20)
+#define GiB_ ((size_t)1 << 30)
+
+/* Starts a fresh runtime with the given configuration and device 0 current. */
+static inline void start_runtime(int count, uint64_t hbm, uint64_t huge, uint64_t huge1g, uint64_t ddr)
+{
+    npualloc_shutdown();
+    npualloc_config c = {count, hbm, huge, huge1g, ddr};
+    char err[256];
+    assert_int_equal(npualloc_configure(&c, err, sizeof err), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+}
+
+/* Teardown: everything released, nothing live. */
+static inline int stop_runtime(void **state)
+{
+    (void)state;
+    npualloc_shutdown();
+    return 0;
+}
+
+static inline uint64_t free_of(aclrtMemAttr attr)
+{
+    size_t f = 0, t = 0;
+    assert_int_equal(aclrtGetMemInfo(attr, &f, &t), ACL_SUCCESS);
+    return f;
+}
+
+static inline aclrtPhysicalMemProp hbm_prop(aclrtMemAttr attr, uint32_t device)
+{
+    aclrtPhysicalMemProp p;
+    memset(&p, 0, sizeof p);
+    p.handleType = ACL_MEM_HANDLE_TYPE_NONE;
+    p.allocationType = ACL_MEM_ALLOCATION_TYPE_PINNED;
+    p.memAttr = attr;
+    p.location.id = device;
+    p.location.type = ACL_MEM_LOCATION_TYPE_DEVICE;
+    return p;
+}
+
+#endif
