@@ -33,9 +33,17 @@ static int grow(ptr_map *m)
     return 0;
 }
 
+int ptr_map_reserve(ptr_map *m, size_t extra)
+{
+    while ((m->count + extra) * 2 > (m->mask ? m->mask + 1 : 0))
+        if (grow(m) != 0)
+            return -1;
+    return 0;
+}
+
 int ptr_map_put(ptr_map *m, uintptr_t key, void *value)
 {
-    if ((m->count + 1) * 2 > (m->mask ? m->mask + 1 : 0) && grow(m) != 0)
+    if (ptr_map_reserve(m, 1) != 0)
         return -1;
     size_t i = slot_of(m, key);
     while (m->slots[i].key && m->slots[i].key != key)

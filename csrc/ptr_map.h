@@ -21,6 +21,9 @@ typedef struct ptr_map {
     size_t count;
 } ptr_map;
 
+/* Makes room for `extra` more keys: afterwards that many ptr_map_put calls cannot fail.
+ * Returns 0, or -1 when out of memory. */
+int ptr_map_reserve(ptr_map *m, size_t extra);
 /* Returns 0, or -1 when out of memory (the map is unchanged). */
 int ptr_map_put(ptr_map *m, uintptr_t key, void *value);
 void *ptr_map_get(const ptr_map *m, uintptr_t key);

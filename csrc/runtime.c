@@ -7,7 +7,9 @@
  * child never inherits a lock held by another thread mid-update.
  */
 #include <pthread.h>
+#include <stdatomic.h>
 
+#include "caching.h"
 #include "device.h"
 #include "host.h"
 #include "mem.h"
@@ -18,6 +20,7 @@
 
 static void atfork_prepare(void)
 {
+    caching_atfork_prepare();
     stream_atfork_prepare();
     mem_atfork_prepare();
     vmm_atfork_prepare();
@@ -30,6 +33,7 @@ static void atfork_parent(void)
     vmm_atfork_parent();
     mem_atfork_parent();
     stream_atfork_parent();
+    caching_atfork_parent();
 }
 
 static void atfork_child(void)
@@ -39,11 +43,37 @@ static void atfork_child(void)
     va_atfork_child();
     mem_atfork_child();
     device_atfork_child();
+    caching_atfork_child(); /* last: it releases streams, whose locks the stream module reset */
 }
 
 __attribute__((constructor)) static void register_fork_handlers(void)
 {
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
+}
+
+/* CANN's acl_base.h code for aclFinalize without a matching aclInit (not in acl_rt.h). */
+#ifndef ACL_ERROR_REPEAT_FINALIZE
+#define ACL_ERROR_REPEAT_FINALIZE 100037
+#endif
+
+/* aclInit was called and aclFinalize not since.  The runtime does not need aclInit (it starts on
+ * first use); the flag only gives aclInit/aclFinalize CANN's repeat codes. */
+static atomic_bool acl_session;
+
+aclError aclInit(const char *configPath)
+{
+    (void)configPath; /* CANN's JSON configuration (dump, profiling) has nothing to set here */
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    /* A repeated aclInit reports the repeat, and the runtime keeps working. */
+    return atomic_exchange(&acl_session, true) ? ACL_ERROR_REPEAT_INITIALIZE : ACL_SUCCESS;
+}
+
+aclError aclFinalize(void)
+{
+    /* Ends the session only: memory, streams and events stay valid (npualloc_shutdown releases them). */
+    return atomic_exchange(&acl_session, false) ? ACL_SUCCESS : ACL_ERROR_REPEAT_FINALIZE;
 }
 
 void npualloc_vmm_counts_get(npualloc_vmm_counts *out)
@@ -54,9 +84,11 @@ void npualloc_vmm_counts_get(npualloc_vmm_counts *out)
 
 void npualloc_shutdown(void)
 {
+    caching_shutdown();
     stream_shutdown();
     vmm_shutdown();
     va_shutdown();
     mem_shutdown();
     device_shutdown();
+    atomic_store(&acl_session, false);
 }

@@ -9,9 +9,11 @@
 #include "avl.h"
 #include "common.h"
 #include "host.h"
+#include "device.h"
 #include "npualloc.h"
 
-/* A free range, in both trees: by address (for merging) and by (size, address) (best fit). */
+/* A free range, in both trees of its slice: by address (for merging) and by (size, address)
+ * (best fit). */
 typedef struct free_range {
     avl_node by_addr;
     avl_node by_size;
@@ -19,14 +21,20 @@ typedef struct free_range {
     size_t size;
 } free_range;
 
-#define DEFAULT_WINDOW ((size_t)16 << 40)
+typedef struct va_slice {
+    avl_tree by_addr, by_size;
+} va_slice;
+
+#define DEFAULT_WINDOW ((size_t)32 << 40)
 #define PREFERRED_BASE ((uintptr_t)32 << 40)
 
 static struct {
     pthread_mutex_t lock;
-    _Atomic uintptr_t base; /* read without the lock by va_contains */
+    _Atomic uintptr_t base; /* read without the lock by va_contains / va_device_of */
     _Atomic size_t size;
-    avl_tree by_addr, by_size;
+    _Atomic size_t slice_size;
+    int slice_count;
+    va_slice slices[NPU_MAX_DEVICES];
 } va = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static int addr_order(const avl_node *a, const avl_node *b)
@@ -57,16 +65,16 @@ static int size_key(const void *key, const avl_node *n)
     return want <= r->size ? -1 : 1;
 }
 
-static void range_insert(free_range *r)
+static void range_insert(va_slice *sl, free_range *r)
 {
-    avl_insert(&va.by_addr, &r->by_addr, addr_order);
-    avl_insert(&va.by_size, &r->by_size, size_order);
+    avl_insert(&sl->by_addr, &r->by_addr, addr_order);
+    avl_insert(&sl->by_size, &r->by_size, size_order);
 }
 
-static void range_remove(free_range *r)
+static void range_remove(va_slice *sl, free_range *r)
 {
-    avl_remove(&va.by_addr, &r->by_addr);
-    avl_remove(&va.by_size, &r->by_size);
+    avl_remove(&sl->by_addr, &r->by_addr);
+    avl_remove(&sl->by_size, &r->by_size);
 }
 
 static size_t window_size(void)
@@ -78,60 +86,80 @@ static size_t window_size(void)
     return DEFAULT_WINDOW;
 }
 
-/* Reserves the window on first use (lock held). */
+/* Reserves the window on first use and splits it into device slices (lock held). */
 static int ensure_window(void)
 {
     if (va.base)
         return 0;
+    int slices = device_count() > 0 ? device_count() : 1;
     size_t size = window_size();
     void *base = NULL;
     int err = host_reserve(size, VA_UNIT, (void *)PREFERRED_BASE, &base);
     /* Taken (or under a sanitizer's shadow): let the kernel choose, shrinking if needed. */
-    while (err && size >= ((size_t)1 << 30)) {
+    while (err && size >= ((size_t)slices << 30)) {
         err = host_reserve(size, VA_UNIT, NULL, &base);
         if (err)
             size /= 2;
     }
     if (err)
         return err;
-    free_range *all = malloc(sizeof *all);
-    if (!all) {
-        host_release(base, size);
-        return ENOMEM;
+    size_t slice = size / (size_t)slices / VA_UNIT * VA_UNIT;
+    for (int i = 0; i < slices; i++) {
+        free_range *r = malloc(sizeof *r);
+        if (!r) {
+            for (int j = 0; j < i; j++) {
+                free_range *x = AVL_ENTRY(va.slices[j].by_addr.root, free_range, by_addr);
+                range_remove(&va.slices[j], x);
+                free(x);
+            }
+            host_release(base, size);
+            return ENOMEM;
+        }
+        avl_init(&va.slices[i].by_addr);
+        avl_init(&va.slices[i].by_size);
+        r->start = (uintptr_t)base + (size_t)i * slice;
+        r->size = slice;
+        range_insert(&va.slices[i], r);
     }
-    va.base = (uintptr_t)base;
-    va.size = size;
-    avl_init(&va.by_addr);
-    avl_init(&va.by_size);
-    all->start = va.base;
-    all->size = size;
-    range_insert(all);
+    va.slice_count = slices;
+    atomic_store(&va.slice_size, slice);
+    atomic_store(&va.size, slice * (size_t)slices);
+    atomic_store(&va.base, (uintptr_t)base);
     return 0;
 }
 
-/* Carves [start, start + size) out of free range r (lock held). */
-static int carve(free_range *r, uintptr_t start, size_t size)
+int32_t va_device_of(uintptr_t a)
+{
+    uintptr_t base = atomic_load(&va.base);
+    size_t size = atomic_load(&va.size);
+    if (a - base >= size)
+        return -1;
+    return (int32_t)((a - base) / atomic_load(&va.slice_size));
+}
+
+/* Carves [start, start + size) out of free range r of slice sl (lock held). */
+static int carve(va_slice *sl, free_range *r, uintptr_t start, size_t size)
 {
     uintptr_t end = start + size, r_end = r->start + r->size;
     free_range *tail = NULL;
     if (end < r_end && !(tail = malloc(sizeof *tail)))
         return ENOMEM;
-    range_remove(r);
+    range_remove(sl, r);
     if (tail) {
         tail->start = end;
         tail->size = r_end - end;
-        range_insert(tail);
+        range_insert(sl, tail);
     }
     if (start > r->start) {
         r->size = start - r->start;
-        range_insert(r);
+        range_insert(sl, r);
     } else {
         free(r);
     }
     return 0;
 }
 
-int va_alloc(size_t size, size_t align, uintptr_t at, uintptr_t *out)
+int va_alloc(int32_t device, size_t size, size_t align, uintptr_t at, uintptr_t *out)
 {
     if (size == 0 || align < VA_UNIT || (align & (align - 1)) || size > ((size_t)1 << 62))
         return EINVAL;
@@ -144,24 +172,26 @@ int va_alloc(size_t size, size_t align, uintptr_t at, uintptr_t *out)
     }
     if (at) {
         err = EEXIST;
-        avl_node *n = avl_floor(&va.by_addr, &at, addr_key);
+        int32_t dev = va_device_of(at);
+        avl_node *n = dev >= 0 ? avl_floor(&va.slices[dev].by_addr, &at, addr_key) : NULL;
         if (n && at % VA_UNIT == 0) {
             free_range *r = AVL_ENTRY(n, free_range, by_addr);
             if (at - r->start < r->size && size <= r->size - (at - r->start))
-                err = carve(r, at, size);
+                err = carve(&va.slices[dev], r, at, size);
         }
         if (!err)
             *out = at;
         pthread_mutex_unlock(&va.lock);
         return err;
     }
+    va_slice *sl = &va.slices[device >= 0 && device < va.slice_count ? device : 0];
     /* Best fit: walk ranges from the smallest that could fit, until one fits aligned. */
     err = ENOMEM;
-    for (avl_node *n = avl_ceil(&va.by_size, &size, size_key); n; n = avl_next(n)) {
+    for (avl_node *n = avl_ceil(&sl->by_size, &size, size_key); n; n = avl_next(n)) {
         free_range *r = AVL_ENTRY(n, free_range, by_size);
         uintptr_t start = (r->start + align - 1) & ~(uintptr_t)(align - 1);
         if (start - r->start <= r->size && size <= r->size - (start - r->start)) {
-            err = carve(r, start, size);
+            err = carve(sl, r, start, size);
             if (!err)
                 *out = start;
             break;
@@ -175,41 +205,47 @@ void va_free(uintptr_t start, size_t size)
 {
     size = round_up(size, VA_UNIT);
     pthread_mutex_lock(&va.lock);
+    int32_t dev = va_device_of(start);
+    if (dev < 0) {
+        pthread_mutex_unlock(&va.lock);
+        return;
+    }
+    va_slice *sl = &va.slices[dev];
     /* Merge with the free neighbours on both sides. */
     free_range *p = NULL, *nx = NULL;
-    avl_node *n = avl_floor(&va.by_addr, &start, addr_key);
+    avl_node *n = avl_floor(&sl->by_addr, &start, addr_key);
     if (n && AVL_ENTRY(n, free_range, by_addr)->start + AVL_ENTRY(n, free_range, by_addr)->size == start)
         p = AVL_ENTRY(n, free_range, by_addr);
     uintptr_t end = start + size;
-    if ((n = avl_find(&va.by_addr, &end, addr_key)) != NULL)
+    if ((n = avl_find(&sl->by_addr, &end, addr_key)) != NULL)
         nx = AVL_ENTRY(n, free_range, by_addr);
     if (p && nx) {
-        range_remove(p);
-        range_remove(nx);
+        range_remove(sl, p);
+        range_remove(sl, nx);
         p->size += size + nx->size;
         free(nx);
-        range_insert(p);
+        range_insert(sl, p);
     } else if (p) {
-        range_remove(p);
+        range_remove(sl, p);
         p->size += size;
-        range_insert(p);
+        range_insert(sl, p);
     } else if (nx) {
-        range_remove(nx);
+        range_remove(sl, nx);
         nx->start = start;
         nx->size += size;
-        range_insert(nx);
+        range_insert(sl, nx);
     } else {
         free_range *r = malloc(sizeof *r);
         if (r) { /* without a node the range is lost to reuse, never handed out twice */
             r->start = start;
             r->size = size;
-            range_insert(r);
+            range_insert(sl, r);
         }
     }
     pthread_mutex_unlock(&va.lock);
 }
 
-bool va_contains(uintptr_t a) { return a - atomic_load(&va.base) < atomic_load(&va.size); }
+bool va_contains(uintptr_t a) { return va_device_of(a) >= 0; }
 
 bool va_overlaps(uintptr_t a, size_t n)
 {
@@ -226,13 +262,18 @@ void va_window(uintptr_t *base, size_t *size)
 
 static void forget_ranges(void)
 {
-    while (va.by_addr.root) {
-        free_range *r = AVL_ENTRY(va.by_addr.root, free_range, by_addr);
-        range_remove(r);
-        free(r);
+    for (int i = 0; i < va.slice_count; i++) {
+        va_slice *sl = &va.slices[i];
+        while (sl->by_addr.root) {
+            free_range *r = AVL_ENTRY(sl->by_addr.root, free_range, by_addr);
+            range_remove(sl, r);
+            free(r);
+        }
     }
-    va.base = 0;
-    va.size = 0;
+    va.slice_count = 0;
+    atomic_store(&va.base, 0);
+    atomic_store(&va.size, 0);
+    atomic_store(&va.slice_size, 0);
 }
 
 void va_atfork_prepare(void) { pthread_mutex_lock(&va.lock); }
@@ -247,8 +288,9 @@ void va_atfork_child(void)
 void va_shutdown(void)
 {
     pthread_mutex_lock(&va.lock);
-    if (va.base)
-        host_release((void *)va.base, va.size);
+    uintptr_t base = atomic_load(&va.base);
+    if (base)
+        host_release((void *)base, atomic_load(&va.size));
     forget_ranges();
     pthread_mutex_unlock(&va.lock);
 }

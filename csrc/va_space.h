@@ -7,9 +7,11 @@
  * anything outside it is host memory.  That is what lets memcpy reject a freed device
  * pointer with an error code instead of treating it as host memory.
  *
- * The window is NPUALLOC_VA_SPACE bytes (default 16 TiB), placed at 32 TiB when that part of
- * the address space is free (the kernel chooses otherwise).  Ranges are multiples of 2 MiB,
- * handed out best-fit (smallest free range that fits, lowest address among equals).
+ * The window is NPUALLOC_VA_SPACE bytes (default 32 TiB), placed at 32 TiB when that part of
+ * the address space is free (the kernel chooses otherwise).  It is split into one equal slice
+ * per device, so the device of any device address is known without a lookup.  Ranges are
+ * multiples of 2 MiB, handed out best-fit (smallest free range of the slice that fits, lowest
+ * address among equals).
  *
  * Locking: one mutex, owned by this module; no other lock is taken while it is held.
  */
@@ -23,9 +25,11 @@
 #define VA_UNIT ((size_t)2 << 20)
 
 /* Takes a range of `size` bytes (rounded up to VA_UNIT) aligned to `align` (a power of two,
- * at least VA_UNIT), or exactly at `at` when it is non-zero.  Returns 0, ENOMEM (no room),
- * EEXIST (`at` is taken or outside the window) or EINVAL. */
-int va_alloc(size_t size, size_t align, uintptr_t at, uintptr_t *out);
+ * at least VA_UNIT) in a device's slice, or exactly at `at` when it is non-zero (any slice).
+ * Returns 0, ENOMEM (no room), EEXIST (`at` is taken or outside the window) or EINVAL. */
+int va_alloc(int32_t device, size_t size, size_t align, uintptr_t at, uintptr_t *out);
+/* The device whose slice holds address a, or -1 outside the window.  Lock-free. */
+int32_t va_device_of(uintptr_t a);
 /* Gives a range back; it must be inaccessible again (nothing mapped in it). */
 void va_free(uintptr_t start, size_t size);
 /* True when a lies inside the device address window. */

@@ -325,8 +325,12 @@ aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, vo
     size_t align = size >= VMM_GRANULARITY_1G ? VMM_GRANULARITY_1G : VMM_GRANULARITY;
     if (expectPtr && (uintptr_t)expectPtr % VMM_GRANULARITY != 0)
         return ACL_ERROR_INVALID_PARAM;
+    /* The range lives in the current device's slice (device 0 without a context). */
+    int32_t dev = 0;
+    if (device_current(&dev) != ACL_SUCCESS)
+        dev = 0;
     uintptr_t start;
-    int err = va_alloc(size, align, (uintptr_t)expectPtr, &start);
+    int err = va_alloc(dev, size, align, (uintptr_t)expectPtr, &start);
     if (err)
         return err == EEXIST ? ACL_ERROR_RT_PARAM_INVALID : ACL_ERROR_RT_MEMORY_ALLOCATION;
     void *base = (void *)start;
@@ -476,7 +480,7 @@ aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, void **
         return rc;
     size_t span = round_up(h->mem.size, VA_UNIT);
     uintptr_t start;
-    int err = va_alloc(span, VA_UNIT, 0, &start);
+    int err = va_alloc(device, span, VA_UNIT, 0, &start);
     if (err) {
         handle_destroy(h);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;

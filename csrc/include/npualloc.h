@@ -136,6 +136,77 @@ aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out);
 aclError npualloc_cache_reset_peak(int32_t device);
 aclError npualloc_cache_reset_accumulated(int32_t device);
 
+/* torch's allocate() path (tensors, npualloc.empty): like npualloc_cache_malloc, but with
+ * PYTORCH_NO_NPU_MEMORY_CACHING set (to a non-zero number) memory comes straight from the
+ * device and goes back on free (after a device synchronize), bypassing the cache and stats. */
+aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **ptr);
+/* Frees memory from npualloc_allocate or npualloc_cache_malloc. */
+aclError npualloc_deallocate(void *ptr);
+/* True when PYTORCH_NO_NPU_MEMORY_CACHING bypasses the cache. */
+bool npualloc_caching_disabled(void);
+
+/* The device, stream and size of a live block (ACL_ERROR_INVALID_PARAM if ptr is not one). */
+aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream, size_t *size);
+
+/* ---- snapshots and memory history ---- */
+typedef enum npualloc_block_state {
+    NPUALLOC_BLOCK_INACTIVE = 0,
+    NPUALLOC_BLOCK_ACTIVE_ALLOCATED = 1,
+    NPUALLOC_BLOCK_ACTIVE_PENDING_FREE = 2
+} npualloc_block_state;
+
+typedef struct npualloc_block_info {
+    uint64_t address, size, requested_size;
+    npualloc_block_state state;
+} npualloc_block_info;
+
+typedef struct npualloc_segment_info {
+    int32_t device;
+    uint64_t address, total_size, allocated_size, active_size, requested_size;
+    uint64_t stream;
+    bool is_small, is_expandable;
+    uint64_t pool_id[2];
+    size_t first_block, block_count; /* range in npualloc_snapshot.blocks */
+} npualloc_segment_info;
+
+typedef enum npualloc_trace_action {
+    NPUALLOC_TRACE_ALLOC,
+    NPUALLOC_TRACE_FREE_REQUESTED,
+    NPUALLOC_TRACE_FREE_COMPLETED,
+    NPUALLOC_TRACE_SEGMENT_ALLOC,
+    NPUALLOC_TRACE_SEGMENT_FREE,
+    NPUALLOC_TRACE_SEGMENT_MAP,
+    NPUALLOC_TRACE_SEGMENT_UNMAP,
+    NPUALLOC_TRACE_SNAPSHOT,
+    NPUALLOC_TRACE_OOM
+} npualloc_trace_action;
+
+typedef struct npualloc_trace_info {
+    int32_t device;
+    npualloc_trace_action action;
+    uint64_t addr; /* for OOM: the device's free bytes */
+    uint64_t size;
+    uint64_t stream;
+    int64_t time_us;
+} npualloc_trace_info;
+
+typedef struct npualloc_snapshot {
+    npualloc_segment_info *segments; /* by device, then address */
+    size_t segment_count;
+    npualloc_block_info *blocks;
+    size_t block_count;
+    npualloc_trace_info *traces;     /* by device, oldest first */
+    size_t trace_count;
+} npualloc_snapshot;
+
+/* Takes a snapshot of every started device (and appends a SNAPSHOT trace entry after the
+ * traces were copied, as torch does). */
+aclError npualloc_cache_snapshot(npualloc_snapshot **out);
+void npualloc_snapshot_free(npualloc_snapshot *snap);
+/* Starts (max_entries > 0) or stops (0) recording the memory history of every device; both
+ * clear what was recorded. */
+aclError npualloc_cache_record_history(bool enabled, size_t max_entries);
+
 /* torch_npu.npu.memory._set_allocator_settings(text). */
 aclError npualloc_cache_set_settings(const char *text);
 /* The settings text in effect (what PYTORCH_NPU_ALLOC_CONF or the last change said). */

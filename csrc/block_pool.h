@@ -1,0 +1,42 @@
+/*
+ * block_pool.h - a pool of free cached blocks, ordered as torch orders them: by stream, then
+ * size, then address.  The allocator's best fit is the first block at or after
+ * (stream, size) that still belongs to the stream.
+ *
+ * Invariant: a block is in exactly one pool's set while it is free and cached
+ * (block->in_pool), and in none while allocated or waiting for events.
+ */
+#ifndef NPUALLOC_BLOCK_POOL_H
+#define NPUALLOC_BLOCK_POOL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "avl.h"
+
+typedef struct cache_block cache_block;
+typedef struct private_pool private_pool;
+
+typedef struct block_pool {
+    avl_tree blocks;       /* free blocks, ordered (stream, size, ptr) */
+    bool is_small;
+    uint64_t search_count; /* free-block searches while garbage collection is on: a block's age
+                              is search_count - block->gc_base */
+    private_pool *owner;   /* NULL for the device's default pools */
+} block_pool;
+
+void block_pool_init(block_pool *p, bool is_small, private_pool *owner);
+void block_pool_insert(block_pool *p, cache_block *b);
+void block_pool_remove(block_pool *p, cache_block *b);
+/* The first block ordered at or after (stream, size, 0), or NULL (any stream). */
+cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t size);
+/* Neighbours in the pool's order (any stream). */
+cache_block *block_pool_next(const cache_block *b);
+cache_block *block_pool_prev(const cache_block *b);
+cache_block *block_pool_first(const block_pool *p);
+/* The largest block of a stream, or NULL. */
+cache_block *block_pool_last_of_stream(const block_pool *p, uint64_t stream);
+size_t block_pool_count(const block_pool *p);
+
+#endif

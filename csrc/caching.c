@@ -1,0 +1,974 @@
+/*
+ * caching.c - the per-device caching allocator: torch_npu's DeviceCachingAllocator, decision
+ * for decision (see caching.h for the vocabulary and invariants).
+ *
+ * malloc: process completed events; round the size and choose the pool; best fit in the pool
+ * (then again after the free-memory callbacks); garbage collection (with a memory fraction);
+ * a new segment; releasing oversize cached segments; then synchronize the device, release every
+ * cached segment and retry; then out of memory.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "caching.h"
+#include "common.h"
+#include "device.h"
+#include "host.h"
+#include "vmm.h"
+
+/* ---- stats ---- */
+
+static inline void stat_increase(npualloc_stat *s, int64_t n)
+{
+    s->current += n;
+    if (s->current > s->peak)
+        s->peak = s->current;
+    s->allocated += n;
+}
+
+static inline void stat_decrease(npualloc_stat *s, int64_t n)
+{
+    s->current -= n;
+    s->freed += n;
+}
+
+/* Applies a change to the aggregate and to the pool's own kind. */
+static inline void stat_array_update(npualloc_stat *arr, const block_pool *pool, int64_t n)
+{
+    int kind = pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
+    if (n >= 0) {
+        stat_increase(&arr[NPUALLOC_STAT_ALL], n);
+        stat_increase(&arr[kind], n);
+    } else {
+        stat_decrease(&arr[NPUALLOC_STAT_ALL], -n);
+        stat_decrease(&arr[kind], -n);
+    }
+}
+
+/* ---- block structs ---- */
+
+#define BLOCKS_PER_CHUNK 64
+
+static cache_block *block_new(device_cache *dc)
+{
+    if (!dc->spare_blocks) {
+        if (dc->chunk_count == dc->chunk_capacity) {
+            size_t cap = dc->chunk_capacity ? dc->chunk_capacity * 2 : 16;
+            void **chunks = realloc(dc->chunks, cap * sizeof *chunks);
+            if (!chunks)
+                return NULL;
+            dc->chunks = chunks;
+            dc->chunk_capacity = cap;
+        }
+        cache_block *chunk = calloc(BLOCKS_PER_CHUNK, sizeof *chunk);
+        if (!chunk)
+            return NULL;
+        dc->chunks[dc->chunk_count++] = chunk;
+        for (int i = 0; i < BLOCKS_PER_CHUNK; i++) {
+            chunk[i].free_link = dc->spare_blocks;
+            dc->spare_blocks = &chunk[i];
+        }
+    }
+    cache_block *b = dc->spare_blocks;
+    dc->spare_blocks = b->free_link;
+    memset(b, 0, sizeof *b);
+    return b;
+}
+
+static void block_delete(device_cache *dc, cache_block *b)
+{
+    free(b->uses);
+    b->uses = NULL;
+    b->free_link = dc->spare_blocks;
+    dc->spare_blocks = b;
+}
+
+static inline bool block_is_split(const cache_block *b) { return b->prev || b->next; }
+
+static inline int64_t block_age(const cache_block *b) { return (int64_t)(b->pool->search_count - b->gc_base); }
+
+/* Puts a free block into its pool as a fresh cache entry (age 0). */
+static void pool_insert(cache_block *b)
+{
+    b->gc_base = b->pool->search_count;
+    block_pool_insert(b->pool, b);
+}
+
+/* ---- sizes ---- */
+
+/* torch's roundup_power2_next_division. */
+static size_t roundup_power2_next_division(size_t size, size_t divisions)
+{
+    if ((size & (size - 1)) == 0)
+        return size;
+    size_t floor_pow2 = (size_t)1 << (63 - __builtin_clzll((unsigned long long)size));
+    size_t step = floor_pow2 >> (63 - __builtin_clzll((unsigned long long)divisions));
+    if (step == 0)
+        return floor_pow2 << 1;
+    return round_up(size, step);
+}
+
+size_t cache_round_size(size_t size)
+{
+    size += K_PAD_SIZE; /* torch_npu pads every request by 32 bytes */
+    if (size < K_MIN_BLOCK_SIZE)
+        return K_MIN_BLOCK_SIZE;
+    size_t divisions = alloc_conf_roundup_divisions(&cache_settings, size);
+    if (divisions > 1 && size > K_MIN_BLOCK_SIZE * divisions)
+        return roundup_power2_next_division(size, divisions);
+    return round_up(size, K_MIN_BLOCK_SIZE);
+}
+
+static size_t allocation_size(size_t size, bool small)
+{
+    if (!small && cache_settings.page_size_1g)
+        return round_up(size, K_EXTRA_LARGE_BUFFER);
+    if (size <= K_SMALL_SIZE)
+        return K_SMALL_BUFFER;
+    if (size < K_MIN_LARGE_ALLOC)
+        return cache_settings.large_segment_size;
+    return round_up(size, K_ROUND_LARGE);
+}
+
+/* ---- memory history ---- */
+
+void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream)
+{
+    if (!dc->history_enabled || !dc->history_max)
+        return;
+    trace_entry e = {action, addr, size, stream, (int64_t)(host_now_ns() / 1000)};
+    if (dc->history_count == dc->history_capacity && dc->history_capacity < dc->history_max) {
+        size_t cap = dc->history_capacity ? dc->history_capacity * 2 : 1024;
+        if (cap > dc->history_max)
+            cap = dc->history_max;
+        trace_entry *grown = realloc(dc->history, cap * sizeof *grown);
+        if (grown) {
+            dc->history = grown;
+            dc->history_capacity = cap;
+        } else {
+            dc->history_max = dc->history_capacity; /* out of memory: the ring stays this size */
+        }
+    }
+    if (dc->history_count < dc->history_capacity) {
+        dc->history[dc->history_count++] = e;
+    } else if (dc->history_capacity) {
+        dc->history[dc->history_next] = e;
+        dc->history_next = (dc->history_next + 1) % dc->history_capacity;
+    }
+}
+
+/* ---- allocation parameters ---- */
+
+typedef struct alloc_params {
+    size_t size;       /* rounded */
+    size_t alloc_size; /* a new segment's size */
+    uint64_t stream;
+    block_pool *pool;
+    cache_block *block;
+    aclError err;
+} alloc_params;
+
+static inline size_t max_split_size(void) { return cache_settings.max_split_size; }
+
+/* ---- events ---- */
+
+static event_queue *queue_for(device_cache *dc, uint64_t stream_id)
+{
+    for (size_t i = 0; i < dc->queue_count; i++)
+        if (dc->queues[i].stream_id == stream_id)
+            return &dc->queues[i];
+    if (dc->queue_count == dc->queue_capacity) {
+        size_t cap = dc->queue_capacity ? dc->queue_capacity * 2 : 4;
+        event_queue *q = realloc(dc->queues, cap * sizeof *q);
+        if (!q)
+            return NULL;
+        dc->queues = q;
+        dc->queue_capacity = cap;
+    }
+    event_queue *q = &dc->queues[dc->queue_count++];
+    q->stream_id = stream_id;
+    q->head = q->tail = NULL;
+    return q;
+}
+
+static void free_block(device_cache *dc, cache_block *b);
+
+/* Records, on every stream that used the block, the point after which it is safe to reuse. */
+static void insert_events(device_cache *dc, cache_block *b)
+{
+    uint64_t *uses = b->uses;
+    uint32_t n = b->use_count;
+    b->uses = NULL;
+    b->use_count = b->use_capacity = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        npu_stream *s;
+        aclError rc = uses[i] == 0 ? stream_acquire_default(dc->device, &s)
+                                   : stream_acquire((aclrtStream)(uintptr_t)uses[i], &s);
+        if (rc != ACL_SUCCESS)
+            continue; /* the stream is gone: nothing can still be using the block there */
+        pending_event *e = malloc(sizeof *e);
+        event_queue *q = queue_for(dc, uses[i]);
+        if (!e || !q) {
+            /* Out of memory: wait here instead of deferring (correct, only slower). */
+            free(e);
+            stream_wait_position(s, stream_last_position(s));
+            stream_release(s);
+            continue;
+        }
+        e->next = NULL;
+        e->stream = s;
+        e->position = stream_last_position(s);
+        e->block = b;
+        if (q->tail)
+            q->tail->next = e;
+        else
+            q->head = e;
+        q->tail = e;
+        b->event_count++;
+        dc->pending_events++;
+    }
+    free(uses);
+    if (b->event_count == 0)
+        free_block(dc, b);
+}
+
+/* Completes the frees whose events have passed, per stream in FIFO order. */
+static void process_events(device_cache *dc)
+{
+    if (likely(dc->pending_events == 0))
+        return;
+    for (size_t i = 0; i < dc->queue_count; i++) {
+        event_queue *q = &dc->queues[i];
+        while (q->head && stream_passed(q->head->stream, q->head->position)) {
+            pending_event *e = q->head;
+            q->head = e->next;
+            if (!q->head)
+                q->tail = NULL;
+            dc->pending_events--;
+            stream_release(e->stream);
+            cache_block *b = e->block;
+            free(e);
+            if (--b->event_count == 0)
+                free_block(dc, b);
+        }
+    }
+}
+
+/* Waits for every outstanding event and completes the frees (torch's synchronize_and_free_events). */
+static void synchronize_and_free_events(device_cache *dc)
+{
+    dc->stats.num_sync_all_streams++;
+    for (size_t i = 0; i < dc->queue_count; i++) {
+        event_queue *q = &dc->queues[i];
+        while (q->head) {
+            pending_event *e = q->head;
+            q->head = e->next;
+            dc->pending_events--;
+            stream_wait_position(e->stream, e->position);
+            stream_release(e->stream);
+            cache_block *b = e->block;
+            free(e);
+            if (--b->event_count == 0)
+                free_block(dc, b);
+        }
+        q->tail = NULL;
+    }
+    dc->queue_count = 0;
+}
+
+/* ---- finding a cached block ---- */
+
+static bool get_free_block(device_cache *dc, alloc_params *p)
+{
+    block_pool *pool = p->pool;
+    if (dc->set_fraction && cache_settings.garbage_collection_threshold > 0.0)
+        pool->search_count++; /* every cached block of the pool ages by one */
+    cache_block *b = block_pool_lower_bound(pool, p->stream, p->size);
+    if (!b || b->stream != p->stream)
+        return false;
+    size_t max_split = max_split_size();
+    /* An oversize block is never split for a smaller request... */
+    if (p->size < max_split && b->size >= max_split)
+        return false;
+    /* ...and serves a large request only if it is not much larger. */
+    if (p->size >= max_split && b->size >= p->size + cache_settings.max_non_split_rounding_size)
+        return false;
+    block_pool_remove(pool, b);
+    b->gc_base = pool->search_count;
+    p->block = b;
+    return true;
+}
+
+static bool trigger_free_memory_callbacks(device_cache *dc)
+{
+    pthread_mutex_unlock(&dc->lock);
+    bool freed = cache_run_free_callbacks();
+    pthread_mutex_lock(&dc->lock);
+    return freed;
+}
+
+/* Synchronizes every stream of the device with the allocator lock released (torch_npu's
+ * npuSynchronizeDevice: a stream task may need the lock, e.g. a callback freeing memory). */
+static void synchronize_device_unlocked(device_cache *dc)
+{
+    pthread_mutex_unlock(&dc->lock);
+    (void)stream_synchronize_device(dc->device);
+    pthread_mutex_lock(&dc->lock);
+}
+
+/* ---- segments ---- */
+
+static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
+{
+    if (is_retry)
+        dc->stats.num_alloc_retries++;
+    if (dc->set_fraction && dc->total_allocated_memory + p->alloc_size > dc->allowed_memory_maximum) {
+        p->err = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        return false;
+    }
+    void *ptr = NULL;
+    aclError rc;
+    if (!p->pool->is_small && cache_settings.page_size_1g) {
+        rc = vmm_malloc(dc->device, p->alloc_size, (vmm_kind_choice){{MEM_HUGE1G}, 1}, &ptr);
+        if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION) {
+            cache_push_warning(
+                "The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M memory "
+                "page may result in performance degradation. This warning occurs because the "
+                "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated number of "
+                "1G large pages is insufficient or 1G large-page memory pre-allocation is not enabled.");
+            rc = vmm_malloc(dc->device, p->alloc_size, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, &ptr);
+        }
+    } else {
+        rc = vmm_malloc(dc->device, p->alloc_size, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, &ptr);
+    }
+    cache_block *b = NULL;
+    if (rc == ACL_SUCCESS && !(b = block_new(dc))) {
+        vmm_free_malloc(ptr);
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    if (rc != ACL_SUCCESS) {
+        p->err = rc;
+        return false;
+    }
+    dc->total_allocated_memory += p->alloc_size;
+    b->pool = p->pool;
+    b->stream = p->stream;
+    b->ptr = (uintptr_t)ptr;
+    b->size = p->alloc_size;
+    stat_array_update(dc->stats.segment, p->pool, 1);
+    stat_array_update(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
+    if (p->alloc_size >= max_split_size())
+        stat_increase(&dc->stats.oversize_segments, 1);
+    dc->stats.num_device_alloc++;
+    cache_history_record(dc, TRACE_SEGMENT_ALLOC, b->ptr, b->size, b->stream);
+    p->block = b;
+    return true;
+}
+
+/* Returns a whole free segment to the device. */
+static void release_block(device_cache *dc, cache_block *b)
+{
+    cache_history_record(dc, TRACE_SEGMENT_FREE, b->ptr, b->size, b->stream);
+    vmm_free_malloc((void *)b->ptr);
+    dc->total_allocated_memory -= b->size;
+    block_pool *pool = b->pool;
+    stat_array_update(dc->stats.segment, pool, -1);
+    stat_array_update(dc->stats.reserved_bytes, pool, -(int64_t)b->size);
+    if (b->size >= max_split_size())
+        stat_decrease(&dc->stats.oversize_segments, 1);
+    dc->stats.num_device_free++;
+    block_pool_remove(pool, b);
+    block_delete(dc, b);
+}
+
+/* Frees oversize cached segments of the request's stream, just enough for the request. */
+static bool release_available_cached_blocks(device_cache *dc, alloc_params *p)
+{
+    size_t max_split = max_split_size();
+    if (max_split == SIZE_MAX)
+        return false;
+    size_t key_size = p->size > max_split ? p->size : max_split;
+    synchronize_device_unlocked(dc); /* torch_npu synchronizes before releasing */
+    cache_block *b = block_pool_lower_bound(p->pool, p->stream, key_size);
+    if (b && b->stream == p->stream) {
+        if (block_is_split(b))
+            return false;
+        release_block(dc, b);
+        return true;
+    }
+    /* None large enough: release the largest ones of the stream, from the top down. */
+    size_t released = 0;
+    b = block_pool_last_of_stream(p->pool, p->stream);
+    while (released < key_size && b && b->size >= max_split) {
+        cache_block *prev = block_pool_prev(b);
+        if (!block_is_split(b)) {
+            released += b->size;
+            release_block(dc, b);
+        }
+        b = (prev && prev->stream == p->stream) ? prev : NULL;
+    }
+    return released >= key_size;
+}
+
+static void release_blocks(device_cache *dc, block_pool *pool)
+{
+    cache_block *b = block_pool_first(pool);
+    while (b) {
+        cache_block *next = block_pool_next(b);
+        if (!block_is_split(b))
+            release_block(dc, b);
+        b = next;
+    }
+}
+
+/* Returns every whole cached segment to the device (torch's release_cached_blocks). */
+static bool release_cached_blocks(device_cache *dc)
+{
+    synchronize_and_free_events(dc);
+    release_blocks(dc, &dc->large);
+    release_blocks(dc, &dc->small);
+    return true;
+}
+
+/* Frees the oldest whole cached large segments until usage is back under the threshold. */
+static void garbage_collect_cached_blocks(device_cache *dc)
+{
+    size_t gc_threshold = (size_t)(cache_settings.garbage_collection_threshold * (double)dc->allowed_memory_maximum);
+    if (dc->total_allocated_memory <= gc_threshold)
+        return;
+    bool any = false;
+    for (cache_block *b = block_pool_first(&dc->large); b && !any; b = block_pool_next(b))
+        any = !block_is_split(b);
+    if (!any)
+        return;
+    synchronize_device_unlocked(dc); /* torch_npu synchronizes before collecting */
+    if (dc->total_allocated_memory <= gc_threshold)
+        return;
+    size_t target = dc->total_allocated_memory - gc_threshold;
+    double total_age = 0.0;
+    size_t freeable = 0;
+    for (cache_block *b = block_pool_first(&dc->large); b; b = block_pool_next(b)) {
+        if (!block_is_split(b)) {
+            total_age += (double)block_age(b);
+            freeable++;
+        }
+    }
+    size_t reclaimed = 0;
+    bool freed_something = true;
+    while (reclaimed < target && freed_something && freeable > 0) {
+        double age_threshold = total_age / (double)freeable;
+        freed_something = false;
+        cache_block *b = block_pool_first(&dc->large);
+        while (b) {
+            cache_block *next = block_pool_next(b);
+            if (!block_is_split(b) && (double)block_age(b) >= age_threshold) {
+                freed_something = true;
+                reclaimed += b->size;
+                total_age -= (double)block_age(b);
+                freeable--;
+                release_block(dc, b);
+            }
+            b = next;
+        }
+    }
+}
+
+/* ---- handing out and taking back ---- */
+
+static bool should_split(const cache_block *b, size_t size)
+{
+    size_t remaining = b->size - size;
+    if (b->pool->is_small)
+        return remaining >= K_MIN_BLOCK_SIZE;
+    return size < max_split_size() && remaining > K_SMALL_SIZE;
+}
+
+static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig_size, void **out)
+{
+    cache_block *b = p->block;
+    block_pool *pool = p->pool;
+    bool already_split = block_is_split(b);
+    bool split = should_split(b, p->size);
+    cache_block *front = split ? block_new(dc) : NULL;
+    if ((split && !front) || ptr_map_reserve(&dc->allocated_blocks, 1) != 0) {
+        if (front)
+            block_delete(dc, front);
+        pool_insert(b);
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for block metadata");
+        return ACL_ERROR_BAD_ALLOC;
+    }
+    if (split) {
+        /* The front part is handed out; the remainder goes back to the pool. */
+        cache_block *rest = b;
+        front->pool = pool;
+        front->stream = p->stream;
+        front->ptr = rest->ptr;
+        front->size = p->size;
+        front->prev = rest->prev;
+        if (front->prev)
+            front->prev->next = front;
+        front->next = rest;
+        rest->prev = front;
+        rest->ptr += p->size;
+        rest->size -= p->size;
+        pool_insert(rest);
+        b = front;
+        if (already_split) {
+            stat_array_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
+        } else {
+            stat_array_update(dc->stats.inactive_split_bytes, pool, (int64_t)rest->size);
+            stat_array_update(dc->stats.inactive_split, pool, 1);
+        }
+    } else if (already_split) {
+        stat_array_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
+        stat_array_update(dc->stats.inactive_split, pool, -1);
+    }
+    ptr_map_put(&dc->allocated_blocks, b->ptr, b); /* cannot fail: capacity reserved above */
+    b->allocated = true;
+    b->requested_size = orig_size;
+    cache_history_record(dc, TRACE_ALLOC, b->ptr, orig_size, b->stream);
+    stat_array_update(dc->stats.allocation, pool, 1);
+    stat_array_update(dc->stats.allocated_bytes, pool, (int64_t)b->size);
+    stat_array_update(dc->stats.active, pool, 1);
+    stat_array_update(dc->stats.active_bytes, pool, (int64_t)b->size);
+    stat_array_update(dc->stats.requested_bytes, pool, (int64_t)orig_size);
+    if (b->size >= max_split_size())
+        stat_increase(&dc->stats.oversize_allocations, 1);
+    *out = (void *)b->ptr;
+    return ACL_SUCCESS;
+}
+
+/* Merges src into dst when src is free; returns the bytes taken over (0 if none). */
+static size_t try_merge_blocks(device_cache *dc, cache_block *dst, cache_block *src)
+{
+    if (!src || src->allocated || src->event_count > 0 || src->use_count > 0)
+        return 0;
+    if (dst->prev == src) {
+        dst->ptr = src->ptr;
+        dst->prev = src->prev;
+        if (dst->prev)
+            dst->prev->next = dst;
+    } else {
+        dst->next = src->next;
+        if (dst->next)
+            dst->next->prev = dst;
+    }
+    size_t subsumed = src->size;
+    dst->size += subsumed;
+    block_pool_remove(src->pool, src);
+    block_delete(dc, src);
+    return subsumed;
+}
+
+/* Completes a free: merges with free neighbours and caches the result. */
+static void free_block(device_cache *dc, cache_block *b)
+{
+    cache_history_record(dc, TRACE_FREE_COMPLETED, b->ptr, b->requested_size, b->stream);
+    size_t original_size = b->size, requested = b->requested_size;
+    block_pool *pool = b->pool;
+    int64_t net_splits = 0, net_split_bytes = 0;
+    cache_block *neighbours[2] = {b->prev, b->next};
+    for (int i = 0; i < 2; i++) {
+        size_t subsumed = try_merge_blocks(dc, b, neighbours[i]);
+        if (subsumed) {
+            net_splits--;
+            net_split_bytes -= (int64_t)subsumed;
+        }
+    }
+    pool_insert(b);
+    if (block_is_split(b)) {
+        net_splits++;
+        net_split_bytes += (int64_t)b->size;
+    }
+    if (net_splits)
+        stat_array_update(dc->stats.inactive_split, pool, net_splits);
+    if (net_split_bytes)
+        stat_array_update(dc->stats.inactive_split_bytes, pool, net_split_bytes);
+    stat_array_update(dc->stats.active, pool, -1);
+    stat_array_update(dc->stats.active_bytes, pool, -(int64_t)original_size);
+    stat_array_update(dc->stats.requested_bytes, pool, -(int64_t)requested);
+}
+
+void cache_free_locked(device_cache *dc, cache_block *b)
+{
+    ptr_map_remove(&dc->allocated_blocks, b->ptr);
+    b->allocated = false;
+    block_pool *pool = b->pool;
+    stat_array_update(dc->stats.allocation, pool, -1);
+    stat_array_update(dc->stats.allocated_bytes, pool, -(int64_t)b->size);
+    cache_history_record(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream);
+    if (b->size >= max_split_size())
+        stat_decrease(&dc->stats.oversize_allocations, 1);
+    if (b->use_count > 0)
+        insert_events(dc, b);
+    else
+        free_block(dc, b);
+}
+
+aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
+{
+    (void)dc;
+    /* torch_npu records even the block's own stream (no early return). */
+    for (uint32_t i = 0; i < b->use_count; i++)
+        if (b->uses[i] == stream)
+            return ACL_SUCCESS;
+    if (b->use_count == b->use_capacity) {
+        uint32_t cap = b->use_capacity ? b->use_capacity * 2 : 2;
+        uint64_t *uses = realloc(b->uses, cap * sizeof *uses);
+        if (!uses)
+            return ACL_ERROR_BAD_ALLOC;
+        b->uses = uses;
+        b->use_capacity = cap;
+    }
+    b->uses[b->use_count++] = stream;
+    return ACL_SUCCESS;
+}
+
+void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
+{
+    for (uint32_t i = 0; i < b->use_count; i++) {
+        if (b->uses[i] == stream) {
+            b->uses[i] = b->uses[--b->use_count];
+            break;
+        }
+    }
+    /* Cancel events already recorded for this block on that stream. */
+    event_queue *q = NULL;
+    for (size_t i = 0; i < dc->queue_count; i++)
+        if (dc->queues[i].stream_id == stream)
+            q = &dc->queues[i];
+    if (!q)
+        return;
+    pending_event **link = &q->head, *last = NULL;
+    while (*link) {
+        pending_event *e = *link;
+        if (e->block == b) {
+            *link = e->next;
+            dc->pending_events--;
+            stream_release(e->stream);
+            free(e);
+            if (--b->event_count == 0) {
+                free_block(dc, b);
+                break;
+            }
+            continue;
+        }
+        last = e;
+        link = &e->next;
+    }
+    q->tail = last;
+    while (q->tail && q->tail->next)
+        q->tail = q->tail->next;
+}
+
+/* ---- malloc ---- */
+
+static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, npualloc_oom_info *oom)
+{
+    size_t device_free = 0, device_total = 0;
+    device_mem_info(dc->device, ACL_HBM_MEM, &device_free, &device_total);
+    memset(oom, 0, sizeof *oom);
+    oom->device = dc->device;
+    oom->requested = orig_size;
+    oom->alloc_size = p->alloc_size;
+    oom->device_total = device_total;
+    oom->device_free = device_free;
+    oom->allocated = (size_t)dc->stats.allocated_bytes[NPUALLOC_STAT_ALL].current;
+    oom->active = (size_t)dc->stats.active_bytes[NPUALLOC_STAT_ALL].current;
+    oom->reserved = (size_t)dc->stats.reserved_bytes[NPUALLOC_STAT_ALL].current;
+    oom->fraction_set = dc->set_fraction;
+    oom->allowed = dc->allowed_memory_maximum;
+}
+
+aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out,
+                             npualloc_oom_info *oom)
+{
+    process_events(dc);
+    alloc_params p = {0};
+    p.size = cache_round_size(orig_size);
+    p.stream = stream;
+    p.pool = p.size <= K_SMALL_SIZE ? &dc->small : &dc->large;
+    p.alloc_size = allocation_size(p.size, p.pool->is_small);
+    p.err = ACL_SUCCESS;
+
+    bool found = get_free_block(dc, &p) || (trigger_free_memory_callbacks(dc) && get_free_block(dc, &p));
+    if (!found) {
+        if (dc->set_fraction && cache_settings.garbage_collection_threshold > 0.0)
+            garbage_collect_cached_blocks(dc);
+        if (dc->set_fraction && cache_settings.throw_on_npumalloc_oom &&
+            dc->total_allocated_memory + p.alloc_size > dc->allowed_memory_maximum) {
+            /* throw_on_npumalloc_oom: reject before trying the device or the retry chain. */
+            dc->stats.num_oom_rejections++;
+            fill_oom(dc, &p, orig_size, oom);
+            oom->preemptive = true;
+            return ACL_ERROR_RT_MEMORY_ALLOCATION;
+        }
+        found = alloc_block(dc, &p, false) ||
+                (release_available_cached_blocks(dc, &p) && alloc_block(dc, &p, false));
+    }
+    if (!found) {
+        /* Last resort: drain the device, return every cached segment, try once more. */
+        synchronize_device_unlocked(dc);
+        found = release_cached_blocks(dc) && alloc_block(dc, &p, true);
+    }
+    if (!found) {
+        if (p.err != ACL_ERROR_RT_MEMORY_ALLOCATION) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: allocating a %zu-byte segment on device %d failed "
+                            "with ACL error %d", p.alloc_size, dc->device, p.err);
+            return p.err;
+        }
+        dc->stats.num_ooms++;
+        fill_oom(dc, &p, orig_size, oom);
+        cache_history_record(dc, TRACE_OOM, oom->device_free, p.size, stream);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    return alloc_found_block(dc, &p, orig_size, out);
+}
+
+/* ---- empty_cache, fraction ---- */
+
+void cache_empty_locked(device_cache *dc)
+{
+    synchronize_device_unlocked(dc);
+    release_cached_blocks(dc);
+}
+
+void cache_set_fraction_locked(device_cache *dc, double fraction)
+{
+    size_t free_bytes = 0, total = 0;
+    device_mem_info(dc->device, ACL_HBM_MEM, &free_bytes, &total);
+    dc->fraction = fraction;
+    dc->allowed_memory_maximum = (size_t)(fraction * (double)total);
+    dc->set_fraction = true;
+}
+
+/* ---- lifetime ---- */
+
+void cache_device_init(device_cache *dc, int32_t device)
+{
+    dc->device = device;
+    block_pool_init(&dc->large, false, NULL);
+    block_pool_init(&dc->small, true, NULL);
+    memset(&dc->stats, 0, sizeof dc->stats);
+    dc->stats.max_split_size = cache_settings.max_split_size == SIZE_MAX ? -1 : (int64_t)cache_settings.max_split_size;
+    if (cache_settings.per_process_memory_fraction_set)
+        cache_set_fraction_locked(dc, cache_settings.per_process_memory_fraction);
+    dc->started = true;
+}
+
+/* Collects the head of every segment: the blocks with no predecessor. */
+typedef struct head_list {
+    cache_block **items;
+    size_t count, capacity;
+    bool failed;
+} head_list;
+
+static void head_push(head_list *l, cache_block *b)
+{
+    if (l->count == l->capacity) {
+        size_t cap = l->capacity ? l->capacity * 2 : 64;
+        cache_block **items = realloc(l->items, cap * sizeof *items);
+        if (!items) {
+            l->failed = true;
+            return;
+        }
+        l->items = items;
+        l->capacity = cap;
+    }
+    l->items[l->count++] = b;
+}
+
+static void collect_head(cache_block *b, head_list *l)
+{
+    while (b->prev)
+        b = b->prev;
+    for (size_t i = 0; i < l->count; i++)
+        if (l->items[i] == b)
+            return;
+    head_push(l, b);
+}
+
+static int head_order(const void *a, const void *b)
+{
+    uintptr_t x = (*(cache_block *const *)a)->ptr, y = (*(cache_block *const *)b)->ptr;
+    return (x > y) - (x < y);
+}
+
+void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx)
+{
+    head_list heads = {0};
+    /* Segment heads are found from every block we can reach: cached, allocated, pending. */
+    block_pool *pools[2] = {&dc->large, &dc->small};
+    for (int i = 0; i < 2; i++)
+        for (cache_block *b = block_pool_first(pools[i]); b; b = block_pool_next(b))
+            if (!b->prev)
+                head_push(&heads, b);
+    for (size_t i = 0; dc->allocated_blocks.mask && i <= dc->allocated_blocks.mask; i++)
+        if (dc->allocated_blocks.slots[i].key)
+            collect_head(dc->allocated_blocks.slots[i].value, &heads);
+    for (size_t i = 0; i < dc->queue_count; i++)
+        for (pending_event *e = dc->queues[i].head; e; e = e->next)
+            collect_head(e->block, &heads);
+    /* A cached head may also be reached through an allocated block: drop duplicates. */
+    if (heads.count > 1)
+        qsort(heads.items, heads.count, sizeof *heads.items, head_order);
+    for (size_t i = 0; i < heads.count; i++)
+        if (i == 0 || heads.items[i] != heads.items[i - 1])
+            fn(heads.items[i], ctx);
+    free(heads.items);
+}
+
+/* Frees the device's metadata; `return_memory` also gives every segment back to the runtime
+ * (false after fork, where the memory is not in the process). */
+static void release_everything(device_cache *dc, bool return_memory)
+{
+    /* Pending frees complete (their streams are being torn down anyway). */
+    for (size_t i = 0; i < dc->queue_count; i++) {
+        while (dc->queues[i].head) {
+            pending_event *e = dc->queues[i].head;
+            dc->queues[i].head = e->next;
+            stream_release(e->stream);
+            free(e);
+        }
+    }
+    free(dc->queues);
+    /* Every segment goes back to the runtime; the block structs live in chunks. */
+    head_list heads = {0};
+    block_pool *pools[2] = {&dc->large, &dc->small};
+    for (int i = 0; i < 2; i++)
+        for (cache_block *b = block_pool_first(pools[i]); b; b = block_pool_next(b))
+            if (!b->prev)
+                head_push(&heads, b);
+    for (size_t i = 0; dc->allocated_blocks.mask && i <= dc->allocated_blocks.mask; i++)
+        if (dc->allocated_blocks.slots[i].key)
+            collect_head(dc->allocated_blocks.slots[i].value, &heads);
+    for (size_t i = 0; i < heads.count; i++) {
+        if (return_memory)
+            vmm_free_malloc((void *)heads.items[i]->ptr);
+        for (cache_block *b = heads.items[i]; b; b = b->next)
+            free(b->uses);
+    }
+    free(heads.items);
+    ptr_map_free(&dc->allocated_blocks);
+    for (size_t i = 0; i < dc->chunk_count; i++)
+        free(dc->chunks[i]);
+    free(dc->chunks);
+    free(dc->history);
+    pthread_mutex_t lock = dc->lock;
+    memset(dc, 0, sizeof *dc);
+    dc->lock = lock;
+}
+
+void cache_device_release_all(device_cache *dc) { release_everything(dc, true); }
+void cache_device_forget(device_cache *dc) { release_everything(dc, false); }
+
+/* ---- the invariant checker ---- */
+
+typedef struct check_state {
+    int32_t device;
+    size_t free_blocks;
+    char *why;
+    size_t len;
+    bool failed;
+    npualloc_stats expect;
+    size_t reserved_total;
+    uintptr_t last_end;
+} check_state;
+
+#define CHECK(cond, ...)                                                                                           \
+    do {                                                                                                           \
+        if (!st->failed && !(cond)) {                                                                              \
+            st->failed = true;                                                                                     \
+            snprintf(st->why, st->len, __VA_ARGS__);                                                               \
+        }                                                                                                          \
+    } while (0)
+
+static void check_segment(cache_block *head, void *ctx)
+{
+    check_state *st = ctx;
+    bool small = head->pool->is_small;
+    int kind = small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
+    CHECK(head->ptr >= st->last_end, "segment %#lx overlaps the previous one", (unsigned long)head->ptr);
+    size_t total = 0;
+    uintptr_t expect_ptr = head->ptr;
+    bool prev_free = false;
+    for (cache_block *b = head; b; b = b->next) {
+        CHECK(b->ptr == expect_ptr, "block %#lx does not start where its predecessor ends (%#lx)",
+              (unsigned long)b->ptr, (unsigned long)expect_ptr);
+        CHECK(!b->next || b->next->prev == b, "block %#lx: next/prev links disagree", (unsigned long)b->ptr);
+        CHECK(b->pool == head->pool && b->stream == head->stream, "block %#lx: pool or stream differs from its segment",
+              (unsigned long)b->ptr);
+        CHECK(b->size > 0 && b->size % K_MIN_BLOCK_SIZE == 0, "block %#lx: size %zu is not a positive multiple of 512",
+              (unsigned long)b->ptr, b->size);
+        bool is_free = !b->allocated && b->event_count == 0;
+        CHECK(!(is_free && prev_free), "free neighbours %#lx and its predecessor were not merged",
+              (unsigned long)b->ptr);
+        CHECK(b->in_pool == is_free, "block %#lx: in pool %d but free %d", (unsigned long)b->ptr, b->in_pool, is_free);
+        prev_free = is_free;
+        st->free_blocks += is_free;
+        expect_ptr += b->size;
+        total += b->size;
+        if (b->allocated) {
+            st->expect.allocation[NPUALLOC_STAT_ALL].current++;
+            st->expect.allocated_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
+            st->expect.allocation[kind].current++;
+            st->expect.allocated_bytes[kind].current += (int64_t)b->size;
+        }
+        if (!is_free) {
+            st->expect.active[NPUALLOC_STAT_ALL].current++;
+            st->expect.active_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
+            st->expect.active[kind].current++;
+            st->expect.active_bytes[kind].current += (int64_t)b->size;
+            st->expect.requested_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->requested_size;
+            st->expect.requested_bytes[kind].current += (int64_t)b->requested_size;
+        } else if (block_is_split(b)) {
+            st->expect.inactive_split[NPUALLOC_STAT_ALL].current++;
+            st->expect.inactive_split_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
+            st->expect.inactive_split[kind].current++;
+            st->expect.inactive_split_bytes[kind].current += (int64_t)b->size;
+        }
+    }
+    st->expect.segment[NPUALLOC_STAT_ALL].current++;
+    st->expect.segment[kind].current++;
+    st->expect.reserved_bytes[NPUALLOC_STAT_ALL].current += (int64_t)total;
+    st->expect.reserved_bytes[kind].current += (int64_t)total;
+    st->reserved_total += total;
+    st->last_end = head->ptr + total;
+    /* The runtime must agree that exactly this much memory is mapped there. */
+    vmm_read_lock();
+    int32_t dev = -2;
+    range_class rc = vmm_classify_locked((void *)head->ptr, total, &dev);
+    vmm_read_unlock();
+    CHECK(rc == RANGE_DEVICE && dev == st->device, "segment %#lx (%zu bytes) is not mapped memory of device %d",
+          (unsigned long)head->ptr, total, st->device);
+}
+
+aclError cache_check_locked(device_cache *dc, char *why, size_t len)
+{
+    check_state state = {.device = dc->device, .why = why, .len = len};
+    check_state *st = &state;
+    cache_each_segment(dc, check_segment, st);
+    static const char *names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                                  "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"};
+    const npualloc_stat *have[] = {dc->stats.allocation, dc->stats.segment, dc->stats.active,
+                                   dc->stats.inactive_split, dc->stats.allocated_bytes, dc->stats.reserved_bytes,
+                                   dc->stats.active_bytes, dc->stats.inactive_split_bytes, dc->stats.requested_bytes};
+    const npualloc_stat *want[] = {st->expect.allocation, st->expect.segment, st->expect.active,
+                                   st->expect.inactive_split, st->expect.allocated_bytes, st->expect.reserved_bytes,
+                                   st->expect.active_bytes, st->expect.inactive_split_bytes,
+                                   st->expect.requested_bytes};
+    for (size_t i = 0; i < ARRAY_LEN(names); i++)
+        for (int k = 0; k < NPUALLOC_STAT_TYPES; k++)
+            CHECK(have[i][k].current == want[i][k].current, "stat %s[%d].current is %lld but the blocks imply %lld",
+                  names[i], k, (long long)have[i][k].current, (long long)want[i][k].current);
+    CHECK(st->reserved_total == dc->total_allocated_memory, "reserved memory %zu differs from the segments' %zu",
+          dc->total_allocated_memory, st->reserved_total);
+    CHECK(dc->allocated_blocks.count == (size_t)dc->stats.allocation[NPUALLOC_STAT_ALL].current,
+          "the allocated-block table holds %zu blocks for %lld allocations", dc->allocated_blocks.count,
+          (long long)dc->stats.allocation[NPUALLOC_STAT_ALL].current);
+    size_t pooled = block_pool_count(&dc->large) + block_pool_count(&dc->small);
+    CHECK(pooled == st->free_blocks, "the pools hold %zu blocks but the segments have %zu free ones", pooled,
+          st->free_blocks);
+    return st->failed ? ACL_ERROR_INTERNAL_ERROR : ACL_SUCCESS;
+}

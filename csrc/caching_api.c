@@ -1,0 +1,804 @@
+/*
+ * caching_api.c - the caching allocator's public face: settings (PYTORCH_NPU_ALLOC_CONF),
+ * the per-device caches, errors and warnings, the API of npualloc.h, OOM messages, snapshots.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "caching.h"
+#include "common.h"
+#include "device.h"
+#include "va_space.h"
+#include "vmm.h"
+
+alloc_settings cache_settings;
+
+/* Guards the start of the caches (settings from the environment) and settings changes. */
+static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
+static bool settings_loaded;
+static conf_result settings_error; /* status != CONF_OK: the environment is malformed */
+static char settings_text[1024];
+static device_cache caches[NPU_MAX_DEVICES];
+static bool caches_ready; /* the device mutexes are initialised */
+
+/* ---- errors and warnings ---- */
+
+static _Thread_local npualloc_error_kind last_kind;
+static _Thread_local char last_message[1024];
+static _Thread_local npualloc_oom_info last_oom;
+
+void cache_set_error(npualloc_error_kind kind, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_message, sizeof last_message, fmt, ap);
+    va_end(ap);
+    last_kind = kind;
+}
+
+const char *npualloc_last_error(npualloc_error_kind *kind)
+{
+    if (kind)
+        *kind = last_kind;
+    return last_message;
+}
+
+#define WARNING_SLOTS 32
+static pthread_mutex_t warning_lock = PTHREAD_MUTEX_INITIALIZER;
+static char warnings[WARNING_SLOTS][512];
+static size_t warning_head, warning_count;
+static _Atomic size_t warnings_pending;
+
+void cache_push_warning(const char *fmt, ...)
+{
+    char text[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof text, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&warning_lock);
+    size_t slot = (warning_head + warning_count) % WARNING_SLOTS;
+    if (warning_count == WARNING_SLOTS) /* full: the oldest goes */
+        warning_head = (warning_head + 1) % WARNING_SLOTS;
+    else
+        warning_count++;
+    memcpy(warnings[slot], text, sizeof text);
+    warnings_pending = warning_count;
+    pthread_mutex_unlock(&warning_lock);
+}
+
+bool npualloc_has_warnings(void) { return warnings_pending != 0; }
+
+bool npualloc_pop_warning(char *buf, size_t len)
+{
+    pthread_mutex_lock(&warning_lock);
+    bool any = warning_count > 0;
+    if (any) {
+        snprintf(buf, len, "%s", warnings[warning_head]);
+        warning_head = (warning_head + 1) % WARNING_SLOTS;
+        warning_count--;
+        warnings_pending = warning_count;
+    }
+    pthread_mutex_unlock(&warning_lock);
+    return any;
+}
+
+/* ---- free-memory callbacks ---- */
+
+#define MAX_FREE_CALLBACKS 8
+static cache_free_callback free_callbacks[MAX_FREE_CALLBACKS];
+static _Atomic int free_callback_count;
+
+void cache_add_free_callback(cache_free_callback fn)
+{
+    int n = free_callback_count;
+    if (n < MAX_FREE_CALLBACKS) {
+        free_callbacks[n] = fn;
+        free_callback_count = n + 1;
+    }
+}
+
+bool cache_run_free_callbacks(void)
+{
+    bool freed = false;
+    for (int i = 0; i < free_callback_count; i++)
+        freed |= free_callbacks[i]();
+    return freed;
+}
+
+/* ---- settings ---- */
+
+/* torch_npu's start-up probe: can 512 bytes of address space be reserved? */
+static bool expandable_probe(void *ctx)
+{
+    (void)ctx;
+    void *p = NULL;
+    if (aclrtReserveMemAddress(&p, 512, 0, NULL, 1) != ACL_SUCCESS)
+        return false;
+    aclrtReleaseMemAddress(p);
+    return true;
+}
+
+static npualloc_error_kind conf_kind(conf_status st)
+{
+    return st == CONF_VALUE_ERROR ? NPUALLOC_ERR_VALUE : NPUALLOC_ERR_RUNTIME;
+}
+
+static void forward_warnings(const conf_result *r)
+{
+    for (int i = 0; i < r->warning_count; i++)
+        cache_push_warning("%s", r->warnings[i]);
+}
+
+/* Loads the settings from the environment once (api_lock held). */
+static void load_settings(void)
+{
+    if (settings_loaded)
+        return;
+    alloc_settings_default(&cache_settings);
+    const char *used = NULL;
+    conf_status st = alloc_conf_from_env(NULL, &cache_settings, expandable_probe, NULL, &settings_error, &used);
+    snprintf(settings_text, sizeof settings_text, "%s", used ? used : "");
+    if (st == CONF_OK)
+        forward_warnings(&settings_error);
+    settings_loaded = true;
+}
+
+static void init_caches(void)
+{
+    if (caches_ready)
+        return;
+    for (int i = 0; i < NPU_MAX_DEVICES; i++)
+        pthread_mutex_init(&caches[i].lock, NULL);
+    caches_ready = true;
+}
+
+/* Starts the runtime, the settings and the device's cache; NULL (error set) on failure. */
+static device_cache *cache_get(int32_t device)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS) {
+        const char *why = npualloc_init_error();
+        cache_set_error(NPUALLOC_ERR_VALUE, "%s", why ? why : "the virtual NPU could not start");
+        return NULL;
+    }
+    if (!device_valid(device)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "Invalid device argument %d: did you call init?", (int)device);
+        return NULL;
+    }
+    device_cache *dc = &caches[device];
+    if (likely(__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE)))
+        return dc;
+    pthread_mutex_lock(&api_lock);
+    init_caches();
+    load_settings();
+    if (settings_error.status != CONF_OK) {
+        pthread_mutex_unlock(&api_lock);
+        cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+        return NULL;
+    }
+    pthread_mutex_lock(&dc->lock);
+    if (!dc->started) {
+        cache_device_init(dc, device);
+        __atomic_store_n(&dc->started, true, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&dc->lock);
+    pthread_mutex_unlock(&api_lock);
+    return dc;
+}
+
+device_cache *cache_device(int32_t device) { return cache_get(device); }
+
+/* The started cache owning a device pointer, or NULL. */
+static device_cache *cache_of_ptr(const void *ptr)
+{
+    int32_t dev = va_device_of((uintptr_t)ptr);
+    if (dev < 0 || dev >= NPU_MAX_DEVICES || !__atomic_load_n(&caches[dev].started, __ATOMIC_ACQUIRE))
+        return NULL;
+    return &caches[dev];
+}
+
+const char *npualloc_cache_settings_text(void)
+{
+    pthread_mutex_lock(&api_lock);
+    load_settings();
+    pthread_mutex_unlock(&api_lock);
+    return settings_text;
+}
+
+aclError npualloc_cache_set_settings(const char *text)
+{
+    if (!text) {
+        cache_set_error(NPUALLOC_ERR_TYPE, "_set_allocator_settings() expects a string");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    if (runtime_ensure_init() != ACL_SUCCESS) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
+        return ACL_ERROR_UNINITIALIZE;
+    }
+    pthread_mutex_lock(&api_lock);
+    init_caches();
+    load_settings();
+    if (settings_error.status != CONF_OK) {
+        pthread_mutex_unlock(&api_lock);
+        cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    alloc_settings next = cache_settings;
+    conf_result r;
+    conf_status st = alloc_conf_parse_runtime(text, &next, expandable_probe, NULL, &r);
+    if (st != CONF_OK) {
+        pthread_mutex_unlock(&api_lock);
+        cache_set_error(conf_kind(st), "%s", r.message);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    forward_warnings(&r);
+    /* torch_npu empties the NPU streams first; then the change happens under every device lock. */
+    for (int d = 0; d < device_count(); d++)
+        if (caches[d].started)
+            (void)stream_synchronize_device(d);
+    for (int d = 0; d < NPU_MAX_DEVICES; d++)
+        pthread_mutex_lock(&caches[d].lock);
+    cache_settings = next;
+    if (next.per_process_memory_fraction_set)
+        for (int d = 0; d < NPU_MAX_DEVICES; d++)
+            if (caches[d].started)
+                cache_set_fraction_locked(&caches[d], next.per_process_memory_fraction);
+    snprintf(settings_text, sizeof settings_text, "%s", text);
+    for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
+        pthread_mutex_unlock(&caches[d].lock);
+    pthread_mutex_unlock(&api_lock);
+    return ACL_SUCCESS;
+}
+
+/* ---- sizes and messages ---- */
+
+void npualloc_format_size(uint64_t size, char *buf, size_t len)
+{
+    if (size <= 1024)
+        snprintf(buf, len, "%llu bytes", (unsigned long long)size);
+    else if (size <= 1048576)
+        snprintf(buf, len, "%.2f KiB", (double)size / 1024.0);
+    else if (size <= 1073741824)
+        snprintf(buf, len, "%.2f MiB", (double)size / 1048576.0);
+    else
+        snprintf(buf, len, "%.2f GiB", (double)size / 1073741824.0);
+}
+
+int npualloc_format_oom(const npualloc_oom_info *o, char *buf, size_t len)
+{
+    if (o->over_1eb)
+        return snprintf(buf, len, "NPU out of memory. Tried to allocate more than 1EB memory.");
+    char alloc[32], total[32], allocated[32], active[32], free_s[32], allowed[48], reserved[32];
+    npualloc_format_size(o->alloc_size, alloc, sizeof alloc);
+    if (o->preemptive)
+        return snprintf(buf, len,
+                        "NPU out of memory. Allocation was preemptively rejected because it would exceed "
+                        "per_process_memory_fraction limit. Requested size: %s",
+                        alloc);
+    npualloc_format_size(o->device_total, total, sizeof total);
+    npualloc_format_size(o->allocated, allocated, sizeof allocated);
+    npualloc_format_size(o->active, active, sizeof active);
+    npualloc_format_size(o->device_free, free_s, sizeof free_s);
+    npualloc_format_size(o->reserved, reserved, sizeof reserved);
+    allowed[0] = '\0';
+    if (o->fraction_set) {
+        char a[32];
+        npualloc_format_size(o->allowed, a, sizeof a);
+        snprintf(allowed, sizeof allowed, "%s allowed; ", a);
+    }
+    return snprintf(buf, len,
+                    "NPU out of memory. Tried to allocate %s (NPU %d; %s total capacity; %s already allocated; "
+                    "%s current active; %s free; %s%s reserved in total by PyTorch).If reserved memory is >> "
+                    "allocated memory try setting max_split_size_mb to avoid fragmentation.",
+                    alloc, (int)o->device, total, allocated, active, free_s, allowed, reserved);
+}
+
+void npualloc_cache_last_oom(npualloc_oom_info *out) { *out = last_oom; }
+
+static aclError report_oom(const npualloc_oom_info *info)
+{
+    last_oom = *info;
+    char msg[sizeof last_message];
+    npualloc_format_oom(info, msg, sizeof msg);
+    cache_set_error(NPUALLOC_ERR_OOM, "%s", msg);
+    return ACL_ERROR_RT_MEMORY_ALLOCATION;
+}
+
+/* ---- allocation ---- */
+
+aclError npualloc_cache_malloc(int32_t device, size_t size, uint64_t stream, void **ptr)
+{
+    if (!ptr) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_cache_malloc: ptr must not be NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    *ptr = NULL;
+    if (size == 0)
+        return ACL_SUCCESS; /* torch returns a null pointer without allocating */
+    if (size >= K_ONE_EB) {
+        npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
+        return report_oom(&info);
+    }
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    npualloc_oom_info oom;
+    pthread_mutex_lock(&dc->lock);
+    aclError rc = cache_malloc_locked(dc, size, stream, ptr, &oom);
+    pthread_mutex_unlock(&dc->lock);
+    if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
+        return report_oom(&oom);
+    return rc;
+}
+
+aclError npualloc_cache_free(void *ptr)
+{
+    if (!ptr)
+        return ACL_SUCCESS;
+    device_cache *dc = cache_of_ptr(ptr);
+    if (dc) {
+        pthread_mutex_lock(&dc->lock);
+        cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
+        if (b) {
+            cache_free_locked(dc, b);
+            pthread_mutex_unlock(&dc->lock);
+            return ACL_SUCCESS;
+        }
+        pthread_mutex_unlock(&dc->lock);
+    }
+    cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid device pointer: %p", ptr);
+    return ACL_ERROR_INVALID_PARAM;
+}
+
+/* Looks up a live block; returns with its cache locked, or NULL (error set). */
+static cache_block *locked_block(void *ptr, device_cache **out)
+{
+    device_cache *dc = ptr ? cache_of_ptr(ptr) : NULL;
+    if (dc) {
+        pthread_mutex_lock(&dc->lock);
+        cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
+        if (b) {
+            *out = dc;
+            return b;
+        }
+        pthread_mutex_unlock(&dc->lock);
+    }
+    cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid device pointer: %p", ptr);
+    return NULL;
+}
+
+aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream, size_t *size)
+{
+    device_cache *dc;
+    cache_block *b = locked_block(ptr, &dc);
+    if (!b)
+        return ACL_ERROR_INVALID_PARAM;
+    if (device)
+        *device = dc->device;
+    if (stream)
+        *stream = b->stream;
+    if (size)
+        *size = b->size;
+    pthread_mutex_unlock(&dc->lock);
+    return ACL_SUCCESS;
+}
+
+/* A stream handle must name a live stream (0 = the default stream). */
+static bool stream_exists(uint64_t stream)
+{
+    if (stream == 0)
+        return true;
+    npu_stream *s;
+    if (stream_acquire((aclrtStream)(uintptr_t)stream, &s) != ACL_SUCCESS)
+        return false;
+    stream_release(s);
+    return true;
+}
+
+aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
+{
+    if (!stream_exists(stream)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: %#llx is not a live stream", (unsigned long long)stream);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    device_cache *dc;
+    cache_block *b = locked_block(ptr, &dc);
+    if (!b)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = cache_record_stream_locked(dc, b, stream);
+    pthread_mutex_unlock(&dc->lock);
+    if (rc != ACL_SUCCESS)
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: out of host memory");
+    return rc;
+}
+
+aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
+{
+    device_cache *dc;
+    cache_block *b = locked_block(ptr, &dc);
+    if (!b)
+        return ACL_ERROR_INVALID_PARAM;
+    cache_erase_stream_locked(dc, b, stream);
+    pthread_mutex_unlock(&dc->lock);
+    return ACL_SUCCESS;
+}
+
+/* ---- the uncached path (PYTORCH_NO_NPU_MEMORY_CACHING) ---- */
+
+static int caching_disabled = -1; /* read once, as torch_npu does */
+static pthread_mutex_t uncached_lock = PTHREAD_MUTEX_INITIALIZER;
+static ptr_map uncached_blocks; /* ptr -> device + 1 */
+
+bool npualloc_caching_disabled(void)
+{
+    if (caching_disabled < 0) {
+        const char *v = getenv("PYTORCH_NO_NPU_MEMORY_CACHING");
+        caching_disabled = v && strtol(v, NULL, 10) != 0;
+    }
+    return caching_disabled;
+}
+
+aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **ptr)
+{
+    if (!npualloc_caching_disabled())
+        return npualloc_cache_malloc(device, size, stream, ptr);
+    if (!ptr)
+        return ACL_ERROR_INVALID_PARAM;
+    *ptr = NULL;
+    if (size == 0)
+        return ACL_SUCCESS;
+    if (size >= K_ONE_EB) {
+        npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
+        return report_oom(&info);
+    }
+    aclError rc = runtime_ensure_init();
+    if (rc == ACL_SUCCESS && !device_valid(device))
+        rc = ACL_ERROR_RT_INVALID_DEVICEID;
+    if (rc == ACL_SUCCESS)
+        rc = vmm_malloc(device, size + K_PAD_SIZE, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, ptr);
+    if (rc != ACL_SUCCESS) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: aclrtMallocAlign32 of %zu bytes on device %d returned %d",
+                        size + K_PAD_SIZE, (int)device, rc);
+        return rc;
+    }
+    pthread_mutex_lock(&uncached_lock);
+    int err = ptr_map_put(&uncached_blocks, (uintptr_t)*ptr, (void *)(uintptr_t)(device + 1));
+    pthread_mutex_unlock(&uncached_lock);
+    if (err) {
+        vmm_free_malloc(*ptr);
+        *ptr = NULL;
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory");
+        return ACL_ERROR_BAD_ALLOC;
+    }
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_deallocate(void *ptr)
+{
+    if (!ptr)
+        return ACL_SUCCESS;
+    pthread_mutex_lock(&uncached_lock);
+    uintptr_t dev1 = (uintptr_t)ptr_map_remove(&uncached_blocks, (uintptr_t)ptr);
+    pthread_mutex_unlock(&uncached_lock);
+    if (!dev1)
+        return npualloc_cache_free(ptr);
+    /* torch_npu synchronizes the device before every uncached free. */
+    (void)stream_synchronize_device((int32_t)dev1 - 1);
+    return vmm_free_malloc(ptr);
+}
+
+/* ---- device-wide operations ---- */
+
+aclError npualloc_cache_empty(void)
+{
+    if (runtime_ensure_init() != ACL_SUCCESS)
+        return ACL_SUCCESS; /* nothing was ever cached */
+    for (int d = 0; d < device_count(); d++) {
+        device_cache *dc = &caches[d];
+        if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
+            continue;
+        pthread_mutex_lock(&dc->lock);
+        cache_empty_locked(dc);
+        pthread_mutex_unlock(&dc->lock);
+    }
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_set_fraction(int32_t device, double fraction)
+{
+    if (!(fraction >= 0.0 && fraction <= 1.0)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid fraction:%g. Please set within [0, 1].", fraction);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&dc->lock);
+    cache_set_fraction_locked(dc, fraction);
+    pthread_mutex_unlock(&dc->lock);
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_get_fraction(int32_t device, double *fraction)
+{
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&dc->lock);
+    *fraction = dc->set_fraction ? dc->fraction : 1.0;
+    pthread_mutex_unlock(&dc->lock);
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out)
+{
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&dc->lock);
+    *out = dc->stats;
+    pthread_mutex_unlock(&dc->lock);
+    return ACL_SUCCESS;
+}
+
+/* Applies fn to every stat of a device (the nine arrays and the two oversize stats). */
+static void each_stat(npualloc_stats *s, void (*fn)(npualloc_stat *))
+{
+    npualloc_stat *arrays[] = {s->allocation,     s->segment,         s->active,
+                               s->inactive_split, s->allocated_bytes, s->reserved_bytes,
+                               s->active_bytes,   s->inactive_split_bytes, s->requested_bytes};
+    for (size_t i = 0; i < ARRAY_LEN(arrays); i++)
+        for (int k = 0; k < NPUALLOC_STAT_TYPES; k++)
+            fn(&arrays[i][k]);
+    fn(&s->oversize_allocations);
+    fn(&s->oversize_segments);
+}
+
+static void reset_peak_stat(npualloc_stat *s) { s->peak = s->current; }
+static void reset_accumulated_stat(npualloc_stat *s) { s->allocated = s->freed = 0; }
+
+aclError npualloc_cache_reset_peak(int32_t device)
+{
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&dc->lock);
+    each_stat(&dc->stats, reset_peak_stat);
+    pthread_mutex_unlock(&dc->lock);
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_reset_accumulated(int32_t device)
+{
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&dc->lock);
+    each_stat(&dc->stats, reset_accumulated_stat);
+    dc->stats.num_alloc_retries = 0;
+    dc->stats.num_ooms = 0;
+    dc->stats.num_sync_all_streams = 0;
+    dc->stats.num_device_alloc = 0;
+    dc->stats.num_device_free = 0;
+    dc->stats.num_oom_rejections = 0;
+    pthread_mutex_unlock(&dc->lock);
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_check(int32_t device, char *why, size_t len)
+{
+    device_cache *dc = cache_get(device);
+    if (!dc) {
+        snprintf(why, len, "%s", last_message);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&dc->lock);
+    aclError rc = cache_check_locked(dc, why, len);
+    pthread_mutex_unlock(&dc->lock);
+    return rc;
+}
+
+/* ---- snapshots ---- */
+
+typedef struct snap_builder {
+    npualloc_snapshot *snap;
+    size_t seg_cap, block_cap;
+    int32_t device;
+    bool failed;
+} snap_builder;
+
+static bool grow_array(void **items, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return true;
+    size_t n = *cap ? *cap * 2 : 64;
+    while (n < need)
+        n *= 2;
+    void *p = realloc(*items, n * elem);
+    if (!p)
+        return false;
+    *items = p;
+    *cap = n;
+    return true;
+}
+
+static void snap_segment(cache_block *head, void *ctx)
+{
+    snap_builder *sb = ctx;
+    npualloc_snapshot *s = sb->snap;
+    if (sb->failed || !grow_array((void **)&s->segments, &sb->seg_cap, s->segment_count + 1, sizeof *s->segments)) {
+        sb->failed = true;
+        return;
+    }
+    npualloc_segment_info *seg = &s->segments[s->segment_count];
+    memset(seg, 0, sizeof *seg);
+    seg->device = sb->device;
+    seg->address = head->ptr;
+    seg->stream = head->stream;
+    seg->is_small = head->pool->is_small;
+    seg->first_block = s->block_count;
+    for (cache_block *b = head; b; b = b->next) {
+        if (!grow_array((void **)&s->blocks, &sb->block_cap, s->block_count + 1, sizeof *s->blocks)) {
+            sb->failed = true;
+            return;
+        }
+        npualloc_block_info *bi = &s->blocks[s->block_count++];
+        bi->address = b->ptr;
+        bi->size = b->size;
+        bi->requested_size = b->requested_size;
+        bool active = b->allocated || b->event_count > 0;
+        bi->state = b->allocated    ? NPUALLOC_BLOCK_ACTIVE_ALLOCATED
+                    : active        ? NPUALLOC_BLOCK_ACTIVE_PENDING_FREE
+                                    : NPUALLOC_BLOCK_INACTIVE;
+        seg->total_size += b->size;
+        if (b->allocated)
+            seg->allocated_size += b->size;
+        if (active) {
+            seg->active_size += b->size;
+            seg->requested_size += b->requested_size;
+        }
+        seg->block_count++;
+    }
+    s->segment_count++;
+}
+
+static bool snap_traces(snap_builder *sb, device_cache *dc, size_t *trace_cap)
+{
+    npualloc_snapshot *s = sb->snap;
+    if (!grow_array((void **)&s->traces, trace_cap, s->trace_count + dc->history_count, sizeof *s->traces))
+        return false;
+    /* The ring is oldest-first starting at history_next once it wrapped. */
+    for (size_t i = 0; i < dc->history_count; i++) {
+        size_t at = (dc->history_next + i) % dc->history_count;
+        const trace_entry *e = &dc->history[at];
+        npualloc_trace_info *t = &s->traces[s->trace_count++];
+        t->device = dc->device;
+        t->action = (npualloc_trace_action)e->action;
+        t->addr = e->addr;
+        t->size = e->size;
+        t->stream = e->stream;
+        t->time_us = e->time_us;
+    }
+    return true;
+}
+
+aclError npualloc_cache_snapshot(npualloc_snapshot **out)
+{
+    npualloc_snapshot *s = calloc(1, sizeof *s);
+    if (!s)
+        return ACL_ERROR_BAD_ALLOC;
+    snap_builder sb = {.snap = s};
+    size_t trace_cap = 0;
+    int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
+    for (int d = 0; d < count && !sb.failed; d++) {
+        device_cache *dc = &caches[d];
+        if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
+            continue;
+        pthread_mutex_lock(&dc->lock);
+        sb.device = d;
+        if (!snap_traces(&sb, dc, &trace_cap))
+            sb.failed = true;
+        cache_each_segment(dc, snap_segment, &sb);
+        cache_history_record(dc, TRACE_SNAPSHOT, 0, (size_t)dc->stats.active_bytes[NPUALLOC_STAT_ALL].current, 0);
+        pthread_mutex_unlock(&dc->lock);
+    }
+    if (sb.failed) {
+        npualloc_snapshot_free(s);
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the snapshot");
+        return ACL_ERROR_BAD_ALLOC;
+    }
+    *out = s;
+    return ACL_SUCCESS;
+}
+
+void npualloc_snapshot_free(npualloc_snapshot *snap)
+{
+    if (!snap)
+        return;
+    free(snap->segments);
+    free(snap->blocks);
+    free(snap->traces);
+    free(snap);
+}
+
+aclError npualloc_cache_record_history(bool enabled, size_t max_entries)
+{
+    if (enabled && max_entries == 0)
+        max_entries = 1;
+    int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
+    for (int d = 0; d < count; d++) {
+        device_cache *dc = cache_get(d);
+        if (!dc)
+            return ACL_ERROR_INVALID_PARAM;
+        pthread_mutex_lock(&dc->lock);
+        free(dc->history);
+        dc->history = NULL;
+        dc->history_capacity = 0;
+        dc->history_enabled = enabled;
+        dc->history_max = enabled ? max_entries : 0;
+        dc->history_count = dc->history_next = 0;
+        pthread_mutex_unlock(&dc->lock);
+    }
+    return ACL_SUCCESS;
+}
+
+/* ---- lifetime ---- */
+
+void caching_shutdown(void)
+{
+    pthread_mutex_lock(&api_lock);
+    for (int d = 0; d < NPU_MAX_DEVICES; d++) {
+        device_cache *dc = &caches[d];
+        if (!caches_ready)
+            break;
+        pthread_mutex_lock(&dc->lock);
+        if (dc->started)
+            cache_device_release_all(dc);
+        pthread_mutex_unlock(&dc->lock);
+    }
+    pthread_mutex_lock(&uncached_lock);
+    ptr_map_free(&uncached_blocks);
+    pthread_mutex_unlock(&uncached_lock);
+    settings_loaded = false;
+    memset(&settings_error, 0, sizeof settings_error);
+    caching_disabled = -1;
+    pthread_mutex_unlock(&api_lock);
+}
+
+void caching_atfork_prepare(void)
+{
+    pthread_mutex_lock(&api_lock);
+    if (caches_ready)
+        for (int d = 0; d < NPU_MAX_DEVICES; d++)
+            pthread_mutex_lock(&caches[d].lock);
+    pthread_mutex_lock(&uncached_lock);
+}
+
+void caching_atfork_parent(void)
+{
+    pthread_mutex_unlock(&uncached_lock);
+    if (caches_ready)
+        for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
+            pthread_mutex_unlock(&caches[d].lock);
+    pthread_mutex_unlock(&api_lock);
+}
+
+void caching_atfork_child(void)
+{
+    /* Forget every block without touching device memory (it is not in this process). */
+    pthread_mutex_init(&api_lock, NULL);
+    pthread_mutex_init(&uncached_lock, NULL);
+    pthread_mutex_init(&warning_lock, NULL);
+    ptr_map_free(&uncached_blocks);
+    for (int d = 0; d < NPU_MAX_DEVICES && caches_ready; d++) {
+        device_cache *dc = &caches[d];
+        pthread_mutex_init(&dc->lock, NULL);
+        if (dc->started)
+            cache_device_forget(dc);
+    }
+}

@@ -1,0 +1,672 @@
+/* test_caching.c - the caching allocator, rule by rule with exact numbers, and a randomized
+ * sequence checked by the invariant checker after every step. */
+#include <pthread.h>
+#include <stdio.h>
+
+#include "caching.h"
+#include "testutil.h"
+
+static void start_cache(uint64_t hbm, const char *conf)
+{
+    if (conf)
+        setenv("PYTORCH_NPU_ALLOC_CONF", conf, 1);
+    else
+        unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(2, hbm, hbm, 0, 0);
+}
+
+static int stop_cache(void **state)
+{
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    return stop_runtime(state);
+}
+
+static void check(void)
+{
+    char why[512] = "";
+    aclError rc = npualloc_cache_check(0, why, sizeof why);
+    if (rc != ACL_SUCCESS)
+        fail_msg("invariant broken: %s", why);
+}
+
+static npualloc_stats stats(void)
+{
+    npualloc_stats s;
+    assert_int_equal(npualloc_cache_get_stats(0, &s), ACL_SUCCESS);
+    return s;
+}
+
+static void *alloc(size_t size)
+{
+    void *p = NULL;
+    aclError rc = npualloc_cache_malloc(0, size, 0, &p);
+    if (rc != ACL_SUCCESS)
+        fail_msg("malloc(%zu) failed: %d %s", size, rc, npualloc_last_error(NULL));
+    return p;
+}
+
+#define ALL NPUALLOC_STAT_ALL
+#define SMALL NPUALLOC_STAT_SMALL_POOL
+#define LARGE NPUALLOC_STAT_LARGE_POOL
+
+static void test_round_size_pads_and_rounds(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    alloc(1); /* loads the settings */
+    assert_int_equal(cache_round_size(1), 512);
+    assert_int_equal(cache_round_size(480), 512);  /* 480 + 32 = 512 */
+    assert_int_equal(cache_round_size(481), 1024);
+    assert_int_equal(cache_round_size(MiB_ - 32), MiB_);
+    assert_int_equal(cache_round_size(MiB_), MiB_ + 512);
+}
+
+static void test_roundup_power2_divisions(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "roundup_power2_divisions:4");
+    alloc(1);
+    /* 1200 + 32 = 1232 is not above 512 * 4: plain 512 rounding. */
+    assert_int_equal(cache_round_size(1200), 1536);
+    /* 9000 + 32 = 9032: the next quarter of 8192 is 10240 (512 rounding would give 9216). */
+    assert_int_equal(cache_round_size(9000), 10240);
+    /* 84 MiB with 4 divisions rounds to 96 MiB. */
+    assert_int_equal(cache_round_size(84 * MiB_), 96 * MiB_);
+    assert_int_equal(cache_round_size(64 * MiB_ - 32), 64 * MiB_); /* a power of two stays */
+}
+
+static void test_small_requests_share_a_2mib_segment(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    char *a = alloc(1), *b = alloc(1000);
+    assert_ptr_equal(b, a + 512); /* best fit: the front of the remainder */
+    npualloc_stats s = stats();
+    assert_int_equal(s.segment[SMALL].current, 1);
+    assert_int_equal(s.segment[LARGE].current, 0);
+    assert_int_equal(s.reserved_bytes[ALL].current, 2 * MiB_);
+    assert_int_equal(s.allocated_bytes[ALL].current, 512 + 1536);
+    assert_int_equal(s.requested_bytes[ALL].current, 1001);
+    assert_int_equal(s.inactive_split[SMALL].current, 1);
+    assert_int_equal(s.inactive_split_bytes[SMALL].current, 2 * MiB_ - 2048);
+    check();
+}
+
+static void test_large_pool_segment_sizes(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    alloc(10 * MiB_); /* 10 MiB + 512: a 12 MiB segment (2 MiB rounding from 10 MiB up) */
+    npualloc_stats s = stats();
+    assert_int_equal(s.segment[LARGE].current, 1);
+    assert_int_equal(s.reserved_bytes[LARGE].current, 12 * MiB_);
+    assert_int_equal(s.inactive_split_bytes[LARGE].current, 2 * MiB_ - 512); /* split: rest > 1 MiB */
+    alloc(MiB_); /* 1 MiB + 512 fits that rest, whole: what would remain is not over 1 MiB */
+    assert_int_equal(stats().segment[LARGE].current, 1);
+    alloc(5 * MiB_); /* below 10 MiB: a 20 MiB segment */
+    s = stats();
+    assert_int_equal(s.segment[LARGE].current, 2);
+    assert_int_equal(s.reserved_bytes[LARGE].current, 32 * MiB_);
+    assert_int_equal(s.allocated_bytes[LARGE].current, 10 * MiB_ + 512 + (2 * MiB_ - 512) + 5 * MiB_ + 512);
+    check();
+}
+
+static void test_large_remainder_of_one_mib_is_not_split(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    void *a = alloc(19 * MiB_ + 512); /* rounds to 19 MiB + 1024: one 20 MiB segment */
+    assert_int_equal(npualloc_cache_free(a), ACL_SUCCESS);
+    /* The cached 20 MiB block serves 19 MiB: the 1 MiB - 512 rest is too small to split off. */
+    void *b = alloc(19 * MiB_ - 32);
+    assert_ptr_equal(a, b);
+    npualloc_stats s = stats();
+    assert_int_equal(s.allocated_bytes[LARGE].current, 20 * MiB_);
+    assert_int_equal(s.inactive_split[LARGE].current, 0);
+    check();
+}
+
+static void test_free_merges_neighbours(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    void *a = alloc(1000), *b = alloc(1000), *c = alloc(1000);
+    (void)c;
+    npualloc_cache_free(a);
+    npualloc_stats s = stats();
+    assert_int_equal(s.inactive_split[SMALL].current, 2); /* a, and the segment's tail */
+    npualloc_cache_free(b); /* merges with a (1000 + 32 bytes round to 1536) */
+    s = stats();
+    assert_int_equal(s.inactive_split[SMALL].current, 2);
+    assert_int_equal(s.inactive_split_bytes[SMALL].current, 2 * MiB_ - 1536);
+    check();
+    npualloc_cache_free(c); /* the whole segment is one free block again */
+    s = stats();
+    assert_int_equal(s.inactive_split[SMALL].current, 0);
+    assert_int_equal(s.active[ALL].current, 0);
+    check();
+    npualloc_cache_empty();
+    assert_int_equal(stats().reserved_bytes[ALL].current, 0);
+    assert_int_equal(stats().num_device_free, 1);
+}
+
+static void test_best_fit_prefers_smallest_then_lowest_address(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    char *a = alloc(4000), *sep1 = alloc(100), *b = alloc(2000), *sep2 = alloc(100), *c = alloc(2000);
+    (void)sep1;
+    (void)sep2;
+    alloc(100); /* keeps c from merging with the segment's tail */
+    npualloc_cache_free(a);
+    npualloc_cache_free(c);
+    npualloc_cache_free(b);
+    /* Free holes of 4096, 2048, 2048 bytes: a 1500-byte request takes the lower 2048 one. */
+    assert_ptr_equal(alloc(1500), b);
+    assert_ptr_equal(alloc(1500), c);
+    assert_ptr_equal(alloc(1500), a);
+    check();
+}
+
+static void test_streams_do_not_share_cached_blocks(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    aclrtStream s1;
+    assert_int_equal(aclrtCreateStream(&s1), ACL_SUCCESS);
+    void *a = alloc(1000);
+    npualloc_cache_free(a);
+    void *b = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 1000, (uint64_t)(uintptr_t)s1, &b), ACL_SUCCESS);
+    assert_ptr_not_equal(a, b); /* a's segment belongs to the default stream */
+    assert_int_equal(stats().segment[SMALL].current, 2);
+    npualloc_cache_free(b);
+    check();
+    aclrtDestroyStream(s1);
+}
+
+static void test_max_split_size_oversize_rules(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "max_split_size_mb:64");
+    assert_int_equal(stats().max_split_size, 64 * (int64_t)MiB_);
+    void *big = alloc(100 * MiB_ - 32); /* exactly 100 MiB: an oversize segment */
+    npualloc_stats s = stats();
+    assert_int_equal(s.oversize_segments.current, 1);
+    assert_int_equal(s.oversize_allocations.current, 1);
+    npualloc_cache_free(big);
+    /* A request below max_split never takes an oversize block. */
+    void *small = alloc(30 * MiB_);
+    assert_ptr_not_equal(small, big);
+    /* A large request takes it only if the block is less than 20 MiB larger. */
+    void *b70 = alloc(70 * MiB_);
+    assert_ptr_not_equal(b70, big);
+    void *b90 = alloc(90 * MiB_);
+    assert_ptr_equal(b90, big); /* 100 < 90 + 0.5 KiB + 20 MiB, and oversize blocks are never split */
+    /* 30 MiB + 512 split from a 32 MiB segment; 70 MiB + 512 takes a whole 72 MiB oversize one. */
+    s = stats();
+    assert_int_equal(s.allocated_bytes[LARGE].current, 100 * MiB_ + 30 * MiB_ + 512 + 72 * MiB_);
+    check();
+}
+
+static void test_release_available_releases_one_large_enough_oversize_block(void **state)
+{
+    (void)state;
+    start_cache(256 * MiB_, "max_split_size_mb:64");
+    void *a = alloc(200 * MiB_ - 32), *keep = alloc(40 * MiB_ - 32);
+    (void)keep;
+    npualloc_cache_free(a);
+    /* 150 MiB: the cached 200 MiB block is 20 MiB too large to reuse, 16 MiB are free:
+     * exactly that block goes back, no retry. */
+    void *b = alloc(150 * MiB_ - 32);
+    npualloc_stats s = stats();
+    assert_ptr_not_equal(b, NULL);
+    assert_int_equal(s.num_device_free, 1);
+    assert_int_equal(s.num_alloc_retries, 0);
+    assert_int_equal(s.reserved_bytes[ALL].current, 190 * MiB_);
+    check();
+}
+
+static void test_release_available_walks_largest_first(void **state)
+{
+    (void)state;
+    start_cache(256 * MiB_, "max_split_size_mb:64");
+    void *a = alloc(100 * MiB_ - 32), *b = alloc(100 * MiB_ - 32);
+    npualloc_cache_free(a);
+    npualloc_cache_free(b);
+    /* 200 MiB cached, 56 MiB free: none of the cached blocks is 120 MiB, so the largest go,
+     * top down, until 120 MiB were released (both). */
+    void *c = alloc(120 * MiB_ - 32);
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_alloc_retries, 0);
+    assert_int_equal(s.num_device_free, 2);
+    assert_int_equal(s.reserved_bytes[ALL].current, 120 * MiB_);
+    /* Not enough oversize memory cached: what was released stays released, then the last resort. */
+    npualloc_cache_free(c);
+    void *d = alloc(150 * MiB_ - 32); /* 136 free + 120 cached, less than 150 + ... */
+    (void)d;
+    s = stats();
+    assert_int_equal(s.num_device_free, 3);
+    assert_int_equal(s.num_alloc_retries, 1);
+    assert_int_equal(s.reserved_bytes[ALL].current, 150 * MiB_);
+    check();
+}
+
+static void test_last_resort_releases_everything_and_counts_a_retry(void **state)
+{
+    (void)state;
+    start_cache(64 * MiB_, NULL);
+    void *a = alloc(12 * MiB_ - 32), *b = alloc(12 * MiB_ - 32), *c = alloc(12 * MiB_ - 32);
+    npualloc_cache_free(a);
+    npualloc_cache_free(b);
+    npualloc_cache_free(c);
+    /* 36 MiB cached in three 12 MiB segments; 28 MiB free: 40 MiB needs the cache back. */
+    void *d = alloc(40 * MiB_ - 32);
+    assert_non_null(d);
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_alloc_retries, 1);
+    assert_int_equal(s.num_sync_all_streams, 1);
+    assert_int_equal(s.segment[ALL].current, 1);
+    assert_int_equal(s.num_device_free, 3);
+    check();
+}
+
+static void test_out_of_memory_message_and_counters(void **state)
+{
+    (void)state;
+    start_cache(64 * MiB_, NULL);
+    void *a = alloc(30 * MiB_ - 32);
+    void *p = NULL;
+    aclError rc = npualloc_cache_malloc(0, 40 * MiB_ - 32, 0, &p);
+    assert_int_equal(rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    npualloc_error_kind kind;
+    const char *msg = npualloc_last_error(&kind);
+    assert_int_equal(kind, NPUALLOC_ERR_OOM);
+    assert_string_equal(msg, "NPU out of memory. Tried to allocate 40.00 MiB (NPU 0; 64.00 MiB total capacity; "
+                             "30.00 MiB already allocated; 30.00 MiB current active; 34.00 MiB free; 30.00 MiB "
+                             "reserved in total by PyTorch).If reserved memory is >> allocated memory try setting "
+                             "max_split_size_mb to avoid fragmentation.");
+    npualloc_oom_info info;
+    npualloc_cache_last_oom(&info);
+    assert_int_equal(info.alloc_size, 40 * MiB_);
+    assert_int_equal(info.device_free, 34 * MiB_);
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_ooms, 1);
+    assert_int_equal(s.num_alloc_retries, 1);
+    /* 1 EB or more: its own message, no counters. */
+    rc = npualloc_cache_malloc(0, (size_t)1 << 60, 0, &p);
+    assert_int_equal(rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_string_equal(npualloc_last_error(NULL), "NPU out of memory. Tried to allocate more than 1EB memory.");
+    assert_int_equal(stats().num_ooms, 1);
+    npualloc_cache_free(a);
+    check();
+}
+
+static void test_fraction_is_enforced_on_reserved_memory(void **state)
+{
+    (void)state;
+    start_cache(100 * MiB_, NULL);
+    assert_int_equal(npualloc_cache_set_fraction(0, 0.5), ACL_SUCCESS);
+    double f = 0;
+    assert_int_equal(npualloc_cache_get_fraction(0, &f), ACL_SUCCESS);
+    assert_true(f == 0.5);
+    void *a = alloc(50 * MiB_ - 32); /* exactly the allowed 50 MiB */
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 1, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_non_null(strstr(npualloc_last_error(NULL), "; 50.00 MiB allowed; 50.00 MiB reserved in total"));
+    npualloc_cache_free(a);
+    /* Cached blocks are reused freely within the limit. */
+    assert_ptr_equal(alloc(50 * MiB_ - 32), a);
+    assert_int_equal(npualloc_cache_set_fraction(0, 1.5), ACL_ERROR_INVALID_PARAM);
+    assert_string_equal(npualloc_last_error(NULL), "invalid fraction:1.5. Please set within [0, 1].");
+    check();
+}
+
+static void test_garbage_collection_frees_oldest_segments_first(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "garbage_collection_threshold:0.9");
+    /* 512 MiB allowed; collection starts above 0.9 of it (460.8 MiB). */
+    assert_int_equal(npualloc_cache_set_fraction(0, 0.5), ACL_SUCCESS);
+    void *old = alloc(100 * MiB_ - 32), *mid = alloc(100 * MiB_ - 32), *young = alloc(100 * MiB_ - 32);
+    void *w = alloc(150 * MiB_ - 32), *hot = alloc(5 * MiB_); /* 470 MiB reserved */
+    (void)w;
+    /* Each search of the large pool ages every cached block of it by one; reusing "hot"
+     * searches without missing, so nothing is collected yet. */
+    npualloc_cache_free(old);
+    for (int i = 0; i < 2; i++) {
+        npualloc_cache_free(hot);
+        hot = alloc(5 * MiB_);
+    }
+    npualloc_cache_free(mid);
+    npualloc_cache_free(hot);
+    hot = alloc(5 * MiB_);
+    npualloc_cache_free(young);
+    npualloc_cache_free(hot);
+    hot = alloc(5 * MiB_); /* ages: old 4, mid 2, young 1 */
+    assert_int_equal(stats().num_device_free, 0);
+    /* A miss above the threshold: ages 5, 3, 2 (average 3.33): only old goes, which is enough. */
+    void *z = alloc(120 * MiB_ - 32);
+    (void)z;
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_device_free, 1);
+    assert_int_equal(s.reserved_bytes[ALL].current, 490 * MiB_);
+    assert_ptr_equal(alloc(100 * MiB_ - 32), mid); /* mid and young are still cached */
+    assert_ptr_equal(alloc(100 * MiB_ - 32), young);
+    check();
+}
+
+static void test_record_stream_delays_reuse_until_stream_work_ran(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    aclrtStream side;
+    assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    assert_int_equal(npualloc_sleep_async(side, 0.2), ACL_SUCCESS); /* work on the side stream */
+    npualloc_cache_free(a);
+    npualloc_stats s = stats();
+    assert_int_equal(s.allocation[ALL].current, 0);
+    assert_int_equal(s.active[ALL].current, 1); /* pending: the side stream may still use it */
+    void *b = alloc(1000);
+    assert_ptr_not_equal(a, b);
+    check();
+    assert_int_equal(aclrtSynchronizeStream(side), ACL_SUCCESS);
+    npualloc_cache_free(b);
+    void *c = alloc(1000); /* the event passed: a's block is free and first in address order */
+    assert_ptr_equal(c, a);
+    check();
+    /* erase_stream forgets a recorded use: the free completes at once. */
+    assert_int_equal(npualloc_cache_record_stream(c, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_erase_stream(c, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    npualloc_cache_free(c);
+    assert_int_equal(stats().active[ALL].current, 0);
+    assert_int_equal(npualloc_cache_record_stream((void *)0x1234, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_record_stream(b, 0xdead), ACL_ERROR_INVALID_PARAM);
+    aclrtDestroyStream(side);
+    check();
+}
+
+static void test_invalid_frees_are_rejected(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    char *a = alloc(1000);
+    assert_int_equal(npualloc_cache_free(NULL), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(a + 512), ACL_ERROR_INVALID_PARAM);
+    char expect[64];
+    snprintf(expect, sizeof expect, "invalid device pointer: %p", (void *)(a + 512));
+    assert_string_equal(npualloc_last_error(NULL), expect);
+    assert_int_equal(npualloc_cache_free(a), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(a), ACL_ERROR_INVALID_PARAM);
+    int local;
+    assert_int_equal(npualloc_cache_free(&local), ACL_ERROR_INVALID_PARAM);
+    check();
+}
+
+static void test_stats_reset(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    void *a = alloc(1000);
+    npualloc_cache_free(a);
+    alloc(3000);
+    npualloc_stats s = stats();
+    assert_int_equal(s.allocation[ALL].allocated, 2);
+    assert_int_equal(s.allocation[ALL].freed, 1);
+    assert_int_equal(s.allocated_bytes[ALL].peak, 3072);
+    assert_int_equal(npualloc_cache_reset_accumulated(0), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_reset_peak(0), ACL_SUCCESS);
+    s = stats();
+    assert_int_equal(s.allocation[ALL].allocated, 0);
+    assert_int_equal(s.allocation[ALL].freed, 0);
+    assert_int_equal(s.allocation[ALL].current, 1);
+    assert_int_equal(s.allocated_bytes[ALL].peak, 3072);
+    assert_int_equal(s.num_device_alloc, 0);
+}
+
+static void test_snapshot_reports_segments_blocks_and_history(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    assert_int_equal(npualloc_cache_record_history(true, 100), ACL_SUCCESS);
+    void *a = alloc(1000), *b = alloc(MiB_);
+    npualloc_cache_free(a);
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_int_equal(snap->segment_count, 2);
+    const npualloc_segment_info *small = &snap->segments[0], *large = &snap->segments[1];
+    if (!small->is_small) {
+        const npualloc_segment_info *t = small;
+        small = large;
+        large = t;
+    }
+    assert_int_equal(small->total_size, 2 * MiB_);
+    assert_int_equal(small->allocated_size, 0);
+    assert_int_equal(small->block_count, 1);
+    assert_int_equal(snap->blocks[small->first_block].state, NPUALLOC_BLOCK_INACTIVE);
+    assert_int_equal(large->total_size, 20 * MiB_);
+    assert_int_equal(large->block_count, 2);
+    assert_int_equal(snap->blocks[large->first_block].address, (uintptr_t)b);
+    assert_int_equal(snap->blocks[large->first_block].state, NPUALLOC_BLOCK_ACTIVE_ALLOCATED);
+    assert_int_equal(snap->blocks[large->first_block].requested_size, MiB_);
+    /* segment_alloc, alloc, segment_alloc, alloc, free_requested, free_completed */
+    static const npualloc_trace_action expect[] = {NPUALLOC_TRACE_SEGMENT_ALLOC, NPUALLOC_TRACE_ALLOC,
+                                                   NPUALLOC_TRACE_SEGMENT_ALLOC, NPUALLOC_TRACE_ALLOC,
+                                                   NPUALLOC_TRACE_FREE_REQUESTED, NPUALLOC_TRACE_FREE_COMPLETED};
+    assert_int_equal(snap->trace_count, 6);
+    for (size_t i = 0; i < 6; i++)
+        assert_int_equal(snap->traces[i].action, expect[i]);
+    assert_int_equal(snap->traces[1].size, 1000);
+    npualloc_snapshot_free(snap);
+    /* The snapshot itself was recorded, after the copy (on every device). */
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_int_equal(snap->trace_count, 7 + 1);
+    assert_int_equal(snap->traces[6].device, 0);
+    assert_int_equal(snap->traces[6].action, NPUALLOC_TRACE_SNAPSHOT);
+    assert_int_equal(snap->traces[7].device, 1);
+    npualloc_snapshot_free(snap);
+    /* A ring of 4 keeps the newest 4, oldest first. */
+    assert_int_equal(npualloc_cache_record_history(true, 4), ACL_SUCCESS);
+    for (int i = 0; i < 6; i++)
+        npualloc_cache_free(alloc(1000 + 512 * (size_t)i));
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_int_equal(snap->trace_count, 4);
+    assert_int_equal(snap->traces[0].action, NPUALLOC_TRACE_FREE_COMPLETED);
+    assert_int_equal(snap->traces[1].action, NPUALLOC_TRACE_ALLOC);
+    assert_int_equal(snap->traces[1].size, 1000 + 512 * 5);
+    assert_int_equal(snap->traces[3].action, NPUALLOC_TRACE_FREE_COMPLETED);
+    npualloc_snapshot_free(snap);
+}
+
+static void test_settings_change_at_run_time(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    alloc(1);
+    assert_int_equal(npualloc_cache_set_settings("max_split_size_mb:40"), ACL_SUCCESS);
+    assert_int_equal(cache_settings.max_split_size, 40 * MiB_);
+    assert_string_equal(npualloc_cache_settings_text(), "max_split_size_mb:40");
+    assert_int_equal(npualloc_cache_set_settings("page_size:1g"), ACL_ERROR_INVALID_PARAM);
+    npualloc_error_kind kind;
+    assert_non_null(npualloc_last_error(&kind));
+    assert_int_equal(cache_settings.max_split_size, 40 * MiB_); /* unchanged by the failure */
+}
+
+static void test_bad_environment_fails_every_allocation(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "max_split_size_mb:10");
+    void *p = NULL;
+    assert_int_not_equal(npualloc_cache_malloc(0, 100, 0, &p), ACL_SUCCESS);
+    npualloc_error_kind kind;
+    const char *msg = npualloc_last_error(&kind);
+    assert_non_null(strstr(msg, "max_split_size_mb"));
+    assert_true(kind == NPUALLOC_ERR_VALUE || kind == NPUALLOC_ERR_RUNTIME);
+}
+
+/* ---- randomized sequence ---- */
+
+#if defined(__SANITIZE_ADDRESS__)
+#define RANDOM_STEPS 20000
+#else
+#define RANDOM_STEPS 100000
+#endif
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rng(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static void test_random_operations_keep_every_invariant(void **state)
+{
+    (void)state;
+    start_cache(2 * GiB_, "max_split_size_mb:200,garbage_collection_threshold:0.8");
+    assert_int_equal(npualloc_cache_set_fraction(0, 0.75), ACL_SUCCESS);
+    aclrtStream streams[2];
+    assert_int_equal(aclrtCreateStream(&streams[0]), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateStream(&streams[1]), ACL_SUCCESS);
+    enum { SLOTS = 512 };
+    static void *live[SLOTS];
+    static size_t sizes[SLOTS];
+    memset(live, 0, sizeof live);
+    size_t ooms = 0;
+    for (int step = 0; step < RANDOM_STEPS; step++) {
+        uint64_t r = rng();
+        int slot = (int)(r % SLOTS);
+        int op = (int)((r >> 16) % 100);
+        if (live[slot] && op < 45) {
+            /* fill check: nobody else wrote into this block */
+            unsigned char *bytes = live[slot];
+            unsigned char tag = (unsigned char)slot;
+            if (bytes[0] != tag || bytes[sizes[slot] - 1] != tag)
+                fail_msg("block %p of slot %d was overwritten", live[slot], slot);
+            assert_int_equal(npualloc_cache_free(live[slot]), ACL_SUCCESS);
+            live[slot] = NULL;
+        } else if (!live[slot] && op < 90) {
+            /* sizes from bytes to ~300 MiB, skewed small */
+            int cls = (int)((r >> 24) % 10);
+            size_t size = cls < 6 ? 1 + (r >> 32) % (64 * 1024)
+                          : cls < 9 ? 1 + (r >> 32) % (12 * MiB_)
+                                    : 1 + (r >> 32) % (300 * MiB_);
+            uint64_t stream = (r >> 40) % 3 == 0 ? 0 : (uint64_t)(uintptr_t)streams[(r >> 42) % 2];
+            void *p = NULL;
+            aclError rc = npualloc_cache_malloc(0, size, stream, &p);
+            if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION) {
+                ooms++;
+            } else {
+                assert_int_equal(rc, ACL_SUCCESS);
+                live[slot] = p;
+                sizes[slot] = size;
+                memset(p, (unsigned char)slot, size < 4096 ? size : 4096);
+                ((unsigned char *)p)[size - 1] = (unsigned char)slot;
+                if (op % 7 == 0)
+                    npualloc_cache_record_stream(p, (uint64_t)(uintptr_t)streams[op % 2]);
+            }
+        } else if (op == 95) {
+            npualloc_cache_empty();
+        } else if (op == 96) {
+            npualloc_sleep_async(streams[r % 2], 0.0001);
+        }
+        check();
+    }
+    for (int i = 0; i < SLOTS; i++)
+        if (live[i])
+            npualloc_cache_free(live[i]);
+    npualloc_cache_empty();
+    check();
+    npualloc_stats s = stats();
+    assert_int_equal(s.allocated_bytes[ALL].current, 0);
+    assert_int_equal(s.reserved_bytes[ALL].current, 0);
+    print_message("random sequence: %d steps, %zu OOMs, %lld retries\n", RANDOM_STEPS, ooms,
+                  (long long)s.num_alloc_retries);
+    aclrtDestroyStream(streams[0]);
+    aclrtDestroyStream(streams[1]);
+}
+
+/* ---- threads ---- */
+
+typedef struct thread_arg {
+    int id;
+    int failures;
+} thread_arg;
+
+static void *hammer(void *p)
+{
+    thread_arg *a = p;
+    aclrtSetDevice(0);
+    void *mine[16] = {0};
+    for (int i = 0; i < 20000; i++) {
+        int slot = (i * 7 + a->id) % 16;
+        if (mine[slot]) {
+            if (*(int *)mine[slot] != a->id * 100000 + slot)
+                a->failures++;
+            npualloc_cache_free(mine[slot]);
+            mine[slot] = NULL;
+        } else {
+            size_t size = 64 + (size_t)((i * 2654435761u) % (3 * 1024 * 1024));
+            if (npualloc_cache_malloc(0, size, 0, &mine[slot]) != ACL_SUCCESS) {
+                a->failures++;
+                continue;
+            }
+            *(int *)mine[slot] = a->id * 100000 + slot;
+        }
+    }
+    for (int i = 0; i < 16; i++)
+        npualloc_cache_free(mine[i]);
+    return NULL;
+}
+
+static void test_eight_threads_never_share_a_live_block(void **state)
+{
+    (void)state;
+    start_cache(4 * GiB_, NULL);
+    pthread_t t[8];
+    thread_arg args[8];
+    for (int i = 0; i < 8; i++) {
+        args[i] = (thread_arg){i, 0};
+        pthread_create(&t[i], NULL, hammer, &args[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        pthread_join(t[i], NULL);
+        assert_int_equal(args[i].failures, 0);
+    }
+    check();
+    assert_int_equal(stats().allocated_bytes[ALL].current, 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_round_size_pads_and_rounds, stop_cache),
+        cmocka_unit_test_teardown(test_roundup_power2_divisions, stop_cache),
+        cmocka_unit_test_teardown(test_small_requests_share_a_2mib_segment, stop_cache),
+        cmocka_unit_test_teardown(test_large_pool_segment_sizes, stop_cache),
+        cmocka_unit_test_teardown(test_large_remainder_of_one_mib_is_not_split, stop_cache),
+        cmocka_unit_test_teardown(test_free_merges_neighbours, stop_cache),
+        cmocka_unit_test_teardown(test_best_fit_prefers_smallest_then_lowest_address, stop_cache),
+        cmocka_unit_test_teardown(test_streams_do_not_share_cached_blocks, stop_cache),
+        cmocka_unit_test_teardown(test_max_split_size_oversize_rules, stop_cache),
+        cmocka_unit_test_teardown(test_release_available_releases_one_large_enough_oversize_block, stop_cache),
+        cmocka_unit_test_teardown(test_release_available_walks_largest_first, stop_cache),
+        cmocka_unit_test_teardown(test_last_resort_releases_everything_and_counts_a_retry, stop_cache),
+        cmocka_unit_test_teardown(test_out_of_memory_message_and_counters, stop_cache),
+        cmocka_unit_test_teardown(test_fraction_is_enforced_on_reserved_memory, stop_cache),
+        cmocka_unit_test_teardown(test_garbage_collection_frees_oldest_segments_first, stop_cache),
+        cmocka_unit_test_teardown(test_record_stream_delays_reuse_until_stream_work_ran, stop_cache),
+        cmocka_unit_test_teardown(test_invalid_frees_are_rejected, stop_cache),
+        cmocka_unit_test_teardown(test_stats_reset, stop_cache),
+        cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
+        cmocka_unit_test_teardown(test_settings_change_at_run_time, stop_cache),
+        cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
+        cmocka_unit_test_teardown(test_random_operations_keep_every_invariant, stop_cache),
+        cmocka_unit_test_teardown(test_eight_threads_never_share_a_live_block, stop_cache),
+    };
+    return cmocka_run_group_tests_name("caching", tests, NULL, NULL);
+}
