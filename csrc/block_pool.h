@@ -20,6 +20,7 @@ typedef struct private_pool private_pool;
 
 typedef struct block_pool {
     avl_tree blocks;       /* free blocks, ordered (stream, size, ptr) */
+    avl_tree unmapped;     /* unmapped address space of expandable segments, ordered (stream, ptr) */
     bool is_small;
     uint64_t search_count; /* free-block searches while garbage collection is on: a block's age
                               is search_count - block->gc_base */
@@ -38,5 +39,12 @@ cache_block *block_pool_first(const block_pool *p);
 /* The largest block of a stream, or NULL. */
 cache_block *block_pool_last_of_stream(const block_pool *p, uint64_t stream);
 size_t block_pool_count(const block_pool *p);
+
+/* The unmapped set (expandable segments). */
+void block_pool_insert_unmapped(block_pool *p, cache_block *b);
+void block_pool_remove_unmapped(block_pool *p, cache_block *b);
+/* The lowest-addressed unmapped block of a stream, and the next one of any stream. */
+cache_block *block_pool_first_unmapped(const block_pool *p, uint64_t stream);
+cache_block *block_pool_next_unmapped(const cache_block *b);
 
 #endif

@@ -7,15 +7,14 @@
  * a new segment; releasing oversize cached segments; then synchronize the device, release every
  * cached segment and retry; then out of memory.
  */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "caching.h"
 #include "common.h"
-#include "device.h"
 #include "host.h"
-#include "vmm.h"
 
 /* ---- stats ---- */
 
@@ -34,7 +33,7 @@ static inline void stat_decrease(npualloc_stat *s, int64_t n)
 }
 
 /* Applies a change to the aggregate and to the pool's own kind. */
-static inline void stat_array_update(npualloc_stat *arr, const block_pool *pool, int64_t n)
+void cache_stat_update(npualloc_stat *arr, const block_pool *pool, int64_t n)
 {
     int kind = pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
     if (n >= 0) {
@@ -50,7 +49,7 @@ static inline void stat_array_update(npualloc_stat *arr, const block_pool *pool,
 
 #define BLOCKS_PER_CHUNK 64
 
-static cache_block *block_new(device_cache *dc)
+cache_block *cache_block_new(device_cache *dc)
 {
     if (!dc->spare_blocks) {
         if (dc->chunk_count == dc->chunk_capacity) {
@@ -73,13 +72,16 @@ static cache_block *block_new(device_cache *dc)
     cache_block *b = dc->spare_blocks;
     dc->spare_blocks = b->free_link;
     memset(b, 0, sizeof *b);
+    b->mapped = true;
     return b;
 }
 
-static void block_delete(device_cache *dc, cache_block *b)
+void cache_block_delete(device_cache *dc, cache_block *b)
 {
     free(b->uses);
     b->uses = NULL;
+    npualloc_context_release(b->ctx);
+    npualloc_context_release(b->segment_ctx);
     b->free_link = dc->spare_blocks;
     dc->spare_blocks = b;
 }
@@ -88,8 +90,7 @@ static inline bool block_is_split(const cache_block *b) { return b->prev || b->n
 
 static inline int64_t block_age(const cache_block *b) { return (int64_t)(b->pool->search_count - b->gc_base); }
 
-/* Puts a free block into its pool as a fresh cache entry (age 0). */
-static void pool_insert(cache_block *b)
+void cache_pool_insert(cache_block *b)
 {
     b->gc_base = b->pool->search_count;
     block_pool_insert(b->pool, b);
@@ -109,26 +110,60 @@ static size_t roundup_power2_next_division(size_t size, size_t divisions)
     return round_up(size, step);
 }
 
-size_t cache_round_size(size_t size)
+size_t cache_round_size(const alloc_settings *settings, size_t pad, size_t size)
 {
-    size += K_PAD_SIZE; /* torch_npu pads every request by 32 bytes */
+    size += pad; /* torch_npu pads every request by 32 bytes (a CUDA replay uses no pad) */
     if (size < K_MIN_BLOCK_SIZE)
         return K_MIN_BLOCK_SIZE;
-    size_t divisions = alloc_conf_roundup_divisions(&cache_settings, size);
+    size_t divisions = alloc_conf_roundup_divisions(settings, size);
     if (divisions > 1 && size > K_MIN_BLOCK_SIZE * divisions)
         return roundup_power2_next_division(size, divisions);
     return round_up(size, K_MIN_BLOCK_SIZE);
 }
 
-static size_t allocation_size(size_t size, bool small)
+static size_t allocation_size(const alloc_settings *settings, size_t size, bool small)
 {
-    if (!small && cache_settings.page_size_1g)
+    if (!small && settings->page_size_1g)
         return round_up(size, K_EXTRA_LARGE_BUFFER);
     if (size <= K_SMALL_SIZE)
         return K_SMALL_BUFFER;
     if (size < K_MIN_LARGE_ALLOC)
-        return cache_settings.large_segment_size;
+        return settings->large_segment_size;
     return round_up(size, K_ROUND_LARGE);
+}
+
+/* ---- contexts ---- */
+
+npualloc_context *npualloc_context_create(const void *data, size_t len)
+{
+    if (len > UINT32_MAX)
+        return NULL;
+    npualloc_context *c = malloc(sizeof *c + len);
+    if (!c)
+        return NULL;
+    atomic_init(&c->refs, 1);
+    c->len = (uint32_t)len;
+    if (len)
+        memcpy(c->data, data, len);
+    return c;
+}
+
+void npualloc_context_retain(npualloc_context *c)
+{
+    if (c)
+        atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
+}
+
+void npualloc_context_release(npualloc_context *c)
+{
+    if (c && atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) == 1)
+        free(c);
+}
+
+const void *npualloc_context_data(const npualloc_context *c, size_t *len)
+{
+    *len = c ? c->len : 0;
+    return c ? c->data : NULL;
 }
 
 /* ---- memory history ---- */
@@ -137,7 +172,9 @@ void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr,
 {
     if (!dc->history_enabled || !dc->history_max)
         return;
-    trace_entry e = {action, addr, size, stream, (int64_t)(host_now_ns() / 1000)};
+    npualloc_context *ctx = dc->record_context >= NPUALLOC_RECORD_ALLOC ? dc->current_ctx : NULL;
+    trace_entry e = {action, addr, size, stream, (int64_t)(host_now_ns() / 1000), ctx};
+    npualloc_context_retain(ctx);
     if (dc->history_count == dc->history_capacity && dc->history_capacity < dc->history_max) {
         size_t cap = dc->history_capacity ? dc->history_capacity * 2 : 1024;
         if (cap > dc->history_max)
@@ -153,8 +190,11 @@ void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr,
     if (dc->history_count < dc->history_capacity) {
         dc->history[dc->history_count++] = e;
     } else if (dc->history_capacity) {
+        npualloc_context_release(dc->history[dc->history_next].ctx);
         dc->history[dc->history_next] = e;
         dc->history_next = (dc->history_next + 1) % dc->history_capacity;
+    } else {
+        npualloc_context_release(ctx);
     }
 }
 
@@ -169,7 +209,7 @@ typedef struct alloc_params {
     aclError err;
 } alloc_params;
 
-static inline size_t max_split_size(void) { return cache_settings.max_split_size; }
+static inline size_t max_split_size(const device_cache *dc) { return dc->settings->max_split_size; }
 
 /* ---- events ---- */
 
@@ -279,20 +319,43 @@ static void synchronize_and_free_events(device_cache *dc)
 
 /* ---- finding a cached block ---- */
 
+static size_t expandable_size(const cache_block *b)
+{
+    return b->size + (b->next && !b->next->mapped ? b->next->size : 0);
+}
+
 static bool get_free_block(device_cache *dc, alloc_params *p)
 {
     block_pool *pool = p->pool;
-    if (dc->set_fraction && cache_settings.garbage_collection_threshold > 0.0)
+    if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)
         pool->search_count++; /* every cached block of the pool ages by one */
     cache_block *b = block_pool_lower_bound(pool, p->stream, p->size);
     if (!b || b->stream != p->stream)
         return false;
-    size_t max_split = max_split_size();
+    if (b->es) {
+        if (dc->settings->expandable_segments) {
+            /* For best fit an expandable block counts as big as it can grow (into the unmapped
+             * space after it): prefer a later block that would grow less. */
+            cache_block *next = block_pool_next(b);
+            while (b->es && next && next->stream == p->stream && expandable_size(next) < expandable_size(b)) {
+                b = next;
+                next = block_pool_next(b);
+            }
+        } else {
+            /* Expandable segments were turned off: only plain blocks qualify. */
+            do
+                b = block_pool_next(b);
+            while (b && b->es && b->stream == p->stream);
+            if (!b || b->stream != p->stream)
+                return false;
+        }
+    }
+    size_t max_split = max_split_size(dc);
     /* An oversize block is never split for a smaller request... */
     if (p->size < max_split && b->size >= max_split)
         return false;
     /* ...and serves a large request only if it is not much larger. */
-    if (p->size >= max_split && b->size >= p->size + cache_settings.max_non_split_rounding_size)
+    if (p->size >= max_split && b->size >= p->size + dc->settings->max_non_split_rounding_size)
         return false;
     block_pool_remove(pool, b);
     b->gc_base = pool->search_count;
@@ -302,9 +365,11 @@ static bool get_free_block(device_cache *dc, alloc_params *p)
 
 static bool trigger_free_memory_callbacks(device_cache *dc)
 {
+    npualloc_context *ctx = dc->current_ctx;
     pthread_mutex_unlock(&dc->lock);
     bool freed = cache_run_free_callbacks();
     pthread_mutex_lock(&dc->lock);
+    dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
     return freed;
 }
 
@@ -312,9 +377,11 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
  * npuSynchronizeDevice: a stream task may need the lock, e.g. a callback freeing memory). */
 static void synchronize_device_unlocked(device_cache *dc)
 {
+    npualloc_context *ctx = dc->current_ctx;
     pthread_mutex_unlock(&dc->lock);
-    (void)stream_synchronize_device(dc->device);
+    dc->backend->synchronize(dc->backend_ctx, dc->device);
     pthread_mutex_lock(&dc->lock);
+    dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
 }
 
 /* ---- segments ---- */
@@ -327,24 +394,31 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
         p->err = ACL_ERROR_RT_MEMORY_ALLOCATION;
         return false;
     }
+    if (dc->settings->expandable_segments && expandable_supported(dc)) {
+        /* Pages are mapped for the rounded size; stats and the trace come from the mapping. */
+        p->block = expandable_allocate(dc, p->pool, p->stream, p->size);
+        p->err = p->block ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
+        return p->block != NULL;
+    }
     void *ptr = NULL;
     aclError rc;
-    if (!p->pool->is_small && cache_settings.page_size_1g) {
-        rc = vmm_malloc(dc->device, p->alloc_size, (vmm_kind_choice){{MEM_HUGE1G}, 1}, &ptr);
+    const cache_backend *be = dc->backend;
+    if (!p->pool->is_small && dc->settings->page_size_1g) {
+        rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, true, &ptr);
         if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION) {
             cache_push_warning(
                 "The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M memory "
                 "page may result in performance degradation. This warning occurs because the "
                 "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated number of "
                 "1G large pages is insufficient or 1G large-page memory pre-allocation is not enabled.");
-            rc = vmm_malloc(dc->device, p->alloc_size, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, &ptr);
+            rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, false, &ptr);
         }
     } else {
-        rc = vmm_malloc(dc->device, p->alloc_size, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, &ptr);
+        rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, false, &ptr);
     }
     cache_block *b = NULL;
-    if (rc == ACL_SUCCESS && !(b = block_new(dc))) {
-        vmm_free_malloc(ptr);
+    if (rc == ACL_SUCCESS && !(b = cache_block_new(dc))) {
+        be->segment_free(dc->backend_ctx, dc->device, ptr, p->alloc_size);
         rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
     if (rc != ACL_SUCCESS) {
@@ -356,11 +430,15 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     b->stream = p->stream;
     b->ptr = (uintptr_t)ptr;
     b->size = p->alloc_size;
-    stat_array_update(dc->stats.segment, p->pool, 1);
-    stat_array_update(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
-    if (p->alloc_size >= max_split_size())
+    cache_stat_update(dc->stats.segment, p->pool, 1);
+    cache_stat_update(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
+    if (p->alloc_size >= max_split_size(dc))
         stat_increase(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_alloc++;
+    if (dc->record_context >= NPUALLOC_RECORD_STATE) {
+        b->segment_ctx = dc->current_ctx;
+        npualloc_context_retain(b->segment_ctx);
+    }
     cache_history_record(dc, TRACE_SEGMENT_ALLOC, b->ptr, b->size, b->stream);
     p->block = b;
     return true;
@@ -370,27 +448,29 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
 static void release_block(device_cache *dc, cache_block *b)
 {
     cache_history_record(dc, TRACE_SEGMENT_FREE, b->ptr, b->size, b->stream);
-    vmm_free_malloc((void *)b->ptr);
+    dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)b->ptr, b->size);
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
-    stat_array_update(dc->stats.segment, pool, -1);
-    stat_array_update(dc->stats.reserved_bytes, pool, -(int64_t)b->size);
-    if (b->size >= max_split_size())
+    cache_stat_update(dc->stats.segment, pool, -1);
+    cache_stat_update(dc->stats.reserved_bytes, pool, -(int64_t)b->size);
+    if (b->size >= max_split_size(dc))
         stat_decrease(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_free++;
     block_pool_remove(pool, b);
-    block_delete(dc, b);
+    cache_block_delete(dc, b);
 }
 
 /* Frees oversize cached segments of the request's stream, just enough for the request. */
 static bool release_available_cached_blocks(device_cache *dc, alloc_params *p)
 {
-    size_t max_split = max_split_size();
+    size_t max_split = max_split_size(dc);
     if (max_split == SIZE_MAX)
         return false;
     size_t key_size = p->size > max_split ? p->size : max_split;
     synchronize_device_unlocked(dc); /* torch_npu synchronizes before releasing */
     cache_block *b = block_pool_lower_bound(p->pool, p->stream, key_size);
+    while (b && b->stream == p->stream && b->es) /* expandable blocks are not segments */
+        b = block_pool_next(b);
     if (b && b->stream == p->stream) {
         if (block_is_split(b))
             return false;
@@ -402,7 +482,7 @@ static bool release_available_cached_blocks(device_cache *dc, alloc_params *p)
     b = block_pool_last_of_stream(p->pool, p->stream);
     while (released < key_size && b && b->size >= max_split) {
         cache_block *prev = block_pool_prev(b);
-        if (!block_is_split(b)) {
+        if (!block_is_split(b) && !b->es) {
             released += b->size;
             release_block(dc, b);
         }
@@ -411,35 +491,56 @@ static bool release_available_cached_blocks(device_cache *dc, alloc_params *p)
     return released >= key_size;
 }
 
-static void release_blocks(device_cache *dc, block_pool *pool)
+static void release_blocks(device_cache *dc, block_pool *pool, bool keep_pages)
 {
+    /* Expandable blocks are collected first: unmapping splits and merges blocks around them
+     * (it only ever deletes unmapped neighbours, never another collected block). */
+    size_t n = 0, cap = 0;
+    cache_block **expandable = NULL;
     cache_block *b = block_pool_first(pool);
     while (b) {
         cache_block *next = block_pool_next(b);
-        if (!block_is_split(b))
+        if (b->es) {
+            if (n == cap) {
+                size_t grown_cap = cap ? cap * 2 : 16;
+                cache_block **grown = realloc(expandable, grown_cap * sizeof *grown);
+                if (grown) { /* out of host memory: this block simply stays mapped */
+                    expandable = grown;
+                    cap = grown_cap;
+                }
+            }
+            if (n < cap)
+                expandable[n++] = b;
+        } else if (!block_is_split(b)) {
             release_block(dc, b);
+        }
         b = next;
     }
+    for (size_t i = 0; i < n; i++)
+        expandable_release_block(dc, expandable[i], keep_pages);
+    free(expandable);
 }
 
 /* Returns every whole cached segment to the device (torch's release_cached_blocks). */
-static bool release_cached_blocks(device_cache *dc)
+static bool release_cached_blocks(device_cache *dc, bool keep_pages)
 {
     synchronize_and_free_events(dc);
-    release_blocks(dc, &dc->large);
-    release_blocks(dc, &dc->small);
+    release_blocks(dc, &dc->large, keep_pages);
+    release_blocks(dc, &dc->small, keep_pages);
+    if (!keep_pages)
+        expandable_free_cached_pages(dc);
     return true;
 }
 
 /* Frees the oldest whole cached large segments until usage is back under the threshold. */
 static void garbage_collect_cached_blocks(device_cache *dc)
 {
-    size_t gc_threshold = (size_t)(cache_settings.garbage_collection_threshold * (double)dc->allowed_memory_maximum);
+    size_t gc_threshold = (size_t)(dc->settings->garbage_collection_threshold * (double)dc->allowed_memory_maximum);
     if (dc->total_allocated_memory <= gc_threshold)
         return;
     bool any = false;
     for (cache_block *b = block_pool_first(&dc->large); b && !any; b = block_pool_next(b))
-        any = !block_is_split(b);
+        any = !block_is_split(b) && !b->es;
     if (!any)
         return;
     synchronize_device_unlocked(dc); /* torch_npu synchronizes before collecting */
@@ -449,7 +550,7 @@ static void garbage_collect_cached_blocks(device_cache *dc)
     double total_age = 0.0;
     size_t freeable = 0;
     for (cache_block *b = block_pool_first(&dc->large); b; b = block_pool_next(b)) {
-        if (!block_is_split(b)) {
+        if (!block_is_split(b) && !b->es) {
             total_age += (double)block_age(b);
             freeable++;
         }
@@ -462,7 +563,7 @@ static void garbage_collect_cached_blocks(device_cache *dc)
         cache_block *b = block_pool_first(&dc->large);
         while (b) {
             cache_block *next = block_pool_next(b);
-            if (!block_is_split(b) && (double)block_age(b) >= age_threshold) {
+            if (!block_is_split(b) && !b->es && (double)block_age(b) >= age_threshold) {
                 freed_something = true;
                 reclaimed += b->size;
                 total_age -= (double)block_age(b);
@@ -476,12 +577,41 @@ static void garbage_collect_cached_blocks(device_cache *dc)
 
 /* ---- handing out and taking back ---- */
 
-static bool should_split(const cache_block *b, size_t size)
+static bool should_split(const device_cache *dc, const cache_block *b, size_t size)
 {
     size_t remaining = b->size - size;
-    if (b->pool->is_small)
+    if (b->pool->is_small || dc->settings->expandable_segments)
         return remaining >= K_MIN_BLOCK_SIZE;
-    return size < max_split_size() && remaining > K_SMALL_SIZE;
+    return size < max_split_size(dc) && remaining > K_SMALL_SIZE;
+}
+
+/* torch_npu's base_addr_aligned_kb: with expandable segments, a block of 2 MiB or more starts on
+ * that alignment; the unaligned front goes back to the pool (no stats change). */
+static void align_block_start(device_cache *dc, alloc_params *p)
+{
+    size_t align = dc->settings->base_addr_aligned_size;
+    cache_block *b = p->block;
+    if (p->size < K_ROUND_LARGE || !dc->settings->expandable_segments || !align || b->ptr % align == 0)
+        return;
+    size_t offset = align - b->ptr % align;
+    if (offset + p->size > b->size)
+        return;
+    cache_block *aligned = cache_block_new(dc);
+    if (!aligned)
+        return; /* out of host memory: the unaligned block still serves the request */
+    aligned->pool = b->pool;
+    aligned->stream = b->stream;
+    aligned->es = b->es;
+    aligned->ptr = b->ptr + offset;
+    aligned->size = b->size - offset;
+    aligned->prev = b;
+    aligned->next = b->next;
+    if (b->next)
+        b->next->prev = aligned;
+    b->next = aligned;
+    b->size = offset;
+    cache_pool_insert(b);
+    p->block = aligned;
 }
 
 static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig_size, void **out)
@@ -489,12 +619,12 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
     cache_block *b = p->block;
     block_pool *pool = p->pool;
     bool already_split = block_is_split(b);
-    bool split = should_split(b, p->size);
-    cache_block *front = split ? block_new(dc) : NULL;
+    bool split = should_split(dc, b, p->size);
+    cache_block *front = split ? cache_block_new(dc) : NULL;
     if ((split && !front) || ptr_map_reserve(&dc->allocated_blocks, 1) != 0) {
         if (front)
-            block_delete(dc, front);
-        pool_insert(b);
+            cache_block_delete(dc, front);
+        cache_pool_insert(b);
         cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for block metadata");
         return ACL_ERROR_BAD_ALLOC;
     }
@@ -510,45 +640,55 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
             front->prev->next = front;
         front->next = rest;
         rest->prev = front;
+        front->segment_ctx = rest->segment_ctx; /* the front is the segment's first block now */
+        rest->segment_ctx = NULL;
+        front->es = rest->es;
         rest->ptr += p->size;
         rest->size -= p->size;
-        pool_insert(rest);
+        cache_pool_insert(rest);
         b = front;
-        if (already_split) {
-            stat_array_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
+        if (b->es) {
+            /* expandable segments keep no inactive-split stats */
+        } else if (already_split) {
+            cache_stat_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
         } else {
-            stat_array_update(dc->stats.inactive_split_bytes, pool, (int64_t)rest->size);
-            stat_array_update(dc->stats.inactive_split, pool, 1);
+            cache_stat_update(dc->stats.inactive_split_bytes, pool, (int64_t)rest->size);
+            cache_stat_update(dc->stats.inactive_split, pool, 1);
         }
-    } else if (already_split) {
-        stat_array_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
-        stat_array_update(dc->stats.inactive_split, pool, -1);
+    } else if (already_split && !b->es) {
+        cache_stat_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
+        cache_stat_update(dc->stats.inactive_split, pool, -1);
     }
     ptr_map_put(&dc->allocated_blocks, b->ptr, b); /* cannot fail: capacity reserved above */
     b->allocated = true;
     b->requested_size = orig_size;
+    if (dc->record_context >= NPUALLOC_RECORD_STATE) {
+        b->ctx = dc->current_ctx;
+        npualloc_context_retain(b->ctx);
+    }
     cache_history_record(dc, TRACE_ALLOC, b->ptr, orig_size, b->stream);
-    stat_array_update(dc->stats.allocation, pool, 1);
-    stat_array_update(dc->stats.allocated_bytes, pool, (int64_t)b->size);
-    stat_array_update(dc->stats.active, pool, 1);
-    stat_array_update(dc->stats.active_bytes, pool, (int64_t)b->size);
-    stat_array_update(dc->stats.requested_bytes, pool, (int64_t)orig_size);
-    if (b->size >= max_split_size())
+    cache_stat_update(dc->stats.allocation, pool, 1);
+    cache_stat_update(dc->stats.allocated_bytes, pool, (int64_t)b->size);
+    cache_stat_update(dc->stats.active, pool, 1);
+    cache_stat_update(dc->stats.active_bytes, pool, (int64_t)b->size);
+    cache_stat_update(dc->stats.requested_bytes, pool, (int64_t)orig_size);
+    if (b->size >= max_split_size(dc))
         stat_increase(&dc->stats.oversize_allocations, 1);
     *out = (void *)b->ptr;
     return ACL_SUCCESS;
 }
 
-/* Merges src into dst when src is free; returns the bytes taken over (0 if none). */
-static size_t try_merge_blocks(device_cache *dc, cache_block *dst, cache_block *src)
+size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src)
 {
-    if (!src || src->allocated || src->event_count > 0 || src->use_count > 0)
+    if (!src || src->allocated || src->event_count > 0 || src->use_count > 0 || src->mapped != dst->mapped)
         return 0;
     if (dst->prev == src) {
         dst->ptr = src->ptr;
         dst->prev = src->prev;
         if (dst->prev)
             dst->prev->next = dst;
+        dst->segment_ctx = src->segment_ctx; /* dst becomes the first block if src was */
+        src->segment_ctx = NULL;
     } else {
         dst->next = src->next;
         if (dst->next)
@@ -556,8 +696,11 @@ static size_t try_merge_blocks(device_cache *dc, cache_block *dst, cache_block *
     }
     size_t subsumed = src->size;
     dst->size += subsumed;
-    block_pool_remove(src->pool, src);
-    block_delete(dc, src);
+    if (src->mapped)
+        block_pool_remove(src->pool, src);
+    else
+        block_pool_remove_unmapped(src->pool, src);
+    cache_block_delete(dc, src);
     return subsumed;
 }
 
@@ -568,26 +711,28 @@ static void free_block(device_cache *dc, cache_block *b)
     size_t original_size = b->size, requested = b->requested_size;
     block_pool *pool = b->pool;
     int64_t net_splits = 0, net_split_bytes = 0;
+    npualloc_context_release(b->ctx); /* a cached block has no allocation context */
+    b->ctx = NULL;
     cache_block *neighbours[2] = {b->prev, b->next};
     for (int i = 0; i < 2; i++) {
-        size_t subsumed = try_merge_blocks(dc, b, neighbours[i]);
+        size_t subsumed = cache_try_merge(dc, b, neighbours[i]);
         if (subsumed) {
             net_splits--;
             net_split_bytes -= (int64_t)subsumed;
         }
     }
-    pool_insert(b);
+    cache_pool_insert(b);
     if (block_is_split(b)) {
         net_splits++;
         net_split_bytes += (int64_t)b->size;
     }
-    if (net_splits)
-        stat_array_update(dc->stats.inactive_split, pool, net_splits);
-    if (net_split_bytes)
-        stat_array_update(dc->stats.inactive_split_bytes, pool, net_split_bytes);
-    stat_array_update(dc->stats.active, pool, -1);
-    stat_array_update(dc->stats.active_bytes, pool, -(int64_t)original_size);
-    stat_array_update(dc->stats.requested_bytes, pool, -(int64_t)requested);
+    if (net_splits && !b->es)
+        cache_stat_update(dc->stats.inactive_split, pool, net_splits);
+    if (net_split_bytes && !b->es)
+        cache_stat_update(dc->stats.inactive_split_bytes, pool, net_split_bytes);
+    cache_stat_update(dc->stats.active, pool, -1);
+    cache_stat_update(dc->stats.active_bytes, pool, -(int64_t)original_size);
+    cache_stat_update(dc->stats.requested_bytes, pool, -(int64_t)requested);
 }
 
 void cache_free_locked(device_cache *dc, cache_block *b)
@@ -595,10 +740,10 @@ void cache_free_locked(device_cache *dc, cache_block *b)
     ptr_map_remove(&dc->allocated_blocks, b->ptr);
     b->allocated = false;
     block_pool *pool = b->pool;
-    stat_array_update(dc->stats.allocation, pool, -1);
-    stat_array_update(dc->stats.allocated_bytes, pool, -(int64_t)b->size);
+    cache_stat_update(dc->stats.allocation, pool, -1);
+    cache_stat_update(dc->stats.allocated_bytes, pool, -(int64_t)b->size);
     cache_history_record(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream);
-    if (b->size >= max_split_size())
+    if (b->size >= max_split_size(dc))
         stat_decrease(&dc->stats.oversize_allocations, 1);
     if (b->use_count > 0)
         insert_events(dc, b);
@@ -667,7 +812,7 @@ void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream
 static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, npualloc_oom_info *oom)
 {
     size_t device_free = 0, device_total = 0;
-    device_mem_info(dc->device, ACL_HBM_MEM, &device_free, &device_total);
+    dc->backend->mem_info(dc->backend_ctx, dc->device, &device_free, &device_total);
     memset(oom, 0, sizeof *oom);
     oom->device = dc->device;
     oom->requested = orig_size;
@@ -686,17 +831,17 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
 {
     process_events(dc);
     alloc_params p = {0};
-    p.size = cache_round_size(orig_size);
+    p.size = cache_round_size(dc->settings, dc->pad, orig_size);
     p.stream = stream;
     p.pool = p.size <= K_SMALL_SIZE ? &dc->small : &dc->large;
-    p.alloc_size = allocation_size(p.size, p.pool->is_small);
+    p.alloc_size = allocation_size(dc->settings, p.size, p.pool->is_small);
     p.err = ACL_SUCCESS;
 
     bool found = get_free_block(dc, &p) || (trigger_free_memory_callbacks(dc) && get_free_block(dc, &p));
     if (!found) {
-        if (dc->set_fraction && cache_settings.garbage_collection_threshold > 0.0)
+        if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)
             garbage_collect_cached_blocks(dc);
-        if (dc->set_fraction && cache_settings.throw_on_npumalloc_oom &&
+        if (dc->set_fraction && dc->settings->throw_on_npumalloc_oom &&
             dc->total_allocated_memory + p.alloc_size > dc->allowed_memory_maximum) {
             /* throw_on_npumalloc_oom: reject before trying the device or the retry chain. */
             dc->stats.num_oom_rejections++;
@@ -710,7 +855,7 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
     if (!found) {
         /* Last resort: drain the device, return every cached segment, try once more. */
         synchronize_device_unlocked(dc);
-        found = release_cached_blocks(dc) && alloc_block(dc, &p, true);
+        found = release_cached_blocks(dc, false) && alloc_block(dc, &p, true);
     }
     if (!found) {
         if (p.err != ACL_ERROR_RT_MEMORY_ALLOCATION) {
@@ -723,21 +868,22 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
         cache_history_record(dc, TRACE_OOM, oom->device_free, p.size, stream);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
+    align_block_start(dc, &p);
     return alloc_found_block(dc, &p, orig_size, out);
 }
 
 /* ---- empty_cache, fraction ---- */
 
-void cache_empty_locked(device_cache *dc)
+void cache_empty_locked(device_cache *dc, bool keep_pages)
 {
     synchronize_device_unlocked(dc);
-    release_cached_blocks(dc);
+    release_cached_blocks(dc, keep_pages);
 }
 
 void cache_set_fraction_locked(device_cache *dc, double fraction)
 {
     size_t free_bytes = 0, total = 0;
-    device_mem_info(dc->device, ACL_HBM_MEM, &free_bytes, &total);
+    dc->backend->mem_info(dc->backend_ctx, dc->device, &free_bytes, &total);
     dc->fraction = fraction;
     dc->allowed_memory_maximum = (size_t)(fraction * (double)total);
     dc->set_fraction = true;
@@ -745,15 +891,28 @@ void cache_set_fraction_locked(device_cache *dc, double fraction)
 
 /* ---- lifetime ---- */
 
-void cache_device_init(device_cache *dc, int32_t device)
+static size_t segment_size(const cache_block *head)
+{
+    size_t total = 0;
+    for (const cache_block *b = head; b; b = b->next)
+        total += b->size;
+    return total;
+}
+
+void cache_device_init(device_cache *dc, int32_t device, const alloc_settings *settings,
+                       const cache_backend *backend, void *backend_ctx, size_t pad)
 {
     dc->device = device;
+    dc->settings = settings;
+    dc->backend = backend;
+    dc->backend_ctx = backend_ctx;
+    dc->pad = pad;
     block_pool_init(&dc->large, false, NULL);
     block_pool_init(&dc->small, true, NULL);
     memset(&dc->stats, 0, sizeof dc->stats);
-    dc->stats.max_split_size = cache_settings.max_split_size == SIZE_MAX ? -1 : (int64_t)cache_settings.max_split_size;
-    if (cache_settings.per_process_memory_fraction_set)
-        cache_set_fraction_locked(dc, cache_settings.per_process_memory_fraction);
+    dc->stats.max_split_size = dc->settings->max_split_size == SIZE_MAX ? -1 : (int64_t)dc->settings->max_split_size;
+    if (dc->settings->per_process_memory_fraction_set)
+        cache_set_fraction_locked(dc, dc->settings->per_process_memory_fraction);
     dc->started = true;
 }
 
@@ -779,14 +938,12 @@ static void head_push(head_list *l, cache_block *b)
     l->items[l->count++] = b;
 }
 
+/* Every block is exactly one of: cached (pool), unmapped, allocated, waiting for events; so
+ * visiting all four sets meets each segment's first block once. */
 static void collect_head(cache_block *b, head_list *l)
 {
-    while (b->prev)
-        b = b->prev;
-    for (size_t i = 0; i < l->count; i++)
-        if (l->items[i] == b)
-            return;
-    head_push(l, b);
+    if (!b->prev)
+        head_push(l, b);
 }
 
 static int head_order(const void *a, const void *b)
@@ -795,27 +952,44 @@ static int head_order(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+static void dedupe_heads(head_list *l)
+{
+    size_t out = 0;
+    for (size_t i = 0; i < l->count; i++)
+        if (out == 0 || l->items[i] != l->items[out - 1])
+            l->items[out++] = l->items[i];
+    l->count = out;
+}
+
+/* Finds the first block of every segment, from every block reachable: cached, unmapped,
+ * allocated, or waiting for events.  Sorted by address, no duplicates. */
+static void collect_heads(device_cache *dc, head_list *heads)
+{
+    block_pool *pools[2] = {&dc->large, &dc->small};
+    for (int i = 0; i < 2; i++) {
+        for (cache_block *b = block_pool_first(pools[i]); b; b = block_pool_next(b))
+            collect_head(b, heads);
+        avl_node *n = avl_first(&pools[i]->unmapped);
+        for (; n; n = avl_next(n))
+            collect_head(AVL_ENTRY(n, cache_block, pool_node), heads);
+    }
+    for (size_t i = 0; dc->allocated_blocks.mask && i <= dc->allocated_blocks.mask; i++)
+        if (dc->allocated_blocks.slots[i].key)
+            collect_head(dc->allocated_blocks.slots[i].value, heads);
+    for (size_t i = 0; i < dc->queue_count; i++)
+        for (pending_event *e = dc->queues[i].head; e; e = e->next)
+            collect_head(e->block, heads);
+    if (heads->count > 1)
+        qsort(heads->items, heads->count, sizeof *heads->items, head_order);
+    dedupe_heads(heads); /* a pending block has one queue entry per stream that used it */
+}
+
 void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx)
 {
     head_list heads = {0};
-    /* Segment heads are found from every block we can reach: cached, allocated, pending. */
-    block_pool *pools[2] = {&dc->large, &dc->small};
-    for (int i = 0; i < 2; i++)
-        for (cache_block *b = block_pool_first(pools[i]); b; b = block_pool_next(b))
-            if (!b->prev)
-                head_push(&heads, b);
-    for (size_t i = 0; dc->allocated_blocks.mask && i <= dc->allocated_blocks.mask; i++)
-        if (dc->allocated_blocks.slots[i].key)
-            collect_head(dc->allocated_blocks.slots[i].value, &heads);
-    for (size_t i = 0; i < dc->queue_count; i++)
-        for (pending_event *e = dc->queues[i].head; e; e = e->next)
-            collect_head(e->block, &heads);
-    /* A cached head may also be reached through an allocated block: drop duplicates. */
-    if (heads.count > 1)
-        qsort(heads.items, heads.count, sizeof *heads.items, head_order);
+    collect_heads(dc, &heads);
     for (size_t i = 0; i < heads.count; i++)
-        if (i == 0 || heads.items[i] != heads.items[i - 1])
-            fn(heads.items[i], ctx);
+        fn(heads.items[i], ctx);
     free(heads.items);
 }
 
@@ -823,7 +997,22 @@ void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ct
  * (false after fork, where the memory is not in the process). */
 static void release_everything(device_cache *dc, bool return_memory)
 {
-    /* Pending frees complete (their streams are being torn down anyway). */
+    /* Every segment goes back to the runtime; the block structs live in chunks. */
+    head_list heads = {0};
+    collect_heads(dc, &heads);
+    for (size_t i = 0; i < heads.count; i++) {
+        if (return_memory && !heads.items[i]->es)
+            dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)heads.items[i]->ptr,
+                                      segment_size(heads.items[i]));
+        for (cache_block *b = heads.items[i]; b; b = b->next) {
+            free(b->uses);
+            npualloc_context_release(b->ctx);
+            npualloc_context_release(b->segment_ctx);
+        }
+    }
+    free(heads.items);
+    expandable_release_all(dc, return_memory);
+    /* Pending frees are dropped (their streams are being torn down anyway). */
     for (size_t i = 0; i < dc->queue_count; i++) {
         while (dc->queues[i].head) {
             pending_event *e = dc->queues[i].head;
@@ -833,27 +1022,12 @@ static void release_everything(device_cache *dc, bool return_memory)
         }
     }
     free(dc->queues);
-    /* Every segment goes back to the runtime; the block structs live in chunks. */
-    head_list heads = {0};
-    block_pool *pools[2] = {&dc->large, &dc->small};
-    for (int i = 0; i < 2; i++)
-        for (cache_block *b = block_pool_first(pools[i]); b; b = block_pool_next(b))
-            if (!b->prev)
-                head_push(&heads, b);
-    for (size_t i = 0; dc->allocated_blocks.mask && i <= dc->allocated_blocks.mask; i++)
-        if (dc->allocated_blocks.slots[i].key)
-            collect_head(dc->allocated_blocks.slots[i].value, &heads);
-    for (size_t i = 0; i < heads.count; i++) {
-        if (return_memory)
-            vmm_free_malloc((void *)heads.items[i]->ptr);
-        for (cache_block *b = heads.items[i]; b; b = b->next)
-            free(b->uses);
-    }
-    free(heads.items);
     ptr_map_free(&dc->allocated_blocks);
     for (size_t i = 0; i < dc->chunk_count; i++)
         free(dc->chunks[i]);
     free(dc->chunks);
+    for (size_t i = 0; i < dc->history_count; i++)
+        npualloc_context_release(dc->history[i].ctx);
     free(dc->history);
     pthread_mutex_t lock = dc->lock;
     memset(dc, 0, sizeof *dc);
@@ -866,6 +1040,7 @@ void cache_device_forget(device_cache *dc) { release_everything(dc, false); }
 /* ---- the invariant checker ---- */
 
 typedef struct check_state {
+    const device_cache *dc;
     int32_t device;
     size_t free_blocks;
     char *why;
@@ -884,69 +1059,114 @@ typedef struct check_state {
         }                                                                                                          \
     } while (0)
 
+static void count_block(check_state *st, const cache_block *b, int kind, bool is_free)
+{
+    if (b->allocated) {
+        st->expect.allocation[NPUALLOC_STAT_ALL].current++;
+        st->expect.allocated_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
+        st->expect.allocation[kind].current++;
+        st->expect.allocated_bytes[kind].current += (int64_t)b->size;
+    }
+    if (!is_free) {
+        st->expect.active[NPUALLOC_STAT_ALL].current++;
+        st->expect.active_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
+        st->expect.active[kind].current++;
+        st->expect.active_bytes[kind].current += (int64_t)b->size;
+        st->expect.requested_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->requested_size;
+        st->expect.requested_bytes[kind].current += (int64_t)b->requested_size;
+    } else if (block_is_split(b) && !b->es) {
+        st->expect.inactive_split[NPUALLOC_STAT_ALL].current++;
+        st->expect.inactive_split_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
+        st->expect.inactive_split[kind].current++;
+        st->expect.inactive_split_bytes[kind].current += (int64_t)b->size;
+    }
+}
+
+/* Checks an expandable block against its segment's page table. */
+static void check_pages(check_state *st, const cache_block *b)
+{
+    const expandable_segment *es = b->es;
+    if (b->mapped) {
+        size_t first = (b->ptr - es->base) / es->page_size, last = (b->ptr + b->size - es->base - 1) / es->page_size;
+        for (size_t i = first; i <= last && i < es->pages; i++)
+            CHECK(es->handles[i] != 0, "block %#lx is mapped but its page %zu is not", (unsigned long)b->ptr, i);
+    } else {
+        CHECK((b->ptr - es->base) % es->page_size == 0 && b->size % es->page_size == 0,
+              "unmapped block %#lx does not cover whole pages", (unsigned long)b->ptr);
+        for (size_t i = (b->ptr - es->base) / es->page_size; i < (b->ptr + b->size - es->base) / es->page_size; i++)
+            CHECK(es->handles[i] == 0, "block %#lx is unmapped but its page %zu is mapped", (unsigned long)b->ptr, i);
+        CHECK(!b->allocated && b->event_count == 0 && !b->in_pool, "unmapped block %#lx is in use or cached",
+              (unsigned long)b->ptr);
+    }
+}
+
 static void check_segment(cache_block *head, void *ctx)
 {
     check_state *st = ctx;
     bool small = head->pool->is_small;
     int kind = small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
+    const cache_backend *be = st->dc->backend;
     CHECK(head->ptr >= st->last_end, "segment %#lx overlaps the previous one", (unsigned long)head->ptr);
-    size_t total = 0;
-    uintptr_t expect_ptr = head->ptr;
-    bool prev_free = false;
+    CHECK(!head->es || head->ptr == head->es->base, "expandable chain %#lx does not start at its segment",
+          (unsigned long)head->ptr);
+    size_t total = 0, mapped_total = 0, run = 0;
+    uintptr_t expect_ptr = head->ptr, run_start = head->ptr;
+    bool prev_free = false, prev_unmapped = false;
     for (cache_block *b = head; b; b = b->next) {
         CHECK(b->ptr == expect_ptr, "block %#lx does not start where its predecessor ends (%#lx)",
               (unsigned long)b->ptr, (unsigned long)expect_ptr);
         CHECK(!b->next || b->next->prev == b, "block %#lx: next/prev links disagree", (unsigned long)b->ptr);
-        CHECK(b->pool == head->pool && b->stream == head->stream, "block %#lx: pool or stream differs from its segment",
-              (unsigned long)b->ptr);
+        CHECK(b->pool == head->pool && b->stream == head->stream && b->es == head->es,
+              "block %#lx: pool, stream or segment differs from its chain", (unsigned long)b->ptr);
         CHECK(b->size > 0 && b->size % K_MIN_BLOCK_SIZE == 0, "block %#lx: size %zu is not a positive multiple of 512",
               (unsigned long)b->ptr, b->size);
+        expect_ptr += b->size;
+        total += b->size;
+        if (b->es)
+            check_pages(st, b);
+        if (!b->mapped) {
+            CHECK(b->es != NULL, "block %#lx is unmapped outside an expandable segment", (unsigned long)b->ptr);
+            CHECK(!prev_unmapped, "unmapped neighbours at %#lx were not merged", (unsigned long)b->ptr);
+            /* a mapped run ends here: the runtime must hold exactly it */
+            CHECK(!run || !be->segment_valid || be->segment_valid(st->dc->backend_ctx, st->device, (void *)run_start, run),
+                  "mapped range %#lx (%zu bytes) is not mapped memory of device %d", (unsigned long)run_start, run,
+                  st->device);
+            run = 0;
+            run_start = b->ptr + b->size;
+            prev_unmapped = true;
+            prev_free = false;
+            continue;
+        }
         bool is_free = !b->allocated && b->event_count == 0;
         CHECK(!(is_free && prev_free), "free neighbours %#lx and its predecessor were not merged",
               (unsigned long)b->ptr);
         CHECK(b->in_pool == is_free, "block %#lx: in pool %d but free %d", (unsigned long)b->ptr, b->in_pool, is_free);
         prev_free = is_free;
+        prev_unmapped = false;
         st->free_blocks += is_free;
-        expect_ptr += b->size;
-        total += b->size;
-        if (b->allocated) {
-            st->expect.allocation[NPUALLOC_STAT_ALL].current++;
-            st->expect.allocated_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
-            st->expect.allocation[kind].current++;
-            st->expect.allocated_bytes[kind].current += (int64_t)b->size;
-        }
-        if (!is_free) {
-            st->expect.active[NPUALLOC_STAT_ALL].current++;
-            st->expect.active_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
-            st->expect.active[kind].current++;
-            st->expect.active_bytes[kind].current += (int64_t)b->size;
-            st->expect.requested_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->requested_size;
-            st->expect.requested_bytes[kind].current += (int64_t)b->requested_size;
-        } else if (block_is_split(b)) {
-            st->expect.inactive_split[NPUALLOC_STAT_ALL].current++;
-            st->expect.inactive_split_bytes[NPUALLOC_STAT_ALL].current += (int64_t)b->size;
-            st->expect.inactive_split[kind].current++;
-            st->expect.inactive_split_bytes[kind].current += (int64_t)b->size;
-        }
+        mapped_total += b->size;
+        run += b->size;
+        count_block(st, b, kind, is_free);
     }
-    st->expect.segment[NPUALLOC_STAT_ALL].current++;
-    st->expect.segment[kind].current++;
-    st->expect.reserved_bytes[NPUALLOC_STAT_ALL].current += (int64_t)total;
-    st->expect.reserved_bytes[kind].current += (int64_t)total;
-    st->reserved_total += total;
+    CHECK(!run || !be->segment_valid || be->segment_valid(st->dc->backend_ctx, st->device, (void *)run_start, run),
+          "mapped range %#lx (%zu bytes) is not mapped memory of device %d", (unsigned long)run_start, run,
+          st->device);
+    if (head->es) {
+        CHECK(total == head->es->pages * head->es->page_size, "expandable chain %#lx covers %zu of %zu bytes",
+              (unsigned long)head->ptr, total, head->es->pages * head->es->page_size);
+    } else {
+        st->expect.segment[NPUALLOC_STAT_ALL].current++;
+        st->expect.segment[kind].current++;
+    }
+    st->expect.reserved_bytes[NPUALLOC_STAT_ALL].current += (int64_t)mapped_total;
+    st->expect.reserved_bytes[kind].current += (int64_t)mapped_total;
+    st->reserved_total += mapped_total;
     st->last_end = head->ptr + total;
-    /* The runtime must agree that exactly this much memory is mapped there. */
-    vmm_read_lock();
-    int32_t dev = -2;
-    range_class rc = vmm_classify_locked((void *)head->ptr, total, &dev);
-    vmm_read_unlock();
-    CHECK(rc == RANGE_DEVICE && dev == st->device, "segment %#lx (%zu bytes) is not mapped memory of device %d",
-          (unsigned long)head->ptr, total, st->device);
 }
 
 aclError cache_check_locked(device_cache *dc, char *why, size_t len)
 {
-    check_state state = {.device = dc->device, .why = why, .len = len};
+    check_state state = {.dc = dc, .device = dc->device, .why = why, .len = len};
     check_state *st = &state;
     cache_each_segment(dc, check_segment, st);
     static const char *names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",

@@ -41,8 +41,10 @@
 #define K_PAD_SIZE ((size_t)32)
 #define K_ONE_EB ((size_t)1 << 60)
 
+typedef struct expandable_segment expandable_segment;
+
 struct cache_block {
-    avl_node pool_node;       /* in pool->blocks while free and cached */
+    avl_node pool_node;       /* in pool->blocks while free and mapped, in pool->unmapped while unmapped */
     cache_block *prev, *next; /* neighbours in the segment, address order */
     block_pool *pool;
     uint64_t stream;          /* stream handle the block belongs to (0 = default stream) */
@@ -53,8 +55,12 @@ struct cache_block {
     int32_t event_count;      /* events still to complete before the free finishes */
     bool allocated;
     bool in_pool;
+    bool mapped;              /* false only for the unmapped address space of an expandable segment */
+    expandable_segment *es;   /* the expandable segment the block lies in, or NULL */
     uint32_t use_count, use_capacity;
     uint64_t *uses;           /* streams recorded with record_stream while allocated */
+    npualloc_context *ctx;    /* where it was allocated, while allocated (history) */
+    npualloc_context *segment_ctx; /* on a segment's first block: where the segment was allocated */
     cache_block *free_link;   /* the device's list of spare block structs */
 };
 
@@ -91,12 +97,64 @@ typedef struct trace_entry {
     size_t size;
     uint64_t stream;
     int64_t time_us;
+    npualloc_context *ctx; /* held while the entry is */
 } trace_entry;
+
+struct npualloc_context {
+    _Atomic uint32_t refs;
+    uint32_t len;
+    char data[];
+};
+
+/* An expandable segment: a reserved range per (stream, pool) into which pages are mapped on
+ * demand, lowest address first (torch's ExpandableSegment). */
+struct expandable_segment {
+    expandable_segment *next; /* the device's list */
+    uint64_t stream;
+    block_pool *pool;
+    uintptr_t base;
+    size_t page_size;
+    size_t pages;      /* the reserved range holds this many pages */
+    uint64_t *handles; /* per page: the backend's handle, 0 while unmapped */
+    size_t mapped_pages;
+};
+
+/* Physical pages unmapped by empty_virt_addr_cache, kept for the next map. */
+typedef struct cached_page {
+    uint64_t handle;
+    size_t size;
+} cached_page;
+
+/* Where a cache gets its segments: the virtual NPU (vmm.c) for real devices, a simulated
+ * device (pure accounting) for trace replay. */
+typedef struct cache_backend {
+    /* ACL_ERROR_RT_MEMORY_ALLOCATION when the device is out of memory. */
+    aclError (*segment_alloc)(void *ctx, int32_t device, size_t size, bool huge1g, void **ptr);
+    void (*segment_free)(void *ctx, int32_t device, void *ptr, size_t size);
+    void (*mem_info)(void *ctx, int32_t device, size_t *free_bytes, size_t *total_bytes);
+    /* Waits for all work queued on the device's streams (called without the cache lock). */
+    void (*synchronize)(void *ctx, int32_t device);
+    /* For the checker (may be NULL): is [ptr, ptr + size) the device's memory? */
+    bool (*segment_valid)(void *ctx, int32_t device, void *ptr, size_t size);
+    /* Expandable segments (all NULL: not supported). Reserve address space; map a new page
+     * (ACL_ERROR_RT_MEMORY_ALLOCATION when out of memory); map a kept page again; unmap a page,
+     * freeing its memory unless `keep`; free a kept page. */
+    aclError (*reserve)(void *ctx, int32_t device, size_t size, uintptr_t *base);
+    void (*release)(void *ctx, int32_t device, uintptr_t base, size_t size);
+    aclError (*map_page)(void *ctx, int32_t device, uintptr_t va, size_t size, bool huge1g, uint64_t *handle);
+    aclError (*remap_page)(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle);
+    void (*unmap_page)(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle, bool keep);
+    void (*free_page)(void *ctx, int32_t device, uint64_t handle);
+} cache_backend;
 
 typedef struct device_cache {
     pthread_mutex_t lock;
     int32_t device;
     bool started;
+    const alloc_settings *settings;
+    const cache_backend *backend;
+    void *backend_ctx;
+    size_t pad; /* bytes added to every request before rounding (32 on an NPU, 0 for CUDA) */
     block_pool large, small;
     ptr_map allocated_blocks; /* ptr -> block, allocated blocks only */
     npualloc_stats stats;
@@ -107,10 +165,15 @@ typedef struct device_cache {
     event_queue *queues;
     size_t queue_count, queue_capacity;
     size_t pending_events;
+    expandable_segment *expandable_segments;
+    cached_page *cached_pages; /* pages kept by empty_virt_addr_cache */
+    size_t cached_page_count, cached_page_capacity;
     cache_block *spare_blocks; /* recycled block structs: no heap call on a cache hit */
     void **chunks;             /* block struct chunks, freed at shutdown */
     size_t chunk_count, chunk_capacity;
     /* memory history */
+    npualloc_context *current_ctx; /* the context of the API call holding the lock */
+    npualloc_record_context record_context;
     bool history_enabled;
     size_t history_max;      /* the ring's limit (max_entries) */
     trace_entry *history;    /* grows on demand up to history_max */
@@ -118,12 +181,33 @@ typedef struct device_cache {
     size_t history_count, history_next; /* entries held; where the oldest is once full */
 } device_cache;
 
+/* ---- shared by caching.c and caching_expandable.c ---- */
+cache_block *cache_block_new(device_cache *dc);
+void cache_block_delete(device_cache *dc, cache_block *b);
+/* Puts a free block into its pool as a fresh cache entry (age 0). */
+void cache_pool_insert(cache_block *b);
+/* Merges src into dst when src is free (same mapped state); returns the bytes taken over. */
+size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src);
+void cache_stat_update(npualloc_stat *arr, const block_pool *pool, int64_t n);
+/* Expandable segments (caching_expandable.c). */
+bool expandable_supported(const device_cache *dc);
+/* Finds or maps room for `size` bytes in the stream's expandable segment of the pool; the
+ * block returned is mapped, free, and out of the pool.  NULL when the device is out of memory. */
+cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t stream, size_t size);
+/* Unmaps the fully free pages of a free expandable block; releases the segment when nothing of
+ * it stays mapped.  `keep_pages` keeps the physical pages for reuse (empty_virt_addr_cache). */
+void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages);
+/* Frees every page kept by empty_virt_addr_cache. */
+void expandable_free_cached_pages(device_cache *dc);
+void expandable_release_all(device_cache *dc, bool return_memory);
+
 /* ---- shared state (caching_api.c) ---- */
 extern alloc_settings cache_settings;
 device_cache *cache_device(int32_t device); /* started, or NULL for an invalid device */
 
 /* ---- the algorithm (caching.c) ---- */
-void cache_device_init(device_cache *dc, int32_t device);
+void cache_device_init(device_cache *dc, int32_t device, const alloc_settings *settings,
+                       const cache_backend *backend, void *backend_ctx, size_t pad);
 /* Frees everything the device holds (blocks, segments, events); the lock must be held. */
 void cache_device_release_all(device_cache *dc);
 /* The same without giving memory back (after fork the memory is not in the process). */
@@ -134,8 +218,9 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
 void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
-/* empty_cache for one device: synchronize (lock released), then release every free segment. */
-void cache_empty_locked(device_cache *dc);
+/* empty_cache for one device: synchronize (lock released), then release every free segment;
+ * `keep_pages` (empty_virt_addr_cache) unmaps expandable pages but keeps their memory. */
+void cache_empty_locked(device_cache *dc, bool keep_pages);
 void cache_set_fraction_locked(device_cache *dc, double fraction);
 void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream);
 /* Calls fn on every block of every segment (segments in address order, blocks in order). */
@@ -159,6 +244,8 @@ bool cache_run_free_callbacks(void);
 void cache_set_error(npualloc_error_kind kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void cache_push_warning(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
-size_t cache_round_size(size_t size);
+size_t cache_round_size(const alloc_settings *settings, size_t pad, size_t size);
+/* The backend of the virtual NPU's devices. */
+extern const cache_backend cache_npu_backend;
 
 #endif

@@ -110,6 +110,105 @@ bool cache_run_free_callbacks(void)
     return freed;
 }
 
+/* ---- the virtual NPU as a segment source ---- */
+
+static aclError npu_segment_alloc(void *ctx, int32_t device, size_t size, bool huge1g, void **ptr)
+{
+    (void)ctx;
+    vmm_kind_choice choice = huge1g ? (vmm_kind_choice){{MEM_HUGE1G}, 1} : (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
+    return vmm_malloc(device, size, choice, ptr);
+}
+
+static void npu_segment_free(void *ctx, int32_t device, void *ptr, size_t size)
+{
+    (void)ctx;
+    (void)device;
+    (void)size;
+    vmm_free_malloc(ptr);
+}
+
+static void npu_mem_info(void *ctx, int32_t device, size_t *free_bytes, size_t *total_bytes)
+{
+    (void)ctx;
+    device_mem_info(device, ACL_HBM_MEM, free_bytes, total_bytes);
+}
+
+static void npu_synchronize(void *ctx, int32_t device)
+{
+    (void)ctx;
+    (void)stream_synchronize_device(device);
+}
+
+static bool npu_segment_valid(void *ctx, int32_t device, void *ptr, size_t size)
+{
+    (void)ctx;
+    vmm_read_lock();
+    int32_t dev = -2;
+    range_class rc = vmm_classify_locked(ptr, size, &dev);
+    vmm_read_unlock();
+    return rc == RANGE_DEVICE && dev == device;
+}
+
+static aclError npu_reserve(void *ctx, int32_t device, size_t size, uintptr_t *base)
+{
+    (void)ctx;
+    void *va = NULL;
+    aclError rc = vmm_reserve(device, size, NULL, &va);
+    *base = (uintptr_t)va;
+    return rc;
+}
+
+static void npu_release(void *ctx, int32_t device, uintptr_t base, size_t size)
+{
+    (void)ctx;
+    (void)device;
+    (void)size;
+    aclrtReleaseMemAddress((void *)base);
+}
+
+static aclError npu_map_page(void *ctx, int32_t device, uintptr_t va, size_t size, bool huge1g, uint64_t *handle)
+{
+    (void)ctx;
+    aclrtDrvMemHandle h;
+    aclError rc = vmm_physical_create(device, huge1g ? MEM_HUGE1G : MEM_HUGE, size, &h);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if ((rc = aclrtMapMem((void *)va, size, 0, h, 0)) != ACL_SUCCESS) {
+        aclrtFreePhysical(h);
+        return rc;
+    }
+    *handle = (uint64_t)(uintptr_t)h;
+    return ACL_SUCCESS;
+}
+
+static aclError npu_remap_page(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle)
+{
+    (void)ctx;
+    (void)device;
+    return aclrtMapMem((void *)va, size, 0, (aclrtDrvMemHandle)(uintptr_t)handle, 0);
+}
+
+static void npu_unmap_page(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle, bool keep)
+{
+    (void)ctx;
+    (void)device;
+    (void)size;
+    aclrtUnmapMem((void *)va);
+    if (!keep)
+        aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handle);
+}
+
+static void npu_free_page(void *ctx, int32_t device, uint64_t handle)
+{
+    (void)ctx;
+    (void)device;
+    aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handle);
+}
+
+const cache_backend cache_npu_backend = {npu_segment_alloc, npu_segment_free, npu_mem_info,   npu_synchronize,
+                                         npu_segment_valid, npu_reserve,      npu_release,    npu_map_page,
+                                         npu_remap_page,    npu_unmap_page,   npu_free_page};
+
 /* ---- settings ---- */
 
 /* torch_npu's start-up probe: can 512 bytes of address space be reserved? */
@@ -183,7 +282,7 @@ static device_cache *cache_get(int32_t device)
     }
     pthread_mutex_lock(&dc->lock);
     if (!dc->started) {
-        cache_device_init(dc, device);
+        cache_device_init(dc, device, &cache_settings, &cache_npu_backend, NULL, K_PAD_SIZE);
         __atomic_store_n(&dc->started, true, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&dc->lock);
@@ -313,6 +412,11 @@ static aclError report_oom(const npualloc_oom_info *info)
 
 aclError npualloc_cache_malloc(int32_t device, size_t size, uint64_t stream, void **ptr)
 {
+    return npualloc_cache_malloc_ctx(device, size, stream, NULL, ptr);
+}
+
+aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr)
+{
     if (!ptr) {
         cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_cache_malloc: ptr must not be NULL");
         return ACL_ERROR_INVALID_PARAM;
@@ -329,14 +433,18 @@ aclError npualloc_cache_malloc(int32_t device, size_t size, uint64_t stream, voi
         return ACL_ERROR_INVALID_PARAM;
     npualloc_oom_info oom;
     pthread_mutex_lock(&dc->lock);
+    dc->current_ctx = ctx;
     aclError rc = cache_malloc_locked(dc, size, stream, ptr, &oom);
+    dc->current_ctx = NULL;
     pthread_mutex_unlock(&dc->lock);
     if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
         return report_oom(&oom);
     return rc;
 }
 
-aclError npualloc_cache_free(void *ptr)
+aclError npualloc_cache_free(void *ptr) { return npualloc_cache_free_ctx(ptr, NULL); }
+
+aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx)
 {
     if (!ptr)
         return ACL_SUCCESS;
@@ -345,7 +453,9 @@ aclError npualloc_cache_free(void *ptr)
         pthread_mutex_lock(&dc->lock);
         cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
         if (b) {
+            dc->current_ctx = ctx;
             cache_free_locked(dc, b);
+            dc->current_ctx = NULL;
             pthread_mutex_unlock(&dc->lock);
             return ACL_SUCCESS;
         }
@@ -503,7 +613,31 @@ aclError npualloc_cache_empty(void)
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
         pthread_mutex_lock(&dc->lock);
-        cache_empty_locked(dc);
+        cache_empty_locked(dc, false);
+        pthread_mutex_unlock(&dc->lock);
+    }
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_empty_virt_addr_cache(void)
+{
+    if (runtime_ensure_init() != ACL_SUCCESS)
+        return ACL_SUCCESS;
+    pthread_mutex_lock(&api_lock);
+    load_settings();
+    bool expandable = cache_settings.expandable_segments;
+    pthread_mutex_unlock(&api_lock);
+    if (!expandable) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME,
+                        "Unsupported config for empty_virt_addr_cache, please enable expandable_segments.");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    for (int d = 0; d < device_count(); d++) {
+        device_cache *dc = &caches[d];
+        if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
+            continue;
+        pthread_mutex_lock(&dc->lock);
+        cache_empty_locked(dc, true);
         pthread_mutex_unlock(&dc->lock);
     }
     return ACL_SUCCESS;
@@ -627,22 +761,42 @@ static bool grow_array(void **items, size_t *cap, size_t need, size_t elem)
     return true;
 }
 
+/* Starts a snapshot segment at block b (the first of a mapped run). */
+static npualloc_segment_info *snap_begin(snap_builder *sb, const cache_block *b)
+{
+    npualloc_snapshot *s = sb->snap;
+    if (!grow_array((void **)&s->segments, &sb->seg_cap, s->segment_count + 1, sizeof *s->segments)) {
+        sb->failed = true;
+        return NULL;
+    }
+    npualloc_segment_info *seg = &s->segments[s->segment_count++];
+    memset(seg, 0, sizeof *seg);
+    seg->device = sb->device;
+    seg->address = b->ptr;
+    seg->stream = b->stream;
+    seg->is_small = b->pool->is_small;
+    seg->is_expandable = b->es != NULL;
+    seg->first_block = s->block_count;
+    if (!b->prev) {
+        seg->frames = b->segment_ctx;
+        npualloc_context_retain(seg->frames);
+    }
+    return seg;
+}
+
+/* One snapshot segment per segment, or per contiguous mapped range of an expandable one. */
 static void snap_segment(cache_block *head, void *ctx)
 {
     snap_builder *sb = ctx;
     npualloc_snapshot *s = sb->snap;
-    if (sb->failed || !grow_array((void **)&s->segments, &sb->seg_cap, s->segment_count + 1, sizeof *s->segments)) {
-        sb->failed = true;
-        return;
-    }
-    npualloc_segment_info *seg = &s->segments[s->segment_count];
-    memset(seg, 0, sizeof *seg);
-    seg->device = sb->device;
-    seg->address = head->ptr;
-    seg->stream = head->stream;
-    seg->is_small = head->pool->is_small;
-    seg->first_block = s->block_count;
-    for (cache_block *b = head; b; b = b->next) {
+    npualloc_segment_info *seg = NULL;
+    for (cache_block *b = head; b && !sb->failed; b = b->next) {
+        if (!b->mapped) {
+            seg = NULL;
+            continue;
+        }
+        if (!seg && !(seg = snap_begin(sb, b)))
+            return;
         if (!grow_array((void **)&s->blocks, &sb->block_cap, s->block_count + 1, sizeof *s->blocks)) {
             sb->failed = true;
             return;
@@ -651,6 +805,8 @@ static void snap_segment(cache_block *head, void *ctx)
         bi->address = b->ptr;
         bi->size = b->size;
         bi->requested_size = b->requested_size;
+        bi->frames = b->ctx;
+        npualloc_context_retain(bi->frames);
         bool active = b->allocated || b->event_count > 0;
         bi->state = b->allocated    ? NPUALLOC_BLOCK_ACTIVE_ALLOCATED
                     : active        ? NPUALLOC_BLOCK_ACTIVE_PENDING_FREE
@@ -664,7 +820,6 @@ static void snap_segment(cache_block *head, void *ctx)
         }
         seg->block_count++;
     }
-    s->segment_count++;
 }
 
 static bool snap_traces(snap_builder *sb, device_cache *dc, size_t *trace_cap)
@@ -683,6 +838,8 @@ static bool snap_traces(snap_builder *sb, device_cache *dc, size_t *trace_cap)
         t->size = e->size;
         t->stream = e->stream;
         t->time_us = e->time_us;
+        t->frames = e->ctx;
+        npualloc_context_retain(t->frames);
     }
     return true;
 }
@@ -720,14 +877,25 @@ void npualloc_snapshot_free(npualloc_snapshot *snap)
 {
     if (!snap)
         return;
+    for (size_t i = 0; i < snap->segment_count; i++)
+        npualloc_context_release(snap->segments[i].frames);
+    for (size_t i = 0; i < snap->block_count; i++)
+        npualloc_context_release(snap->blocks[i].frames);
+    for (size_t i = 0; i < snap->trace_count; i++)
+        npualloc_context_release(snap->traces[i].frames);
     free(snap->segments);
     free(snap->blocks);
     free(snap->traces);
     free(snap);
 }
 
-aclError npualloc_cache_record_history(bool enabled, size_t max_entries)
+static npualloc_record_context record_level;
+
+npualloc_record_context npualloc_cache_record_context(void) { return record_level; }
+
+aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries)
 {
+    record_level = enabled ? when : NPUALLOC_RECORD_NEVER;
     if (enabled && max_entries == 0)
         max_entries = 1;
     int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
@@ -736,8 +904,11 @@ aclError npualloc_cache_record_history(bool enabled, size_t max_entries)
         if (!dc)
             return ACL_ERROR_INVALID_PARAM;
         pthread_mutex_lock(&dc->lock);
+        for (size_t i = 0; i < dc->history_count; i++)
+            npualloc_context_release(dc->history[i].ctx);
         free(dc->history);
         dc->history = NULL;
+        dc->record_context = record_level;
         dc->history_capacity = 0;
         dc->history_enabled = enabled;
         dc->history_max = enabled ? max_entries : 0;

@@ -13,10 +13,27 @@
  *
  * Locks, in acquisition order (never the other way round):
  *   event lock -> stream lock      (recording queues a task while the event is locked)
- *   table_lock -> stream lock      (fork prepare)
- *   The event lock and table_lock are never held together.  Nothing is held while a task
- *   runs, and a stream or event is never released with any of these locks held (freeing
- *   takes table_lock to leave the registry).
+ *   table_lock -> sub_lock -> stream lock   (fork prepare; handing callbacks back)
+ *   The event lock is never held with table_lock or sub_lock.  Nothing is held while a task
+ *   or a callback runs, and a stream or event is never released with any of these locks held
+ *   (freeing takes table_lock to leave the registry).
+ *
+ * Callback subscriptions (see stream.h).  A callback task decides where its callback runs when
+ * the worker reaches it: on the worker (no subscriber), or as a "report" queued to the
+ * subscribed thread (report_thread), which runs it inside aclrtProcessReport.  For a BLOCK
+ * callback the worker then waits for the report to be DONE or handed back (RETURNED).
+ * Reports not yet started are handed back to their stream's worker when the stream is
+ * unsubscribed (explicitly, or by destroy/shutdown) and, for streams with a BLOCK report
+ * pending, when the subscribed thread itself blocks in a stream wait.  Handed-back NO_BLOCK
+ * reports go to the stream's `returned` list, which the worker runs before anything else.
+ *   Invariant: a queued report's stream is subscribed, hence listed (a stream leaves its
+ *   listing only after stream_close_reports()), so a queued report never outlives its
+ *   stream.  A report being run pins its stream (a pin, so a fork child keeps it too).
+ *   Callbacks of one stream never overlap, whichever thread runs the next one: before a
+ *   worker runs a callback itself or hands it to another thread, it waits until no earlier one
+ *   runs on a different thread, unless that thread is blocked in a stream wait (it may be
+ *   waiting for this stream).  Unsubscribing (and destroy) also waits for the stream's
+ *   callbacks running on other threads, like CANN's unsubscribe waits for a busy callback.
  *
  * A worker never waits for its own stream: synchronising a stream (or its device, or an event
  * on it) from one of its own tasks returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT instead of
@@ -24,8 +41,10 @@
  */
 #include "stream.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +61,9 @@ _Static_assert(sizeof(uintptr_t) >= sizeof(uint64_t), "stream and event handles 
 #define ERR_SELF_WAIT ACL_ERROR_RT_FEATURE_NOT_SUPPORT
 /* Longest npualloc_sleep_async delay: keeps the nanosecond count far inside uint64_t. */
 #define MAX_SLEEP_SECONDS 1e9
+
+typedef struct cb_report cb_report;
+typedef struct report_thread report_thread;
 
 typedef struct stream_task {
     struct stream_task *next;
@@ -72,6 +94,16 @@ struct npu_stream {
 
     atomic_uint refs; /* every reference, pins included */
     atomic_uint pins; /* the references taken by stream_acquire*() */
+
+    /* Guarded by `lock`: callbacks handed back by the subscribed thread, not yet run; the
+     * worker runs them before its next task. */
+    cb_report *returned_head, *returned_tail;
+
+    /* Guarded by sub_lock. */
+    report_thread *subscriber; /* thread running this stream's callbacks, NULL: the worker */
+    bool sub_closed;           /* destroyed (or shut down): cannot be subscribed any more */
+    cb_report *running;        /* its callbacks running inside aclrtProcessReport now */
+    atomic_uint cb_running;    /* how many: read without sub_lock by run_callback's fast path */
 
     /* Guarded by table_lock. */
     bool listed;                     /* in stream_table or default_streams[] (one reference) */
@@ -106,6 +138,279 @@ static npu_event *event_registry;
 
 /* The stream whose worker is the calling thread, NULL on other threads. */
 static _Thread_local npu_stream *tl_worker;
+/* The stream whose BLOCK callback the calling thread runs inside aclrtProcessReport (its
+ * worker waits for it, so the thread stands in for the worker), NULL otherwise. */
+static _Thread_local npu_stream *tl_block_cb;
+
+/* The callbacks the calling thread is running inside aclrtProcessReport (innermost first). */
+typedef struct run_frame {
+    npu_stream *stream;
+    report_thread *rt; /* the calling thread's, maybe retired meanwhile */
+    struct run_frame *up;
+} run_frame;
+static _Thread_local run_frame *tl_running;
+
+/* True when waiting for s from this thread would wait for the caller itself. */
+static bool waits_for_self(const npu_stream *s) { return s && (tl_worker == s || tl_block_cb == s); }
+
+/* ------------------------------------------------------------------------------------------
+ * Subscription state (the functions are further down, with the callback API)
+ * ------------------------------------------------------------------------------------------ */
+
+typedef enum report_state { REPORT_QUEUED, REPORT_RUNNING, REPORT_DONE, REPORT_RETURNED } report_state;
+
+/* One callback handed to a subscribed thread. */
+struct cb_report {
+    cb_report *next;     /* in a report_thread queue or a stream's returned list */
+    cb_report *run_next; /* in its stream's running list */
+    report_thread *runner; /* while RUNNING: the thread running it */
+    aclrtCallback fn;
+    void *user_data;
+    npu_stream *stream; /* not a reference: see the invariant at the top */
+    bool block;
+    report_state state; /* sub_lock */
+};
+
+/* A thread named by aclrtSubscribeReport (it need not exist until it calls ProcessReport). */
+struct report_thread {
+    report_thread *next; /* in report_threads */
+    uint64_t tid;
+    int32_t device;    /* the device of its streams (CANN: one device per thread) */
+    unsigned nstreams; /* streams it is subscribed to; 0 = retired */
+    unsigned users;    /* ProcessReport calls and stream waits of the thread in progress */
+    unsigned waiting;  /* stream waits of the thread in progress: BLOCK callbacks bypass it */
+    bool dead;         /* retired (no subscription left); freed by its last user */
+    cb_report *head, *tail;
+    size_t queued;
+    pthread_cond_t cv; /* CLOCK_MONOTONIC, with sub_lock: ProcessReport waits here */
+};
+
+static pthread_mutex_t sub_lock = PTHREAD_MUTEX_INITIALIZER;
+/* With sub_lock: workers wait here for their BLOCK report to be done or handed back. */
+static pthread_cond_t report_done_cv = PTHREAD_COND_INITIALIZER;
+static report_thread *report_threads; /* the live (not retired) ones */
+/* Number of subscribed streams: lets callbacks and waits skip sub_lock when there are none. */
+static atomic_uint subscribed_streams;
+
+static void run_report_list(cb_report *r)
+{
+    while (r) {
+        cb_report *next = r->next;
+        r->fn(r->user_data);
+        free(r);
+        r = next;
+    }
+}
+
+static void free_report_list(cb_report *r)
+{
+    while (r) {
+        cb_report *next = r->next;
+        free(r);
+        r = next;
+    }
+}
+
+static uint64_t self_tid(void) { return (uint64_t)(uintptr_t)pthread_self(); }
+
+static report_thread *report_thread_find_locked(uint64_t tid)
+{
+    for (report_thread *rt = report_threads; rt; rt = rt->next)
+        if (rt->tid == tid)
+            return rt;
+    return NULL;
+}
+
+static void report_thread_free(report_thread *rt)
+{
+    pthread_cond_destroy(&rt->cv);
+    free(rt);
+}
+
+/* Hands every queued (not started) report of stream s back to its worker, keeping their
+ * order: NO_BLOCK ones go to the stream's returned list, the BLOCK one (there is at most one:
+ * its worker is waiting for it) is marked RETURNED so its waiting worker runs it, after the
+ * returned list.  sub_lock held. */
+static void reclaim_stream_locked(report_thread *rt, npu_stream *s)
+{
+    cb_report *back = NULL, *back_last = NULL, *kept_last = NULL;
+    bool block_returned = false;
+    for (cb_report **pp = &rt->head; *pp;) {
+        cb_report *r = *pp;
+        if (r->stream != s) {
+            kept_last = r;
+            pp = &r->next;
+            continue;
+        }
+        *pp = r->next;
+        rt->queued--;
+        r->next = NULL;
+        if (r->block) {
+            r->state = REPORT_RETURNED;
+            block_returned = true;
+        } else {
+            if (back_last)
+                back_last->next = r;
+            else
+                back = r;
+            back_last = r;
+        }
+    }
+    rt->tail = kept_last;
+    if (back) {
+        pthread_mutex_lock(&s->lock);
+        if (s->returned_tail)
+            s->returned_tail->next = back;
+        else
+            s->returned_head = back;
+        s->returned_tail = back_last;
+        pthread_cond_signal(&s->work_cv);
+        pthread_mutex_unlock(&s->lock);
+    }
+    if (block_returned)
+        pthread_cond_broadcast(&report_done_cv);
+}
+
+/* Ends the subscription of s (sub_lock held; s is subscribed).  Returns the subscriber when it
+ * was retired and nobody uses it any more: the caller frees it after unlocking. */
+static report_thread *unsubscribe_locked(npu_stream *s)
+{
+    report_thread *rt = s->subscriber;
+    reclaim_stream_locked(rt, s);
+    s->subscriber = NULL;
+    atomic_fetch_sub_explicit(&subscribed_streams, 1, memory_order_release);
+    pthread_cond_broadcast(&report_done_cv); /* a worker may wait with an old target */
+    if (--rt->nstreams > 0)
+        return NULL;
+    for (report_thread **pp = &report_threads; *pp; pp = &(*pp)->next) {
+        if (*pp == rt) {
+            *pp = rt->next;
+            break;
+        }
+    }
+    rt->dead = true;
+    pthread_cond_broadcast(&rt->cv); /* a ProcessReport waiting for it returns */
+    return rt->users == 0 ? rt : NULL;
+}
+
+static void wait_running_locked(npu_stream *s);
+
+/* Destroy and shutdown: ends the stream's subscription (its pending callbacks go back to the
+ * worker, which runs them while draining) and refuses new ones.  Called before the stream
+ * is stopped, so destroy never waits for a thread that stopped calling ProcessReport. */
+static void stream_close_reports(npu_stream *s)
+{
+    pthread_mutex_lock(&sub_lock);
+    s->sub_closed = true;
+    report_thread *gone = s->subscriber ? unsubscribe_locked(s) : NULL;
+    wait_running_locked(s);
+    pthread_mutex_unlock(&sub_lock);
+    if (gone)
+        report_thread_free(gone);
+}
+
+/* Called before the calling thread blocks waiting for a stream.  If the thread is subscribed,
+ * it cannot run callbacks while it waits, so every stream whose worker waits for one of its
+ * BLOCK callbacks gets its pending callbacks back, and until report_wait_end() new BLOCK
+ * callbacks run on their workers (NO_BLOCK ones still queue up for it).  Returns the
+ * thread's report_thread (pinned) or NULL. */
+static bool report_wait_may_matter(void)
+{
+    return tl_running || atomic_load_explicit(&subscribed_streams, memory_order_relaxed) != 0;
+}
+
+static report_thread *report_wait_begin(void)
+{
+    if (!report_wait_may_matter())
+        return NULL;
+    pthread_mutex_lock(&sub_lock);
+    /* Inside a callback the thread's own (even if retired meanwhile: workers may wait for the
+     * callback it is running), otherwise by id. */
+    report_thread *rt = tl_running ? tl_running->rt : report_thread_find_locked(self_tid());
+    if (rt) {
+        rt->users++;
+        rt->waiting++;
+        pthread_cond_broadcast(&report_done_cv); /* workers need not wait for its callbacks now */
+        for (;;) {
+            cb_report *r = rt->head;
+            while (r && !r->block)
+                r = r->next;
+            if (!r)
+                break;
+            reclaim_stream_locked(rt, r->stream);
+        }
+    }
+    pthread_mutex_unlock(&sub_lock);
+    return rt;
+}
+
+static void report_wait_end(report_thread *rt)
+{
+    if (!rt)
+        return;
+    pthread_mutex_lock(&sub_lock);
+    rt->waiting--;
+    bool gone = --rt->users == 0 && rt->dead;
+    pthread_mutex_unlock(&sub_lock);
+    if (gone)
+        report_thread_free(rt);
+}
+
+/* How many of s's running callbacks are the calling thread's own (they cannot be waited for). */
+static unsigned own_running(const npu_stream *s)
+{
+    unsigned n = 0;
+    for (const run_frame *f = tl_running; f; f = f->up)
+        n += f->stream == s;
+    return n;
+}
+
+/* Waits until no callback of s runs on another thread (sub_lock held; it is dropped while
+ * waiting).  The caller holds a reference to s. */
+static void wait_running_locked(npu_stream *s)
+{
+    if (atomic_load(&s->cb_running) <= own_running(s))
+        return;
+    pthread_mutex_unlock(&sub_lock);
+    report_thread *me = report_wait_begin(); /* the running callback may wait for our stream */
+    pthread_mutex_lock(&sub_lock);
+    while (atomic_load(&s->cb_running) > own_running(s))
+        pthread_cond_wait(&report_done_cv, &sub_lock);
+    pthread_mutex_unlock(&sub_lock);
+    report_wait_end(me);
+    pthread_mutex_lock(&sub_lock);
+}
+
+/* Must the worker of s wait before the next callback of s runs on `target` (NULL: the worker)?
+ * Yes while an earlier one runs on another thread that is not blocked in a stream wait.
+ * sub_lock held. */
+static bool running_elsewhere_locked(const npu_stream *s, const report_thread *target)
+{
+    for (const cb_report *r = s->running; r; r = r->run_next)
+        if (r->runner != target && r->runner->waiting == 0)
+            return true;
+    return false;
+}
+
+/* On the worker of s: runs the callbacks handed back to it, once no earlier callback of s
+ * still runs elsewhere.  No lock held. */
+static void run_returned(npu_stream *s)
+{
+    pthread_mutex_lock(&s->lock);
+    bool any = s->returned_head != NULL;
+    pthread_mutex_unlock(&s->lock);
+    if (!any)
+        return;
+    pthread_mutex_lock(&sub_lock);
+    while (running_elsewhere_locked(s, NULL))
+        pthread_cond_wait(&report_done_cv, &sub_lock);
+    pthread_mutex_unlock(&sub_lock);
+    pthread_mutex_lock(&s->lock);
+    cb_report *r = s->returned_head;
+    s->returned_head = s->returned_tail = NULL;
+    pthread_mutex_unlock(&s->lock);
+    run_report_list(r);
+}
 
 static uint64_t handle_value(const void *handle) { return (uint64_t)(uintptr_t)handle; }
 
@@ -183,6 +488,7 @@ static npu_stream *stream_new(int32_t device)
     }
     s->device = device;
     atomic_init(&s->completed, 0);
+    atomic_init(&s->cb_running, 0);
     atomic_init(&s->refs, 1);
     atomic_init(&s->pins, 0);
     return s;
@@ -204,6 +510,8 @@ static void stream_drop_tasks(npu_stream *s)
         t = next;
     }
     s->head = s->tail = NULL;
+    free_report_list(s->returned_head); /* their callbacks are not run either */
+    s->returned_head = s->returned_tail = NULL;
 }
 
 /* Releases the memory of a stream nobody references (already out of the registry). */
@@ -318,8 +626,15 @@ static void *worker_main(void *arg)
     pthread_setname_np(pthread_self(), "npu-stream");
     pthread_mutex_lock(&s->lock);
     for (;;) {
-        while (!s->head && !s->stopping)
+        while (!s->head && !s->returned_head && !s->stopping)
             pthread_cond_wait(&s->work_cv, &s->lock);
+        if (s->returned_head) {
+            /* Callbacks the subscribed thread gave back: they come before any later task. */
+            pthread_mutex_unlock(&s->lock);
+            run_returned(s);
+            pthread_mutex_lock(&s->lock);
+            continue;
+        }
         stream_task *t = s->head;
         if (!t)
             break; /* stopping, and every queued task has run */
@@ -412,20 +727,34 @@ bool stream_passed(const npu_stream *s, uint64_t position)
     return !s || atomic_load_explicit(&s->completed, memory_order_acquire) >= position;
 }
 
-/* Blocks until `position` has passed (s->lock held; position <= s->last). */
+/* Blocks until `position` has passed (s->lock held; position <= s->last).  May drop and
+ * retake s->lock (sub_lock comes first) to hand a subscribed caller's callbacks back. */
 static void wait_passed_locked(npu_stream *s, uint64_t position)
 {
+    if (atomic_load_explicit(&s->completed, memory_order_relaxed) >= position)
+        return;
+    report_thread *rt = NULL;
+    if (report_wait_may_matter()) {
+        pthread_mutex_unlock(&s->lock);
+        rt = report_wait_begin();
+        pthread_mutex_lock(&s->lock);
+    }
     s->waiters++;
     while (atomic_load_explicit(&s->completed, memory_order_relaxed) < position)
         pthread_cond_wait(&s->passed_cv, &s->lock);
     s->waiters--;
+    if (rt) {
+        pthread_mutex_unlock(&s->lock);
+        report_wait_end(rt);
+        pthread_mutex_lock(&s->lock);
+    }
 }
 
 void stream_wait_position(npu_stream *s, uint64_t position)
 {
     /* The worker cannot wait for itself: any position not yet passed is at or behind the
      * task it is running. */
-    if (!s || stream_passed(s, position) || tl_worker == s)
+    if (!s || stream_passed(s, position) || waits_for_self(s))
         return;
     pthread_mutex_lock(&s->lock);
     if (position > s->last)
@@ -438,7 +767,7 @@ aclError stream_synchronize(npu_stream *s)
 {
     if (!s)
         return ACL_ERROR_INVALID_PARAM;
-    if (tl_worker == s)
+    if (waits_for_self(s))
         return ERR_SELF_WAIT;
     pthread_mutex_lock(&s->lock);
     wait_passed_locked(s, s->last);
@@ -477,7 +806,7 @@ aclError stream_synchronize_device(int32_t device)
 {
     if (!device_valid(device))
         return ACL_ERROR_RT_INVALID_DEVICEID;
-    if (tl_worker && tl_worker->device == device)
+    if ((tl_worker && tl_worker->device == device) || (tl_block_cb && tl_block_cb->device == device))
         return ERR_SELF_WAIT;
     npu_stream **list;
     size_t n;
@@ -506,8 +835,11 @@ static void stream_stop(npu_stream *s)
     s->worker_started = false;
     pthread_cond_signal(&s->work_cv);
     pthread_mutex_unlock(&s->lock);
-    if (started)
+    if (started) {
+        report_thread *rt = report_wait_begin();
         pthread_join(s->worker, NULL);
+        report_wait_end(rt);
+    }
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -554,7 +886,7 @@ aclError aclrtDestroyStream(aclrtStream stream)
     npu_stream *s = handle_table_get(&stream_table, handle_value(stream));
     if (!s) {
         rc = ACL_ERROR_INVALID_PARAM;
-    } else if (s == tl_worker) {
+    } else if (waits_for_self(s)) {
         rc = ERR_SELF_WAIT; /* it would wait for the task that is calling */
     } else {
         handle_table_remove(&stream_table, handle_value(stream));
@@ -563,6 +895,7 @@ aclError aclrtDestroyStream(aclrtStream stream)
     pthread_mutex_unlock(&table_lock);
     if (rc != ACL_SUCCESS)
         return rc;
+    stream_close_reports(s); /* its pending callbacks run on the worker while it drains */
     stream_stop(s);
     stream_put(s); /* events and waiting tasks may keep the (finished) stream a little longer */
     return ACL_SUCCESS;
@@ -607,20 +940,97 @@ static aclError enqueue_owned(aclrtStream stream, stream_task_fn fn, void *arg)
     return rc;
 }
 
+/* ------------------------------------------------------------------------------------------
+ * Callbacks and their subscribed threads
+ * ------------------------------------------------------------------------------------------ */
+
 typedef struct callback_task {
     aclrtCallback fn;
     void *user_data;
+    bool block;
 } callback_task;
 
+static bool returned_pending(npu_stream *s)
+{
+    pthread_mutex_lock(&s->lock);
+    bool any = s->returned_head != NULL;
+    pthread_mutex_unlock(&s->lock);
+    return any;
+}
+
+/* The callback task, on the worker of its stream: runs the callback here when nobody is
+ * subscribed, otherwise hands it to the subscribed thread (and for BLOCK waits for it).
+ * Earlier callbacks of the stream always come first: the ones handed back to this worker,
+ * and any still running on another thread. */
 static aclError run_callback(void *arg)
 {
     callback_task *c = arg;
-    c->fn(c->user_data);
+    npu_stream *s = tl_worker;
+    /* Fast path: nothing subscribed anywhere and nothing of s still running elsewhere.  The
+     * acquire loads see every hand-back and run that preceded the last unsubscribe. */
+    if (atomic_load_explicit(&subscribed_streams, memory_order_acquire) == 0 &&
+        atomic_load_explicit(&s->cb_running, memory_order_acquire) == 0) {
+        run_returned(s);
+        c->fn(c->user_data);
+        return ACL_SUCCESS;
+    }
+    cb_report *r = malloc(sizeof *r);
+    report_thread *rt;
+    bool here;
+    pthread_mutex_lock(&sub_lock);
+    for (;;) {
+        if (returned_pending(s)) { /* (only appended under sub_lock) */
+            pthread_mutex_unlock(&sub_lock);
+            run_returned(s);
+            pthread_mutex_lock(&sub_lock);
+            continue;
+        }
+        rt = s->subscriber;
+        /* No subscriber; out of memory; or a BLOCK callback for a thread that is itself
+         * blocked in a stream wait (maybe for this very stream): run it here. */
+        here = !rt || !r || (c->block && rt->waiting);
+        if (!running_elsewhere_locked(s, here ? NULL : rt))
+            break;
+        pthread_cond_wait(&report_done_cv, &sub_lock);
+    }
+    if (here) {
+        if (rt)
+            reclaim_stream_locked(rt, s); /* this stream's callbacks still queued there go first */
+        pthread_mutex_unlock(&sub_lock);
+        free(r);
+        run_returned(s);
+        c->fn(c->user_data);
+        return ACL_SUCCESS;
+    }
+    *r = (cb_report){.fn = c->fn, .user_data = c->user_data, .stream = s, .block = c->block,
+                     .state = REPORT_QUEUED};
+    if (rt->tail)
+        rt->tail->next = r;
+    else
+        rt->head = r;
+    rt->tail = r;
+    rt->queued++;
+    pthread_cond_broadcast(&rt->cv);
+    if (!c->block) {
+        pthread_mutex_unlock(&sub_lock); /* the thread frees r once it ran it */
+        return ACL_SUCCESS;
+    }
+    while (r->state == REPORT_QUEUED || r->state == REPORT_RUNNING)
+        pthread_cond_wait(&report_done_cv, &sub_lock);
+    bool returned = r->state == REPORT_RETURNED;
+    pthread_mutex_unlock(&sub_lock);
+    if (returned) {
+        run_returned(s); /* the NO_BLOCK ones handed back with it came first */
+        pthread_mutex_lock(&sub_lock);
+        while (running_elsewhere_locked(s, NULL))
+            pthread_cond_wait(&report_done_cv, &sub_lock);
+        pthread_mutex_unlock(&sub_lock);
+        r->fn(r->user_data);
+    }
+    free(r);
     return ACL_SUCCESS;
 }
 
-/* Both block types run the callback on the stream's worker, so later tasks of the stream
- * always wait for it (ACL_CALLBACK_BLOCK semantics; NO_BLOCK is the weaker promise). */
 aclError aclrtLaunchCallback(aclrtCallback fn, void *userData, aclrtCallbackBlockType blockType,
                              aclrtStream stream)
 {
@@ -632,8 +1042,183 @@ aclError aclrtLaunchCallback(aclrtCallback fn, void *userData, aclrtCallbackBloc
     callback_task *c = malloc(sizeof *c);
     if (!c)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    *c = (callback_task){.fn = fn, .user_data = userData};
+    *c = (callback_task){.fn = fn, .user_data = userData, .block = blockType == ACL_CALLBACK_BLOCK};
     return enqueue_owned(stream, run_callback, c);
+}
+
+static report_thread *report_thread_new(uint64_t tid)
+{
+    report_thread *rt = calloc(1, sizeof *rt);
+    if (!rt)
+        return NULL;
+    pthread_condattr_t attr;
+    bool ok = pthread_condattr_init(&attr) == 0;
+    if (ok) {
+        ok = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 && pthread_cond_init(&rt->cv, &attr) == 0;
+        pthread_condattr_destroy(&attr);
+    }
+    if (!ok) {
+        free(rt);
+        return NULL;
+    }
+    rt->tid = tid;
+    return rt;
+}
+
+aclError aclrtSubscribeReport(uint64_t threadId, aclrtStream stream)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    npu_stream *s;
+    if ((rc = stream_lookup(stream, &s)) != ACL_SUCCESS)
+        return rc;
+    report_thread *fresh = report_thread_new(threadId); /* used when the thread is new */
+    pthread_mutex_lock(&sub_lock);
+    report_thread *rt = report_thread_find_locked(threadId);
+    if (s->sub_closed)
+        rc = ACL_ERROR_INVALID_PARAM; /* destroyed meanwhile */
+    else if (s->subscriber)
+        rc = ACL_ERROR_RT_STREAM_SUBSCRIBE; /* by this thread or another one */
+    else if (rt && rt->device != s->device)
+        rc = ACL_ERROR_RT_THREAD_SUBSCRIBE; /* CANN: a thread serves the streams of one device */
+    else if (!rt && !fresh)
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    if (rc == ACL_SUCCESS) {
+        if (!rt) {
+            rt = fresh;
+            fresh = NULL;
+            rt->device = s->device;
+            rt->next = report_threads;
+            report_threads = rt;
+        }
+        rt->nstreams++;
+        s->subscriber = rt;
+        atomic_fetch_add_explicit(&subscribed_streams, 1, memory_order_relaxed);
+        pthread_cond_broadcast(&report_done_cv); /* a worker may wait with an old target */
+    }
+    pthread_mutex_unlock(&sub_lock);
+    if (fresh)
+        report_thread_free(fresh);
+    stream_put(s);
+    return rc;
+}
+
+aclError aclrtUnSubscribeReport(uint64_t threadId, aclrtStream stream)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    npu_stream *s;
+    if ((rc = stream_lookup(stream, &s)) != ACL_SUCCESS)
+        return rc;
+    report_thread *gone = NULL;
+    pthread_mutex_lock(&sub_lock);
+    if (!s->subscriber)
+        rc = ACL_ERROR_RT_STREAM_SUBSCRIBE; /* the stream is not subscribed */
+    else if (s->subscriber->tid != threadId)
+        rc = ACL_ERROR_RT_THREAD_SUBSCRIBE; /* subscribed, by another thread */
+    else
+        gone = unsubscribe_locked(s);
+    if (rc == ACL_SUCCESS)
+        wait_running_locked(s); /* CANN waits for a busy callback too */
+    pthread_mutex_unlock(&sub_lock);
+    if (gone)
+        report_thread_free(gone);
+    stream_put(s);
+    return rc;
+}
+
+aclError aclrtProcessReport(int32_t timeout)
+{
+    if (timeout < -1 || timeout == 0)
+        return ACL_ERROR_INVALID_PARAM; /* CANN: -1 waits forever, otherwise > 0 ms */
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    struct timespec deadline = {0};
+    if (timeout > 0) {
+        uint64_t ns = host_now_ns() + (uint64_t)timeout * 1000000u;
+        deadline.tv_sec = (time_t)(ns / 1000000000u);
+        deadline.tv_nsec = (long)(ns % 1000000000u);
+    }
+    pthread_mutex_lock(&sub_lock);
+    report_thread *rt = report_thread_find_locked(self_tid());
+    if (!rt) {
+        pthread_mutex_unlock(&sub_lock);
+        return ACL_ERROR_RT_THREAD_SUBSCRIBE;
+    }
+    rt->users++;
+    while (!rt->head && !rt->dead) {
+        if (timeout < 0) {
+            pthread_cond_wait(&rt->cv, &sub_lock);
+        } else if (pthread_cond_timedwait(&rt->cv, &sub_lock, &deadline) == ETIMEDOUT && !rt->head && !rt->dead) {
+            rc = ACL_ERROR_RT_REPORT_TIMEOUT;
+            break;
+        }
+    }
+    if (rc == ACL_SUCCESS && !rt->head)
+        rc = ACL_ERROR_RT_THREAD_SUBSCRIBE; /* its last subscription ended while it waited */
+    /* The callbacks queued when it woke up, oldest first; later ones wait for the next call. */
+    for (size_t n = rt->queued; rc == ACL_SUCCESS && n > 0 && rt->head; n--) {
+        cb_report *r = rt->head;
+        rt->head = r->next;
+        if (!rt->head)
+            rt->tail = NULL;
+        rt->queued--;
+        r->next = NULL;
+        r->state = REPORT_RUNNING;
+        npu_stream *s = r->stream;
+        r->runner = rt;
+        r->run_next = s->running;
+        s->running = r;
+        atomic_fetch_add_explicit(&s->cb_running, 1, memory_order_relaxed);
+        atomic_fetch_add_explicit(&s->pins, 1, memory_order_relaxed); /* released below */
+        stream_retain(s);
+        pthread_mutex_unlock(&sub_lock);
+        run_frame frame = {.stream = s, .rt = rt, .up = tl_running};
+        tl_running = &frame;
+        npu_stream *outer = tl_block_cb;
+        if (r->block)
+            tl_block_cb = s;
+        r->fn(r->user_data);
+        tl_block_cb = outer;
+        tl_running = frame.up;
+        pthread_mutex_lock(&sub_lock);
+        for (cb_report **pp = &s->running; *pp; pp = &(*pp)->run_next) {
+            if (*pp == r) { /* (a fork child started over with an empty list) */
+                *pp = r->run_next;
+                atomic_fetch_sub_explicit(&s->cb_running, 1, memory_order_release);
+                break;
+            }
+        }
+        if (r->block)
+            r->state = REPORT_DONE; /* its worker frees it */
+        else
+            free(r);
+        pthread_cond_broadcast(&report_done_cv);
+        pthread_mutex_unlock(&sub_lock);
+        stream_release(s); /* no lock may be held */
+        pthread_mutex_lock(&sub_lock);
+    }
+    bool gone = --rt->users == 0 && rt->dead;
+    pthread_mutex_unlock(&sub_lock);
+    if (gone)
+        report_thread_free(rt);
+    return rc;
+}
+
+void stream_report_counts(size_t *threads, size_t *streams)
+{
+    pthread_mutex_lock(&sub_lock);
+    size_t n = 0;
+    for (report_thread *rt = report_threads; rt; rt = rt->next)
+        n++;
+    if (threads)
+        *threads = n;
+    if (streams)
+        *streams = atomic_load(&subscribed_streams);
+    pthread_mutex_unlock(&sub_lock);
 }
 
 static aclError run_sleep(void *arg)
@@ -891,7 +1476,7 @@ aclError aclrtSynchronizeEvent(aclrtEvent event)
     if (!s)
         return ACL_SUCCESS; /* never recorded: nothing to wait for */
     if (!stream_passed(s, position)) {
-        if (tl_worker == s)
+        if (waits_for_self(s))
             rc = ERR_SELF_WAIT;
         else
             stream_wait_position(s, position);
@@ -1005,6 +1590,7 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
 void stream_atfork_prepare(void)
 {
     pthread_mutex_lock(&table_lock);
+    pthread_mutex_lock(&sub_lock);
     for (npu_stream *s = stream_registry; s; s = s->reg_next)
         pthread_mutex_lock(&s->lock);
 }
@@ -1013,7 +1599,34 @@ void stream_atfork_parent(void)
 {
     for (npu_stream *s = stream_registry; s; s = s->reg_next)
         pthread_mutex_unlock(&s->lock);
+    pthread_mutex_unlock(&sub_lock);
     pthread_mutex_unlock(&table_lock);
+}
+
+/* The child has no subscriptions: queued reports are dropped unrun, live report_threads are
+ * freed.  A retired one still used by a thread of the parent is unreachable and leaks, except
+ * for the forking thread's own (it frees it when its ProcessReport returns). */
+static void reports_atfork_child(void)
+{
+    pthread_mutex_init(&sub_lock, NULL);
+    pthread_cond_init(&report_done_cv, NULL);
+    tl_block_cb = NULL;
+    tl_running = NULL;
+    for (report_thread *rt = report_threads, *next; rt; rt = next) {
+        next = rt->next;
+        free_report_list(rt->head);
+        rt->head = rt->tail = NULL;
+        rt->queued = 0;
+        rt->nstreams = 0;
+        rt->waiting = 0;
+        rt->dead = true;
+        (void)pthread_cond_init(&rt->cv, NULL); /* waiters are gone; never destroyed with them */
+        if (rt->users == 0)
+            free(rt);
+        /* else: its users include threads that do not exist here; it leaks */
+    }
+    report_threads = NULL;
+    atomic_store(&subscribed_streams, 0);
 }
 
 /* The child has only the forking thread.  Every stream lock and table_lock were taken by
@@ -1024,6 +1637,7 @@ void stream_atfork_child(void)
 {
     pthread_mutex_init(&table_lock, NULL);
     tl_worker = NULL;
+    reports_atfork_child();
 
     for (npu_event *e = event_registry, *next; e; e = next) {
         next = e->reg_next;
@@ -1046,6 +1660,10 @@ void stream_atfork_child(void)
         s->waiters = 0;
         s->sticky = ACL_SUCCESS;
         s->listed = false;
+        s->subscriber = NULL;
+        s->sub_closed = true;
+        s->running = NULL;
+        atomic_store(&s->cb_running, 0);
         atomic_store(&s->completed, s->last); /* nothing will run: every position passed */
         /* The only references that can still be released are the pins of the layers above;
          * the others belonged to objects and threads that are gone. */
@@ -1066,7 +1684,7 @@ void stream_atfork_child(void)
 
 void stream_shutdown(void)
 {
-    if (tl_worker)
+    if (tl_worker || tl_block_cb)
         return; /* a task cannot wait for its own worker to stop */
     npu_stream *streams = NULL;
     npu_event *events = NULL;
@@ -1093,6 +1711,8 @@ void stream_shutdown(void)
 
     /* Every queued task runs (a task may wait for another stream, which keeps running until
      * its own turn), so all record and wait tasks drop their references. */
+    for (npu_stream *s = streams; s; s = s->doomed_next)
+        stream_close_reports(s); /* pending callbacks run on the workers, nobody waits for a thread */
     for (npu_stream *s = streams; s; s = s->doomed_next)
         stream_stop(s);
     for (npu_event *e = events, *next; e; e = next) {

@@ -21,6 +21,54 @@
  * A task must not wait for its own stream: synchronising it (or its device, or an event not yet
  * passed on it) from one of its tasks returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT instead of
  * deadlocking; aclrtDestroyStream of its own stream returns the same.
+ *
+ * Callbacks (aclrtLaunchCallback) and subscriptions (aclrtSubscribeReport):
+ *   - threadId is the OS thread's pthread_t as an integer (Python: threading.get_ident()).  A
+ *     stream has at most one subscribed thread; a thread may serve several streams, all of one
+ *     device (CANN's rule).  The thread need not exist when it is subscribed.
+ *   - Where a callback runs is decided when the stream's worker reaches the callback task: if
+ *     the stream has a subscribed thread then, the callback is queued to that thread, which runs
+ *     it inside aclrtProcessReport(timeout).  One ProcessReport call waits (timeout ms, -1 =
+ *     forever) until something is queued, then runs, oldest first, the callbacks queued when
+ *     it woke up, and returns ACL_SUCCESS.
+ *     ACL_CALLBACK_BLOCK: the worker waits until the callback returned, so later tasks of the
+ *     stream (and events recorded after it) wait for it.  ACL_CALLBACK_NO_BLOCK: the worker goes
+ *     on at once; the callback's position counts as passed when it is handed over, so
+ *     aclrtSynchronizeStream does not wait for it.  Callbacks of one stream run in launch order.
+ *   - npualloc convenience (CANN returns ACL_ERROR_RT_STREAM_NO_CB_REG from aclrtLaunchCallback
+ *     instead): on a stream with no subscribed thread the callback runs on the stream's worker,
+ *     in order, and both block types behave as BLOCK.
+ *   - Error codes, as CANN's runtime returns them (ACL passes them through): subscribing a
+ *     stream that already has a thread (the same or another) -> ACL_ERROR_RT_STREAM_SUBSCRIBE;
+ *     a thread that serves another device's streams -> ACL_ERROR_RT_THREAD_SUBSCRIBE;
+ *     unsubscribing a stream nobody subscribed -> ACL_ERROR_RT_STREAM_SUBSCRIBE, one subscribed
+ *     by another thread -> ACL_ERROR_RT_THREAD_SUBSCRIBE; aclrtProcessReport with timeout 0 or
+ *     < -1 -> ACL_ERROR_INVALID_PARAM, from a thread with no subscription (or whose last one
+ *     ended while it waited) -> ACL_ERROR_RT_THREAD_SUBSCRIBE, nothing queued in time ->
+ *     ACL_ERROR_RT_REPORT_TIMEOUT.  An invalid stream handle -> ACL_ERROR_INVALID_PARAM; NULL is
+ *     the current device's default stream.  ACL_ERROR_REPEAT_SUBSCRIBE and the other 10003x
+ *     codes of acl_base.h are never returned.
+ *   - Nothing is lost and nothing waits for a thread that stopped calling ProcessReport:
+ *     unsubscribing hands the stream's callbacks not yet started back to its worker, which runs
+ *     them (in order, before its next task); aclrtDestroyStream and stream_shutdown() end the
+ *     stream's subscription first, so its worker runs them while draining.  Unsubscribe,
+ *     destroy and shutdown do wait for the stream's callbacks already running on another thread
+ *     (CANN's unsubscribe waits for a busy callback too): when they return, no callback of the
+ *     stream runs or is pending on the old thread.  A callback of the stream may unsubscribe,
+ *     synchronize or (NO_BLOCK only) destroy it.  Until unsubscribed, a BLOCK callback waits for
+ *     its thread like on CANN: aclrtSynchronizeStream/Device wait with it.
+ *   - Callbacks of one stream never overlap, even when its subscription moves: a worker starts
+ *     the next one (on itself or on the new thread) only after the previous one returned,
+ *     unless that one is blocked in a stream wait (it may be waiting for this stream).
+ *   - A subscribed thread that blocks in a stream wait (synchronize, event synchronize, destroy)
+ *     cannot run callbacks meanwhile: the callbacks queued to it whose worker waits for one of
+ *     them (a BLOCK one) are handed back to their workers, and new BLOCK callbacks run on their
+ *     workers until the wait ends (NO_BLOCK ones still queue up for it).  This avoids the
+ *     deadlocks of "the thread waits for a stream that waits for the thread".
+ *   - A thread running a BLOCK callback of stream S stands in for S's worker: waiting for S (or
+ *     its device, or an event on S) or destroying S from the callback returns
+ *     ACL_ERROR_RT_FEATURE_NOT_SUPPORT, and stream_shutdown() does nothing there.
+ *   - fork child: no subscriptions; callbacks queued to threads are dropped, not run.
  */
 #ifndef NPUALLOC_STREAM_H
 #define NPUALLOC_STREAM_H
@@ -82,5 +130,7 @@ void stream_shutdown(void);
 
 /* Counts for tests: live created streams and events. */
 void stream_counts(size_t *streams, size_t *events);
+/* Counts for tests: threads with a subscription, and subscribed streams. */
+void stream_report_counts(size_t *threads, size_t *streams);
 
 #endif

@@ -257,8 +257,14 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrt
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (size % pc.granularity != 0)
         return ACL_ERROR_RT_PARAM_INVALID;
+    return vmm_physical_create(device, pc.kind, size, handle);
+}
+
+aclError vmm_physical_create(int32_t device, mem_kind kind, size_t size, aclrtDrvMemHandle *out)
+{
     phys_handle *h;
-    if ((rc = handle_create(device, pc.kind, size, size, &h)) != ACL_SUCCESS)
+    aclError rc = handle_create(device, kind, size, size, &h);
+    if (rc != ACL_SUCCESS)
         return rc;
     pthread_rwlock_wrlock(&vmm.lock);
     h->id = handle_table_insert(&vmm.handles, h);
@@ -269,7 +275,7 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrt
         handle_destroy(h);
         return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
     }
-    *handle = (aclrtDrvMemHandle)(uintptr_t)h->id;
+    *out = (aclrtDrvMemHandle)(uintptr_t)h->id;
     return ACL_SUCCESS;
 }
 
@@ -312,6 +318,28 @@ static aclError region_insert(uintptr_t base, size_t size, region **out)
     return ACL_SUCCESS;
 }
 
+aclError vmm_reserve(int32_t device, size_t size, void *at, void **out)
+{
+    if (size > ((size_t)1 << 50))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    size = round_up(size, VMM_GRANULARITY);
+    size_t align = size >= VMM_GRANULARITY_1G ? VMM_GRANULARITY_1G : VMM_GRANULARITY;
+    uintptr_t start;
+    int err = va_alloc(device, size, align, (uintptr_t)at, &start);
+    if (err)
+        return err == EEXIST ? ACL_ERROR_RT_PARAM_INVALID : ACL_ERROR_RT_MEMORY_ALLOCATION;
+    pthread_rwlock_wrlock(&vmm.lock);
+    region *r;
+    aclError rc = region_insert(start, size, &r);
+    pthread_rwlock_unlock(&vmm.lock);
+    if (rc != ACL_SUCCESS) {
+        va_free(start, size);
+        return rc;
+    }
+    *out = (void *)start;
+    return ACL_SUCCESS;
+}
+
 aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, void *expectPtr, uint64_t flags)
 {
     if (!virPtr || size == 0 || alignment != 0 || flags > 1)
@@ -319,31 +347,13 @@ aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, vo
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    if (size > ((size_t)1 << 50))
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    size = round_up(size, VMM_GRANULARITY);
-    size_t align = size >= VMM_GRANULARITY_1G ? VMM_GRANULARITY_1G : VMM_GRANULARITY;
     if (expectPtr && (uintptr_t)expectPtr % VMM_GRANULARITY != 0)
         return ACL_ERROR_INVALID_PARAM;
     /* The range lives in the current device's slice (device 0 without a context). */
     int32_t dev = 0;
     if (device_current(&dev) != ACL_SUCCESS)
         dev = 0;
-    uintptr_t start;
-    int err = va_alloc(dev, size, align, (uintptr_t)expectPtr, &start);
-    if (err)
-        return err == EEXIST ? ACL_ERROR_RT_PARAM_INVALID : ACL_ERROR_RT_MEMORY_ALLOCATION;
-    void *base = (void *)start;
-    pthread_rwlock_wrlock(&vmm.lock);
-    region *r;
-    rc = region_insert((uintptr_t)base, size, &r);
-    pthread_rwlock_unlock(&vmm.lock);
-    if (rc != ACL_SUCCESS) {
-        va_free(start, size);
-        return rc;
-    }
-    *virPtr = base;
-    return ACL_SUCCESS;
+    return vmm_reserve(dev, size, expectPtr, virPtr);
 }
 
 aclError aclrtReleaseMemAddress(void *virPtr)

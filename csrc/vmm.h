@@ -41,6 +41,13 @@ aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, void **
 /* Frees memory from vmm_malloc; ACL_ERROR_INVALID_PARAM for any other pointer. */
 aclError vmm_free_malloc(void *ptr);
 
+/* A reserved range in a device's address slice (aclrtReserveMemAddress with an explicit device;
+ * `at` non-NULL asks for that exact address). */
+aclError vmm_reserve(int32_t device, size_t size, void *at, void **out);
+/* A physical handle of `kind` charged to `device` (aclrtMallocPhysical without the property
+ * checks); it is a normal handle users could name. */
+aclError vmm_physical_create(int32_t device, mem_kind kind, size_t size, aclrtDrvMemHandle *out);
+
 typedef enum range_class { RANGE_HOST, RANGE_DEVICE, RANGE_INVALID } range_class;
 
 void vmm_read_lock(void);

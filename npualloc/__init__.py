@@ -41,3 +41,13 @@ def configure(device_count=None, device_memory=None, huge_memory=None, huge1g_me
             raise TypeError(f"configure() argument '{key}' must be int or str, not {type(value).__name__}")
     _C.configure(cfg["device_count"], cfg["device_memory"], cfg["huge_memory"], cfg["huge1g_memory"],
                  cfg["ddr_memory"])
+
+
+def _sleep(seconds, stream=None):
+    """Test helper (torch's ``torch.cuda._sleep``): queues a delay of ``seconds`` on a stream.
+
+    ``stream`` is a stream handle (None or 0: the current device's default stream).
+    Returns ret, as the acl.rt functions do.
+    """
+    return _C.sleep(seconds, 0 if stream is None else stream)
+

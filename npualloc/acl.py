@@ -1,7 +1,245 @@
-"""The pyACL face: ``npualloc.acl.rt.*`` functions and CANN's constants.
+"""The pyACL face: ``npualloc.acl.rt.*`` functions, ``acl.init`` / ``acl.finalize``, ``acl.util``
+and CANN's constants.
 
-Conventions as pyACL: outputs first, ``ret`` last; bad values return an error code.
+Conventions as pyACL: arguments are positional, outputs come first and ``ret`` last
+(``ptr, ret = acl.rt.malloc(size, policy)``); pointers, handles, streams and events are ints
+(0 = NULL, or the current device's default stream).  A wrong Python type raises TypeError
+naming the function and the argument; a value of the right type that is out of range is not an
+exception but the ACL error code the C function returns for it.  A runtime that cannot start
+because an ``NPUALLOC_*`` variable is malformed raises ValueError.
 """
+import types as _types
+import warnings as _warnings
+
 from . import _C
 
 rt = _C.rt
+
+# ---- return codes (acl_base.h, rt_error_codes.h) ----
+ACL_SUCCESS = 0
+ACL_ERROR_NONE = 0
+ACL_RT_SUCCESS = 0
+
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_UNINITIALIZE = 100001
+ACL_ERROR_REPEAT_INITIALIZE = 100002
+ACL_ERROR_REPEAT_SUBSCRIBE = 100033
+ACL_ERROR_STREAM_NOT_SUBSCRIBE = 100034
+ACL_ERROR_THREAD_NOT_SUBSCRIBE = 100035
+ACL_ERROR_WAIT_CALLBACK_TIMEOUT = 100036
+ACL_ERROR_REPEAT_FINALIZE = 100037
+ACL_ERROR_BAD_ALLOC = 200000
+ACL_ERROR_API_NOT_SUPPORT = 200001
+ACL_ERROR_INVALID_DEVICE = 200002
+ACL_ERROR_MEMORY_ADDRESS_UNALIGNED = 200003
+ACL_ERROR_RESOURCE_NOT_MATCH = 200004
+ACL_ERROR_INVALID_RESOURCE_HANDLE = 200005
+ACL_ERROR_FEATURE_UNSUPPORTED = 200006
+ACL_ERROR_STORAGE_OVER_LIMIT = 300000
+ACL_ERROR_INTERNAL_ERROR = 500000
+ACL_ERROR_FAILURE = 500001
+ACL_ERROR_RT_FAILURE = 500003
+ACL_ERROR_DRV_FAILURE = 500004
+
+ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_INVALID_DEVICEID = 107001
+ACL_ERROR_RT_CONTEXT_NULL = 107002
+ACL_ERROR_RT_STREAM_CONTEXT = 107003
+ACL_ERROR_RT_ADDR_UNALIGNED = 107008
+ACL_ERROR_RT_STREAM_SUBSCRIBE = 107011
+ACL_ERROR_RT_THREAD_SUBSCRIBE = 107012
+ACL_ERROR_RT_REPORT_TIMEOUT = 107013
+ACL_ERROR_RT_STREAM_NO_CB_REG = 107015
+ACL_ERROR_RT_INVALID_MEMORY_TYPE = 107016
+ACL_ERROR_RT_INVALID_HANDLE = 107017
+ACL_ERROR_RT_INVALID_MALLOC_TYPE = 107018
+ACL_ERROR_RT_WAIT_TIMEOUT = 107019
+ACL_ERROR_RT_TASK_TIMEOUT = 107020
+
+ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
+ACL_ERROR_RT_MEMORY_ALLOCATION = 207001
+ACL_ERROR_RT_MEMORY_FREE = 207002
+ACL_ERROR_RT_NO_DEVICE = 207004
+ACL_ERROR_RT_RESOURCE_ALLOC_FAIL = 207005
+ACL_ERROR_RT_NO_PERMISSION = 207006
+ACL_ERROR_RT_NO_EVENT_RESOURCE = 207007
+ACL_ERROR_RT_NO_STREAM_RESOURCE = 207008
+ACL_ERROR_RT_OVER_LIMIT = 207012
+ACL_ERROR_RT_DEVICE_OOM = 207018
+
+ACL_ERROR_RT_INTERNAL_ERROR = 507000
+ACL_ERROR_RT_STREAM_NOT_COMPLETE = 507004
+ACL_ERROR_RT_IPC_ERROR = 507022
+ACL_ERROR_RT_DEVICE_MEM_ERROR = 507053
+ACL_ERROR_RT_DRV_INTERNAL_ERROR = 507899
+ACL_ERROR_RT_SOCKET_CLOSE = 507901
+
+# ---- aclrtMemMallocPolicy ----
+ACL_MEM_MALLOC_HUGE_FIRST = 0
+ACL_MEM_MALLOC_HUGE_ONLY = 1
+ACL_MEM_MALLOC_NORMAL_ONLY = 2
+ACL_MEM_MALLOC_HUGE_FIRST_P2P = 3
+ACL_MEM_MALLOC_HUGE_ONLY_P2P = 4
+ACL_MEM_MALLOC_NORMAL_ONLY_P2P = 5
+ACL_MEM_MALLOC_HUGE1G_ONLY = 6
+ACL_MEM_MALLOC_HUGE1G_ONLY_P2P = 7
+ACL_MEM_TYPE_LOW_BAND_WIDTH = 0x0100
+ACL_MEM_TYPE_HIGH_BAND_WIDTH = 0x1000
+ACL_MEM_ACCESS_USER_SPACE_READONLY = 0x100000
+
+# ---- aclrtMemAttr ----
+ACL_DDR_MEM = 0
+ACL_HBM_MEM = 1
+ACL_DDR_MEM_HUGE = 2
+ACL_DDR_MEM_NORMAL = 3
+ACL_HBM_MEM_HUGE = 4
+ACL_HBM_MEM_NORMAL = 5
+ACL_DDR_MEM_P2P_HUGE = 6
+ACL_DDR_MEM_P2P_NORMAL = 7
+ACL_HBM_MEM_P2P_HUGE = 8
+ACL_HBM_MEM_P2P_NORMAL = 9
+ACL_HBM_MEM_HUGE1G = 10
+ACL_HBM_MEM_P2P_HUGE1G = 11
+ACL_MEM_NORMAL = 12
+ACL_MEM_HUGE = 13
+ACL_MEM_HUGE1G = 14
+ACL_MEM_P2P_NORMAL = 15
+ACL_MEM_P2P_HUGE = 16
+ACL_MEM_P2P_HUGE1G = 17
+
+# ---- aclrtMemcpyKind ----
+ACL_MEMCPY_HOST_TO_HOST = 0
+ACL_MEMCPY_HOST_TO_DEVICE = 1
+ACL_MEMCPY_DEVICE_TO_HOST = 2
+ACL_MEMCPY_DEVICE_TO_DEVICE = 3
+ACL_MEMCPY_DEFAULT = 4
+ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE = 5
+ACL_MEMCPY_INNER_DEVICE_TO_DEVICE = 6
+ACL_MEMCPY_INTER_DEVICE_TO_DEVICE = 7
+
+# ---- physical memory properties ----
+ACL_MEM_LOCATION_TYPE_HOST = 0
+ACL_MEM_LOCATION_TYPE_DEVICE = 1
+ACL_MEM_LOCATION_TYPE_UNREGISTERED = 2
+ACL_MEM_LOCATION_TYPE_MANAGED = 3
+ACL_MEM_LOCATION_TYPE_HOST_NUMA = 4
+ACL_MEM_ALLOCATION_TYPE_PINNED = 0
+ACL_MEM_HANDLE_TYPE_NONE = 0
+ACL_MEM_HANDLE_TYPE_POSIX = 2
+ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+ACL_RT_MEM_ALLOC_GRANULARITY_UNDEF = 0xFFFF
+
+# ---- callbacks and events ----
+ACL_CALLBACK_NO_BLOCK = 0
+ACL_CALLBACK_BLOCK = 1
+ACL_EVENT_STATUS_COMPLETE = 0
+ACL_EVENT_STATUS_NOT_READY = 1
+ACL_EVENT_STATUS_RESERVED = 2
+ACL_EVENT_RECORDED_STATUS_NOT_READY = 0
+ACL_EVENT_RECORDED_STATUS_COMPLETE = 1
+
+# ---- export / IPC flags ----
+ACL_RT_VMM_EXPORT_FLAG_DEFAULT = 0x0
+ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION = 0x1
+ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT = 0x0
+ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION = 0x1
+ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT = 0x0
+ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS = 0x1
+
+
+def init(config_path=None):
+    """``ret = acl.init(config_path=None)``: starts the runtime (it also starts on first use).
+
+    A second call returns ACL_ERROR_REPEAT_INITIALIZE and the runtime keeps working. The
+    configuration file is not read (npualloc is configured by ``NPUALLOC_*`` or
+    ``npualloc.configure``). ValueError when the ``NPUALLOC_*`` environment is malformed.
+    """
+    return _C.acl.init(config_path)
+
+
+def finalize():
+    """``ret = acl.finalize()``: ends what ``acl.init`` began; ACL_ERROR_REPEAT_FINALIZE without it.
+
+    Memory, streams and events stay valid (``npualloc._C.shutdown()`` releases them).
+    """
+    return _C.acl.finalize()
+
+
+# ---- acl.util ----
+
+# pyACL's npy_type codes (numpy's type numbers) -> numpy dtype names.
+_NPY_TYPES = {
+    0: "bool",
+    1: "int8",
+    2: "uint8",
+    3: "int16",
+    4: "uint16",
+    5: "int32",
+    6: "uint32",
+    7: "int64",
+    8: "uint64",
+    11: "float32",
+    12: "float64",
+    23: "float16",
+}
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def numpy_to_ptr(arr):
+    """``ptr = acl.util.numpy_to_ptr(arr)``: the address of an ndarray's data (no copy).
+
+    The caller keeps ``arr`` alive while the pointer is used. A non-contiguous array warns
+    (as pyACL does): its data is not one block of ``arr.nbytes`` bytes.
+    """
+    import numpy as np
+
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"acl.util.numpy_to_ptr() argument 'arr' must be numpy.ndarray, not {type(arr).__name__}")
+    if not arr.flags.c_contiguous:
+        _warnings.warn("acl.util.numpy_to_ptr(): the array is not C-contiguous; use numpy.ascontiguousarray first",
+                       RuntimeWarning, stacklevel=2)
+    return arr.__array_interface__["data"][0]
+
+
+def ptr_to_numpy(ptr, shape, npy_type):
+    """``arr = acl.util.ptr_to_numpy(ptr, shape, npy_type)``: an ndarray over memory at ``ptr``.
+
+    No copy: the array is a writable view, valid while the memory stays allocated (and mapped).
+    A device range is checked when the view is made: ValueError unless it is mapped throughout.
+    ``npy_type`` is pyACL's code: 0 BOOL, 1 INT8, 2 UINT8, 3 INT16, 4 UINT16, 5 INT32, 6 UINT32,
+    7 INT64, 8 UINT64, 11 FLOAT32, 12 DOUBLE, 23 FLOAT16.
+    """
+    import numpy as np
+
+    if not _is_int(ptr):
+        raise TypeError(f"acl.util.ptr_to_numpy() argument 'ptr' must be int, not {type(ptr).__name__}")
+    if _is_int(shape):
+        shape = (shape,)
+    if not isinstance(shape, (tuple, list)) or not all(_is_int(d) for d in shape):
+        raise TypeError("acl.util.ptr_to_numpy() argument 'shape' must be a tuple or list of ints, "
+                        f"not {type(shape).__name__}")
+    if not _is_int(npy_type):
+        raise TypeError(f"acl.util.ptr_to_numpy() argument 'npy_type' must be int, not {type(npy_type).__name__}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"acl.util.ptr_to_numpy(): negative dimension in shape {tuple(shape)}")
+    if npy_type not in _NPY_TYPES:
+        raise ValueError(f"acl.util.ptr_to_numpy(): unsupported npy_type {npy_type} "
+                         f"(supported: {sorted(_NPY_TYPES)})")
+    dtype = np.dtype(_NPY_TYPES[npy_type])
+    count = 1
+    for d in shape:
+        count *= d
+    view = _C.acl.memory(ptr, count * dtype.itemsize)
+    return np.frombuffer(view, dtype=dtype, count=count).reshape(tuple(shape))
+
+
+util = _types.ModuleType("npualloc.acl.util", "pyACL's acl.util: pointers to and from bytes and numpy arrays.")
+util.ptr_to_bytes = _C.acl.ptr_to_bytes
+util.bytes_to_ptr = _C.acl.bytes_to_ptr
+util.numpy_to_ptr = numpy_to_ptr
+util.ptr_to_numpy = ptr_to_numpy
+del numpy_to_ptr, ptr_to_numpy

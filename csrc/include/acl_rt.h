@@ -29,6 +29,12 @@ typedef void (*aclrtCallback)(void *userData);
 #define ACL_ERROR_INVALID_PARAM 100000
 #define ACL_ERROR_UNINITIALIZE 100001
 #define ACL_ERROR_REPEAT_INITIALIZE 100002
+/* acl_base.h declares these four; CANN's current runtime returns the 1070xx codes below
+ * instead (ACL passes runtime codes through), and so does npualloc. */
+#define ACL_ERROR_REPEAT_SUBSCRIBE 100033
+#define ACL_ERROR_STREAM_NOT_SUBSCRIBE 100034
+#define ACL_ERROR_THREAD_NOT_SUBSCRIBE 100035
+#define ACL_ERROR_WAIT_CALLBACK_TIMEOUT 100036
 #define ACL_ERROR_BAD_ALLOC 200000
 #define ACL_ERROR_API_NOT_SUPPORT 200001
 #define ACL_ERROR_INVALID_DEVICE 200002
@@ -47,6 +53,10 @@ typedef void (*aclrtCallback)(void *userData);
 #define ACL_ERROR_RT_CONTEXT_NULL 107002
 #define ACL_ERROR_RT_STREAM_CONTEXT 107003
 #define ACL_ERROR_RT_ADDR_UNALIGNED 107008
+#define ACL_ERROR_RT_STREAM_SUBSCRIBE 107011
+#define ACL_ERROR_RT_THREAD_SUBSCRIBE 107012
+#define ACL_ERROR_RT_REPORT_TIMEOUT 107013
+#define ACL_ERROR_RT_STREAM_NO_CB_REG 107015
 #define ACL_ERROR_RT_INVALID_MEMORY_TYPE 107016
 #define ACL_ERROR_RT_INVALID_HANDLE 107017
 #define ACL_ERROR_RT_INVALID_MALLOC_TYPE 107018
@@ -214,6 +224,9 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
 aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream);
 aclError aclrtLaunchCallback(aclrtCallback fn, void *userData, aclrtCallbackBlockType blockType,
                              aclrtStream stream);
+aclError aclrtSubscribeReport(uint64_t threadId, aclrtStream stream);
+aclError aclrtUnSubscribeReport(uint64_t threadId, aclrtStream stream);
+aclError aclrtProcessReport(int32_t timeout);
 aclError aclrtCreateEvent(aclrtEvent *event);
 aclError aclrtDestroyEvent(aclrtEvent event);
 aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);

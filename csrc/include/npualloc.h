@@ -130,6 +130,9 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream);
 
 /* Synchronizes the devices in use and returns every unused cached segment to them. */
 aclError npualloc_cache_empty(void);
+/* torch_npu's empty_virt_addr_cache: like empty_cache, but the physical pages of expandable
+ * segments are kept for the next mapping (only with expandable_segments:True). */
+aclError npualloc_cache_empty_virt_addr_cache(void);
 aclError npualloc_cache_set_fraction(int32_t device, double fraction);
 aclError npualloc_cache_get_fraction(int32_t device, double *fraction);
 aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out);
@@ -149,6 +152,29 @@ bool npualloc_caching_disabled(void);
 aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream, size_t *size);
 
 /* ---- snapshots and memory history ---- */
+/* An immutable, reference-counted blob that describes where an allocation came from (the
+ * Python layer stores a call stack in it).  The allocator keeps contexts for blocks, segments
+ * and trace entries; they are freed when nothing refers to them any more. */
+typedef struct npualloc_context npualloc_context;
+/* A new context holding a copy of data (reference count 1), or NULL when out of memory. */
+npualloc_context *npualloc_context_create(const void *data, size_t len);
+void npualloc_context_retain(npualloc_context *ctx);
+void npualloc_context_release(npualloc_context *ctx);
+const void *npualloc_context_data(const npualloc_context *ctx, size_t *len);
+
+/* How much context the history keeps (torch's RecordContext). */
+typedef enum npualloc_record_context {
+    NPUALLOC_RECORD_NEVER = 0,
+    NPUALLOC_RECORD_STATE = 1, /* blocks and segments remember where they were allocated */
+    NPUALLOC_RECORD_ALLOC = 2, /* ... and so do alloc trace entries */
+    NPUALLOC_RECORD_ALL = 3    /* ... and frees */
+} npualloc_record_context;
+/* The level set by the last npualloc_cache_record_history (to decide whether to gather). */
+npualloc_record_context npualloc_cache_record_context(void);
+
+/* npualloc_cache_malloc / free with the caller's context (may be NULL; borrowed). */
+aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr);
+aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx);
 typedef enum npualloc_block_state {
     NPUALLOC_BLOCK_INACTIVE = 0,
     NPUALLOC_BLOCK_ACTIVE_ALLOCATED = 1,
@@ -158,6 +184,7 @@ typedef enum npualloc_block_state {
 typedef struct npualloc_block_info {
     uint64_t address, size, requested_size;
     npualloc_block_state state;
+    npualloc_context *frames; /* where it was allocated (NULL if not recorded) */
 } npualloc_block_info;
 
 typedef struct npualloc_segment_info {
@@ -167,6 +194,7 @@ typedef struct npualloc_segment_info {
     bool is_small, is_expandable;
     uint64_t pool_id[2];
     size_t first_block, block_count; /* range in npualloc_snapshot.blocks */
+    npualloc_context *frames;        /* where the segment was allocated (NULL if not recorded) */
 } npualloc_segment_info;
 
 typedef enum npualloc_trace_action {
@@ -188,6 +216,7 @@ typedef struct npualloc_trace_info {
     uint64_t size;
     uint64_t stream;
     int64_t time_us;
+    npualloc_context *frames; /* NULL if not recorded */
 } npualloc_trace_info;
 
 typedef struct npualloc_snapshot {
@@ -200,12 +229,12 @@ typedef struct npualloc_snapshot {
 } npualloc_snapshot;
 
 /* Takes a snapshot of every started device (and appends a SNAPSHOT trace entry after the
- * traces were copied, as torch does). */
+ * traces were copied, as torch does).  The snapshot holds references to its contexts. */
 aclError npualloc_cache_snapshot(npualloc_snapshot **out);
 void npualloc_snapshot_free(npualloc_snapshot *snap);
-/* Starts (max_entries > 0) or stops (0) recording the memory history of every device; both
- * clear what was recorded. */
-aclError npualloc_cache_record_history(bool enabled, size_t max_entries);
+/* Starts or stops recording the memory history of every device (a ring of max_entries trace
+ * entries, and contexts as `when` says); both clear what was recorded. */
+aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries);
 
 /* torch_npu.npu.memory._set_allocator_settings(text). */
 aclError npualloc_cache_set_settings(const char *text);

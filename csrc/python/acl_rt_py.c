@@ -6,6 +6,8 @@
  * argument; a value of the right type that is out of range returns an ACL error code.
  * Every call that may block or make system calls releases the GIL.
  */
+#include <string.h>
+
 #include "acl_rt.h"
 #include "binding.h"
 #include "npualloc.h"
@@ -27,6 +29,23 @@
         if (conv_rc_ == ARG_OUT_OF_RANGE)                                                                          \
             bad = true;                                                                                            \
     } while (0)
+
+/* Like RT_ARG, but a value out of range becomes `sentinel`: an invalid value of the C type
+ * that the C function rejects with its own code, in its own order of checks. */
+#define RT_ARG_OR(conv, i, argname, var, sentinel)                                                                 \
+    do {                                                                                                           \
+        int conv_rc_ = conv(args[i], fn, argname, &(var));                                                         \
+        if (conv_rc_ == ARG_TYPE_ERROR)                                                                            \
+            return NULL;                                                                                           \
+        if (conv_rc_ == ARG_OUT_OF_RANGE)                                                                          \
+            (var) = (sentinel);                                                                                    \
+    } while (0)
+
+/* A pointer or handle no live object can have (handles carry a table tag in their top byte,
+ * and no tag is 0xFF): lookups of it fail with the function's own "not found" code. */
+#define BAD_HANDLE ((void *)(uintptr_t)UINT64_MAX)
+/* An invalid device id. */
+#define BAD_DEVICE (-1)
 
 #define CALL_NOGIL(stmt)                                                                                           \
     do {                                                                                                           \
@@ -76,6 +95,56 @@ static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_s
     uint32_t count = 0;
     aclError rc = aclrtGetDeviceCount(&count);
     return ret_u64(count, rc);
+}
+
+static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("synchronize_device", 0);
+    (void)args;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtSynchronizeDevice());
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_device_can_access_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("device_can_access_peer", 2);
+    int32_t dev = 0, peer = 0, can = 0;
+    RT_ARG_OR(arg_i32, 0, "device_id", dev, BAD_DEVICE);
+    RT_ARG_OR(arg_i32, 1, "peer_device_id", peer, BAD_DEVICE);
+    aclError rc = aclrtDeviceCanAccessPeer(&can, dev, peer);
+    return ret_i64(can, rc);
+}
+
+/* A uint32 argument: out of range when it does not fit. */
+static int arg_u32(PyObject *o, const char *fn, const char *arg, uint32_t *out)
+{
+    uint64_t v = 0;
+    int rc = arg_u64(o, fn, arg, &v);
+    if (rc == ARG_OK) {
+        if (v > UINT32_MAX)
+            return ARG_OUT_OF_RANGE;
+        *out = (uint32_t)v;
+    }
+    return rc;
+}
+
+static PyObject *rt_device_enable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("device_enable_peer_access", 2);
+    int32_t peer = 0;
+    uint32_t flags = 0;
+    RT_ARG_OR(arg_i32, 0, "peer_device_id", peer, BAD_DEVICE);
+    RT_ARG_OR(arg_u32, 1, "flags", flags, 1u); /* any non-zero flags: ACL_ERROR_FEATURE_UNSUPPORTED */
+    return ret_or_init_error(aclrtDeviceEnablePeerAccess(peer, flags));
+}
+
+static PyObject *rt_device_disable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("device_disable_peer_access", 1);
+    int32_t peer = 0;
+    RT_ARG_OR(arg_i32, 0, "peer_device_id", peer, BAD_DEVICE);
+    return ret_or_init_error(aclrtDeviceDisablePeerAccess(peer));
 }
 
 /* ---- plain memory ---- */
@@ -128,6 +197,471 @@ static PyObject *rt_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return ret_or_init_error(rc);
 }
 
+static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("malloc_host", 1);
+    bool bad = false;
+    uint64_t size = 0;
+    RT_ARG(arg_u64, 0, "size", size);
+    if (bad)
+        return ret_u64(0, ACL_ERROR_INVALID_PARAM);
+    void *p = NULL;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMallocHost(&p, (size_t)size));
+    return ret_u64((uintptr_t)p, rc);
+}
+
+static PyObject *rt_free_host(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("free_host", 1);
+    void *p = NULL;
+    RT_ARG_OR(arg_ptr, 0, "host_ptr", p, BAD_HANDLE); /* not a pinned block: ACL_ERROR_RT_MEMORY_FREE */
+    aclError rc;
+    CALL_NOGIL(rc = aclrtFreeHost(p));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("memset", 4);
+    bool bad = false;
+    void *p = NULL;
+    uint64_t max_count = 0, count = 0;
+    int32_t value = 0;
+    RT_ARG(arg_ptr, 0, "dev_ptr", p);
+    RT_ARG(arg_u64, 1, "max_count", max_count);
+    RT_ARG(arg_i32, 2, "value", value);
+    RT_ARG(arg_u64, 3, "count", count);
+    if (bad)
+        return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemset(p, (size_t)max_count, value, (size_t)count));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("memcpy", 5);
+    bool bad = false;
+    void *dst = NULL, *src = NULL;
+    uint64_t dest_max = 0, count = 0;
+    int32_t kind = 0;
+    RT_ARG(arg_ptr, 0, "dst", dst);
+    RT_ARG(arg_u64, 1, "dest_max", dest_max);
+    RT_ARG(arg_ptr, 2, "src", src);
+    RT_ARG(arg_u64, 3, "count", count);
+    RT_ARG(arg_i32, 4, "kind", kind);
+    if (bad)
+        return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemcpy(dst, (size_t)dest_max, src, (size_t)count, (aclrtMemcpyKind)kind));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_get_mem_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("get_mem_info", 1);
+    int32_t attr = 0;
+    RT_ARG_OR(arg_i32, 0, "attr", attr, -1); /* an attribute the device does not have */
+    size_t free_bytes = 0, total_bytes = 0;
+    aclError rc = aclrtGetMemInfo((aclrtMemAttr)attr, &free_bytes, &total_bytes);
+    if (raise_init_error(rc))
+        return NULL;
+    if (rc != ACL_SUCCESS)
+        free_bytes = total_bytes = 0;
+    return Py_BuildValue("(KKi)", (unsigned long long)free_bytes, (unsigned long long)total_bytes, rc);
+}
+
+/* ---- virtual memory management ---- */
+
+/* Looks up prop[key] (borrowed); TypeError naming the argument and the key when missing. */
+static PyObject *prop_item(PyObject *dict, const char *fn, const char *arg, const char *key, const char *shown)
+{
+    PyObject *v = PyDict_GetItemString(dict, key);
+    if (!v)
+        PyErr_Format(PyExc_TypeError, "%s() argument '%s' has no key '%s'", fn, arg, shown);
+    return v;
+}
+
+/* Converts the pyACL property dict {"handleType", "allocationType", "memAttr",
+ * "location": {"id", "type"}, "reserve"}.  Not a dict, a missing key or a value that is not
+ * an int raise TypeError.  A value out of its C type's range becomes a value the C function
+ * rejects (an enum -1, a location id 2**32 - 1); an out-of-range reserve sets *bad. */
+static int prop_from_dict(PyObject *o, const char *fn, aclrtPhysicalMemProp *prop, bool *bad)
+{
+    static const char arg[] = "prop";
+    if (!PyDict_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s() argument '%s' must be dict, not %.80s", fn, arg, Py_TYPE(o)->tp_name);
+        return ARG_TYPE_ERROR;
+    }
+    static const struct {
+        const char *key, *shown;
+    } enums[] = {{"handleType", "prop.handleType"}, {"allocationType", "prop.allocationType"},
+                 {"memAttr", "prop.memAttr"}};
+    int32_t values[3];
+    for (size_t i = 0; i < 3; i++) {
+        PyObject *v = prop_item(o, fn, arg, enums[i].key, enums[i].key);
+        if (!v)
+            return ARG_TYPE_ERROR;
+        int rc = arg_i32(v, fn, enums[i].shown, &values[i]);
+        if (rc == ARG_TYPE_ERROR)
+            return rc;
+        if (rc == ARG_OUT_OF_RANGE)
+            values[i] = -1;
+    }
+    PyObject *loc = prop_item(o, fn, arg, "location", "location");
+    if (!loc)
+        return ARG_TYPE_ERROR;
+    if (!PyDict_Check(loc)) {
+        PyErr_Format(PyExc_TypeError, "%s() argument '%s' key 'location' must be dict, not %.80s", fn, arg,
+                     Py_TYPE(loc)->tp_name);
+        return ARG_TYPE_ERROR;
+    }
+    PyObject *id_obj = prop_item(loc, fn, arg, "id", "location.id");
+    if (!id_obj)
+        return ARG_TYPE_ERROR;
+    uint64_t id = 0;
+    int rc = arg_u64(id_obj, fn, "prop.location.id", &id);
+    if (rc == ARG_TYPE_ERROR)
+        return rc;
+    if (rc == ARG_OUT_OF_RANGE || id > UINT32_MAX)
+        id = UINT32_MAX; /* no such device */
+    PyObject *type_obj = prop_item(loc, fn, arg, "type", "location.type");
+    if (!type_obj)
+        return ARG_TYPE_ERROR;
+    int32_t type = 0;
+    rc = arg_i32(type_obj, fn, "prop.location.type", &type);
+    if (rc == ARG_TYPE_ERROR)
+        return rc;
+    if (rc == ARG_OUT_OF_RANGE)
+        type = -1;
+    PyObject *reserve_obj = prop_item(o, fn, arg, "reserve", "reserve");
+    if (!reserve_obj)
+        return ARG_TYPE_ERROR;
+    uint64_t reserve = 0;
+    rc = arg_u64(reserve_obj, fn, "prop.reserve", &reserve);
+    if (rc == ARG_TYPE_ERROR)
+        return rc;
+    if (rc == ARG_OUT_OF_RANGE)
+        *bad = true;
+    memset(prop, 0, sizeof *prop);
+    prop->handleType = (aclrtMemHandleType)values[0];
+    prop->allocationType = (aclrtMemAllocationType)values[1];
+    prop->memAttr = (aclrtMemAttr)values[2];
+    prop->location.id = (uint32_t)id;
+    prop->location.type = (aclrtMemLocationType)type;
+    prop->reserve = reserve;
+    return ARG_OK;
+}
+
+static PyObject *rt_mem_get_allocation_granularity(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("mem_get_allocation_granularity", 2);
+    bool bad = false;
+    aclrtPhysicalMemProp prop;
+    if (prop_from_dict(args[0], fn, &prop, &bad) == ARG_TYPE_ERROR)
+        return NULL;
+    int32_t option = 0;
+    RT_ARG_OR(arg_i32, 1, "option", option, -1);
+    if (bad)
+        return ret_u64(0, ACL_ERROR_INVALID_PARAM);
+    size_t granularity = 0;
+    aclError rc = aclrtMemGetAllocationGranularity(&prop, (aclrtMemGranularityOptions)option, &granularity);
+    return ret_u64(granularity, rc);
+}
+
+static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("malloc_physical", 3);
+    bool bad = false;
+    uint64_t size = 0, flags = 0;
+    RT_ARG(arg_u64, 0, "size", size);
+    aclrtPhysicalMemProp prop;
+    if (prop_from_dict(args[1], fn, &prop, &bad) == ARG_TYPE_ERROR)
+        return NULL;
+    RT_ARG(arg_u64, 2, "flags", flags);
+    if (bad)
+        return ret_u64(0, ACL_ERROR_INVALID_PARAM);
+    aclrtDrvMemHandle handle = NULL;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMallocPhysical(&handle, (size_t)size, &prop, flags));
+    return ret_u64((uintptr_t)handle, rc);
+}
+
+static PyObject *rt_free_physical(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("free_physical", 1);
+    void *handle = NULL;
+    RT_ARG_OR(arg_ptr, 0, "handle", handle, BAD_HANDLE);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtFreePhysical(handle));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("reserve_mem_address", 4);
+    bool bad = false;
+    uint64_t size = 0, alignment = 0, flags = 0;
+    void *expect = NULL;
+    RT_ARG(arg_u64, 0, "size", size);
+    RT_ARG(arg_u64, 1, "alignment", alignment);
+    RT_ARG(arg_ptr, 2, "expect_ptr", expect);
+    RT_ARG(arg_u64, 3, "flags", flags);
+    if (bad)
+        return ret_u64(0, ACL_ERROR_INVALID_PARAM);
+    void *p = NULL;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtReserveMemAddress(&p, (size_t)size, (size_t)alignment, expect, flags));
+    return ret_u64((uintptr_t)p, rc);
+}
+
+static PyObject *rt_release_mem_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("release_mem_address", 1);
+    void *p = NULL;
+    RT_ARG_OR(arg_ptr, 0, "vir_ptr", p, BAD_HANDLE);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtReleaseMemAddress(p));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("map_mem", 5);
+    void *p = NULL, *handle = NULL;
+    uint64_t size = 0, offset = 0, flags = 0;
+    RT_ARG_OR(arg_ptr, 0, "vir_ptr", p, BAD_HANDLE);
+    RT_ARG_OR(arg_u64, 1, "size", size, 0);       /* size 0, offset and flags non-zero: */
+    RT_ARG_OR(arg_u64, 2, "offset", offset, 1);   /* ACL_ERROR_INVALID_PARAM */
+    RT_ARG_OR(arg_ptr, 3, "handle", handle, BAD_HANDLE);
+    RT_ARG_OR(arg_u64, 4, "flags", flags, 1);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMapMem(p, (size_t)size, (size_t)offset, handle, flags));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_unmap_mem(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("unmap_mem", 1);
+    void *p = NULL;
+    RT_ARG_OR(arg_ptr, 0, "vir_ptr", p, BAD_HANDLE);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtUnmapMem(p));
+    return ret_or_init_error(rc);
+}
+
+/* ---- streams ---- */
+
+static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("create_stream", 0);
+    (void)args;
+    aclrtStream stream = NULL;
+    aclError rc = aclrtCreateStream(&stream);
+    return ret_u64((uintptr_t)stream, rc);
+}
+
+static PyObject *rt_destroy_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("destroy_stream", 1);
+    void *stream = NULL;
+    RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtDestroyStream(stream)); /* waits for the stream's queued work */
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_synchronize_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("synchronize_stream", 1);
+    void *stream = NULL;
+    RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtSynchronizeStream(stream));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("memcpy_async", 6);
+    bool bad = false;
+    void *dst = NULL, *src = NULL, *stream = NULL;
+    uint64_t dest_max = 0, count = 0;
+    int32_t kind = 0;
+    RT_ARG(arg_ptr, 0, "dst", dst);
+    RT_ARG(arg_u64, 1, "dest_max", dest_max);
+    RT_ARG(arg_ptr, 2, "src", src);
+    RT_ARG(arg_u64, 3, "count", count);
+    RT_ARG(arg_i32, 4, "kind", kind);
+    RT_ARG_OR(arg_ptr, 5, "stream", stream, BAD_HANDLE);
+    if (bad)
+        return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemcpyAsync(dst, (size_t)dest_max, src, (size_t)count, (aclrtMemcpyKind)kind, stream));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_memset_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("memset_async", 5);
+    bool bad = false;
+    void *p = NULL, *stream = NULL;
+    uint64_t max_count = 0, count = 0;
+    int32_t value = 0;
+    RT_ARG(arg_ptr, 0, "dev_ptr", p);
+    RT_ARG(arg_u64, 1, "max_count", max_count);
+    RT_ARG(arg_i32, 2, "value", value);
+    RT_ARG(arg_u64, 3, "count", count);
+    RT_ARG_OR(arg_ptr, 4, "stream", stream, BAD_HANDLE);
+    if (bad)
+        return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemsetAsync(p, (size_t)max_count, value, (size_t)count, stream));
+    return ret_or_init_error(rc);
+}
+
+/* A Python callback in flight: both references are held until it has run. */
+typedef struct py_callback {
+    PyObject *fn;
+    PyObject *user_data;
+} py_callback;
+
+static bool interpreter_finalizing(void)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return !Py_IsInitialized() || Py_IsFinalizing();
+#else
+    return !Py_IsInitialized() || _Py_IsFinalizing();
+#endif
+}
+
+/* Runs on whichever thread runs the stream's callbacks (its worker): takes the GIL, calls
+ * fn(user_data) and reports an exception as unraisable.  Once the interpreter is shutting
+ * down the callback is dropped (and its objects leaked): Python can no longer run it. */
+static void py_callback_trampoline(void *arg)
+{
+    py_callback *c = arg;
+    if (interpreter_finalizing())
+        return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = PyObject_CallOneArg(c->fn, c->user_data);
+    if (r)
+        Py_DECREF(r);
+    else
+        PyErr_WriteUnraisable(c->fn);
+    Py_DECREF(c->fn);
+    Py_DECREF(c->user_data);
+    PyGILState_Release(g);
+    PyMem_RawFree(c);
+}
+
+static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("launch_callback", 4);
+    if (!PyCallable_Check(args[0])) {
+        PyErr_Format(PyExc_TypeError, "%s() argument 'fn' must be callable, not %.80s", fn,
+                     Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    int32_t block_type = 0;
+    void *stream = NULL;
+    RT_ARG_OR(arg_i32, 2, "block_type", block_type, -1);
+    RT_ARG_OR(arg_ptr, 3, "stream", stream, BAD_HANDLE);
+    py_callback *c = PyMem_RawMalloc(sizeof *c);
+    if (!c)
+        return PyErr_NoMemory();
+    c->fn = Py_NewRef(args[0]);
+    c->user_data = Py_NewRef(args[1]);
+    aclError rc = aclrtLaunchCallback(py_callback_trampoline, c, (aclrtCallbackBlockType)block_type, stream);
+    if (rc != ACL_SUCCESS) { /* nothing was queued: the references are still ours */
+        Py_DECREF(c->fn);
+        Py_DECREF(c->user_data);
+        PyMem_RawFree(c);
+    }
+    return ret_or_init_error(rc);
+}
+
+/* ---- events ---- */
+
+static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("create_event", 0);
+    (void)args;
+    aclrtEvent event = NULL;
+    aclError rc = aclrtCreateEvent(&event);
+    return ret_u64((uintptr_t)event, rc);
+}
+
+static PyObject *rt_destroy_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("destroy_event", 1);
+    void *event = NULL;
+    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
+    return ret_or_init_error(aclrtDestroyEvent(event));
+}
+
+static PyObject *rt_record_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("record_event", 2);
+    void *event = NULL, *stream = NULL;
+    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
+    RT_ARG_OR(arg_ptr, 1, "stream", stream, BAD_HANDLE);
+    return ret_or_init_error(aclrtRecordEvent(event, stream));
+}
+
+static PyObject *rt_query_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("query_event", 1);
+    void *event = NULL;
+    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
+    aclrtEventStatus status = ACL_EVENT_STATUS_RESERVED;
+    aclError rc = aclrtQueryEvent(event, &status);
+    return ret_i64(status, rc);
+}
+
+static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("query_event_status", 1);
+    void *event = NULL;
+    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
+    aclrtEventRecordedStatus status = ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    aclError rc = aclrtQueryEventStatus(event, &status);
+    return ret_i64(status, rc);
+}
+
+static PyObject *rt_synchronize_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("synchronize_event", 1);
+    void *event = NULL;
+    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtSynchronizeEvent(event));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("event_elapsed_time", 2);
+    void *start = NULL, *end = NULL;
+    RT_ARG_OR(arg_ptr, 0, "start", start, BAD_HANDLE);
+    RT_ARG_OR(arg_ptr, 1, "end", end, BAD_HANDLE);
+    float ms = 0.0f;
+    aclError rc = aclrtEventElapsedTime(&ms, start, end);
+    if (raise_init_error(rc))
+        return NULL;
+    return Py_BuildValue("(di)", rc == ACL_SUCCESS ? (double)ms : 0.0, rc);
+}
+
+static PyObject *rt_stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("stream_wait_event", 2);
+    void *stream = NULL, *event = NULL;
+    RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
+    RT_ARG_OR(arg_ptr, 1, "event", event, BAD_HANDLE);
+    return ret_or_init_error(aclrtStreamWaitEvent(stream, event));
+}
+
 #define RT_METHOD(name) {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL, NULL}
 
 static PyMethodDef rt_methods[] = {
@@ -135,10 +669,40 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(reset_device),
     RT_METHOD(get_device),
     RT_METHOD(get_device_count),
+    RT_METHOD(synchronize_device),
+    RT_METHOD(device_can_access_peer),
+    RT_METHOD(device_enable_peer_access),
+    RT_METHOD(device_disable_peer_access),
     RT_METHOD(malloc),
     RT_METHOD(malloc_align32),
     RT_METHOD(malloc_cached),
     RT_METHOD(free),
+    RT_METHOD(malloc_host),
+    RT_METHOD(free_host),
+    RT_METHOD(memset),
+    RT_METHOD(memcpy),
+    RT_METHOD(get_mem_info),
+    RT_METHOD(mem_get_allocation_granularity),
+    RT_METHOD(malloc_physical),
+    RT_METHOD(free_physical),
+    RT_METHOD(reserve_mem_address),
+    RT_METHOD(release_mem_address),
+    RT_METHOD(map_mem),
+    RT_METHOD(unmap_mem),
+    RT_METHOD(create_stream),
+    RT_METHOD(destroy_stream),
+    RT_METHOD(synchronize_stream),
+    RT_METHOD(memcpy_async),
+    RT_METHOD(memset_async),
+    RT_METHOD(launch_callback),
+    RT_METHOD(create_event),
+    RT_METHOD(destroy_event),
+    RT_METHOD(record_event),
+    RT_METHOD(query_event),
+    RT_METHOD(query_event_status),
+    RT_METHOD(synchronize_event),
+    RT_METHOD(event_elapsed_time),
+    RT_METHOD(stream_wait_event),
     {NULL, NULL, 0, NULL},
 };
 

@@ -161,5 +161,11 @@ PyMODINIT_FUNC PyInit__C(void)
         Py_DECREF(m);
         return NULL;
     }
+    PyObject *acl = acl_util_module_create();
+    if (!acl || PyModule_AddObject(m, "acl", acl) != 0) {
+        Py_XDECREF(acl);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

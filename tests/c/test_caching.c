@@ -55,11 +55,11 @@ static void test_round_size_pads_and_rounds(void **state)
     (void)state;
     start_cache(GiB_, NULL);
     alloc(1); /* loads the settings */
-    assert_int_equal(cache_round_size(1), 512);
-    assert_int_equal(cache_round_size(480), 512);  /* 480 + 32 = 512 */
-    assert_int_equal(cache_round_size(481), 1024);
-    assert_int_equal(cache_round_size(MiB_ - 32), MiB_);
-    assert_int_equal(cache_round_size(MiB_), MiB_ + 512);
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, 1), 512);
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, 480), 512);  /* 480 + 32 = 512 */
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, 481), 1024);
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, MiB_ - 32), MiB_);
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, MiB_), MiB_ + 512);
 }
 
 static void test_roundup_power2_divisions(void **state)
@@ -68,12 +68,12 @@ static void test_roundup_power2_divisions(void **state)
     start_cache(GiB_, "roundup_power2_divisions:4");
     alloc(1);
     /* 1200 + 32 = 1232 is not above 512 * 4: plain 512 rounding. */
-    assert_int_equal(cache_round_size(1200), 1536);
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, 1200), 1536);
     /* 9000 + 32 = 9032: the next quarter of 8192 is 10240 (512 rounding would give 9216). */
-    assert_int_equal(cache_round_size(9000), 10240);
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, 9000), 10240);
     /* 84 MiB with 4 divisions rounds to 96 MiB. */
-    assert_int_equal(cache_round_size(84 * MiB_), 96 * MiB_);
-    assert_int_equal(cache_round_size(64 * MiB_ - 32), 64 * MiB_); /* a power of two stays */
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, 84 * MiB_), 96 * MiB_);
+    assert_int_equal(cache_round_size(&cache_settings, K_PAD_SIZE, 64 * MiB_ - 32), 64 * MiB_); /* a power of two stays */
 }
 
 static void test_small_requests_share_a_2mib_segment(void **state)
@@ -431,7 +431,7 @@ static void test_snapshot_reports_segments_blocks_and_history(void **state)
 {
     (void)state;
     start_cache(GiB_, NULL);
-    assert_int_equal(npualloc_cache_record_history(true, 100), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALL, 100), ACL_SUCCESS);
     void *a = alloc(1000), *b = alloc(MiB_);
     npualloc_cache_free(a);
     npualloc_snapshot *snap;
@@ -469,7 +469,7 @@ static void test_snapshot_reports_segments_blocks_and_history(void **state)
     assert_int_equal(snap->traces[7].device, 1);
     npualloc_snapshot_free(snap);
     /* A ring of 4 keeps the newest 4, oldest first. */
-    assert_int_equal(npualloc_cache_record_history(true, 4), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALL, 4), ACL_SUCCESS);
     for (int i = 0; i < 6; i++)
         npualloc_cache_free(alloc(1000 + 512 * (size_t)i));
     assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
@@ -479,6 +479,43 @@ static void test_snapshot_reports_segments_blocks_and_history(void **state)
     assert_int_equal(snap->traces[1].size, 1000 + 512 * 5);
     assert_int_equal(snap->traces[3].action, NPUALLOC_TRACE_FREE_COMPLETED);
     npualloc_snapshot_free(snap);
+}
+
+static void test_history_keeps_contexts_by_level(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    npualloc_context *where = npualloc_context_create("train.py:42", 11);
+    npualloc_context *freed_at = npualloc_context_create("train.py:99", 11);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_STATE, 100), ACL_SUCCESS);
+    void *a = NULL, *b = NULL;
+    assert_int_equal(npualloc_cache_malloc_ctx(0, 1000, 0, where, &a), ACL_SUCCESS);
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_ptr_equal(snap->segments[0].frames, where); /* STATE: blocks and segments */
+    assert_ptr_equal(snap->blocks[snap->segments[0].first_block].frames, where);
+    assert_null(snap->traces[1].frames); /* but not trace entries */
+    npualloc_snapshot_free(snap);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALL, 100), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_malloc_ctx(0, 1000, 0, where, &b), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free_ctx(b, freed_at), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_int_equal(snap->traces[0].action, NPUALLOC_TRACE_ALLOC);
+    assert_ptr_equal(snap->traces[0].frames, where);
+    assert_int_equal(snap->traces[1].action, NPUALLOC_TRACE_FREE_REQUESTED);
+    assert_ptr_equal(snap->traces[1].frames, freed_at);
+    size_t len = 0;
+    assert_memory_equal(npualloc_context_data(snap->traces[1].frames, &len), "train.py:99", 11);
+    assert_int_equal(len, 11);
+    /* A freed (cached) block carries no allocation context. */
+    for (size_t i = 0; i < snap->block_count; i++)
+        if (snap->blocks[i].state == NPUALLOC_BLOCK_INACTIVE)
+            assert_null(snap->blocks[i].frames);
+    npualloc_snapshot_free(snap);
+    npualloc_cache_free(a);
+    /* The allocator holds its own references: the caller's can go now (ASan checks the rest). */
+    npualloc_context_release(where);
+    npualloc_context_release(freed_at);
 }
 
 static void test_settings_change_at_run_time(void **state)
@@ -663,6 +700,7 @@ int main(void)
         cmocka_unit_test_teardown(test_invalid_frees_are_rejected, stop_cache),
         cmocka_unit_test_teardown(test_stats_reset, stop_cache),
         cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
+        cmocka_unit_test_teardown(test_history_keeps_contexts_by_level, stop_cache),
         cmocka_unit_test_teardown(test_settings_change_at_run_time, stop_cache),
         cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_keep_every_invariant, stop_cache),

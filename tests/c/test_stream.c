@@ -114,10 +114,11 @@ static int teardown(void **state)
 {
     (void)state;
     stream_shutdown();
-    size_t s = 1, e = 1;
+    size_t s = 1, e = 1, rt = 1, rs = 1;
     stream_counts(&s, &e);
+    stream_report_counts(&rt, &rs);
     device_shutdown();
-    return (s == 0 && e == 0) ? 0 : -1;
+    return (s == 0 && e == 0 && rt == 0 && rs == 0) ? 0 : -1;
 }
 
 /* ---- ordering ---- */
@@ -427,6 +428,8 @@ static void check_stream_handle_rejected(aclrtStream bad, aclrtEvent good_event)
     assert_int_equal(aclrtRecordEvent(good_event, bad), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtStreamWaitEvent(bad, good_event), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(stream_acquire(bad, &s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSubscribeReport(1, bad), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtUnSubscribeReport(1, bad), ACL_ERROR_INVALID_PARAM);
 }
 
 static void test_bad_stream_arguments_and_handles_are_rejected(void **state)
@@ -783,6 +786,705 @@ static void test_task_cannot_wait_for_its_own_stream(void **state)
     assert_int_equal(aclrtDestroyStream(r.other), ACL_SUCCESS);
 }
 
+/* ---- callback subscriptions (aclrtSubscribeReport / aclrtProcessReport) ---- */
+
+static uint64_t self_id(void) { return (uint64_t)(uintptr_t)pthread_self(); }
+
+/* A thread id no thread has: a subscriber that never calls aclrtProcessReport. */
+#define ABSENT_TID ((uint64_t)0x5eed5eedull)
+
+static void assert_report_counts(size_t threads, size_t streams)
+{
+    size_t t = 99, s = 99;
+    stream_report_counts(&t, &s);
+    assert_int_equal(t, threads);
+    assert_int_equal(s, streams);
+}
+
+/* A callback that logs a value and the thread it ran on. */
+typedef struct cb_rec {
+    int value;
+    _Atomic uint64_t thread; /* 0 until it ran */
+    atomic_int runs;
+} cb_rec;
+
+static void cb_record(void *user_data)
+{
+    cb_rec *r = user_data;
+    log_append(r->value); /* before `runs`: a test that saw runs change may read the log */
+    atomic_store(&r->thread, self_id());
+    atomic_fetch_add(&r->runs, 1);
+}
+
+static void rec_init(cb_rec *r, int value)
+{
+    r->value = value;
+    atomic_init(&r->thread, 0);
+    atomic_init(&r->runs, 0);
+}
+
+/* Queues a plain task (not a callback) that logs v: "a later task" of the stream. */
+static void enqueue_append(aclrtStream st, const int *v)
+{
+    npu_stream *s;
+    assert_int_equal(stream_acquire(st, &s), ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(s, task_append, (void *)v, NULL, NULL), ACL_SUCCESS);
+    stream_release(s);
+}
+
+/* A thread looping on aclrtProcessReport until told to stop. */
+typedef struct reporter {
+    pthread_t thread;
+    int32_t timeout;
+    atomic_int stop;
+    atomic_int unexpected; /* return codes other than success, timeout, not subscribed */
+    atomic_int not_subscribed;
+    atomic_int timeouts;
+    atomic_int calls;
+} reporter;
+
+static void *reporter_main(void *arg)
+{
+    reporter *r = arg;
+    while (!atomic_load(&r->stop)) {
+        aclError rc = aclrtProcessReport(r->timeout);
+        atomic_fetch_add(&r->calls, 1);
+        if (rc == ACL_ERROR_RT_REPORT_TIMEOUT)
+            atomic_fetch_add(&r->timeouts, 1);
+        else if (rc == ACL_ERROR_RT_THREAD_SUBSCRIBE) {
+            atomic_fetch_add(&r->not_subscribed, 1);
+            host_sleep_ns(MS); /* not (or no longer) subscribed: do not spin */
+        } else if (rc != ACL_SUCCESS)
+            atomic_fetch_add(&r->unexpected, 1);
+    }
+    return NULL;
+}
+
+static void reporter_start(reporter *r, int32_t timeout)
+{
+    memset(r, 0, sizeof *r);
+    r->timeout = timeout;
+    assert_int_equal(pthread_create(&r->thread, NULL, reporter_main, r), 0);
+}
+
+static uint64_t reporter_tid(const reporter *r) { return (uint64_t)(uintptr_t)r->thread; }
+
+/* Stops a reporter whose subscriptions have all ended (so a -1 wait returns). */
+static void reporter_stop(reporter *r)
+{
+    atomic_store(&r->stop, 1);
+    assert_int_equal(pthread_join(r->thread, NULL), 0);
+    assert_int_equal(atomic_load(&r->unexpected), 0);
+}
+
+static void test_subscription_error_codes_follow_cann_runtime(void **state)
+{
+    (void)state;
+    /* The values of CANN's headers. */
+    assert_int_equal(ACL_ERROR_RT_STREAM_SUBSCRIBE, 107011);
+    assert_int_equal(ACL_ERROR_RT_THREAD_SUBSCRIBE, 107012);
+    assert_int_equal(ACL_ERROR_RT_REPORT_TIMEOUT, 107013);
+    assert_int_equal(ACL_ERROR_RT_STREAM_NO_CB_REG, 107015);
+    assert_int_equal(ACL_ERROR_REPEAT_SUBSCRIBE, 100033);
+    assert_int_equal(ACL_ERROR_STREAM_NOT_SUBSCRIBE, 100034);
+    assert_int_equal(ACL_ERROR_THREAD_NOT_SUBSCRIBE, 100035);
+    assert_int_equal(ACL_ERROR_WAIT_CALLBACK_TIMEOUT, 100036);
+
+    aclrtStream a = new_stream(), b = new_stream();
+    uint64_t me = self_id();
+    assert_report_counts(0, 0);
+    assert_int_equal(aclrtSubscribeReport(me, a), ACL_SUCCESS);
+    assert_report_counts(1, 1);
+    /* A stream has one thread: again by the same thread or by another one. */
+    assert_int_equal(aclrtSubscribeReport(me, a), ACL_ERROR_RT_STREAM_SUBSCRIBE);
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, a), ACL_ERROR_RT_STREAM_SUBSCRIBE);
+    /* A thread serves several streams, the default one (NULL) included. */
+    assert_int_equal(aclrtSubscribeReport(me, b), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, NULL), ACL_ERROR_RT_STREAM_SUBSCRIBE);
+    assert_report_counts(1, 3);
+    /* ... but only streams of one device. */
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    aclrtStream on1 = new_stream();
+    assert_int_equal(aclrtSubscribeReport(me, on1), ACL_ERROR_RT_THREAD_SUBSCRIBE);
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, on1), ACL_SUCCESS); /* another thread may */
+    assert_int_equal(aclrtUnSubscribeReport(ABSENT_TID, on1), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(on1), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    /* Unsubscribing: by the wrong thread, twice, a stream nobody subscribed, a bad handle. */
+    assert_int_equal(aclrtUnSubscribeReport(ABSENT_TID, a), ACL_ERROR_RT_THREAD_SUBSCRIBE);
+    assert_int_equal(aclrtUnSubscribeReport(me, a), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, a), ACL_ERROR_RT_STREAM_SUBSCRIBE);
+    assert_int_equal(aclrtUnSubscribeReport(ABSENT_TID, a), ACL_ERROR_RT_STREAM_SUBSCRIBE);
+    aclrtStream bad = (aclrtStream)(uintptr_t)0x1234;
+    assert_int_equal(aclrtSubscribeReport(me, bad), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtUnSubscribeReport(me, bad), ACL_ERROR_INVALID_PARAM);
+    /* Resubscribing after an unsubscribe works. */
+    assert_int_equal(aclrtSubscribeReport(me, a), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, a), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, b), ACL_SUCCESS);
+    assert_report_counts(1, 1);
+    assert_int_equal(aclrtUnSubscribeReport(me, NULL), ACL_SUCCESS);
+    assert_report_counts(0, 0);
+    /* A destroyed stream's handle is stale. */
+    assert_int_equal(aclrtDestroyStream(a), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, a), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtUnSubscribeReport(me, a), ACL_ERROR_INVALID_PARAM);
+    /* The thread-device rule holds for live subscriptions only. */
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(b), ACL_SUCCESS);
+    assert_report_counts(0, 0);
+}
+
+static void test_process_report_argument_subscription_and_timeout_codes(void **state)
+{
+    (void)state;
+    /* CANN: -1 waits forever, otherwise the timeout must be > 0 ms. */
+    assert_int_equal(aclrtProcessReport(0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtProcessReport(-2), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtProcessReport(INT32_MIN), ACL_ERROR_INVALID_PARAM);
+    /* A thread that subscribes nothing, even with -1: at once. */
+    assert_int_equal(aclrtProcessReport(-1), ACL_ERROR_RT_THREAD_SUBSCRIBE);
+    assert_int_equal(aclrtProcessReport(10), ACL_ERROR_RT_THREAD_SUBSCRIBE);
+    aclrtStream st = new_stream();
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, st), ACL_SUCCESS);
+    assert_int_equal(aclrtProcessReport(10), ACL_ERROR_RT_THREAD_SUBSCRIBE); /* another thread is */
+    assert_int_equal(aclrtUnSubscribeReport(ABSENT_TID, st), ACL_SUCCESS);
+    /* Subscribed, nothing arrives: the timeout code after about the timeout. */
+    assert_int_equal(aclrtSubscribeReport(self_id(), st), ACL_SUCCESS);
+    uint64_t t0 = host_now_ns();
+    assert_int_equal(aclrtProcessReport(40), ACL_ERROR_RT_REPORT_TIMEOUT);
+    uint64_t waited = host_now_ns() - t0;
+    assert_true(waited >= 39 * MS && waited < 1000 * MS);
+    /* A callback arriving during the wait ends it early. */
+    static cb_rec r;
+    rec_init(&r, 1);
+    assert_int_equal(npualloc_sleep_async(st, 0.03), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &r, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    t0 = host_now_ns();
+    assert_int_equal(aclrtProcessReport(5000), ACL_SUCCESS);
+    waited = host_now_ns() - t0;
+    assert_true(waited >= 20 * MS && waited < 2000 * MS);
+    assert_int_equal(atomic_load(&r.runs), 1);
+    assert_int_equal(atomic_load(&r.thread), self_id());
+    assert_int_equal(aclrtUnSubscribeReport(self_id(), st), ACL_SUCCESS);
+    assert_int_equal(aclrtProcessReport(10), ACL_ERROR_RT_THREAD_SUBSCRIBE);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+static void test_block_callback_holds_later_tasks_until_process_report_runs_it(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    aclrtEvent after = new_event();
+    static cb_rec cb;
+    static const int later = 2;
+    rec_init(&cb, 1);
+    assert_int_equal(aclrtSubscribeReport(self_id(), st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    enqueue_append(st, &later);
+    assert_int_equal(aclrtRecordEvent(after, st), ACL_SUCCESS);
+    host_sleep_ns(50 * MS);
+    /* The worker waits for the subscribed thread: nothing after the callback ran. */
+    assert_int_equal(log_count, 0);
+    assert_int_equal(query(after), ACL_EVENT_STATUS_NOT_READY);
+    assert_int_equal(atomic_load(&cb.runs), 0);
+    assert_int_equal(aclrtProcessReport(1000), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&cb.runs), 1);
+    assert_int_equal(atomic_load(&cb.thread), self_id()); /* inside ProcessReport */
+    assert_int_equal(aclrtSynchronizeEvent(after), ACL_SUCCESS);
+    assert_int_equal(log_count, 2);
+    assert_int_equal(log_values[0], 1);
+    assert_int_equal(log_values[1], 2);
+    assert_int_equal(aclrtUnSubscribeReport(self_id(), st), ACL_SUCCESS);
+    aclrtDestroyEvent(after);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+static void test_no_block_callback_lets_later_tasks_and_synchronize_go_on(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    aclrtEvent after = new_event();
+    static cb_rec cb;
+    static const int later = 2;
+    rec_init(&cb, 1);
+    assert_int_equal(aclrtSubscribeReport(self_id(), st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    enqueue_append(st, &later);
+    assert_int_equal(aclrtRecordEvent(after, st), ACL_SUCCESS);
+    /* The later task and the event pass; synchronize does not wait for the callback, and the
+     * subscribed caller's NO_BLOCK callback stays queued for it while it waits. */
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(query(after), ACL_EVENT_STATUS_COMPLETE);
+    assert_int_equal(log_count, 1);
+    assert_int_equal(log_values[0], 2);
+    assert_int_equal(atomic_load(&cb.runs), 0);
+    assert_int_equal(aclrtProcessReport(1000), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&cb.thread), self_id());
+    assert_int_equal(log_count, 2);
+    assert_int_equal(log_values[1], 1);
+    assert_int_equal(aclrtProcessReport(10), ACL_ERROR_RT_REPORT_TIMEOUT); /* it ran once */
+    assert_int_equal(aclrtUnSubscribeReport(self_id(), st), ACL_SUCCESS);
+    aclrtDestroyEvent(after);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+static void test_unsubscribed_stream_keeps_running_callbacks_on_its_worker(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    static cb_rec cb[2];
+    rec_init(&cb[0], 1);
+    rec_init(&cb[1], 2);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[0], ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[1], ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    /* npualloc's convenience: both ran, before synchronize returned, on one (worker) thread. */
+    assert_int_equal(log_count, 2);
+    assert_int_equal(atomic_load(&cb[0].thread), atomic_load(&cb[1].thread));
+    assert_true(atomic_load(&cb[0].thread) != self_id());
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+static void test_callback_goes_where_the_subscription_is_when_the_worker_reaches_it(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    static cb_rec cb;
+    rec_init(&cb, 1);
+    assert_int_equal(npualloc_sleep_async(st, 0.05), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(self_id(), st), ACL_SUCCESS); /* before the sleep ends */
+    assert_int_equal(aclrtProcessReport(2000), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&cb.thread), self_id());
+    assert_int_equal(aclrtUnSubscribeReport(self_id(), st), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+#define ORDER_CALLBACKS 60
+
+static void test_reporter_thread_runs_callbacks_of_two_streams_in_order(void **state)
+{
+    (void)state;
+    reporter rep;
+    reporter_start(&rep, 20);
+    aclrtStream s[2] = {new_stream(), new_stream()};
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(aclrtSubscribeReport(reporter_tid(&rep), s[i]), ACL_SUCCESS);
+    static cb_rec cb[2][ORDER_CALLBACKS];
+    for (int i = 0; i < ORDER_CALLBACKS; i++) {
+        for (int k = 0; k < 2; k++) {
+            rec_init(&cb[k][i], k * 1000 + i);
+            aclrtCallbackBlockType bt = (i % 3 == 0) ? ACL_CALLBACK_BLOCK : ACL_CALLBACK_NO_BLOCK;
+            assert_int_equal(aclrtLaunchCallback(cb_record, &cb[k][i], bt, s[k]), ACL_SUCCESS);
+        }
+    }
+    for (int k = 0; k < 2; k++)
+        assert_int_equal(aclrtSynchronizeStream(s[k]), ACL_SUCCESS);
+    /* The last ones may be NO_BLOCK: wait for the thread to run them. */
+    for (int spin = 0; spin < 2000 && atomic_load(&cb[1][ORDER_CALLBACKS - 1].runs) +
+                                              atomic_load(&cb[0][ORDER_CALLBACKS - 1].runs) < 2; spin++)
+        host_sleep_ns(MS);
+    pthread_mutex_lock(&log_lock);
+    assert_int_equal(log_count, 2 * ORDER_CALLBACKS);
+    int next[2] = {0, 0};
+    for (int i = 0; i < log_count; i++) {
+        int k = log_values[i] / 1000;
+        assert_int_equal(log_values[i] % 1000, next[k]++); /* each stream's in launch order */
+    }
+    pthread_mutex_unlock(&log_lock);
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < ORDER_CALLBACKS; i++) {
+            assert_int_equal(atomic_load(&cb[k][i].runs), 1);
+            assert_int_equal(atomic_load(&cb[k][i].thread), reporter_tid(&rep));
+        }
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(aclrtUnSubscribeReport(reporter_tid(&rep), s[i]), ACL_SUCCESS);
+    reporter_stop(&rep);
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(aclrtDestroyStream(s[i]), ACL_SUCCESS);
+}
+
+static void test_unsubscribe_hands_pending_callbacks_back_to_the_worker_in_order(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    aclrtEvent done = new_event();
+    static cb_rec cb[3];
+    static const int later = 4;
+    for (int i = 0; i < 3; i++)
+        rec_init(&cb[i], i + 1);
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[0], ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[1], ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[2], ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    enqueue_append(st, &later);
+    assert_int_equal(aclrtRecordEvent(done, st), ACL_SUCCESS);
+    host_sleep_ns(50 * MS);
+    assert_int_equal(log_count, 0); /* queued to a thread that never processes */
+    assert_int_equal(query(done), ACL_EVENT_STATUS_NOT_READY);
+    assert_int_equal(aclrtUnSubscribeReport(ABSENT_TID, st), ACL_SUCCESS);
+    assert_report_counts(0, 0);
+    assert_int_equal(aclrtSynchronizeEvent(done), ACL_SUCCESS);
+    assert_int_equal(log_count, 4);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(log_values[i], i + 1);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(atomic_load(&cb[i].runs), 1);
+        assert_true(atomic_load(&cb[i].thread) != self_id());
+    }
+    aclrtDestroyEvent(done);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+static void test_destroy_and_shutdown_do_not_wait_for_an_absent_subscriber(void **state)
+{
+    (void)state;
+    static cb_rec cb[4];
+    for (int i = 0; i < 4; i++)
+        rec_init(&cb[i], i);
+    aclrtStream st = new_stream();
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[0], ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[1], ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    uint64_t t0 = host_now_ns();
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+    assert_true(host_now_ns() - t0 < 2000 * MS);
+    assert_int_equal(atomic_load(&cb[0].runs), 1); /* run by the worker while draining */
+    assert_int_equal(atomic_load(&cb[1].runs), 1);
+    assert_report_counts(0, 0);
+    /* Shutdown, with the default stream and a created one subscribed by the absent thread. */
+    aclrtStream st2 = new_stream();
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, st2), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[2], ACL_CALLBACK_BLOCK, st2), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[3], ACL_CALLBACK_NO_BLOCK, NULL), ACL_SUCCESS);
+    host_sleep_ns(20 * MS);
+    assert_int_equal(atomic_load(&cb[2].runs) + atomic_load(&cb[3].runs), 0);
+    stream_shutdown();
+    assert_int_equal(atomic_load(&cb[2].runs), 1);
+    assert_int_equal(atomic_load(&cb[3].runs), 1);
+    assert_report_counts(0, 0);
+    assert_counts(0, 0);
+}
+
+static void test_process_report_waiting_forever_returns_when_last_subscription_ends(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    reporter rep;
+    reporter_start(&rep, -1);
+    assert_int_equal(aclrtSubscribeReport(reporter_tid(&rep), st), ACL_SUCCESS);
+    /* Let it enter ProcessReport(-1) subscribed, then pull the subscription away. */
+    for (int spin = 0; spin < 100 && atomic_load(&rep.calls) < 1; spin++)
+        host_sleep_ns(MS);
+    host_sleep_ns(20 * MS);
+    int before = atomic_load(&rep.not_subscribed);
+    assert_int_equal(aclrtUnSubscribeReport(reporter_tid(&rep), st), ACL_SUCCESS);
+    for (int spin = 0; spin < 2000 && atomic_load(&rep.not_subscribed) == before; spin++)
+        host_sleep_ns(MS);
+    assert_true(atomic_load(&rep.not_subscribed) > before);
+    reporter_stop(&rep);
+    assert_int_equal(atomic_load(&rep.timeouts), 0);
+    assert_report_counts(0, 0);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+static void test_subscribed_thread_blocking_in_synchronize_gets_block_callbacks_run_elsewhere(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream(), other = new_stream();
+    aclrtEvent e = new_event();
+    static cb_rec cb[4];
+    for (int i = 0; i < 4; i++)
+        rec_init(&cb[i], i + 1);
+    assert_int_equal(aclrtSubscribeReport(self_id(), st), ACL_SUCCESS);
+    /* Already queued to this thread when it starts waiting: NO_BLOCK then BLOCK. */
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[0], ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[1], ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    host_sleep_ns(20 * MS);
+    assert_int_equal(log_count, 0);
+    /* Waiting for another stream that waits for st: would deadlock if the callbacks stayed. */
+    assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamWaitEvent(other, e), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(other), ACL_SUCCESS);
+    assert_int_equal(log_count, 2);
+    assert_int_equal(log_values[0], 1);
+    assert_int_equal(log_values[1], 2);
+    assert_true(atomic_load(&cb[0].thread) != self_id());
+    /* Arriving during the wait: the BLOCK one runs on the worker. */
+    assert_int_equal(npualloc_sleep_async(st, 0.03), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[2], ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&cb[2].runs), 1);
+    assert_true(atomic_load(&cb[2].thread) != self_id());
+    /* Outside waits the thread gets its callbacks again. */
+    assert_int_equal(aclrtLaunchCallback(cb_record, &cb[3], ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtProcessReport(1000), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&cb[3].thread), self_id());
+    assert_int_equal(aclrtUnSubscribeReport(self_id(), st), ACL_SUCCESS);
+    aclrtDestroyEvent(e);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(other), ACL_SUCCESS);
+}
+
+/* A BLOCK callback on the subscribed thread stands in for its stream's worker. */
+typedef struct block_self {
+    aclrtStream self, other;
+    aclrtEvent event_on_self;
+    aclError sync_self, destroy_self, sync_event, sync_other, sync_device;
+    _Atomic uint64_t thread;
+} block_self;
+
+static void cb_block_self_calls(void *user_data)
+{
+    block_self *r = user_data;
+    atomic_store(&r->thread, self_id());
+    r->sync_self = aclrtSynchronizeStream(r->self);
+    r->destroy_self = aclrtDestroyStream(r->self);
+    r->sync_event = aclrtSynchronizeEvent(r->event_on_self);
+    r->sync_other = aclrtSynchronizeStream(r->other);
+    r->sync_device = aclrtSetDevice(0);
+    if (r->sync_device == ACL_SUCCESS)
+        r->sync_device = aclrtSynchronizeDevice();
+}
+
+static void test_block_callback_on_subscribed_thread_cannot_wait_for_its_stream(void **state)
+{
+    (void)state;
+    reporter rep;
+    reporter_start(&rep, 20);
+    block_self r = {.self = new_stream(), .other = new_stream(), .event_on_self = new_event()};
+    atomic_init(&r.thread, 0);
+    assert_int_equal(aclrtSubscribeReport(reporter_tid(&rep), r.self), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_block_self_calls, &r, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
+    assert_int_equal(aclrtRecordEvent(r.event_on_self, r.self), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(r.self), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&r.thread), reporter_tid(&rep));
+    assert_int_equal(r.sync_self, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(r.destroy_self, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(r.sync_event, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(r.sync_device, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(r.sync_other, ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(reporter_tid(&rep), r.self), ACL_SUCCESS);
+    reporter_stop(&rep);
+    aclrtDestroyEvent(r.event_on_self);
+    assert_int_equal(aclrtDestroyStream(r.self), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(r.other), ACL_SUCCESS);
+}
+
+/* A NO_BLOCK callback that logs its start, sleeps, logs its end. */
+typedef struct slow_cb {
+    int start, end;
+    atomic_int started;
+} slow_cb;
+
+static void cb_slow(void *user_data)
+{
+    slow_cb *c = user_data;
+    log_append(c->start);
+    atomic_store(&c->started, 1);
+    host_sleep_ns(60 * MS);
+    log_append(c->end);
+}
+
+static void test_unsubscribe_waits_for_a_running_callback_and_order_is_kept(void **state)
+{
+    (void)state;
+    reporter rep;
+    reporter_start(&rep, 20);
+    aclrtStream st = new_stream();
+    static slow_cb slow = {.start = 1, .end = 2};
+    static cb_rec next;
+    atomic_store(&slow.started, 0);
+    rec_init(&next, 3);
+    assert_int_equal(aclrtSubscribeReport(reporter_tid(&rep), st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_slow, &slow, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &next, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    for (int spin = 0; spin < 2000 && !atomic_load(&slow.started); spin++)
+        host_sleep_ns(MS);
+    assert_true(atomic_load(&slow.started));
+    /* Like CANN, unsubscribing waits for the busy callback; the next one, handed back to the
+     * worker, runs after it. */
+    assert_int_equal(aclrtUnSubscribeReport(reporter_tid(&rep), st), ACL_SUCCESS);
+    pthread_mutex_lock(&log_lock);
+    assert_true(log_count >= 2);
+    assert_int_equal(log_values[1], 2);
+    pthread_mutex_unlock(&log_lock);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    for (int spin = 0; spin < 2000 && !atomic_load(&next.runs); spin++)
+        host_sleep_ns(MS);
+    assert_int_equal(log_count, 3);
+    assert_int_equal(log_values[2], 3);
+    assert_true(atomic_load(&next.thread) != reporter_tid(&rep));
+    reporter_stop(&rep);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+/* A NO_BLOCK callback on the subscribed thread that unsubscribes it, then waits for its own
+ * stream, whose later BLOCK callback must run meanwhile (on the worker). */
+typedef struct self_unsub {
+    aclrtStream st;
+    uint64_t tid;
+    aclError unsub, sync;
+    atomic_int done;
+} self_unsub;
+
+static void cb_unsubscribe_and_sync_own_stream(void *user_data)
+{
+    self_unsub *u = user_data;
+    u->unsub = aclrtUnSubscribeReport(u->tid, u->st);
+    u->sync = aclrtSynchronizeStream(u->st);
+    atomic_store(&u->done, 1);
+}
+
+static void cb_destroy_own_stream(void *user_data)
+{
+    self_unsub *u = user_data;
+    u->sync = aclrtDestroyStream(u->st);
+    atomic_store(&u->done, 1);
+}
+
+static void test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_stream(void **state)
+{
+    (void)state;
+    reporter rep;
+    reporter_start(&rep, 20);
+    static cb_rec later[2];
+    rec_init(&later[0], 1);
+    rec_init(&later[1], 2);
+    self_unsub u = {.st = new_stream(), .tid = reporter_tid(&rep)};
+    atomic_init(&u.done, 0);
+    assert_int_equal(aclrtSubscribeReport(u.tid, u.st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_unsubscribe_and_sync_own_stream, &u, ACL_CALLBACK_NO_BLOCK, u.st),
+                     ACL_SUCCESS);
+    assert_int_equal(npualloc_sleep_async(u.st, 0.02), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &later[0], ACL_CALLBACK_BLOCK, u.st), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(u.st), ACL_SUCCESS);
+    for (int spin = 0; spin < 5000 && !atomic_load(&u.done); spin++)
+        host_sleep_ns(MS);
+    assert_true(atomic_load(&u.done));
+    assert_int_equal(u.unsub, ACL_SUCCESS);
+    assert_int_equal(u.sync, ACL_SUCCESS);
+    assert_int_equal(atomic_load(&later[0].runs), 1);
+    assert_true(atomic_load(&later[0].thread) != u.tid); /* unsubscribed: on the worker */
+    /* Destroying its own stream from a NO_BLOCK callback (its worker is not waiting for it). */
+    self_unsub d = {.st = new_stream(), .tid = reporter_tid(&rep)};
+    atomic_init(&d.done, 0);
+    assert_int_equal(aclrtSubscribeReport(d.tid, d.st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_destroy_own_stream, &d, ACL_CALLBACK_NO_BLOCK, d.st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &later[1], ACL_CALLBACK_BLOCK, d.st), ACL_SUCCESS);
+    for (int spin = 0; spin < 5000 && !atomic_load(&d.done); spin++)
+        host_sleep_ns(MS);
+    assert_true(atomic_load(&d.done));
+    assert_int_equal(d.sync, ACL_SUCCESS);
+    assert_int_equal(atomic_load(&later[1].runs), 1);
+    assert_report_counts(0, 0);
+    reporter_stop(&rep);
+    assert_int_equal(aclrtDestroyStream(u.st), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(d.st), ACL_ERROR_INVALID_PARAM); /* already destroyed */
+}
+
+/* Several streams, two serving threads, and a thread moving subscriptions around: every
+ * callback runs exactly once and each stream's callbacks run in launch order. */
+#define CHURN_STREAMS 4
+#define CHURN_CALLBACKS 150
+
+typedef struct churn_cb {
+    int stream, index;
+    atomic_int runs;
+} churn_cb;
+
+static atomic_int churn_next[CHURN_STREAMS];
+static atomic_int churn_disorder;
+
+static void cb_churn(void *user_data)
+{
+    churn_cb *c = user_data;
+    if (atomic_fetch_add(&churn_next[c->stream], 1) != c->index)
+        atomic_fetch_add(&churn_disorder, 1);
+    atomic_fetch_add(&c->runs, 1);
+}
+
+typedef struct churn_ctx {
+    aclrtStream streams[CHURN_STREAMS];
+    uint64_t tids[2];
+    atomic_int stop;
+    atomic_int failures;
+} churn_ctx;
+
+static void *churn_main(void *arg)
+{
+    churn_ctx *c = arg;
+    for (unsigned i = 0; !atomic_load(&c->stop); i++) {
+        aclrtStream st = c->streams[i % CHURN_STREAMS];
+        uint64_t tid = c->tids[(i / CHURN_STREAMS) % 2];
+        aclError rc = aclrtSubscribeReport(tid, st);
+        if (rc != ACL_SUCCESS && rc != ACL_ERROR_RT_STREAM_SUBSCRIBE)
+            atomic_fetch_add(&c->failures, 1);
+        host_sleep_ns(MS / 4);
+        if (i % 3 == 0) {
+            for (int k = 0; k < 2; k++) {
+                rc = aclrtUnSubscribeReport(c->tids[k], st);
+                if (rc != ACL_SUCCESS && rc != ACL_ERROR_RT_STREAM_SUBSCRIBE && rc != ACL_ERROR_RT_THREAD_SUBSCRIBE)
+                    atomic_fetch_add(&c->failures, 1);
+            }
+        }
+    }
+    return NULL;
+}
+
+static void test_subscription_churn_loses_and_reorders_no_callback(void **state)
+{
+    (void)state;
+    static churn_cb cbs[CHURN_STREAMS][CHURN_CALLBACKS];
+    churn_ctx c;
+    memset(&c, 0, sizeof c);
+    atomic_store(&churn_disorder, 0);
+    reporter rep[2];
+    for (int k = 0; k < 2; k++) {
+        reporter_start(&rep[k], 5);
+        c.tids[k] = reporter_tid(&rep[k]);
+    }
+    for (int s = 0; s < CHURN_STREAMS; s++) {
+        c.streams[s] = new_stream();
+        atomic_store(&churn_next[s], 0);
+    }
+    pthread_t churner;
+    assert_int_equal(pthread_create(&churner, NULL, churn_main, &c), 0);
+    for (int i = 0; i < CHURN_CALLBACKS; i++) {
+        for (int s = 0; s < CHURN_STREAMS; s++) {
+            churn_cb *cb = &cbs[s][i];
+            cb->stream = s;
+            cb->index = i;
+            atomic_store(&cb->runs, 0);
+            aclrtCallbackBlockType bt = ((i + s) % 2) ? ACL_CALLBACK_BLOCK : ACL_CALLBACK_NO_BLOCK;
+            assert_int_equal(aclrtLaunchCallback(cb_churn, cb, bt, c.streams[s]), ACL_SUCCESS);
+        }
+        if (i % 50 == 0)
+            host_sleep_ns(2 * MS);
+    }
+    for (int s = 0; s < CHURN_STREAMS; s++)
+        assert_int_equal(aclrtSynchronizeStream(c.streams[s]), ACL_SUCCESS);
+    atomic_store(&c.stop, 1);
+    assert_int_equal(pthread_join(churner, NULL), 0);
+    /* Destroy: whatever is still queued to the reporters comes back to the workers. */
+    for (int s = 0; s < CHURN_STREAMS; s++)
+        assert_int_equal(aclrtDestroyStream(c.streams[s]), ACL_SUCCESS);
+    assert_report_counts(0, 0);
+    for (int k = 0; k < 2; k++)
+        reporter_stop(&rep[k]);
+    assert_int_equal(atomic_load(&c.failures), 0);
+    assert_int_equal(atomic_load(&churn_disorder), 0);
+    for (int s = 0; s < CHURN_STREAMS; s++)
+        for (int i = 0; i < CHURN_CALLBACKS; i++)
+            assert_int_equal(atomic_load(&cbs[s][i].runs), 1);
+}
+
 /* ---- shutdown and fork ---- */
 
 static void test_shutdown_runs_queued_work_frees_everything_and_restarts(void **state)
@@ -897,6 +1599,73 @@ static void test_fork_child_starts_without_streams_and_runs_no_parent_task(void 
     assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
+/* Runs in the forked child: no subscription survives, new ones work. */
+static int fork_child_subscription_checks(void)
+{
+    size_t t = 1, n = 1;
+    stream_report_counts(&t, &n);
+    if (t != 0 || n != 0)
+        return 1;
+    if (aclrtProcessReport(10) != ACL_ERROR_RT_THREAD_SUBSCRIBE)
+        return 2;
+    if (aclrtSetDevice(0) != ACL_SUCCESS)
+        return 3;
+    aclrtStream st = NULL;
+    static atomic_int flag;
+    if (aclrtCreateStream(&st) != ACL_SUCCESS || aclrtSubscribeReport(self_id(), st) != ACL_SUCCESS ||
+        aclrtLaunchCallback(cb_set_flag, &flag, ACL_CALLBACK_BLOCK, st) != ACL_SUCCESS)
+        return 4;
+    if (aclrtProcessReport(2000) != ACL_SUCCESS || atomic_load(&flag) != 1)
+        return 5;
+    if (aclrtUnSubscribeReport(self_id(), st) != ACL_SUCCESS || aclrtSynchronizeStream(st) != ACL_SUCCESS ||
+        aclrtDestroyStream(st) != ACL_SUCCESS)
+        return 6;
+    if (atomic_load(&child_ran_parent_task))
+        return 7; /* a callback queued in the parent must not run in the child */
+    return 0;
+}
+
+static void test_fork_child_has_no_subscriptions_and_parent_keeps_its_own(void **state)
+{
+    (void)state;
+    atomic_store(&child_ran_parent_task, 0);
+    aclrtStream absent = new_stream(), mine = new_stream();
+    assert_int_equal(aclrtSubscribeReport(ABSENT_TID, absent), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(self_id(), mine), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_mark_parent_task, NULL, ACL_CALLBACK_NO_BLOCK, absent), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_mark_parent_task, NULL, ACL_CALLBACK_BLOCK, absent), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_mark_parent_task, NULL, ACL_CALLBACK_NO_BLOCK, mine), ACL_SUCCESS);
+    host_sleep_ns(20 * MS); /* let the workers hand them over */
+    assert_int_equal(atomic_load(&child_ran_parent_task), 0);
+    bool handlers_registered = npualloc_shutdown != NULL;
+    if (!handlers_registered)
+        stream_atfork_prepare();
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        if (!handlers_registered)
+            stream_atfork_child();
+        _exit(fork_child_subscription_checks());
+    }
+    if (!handlers_registered)
+        stream_atfork_parent();
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    /* The parent's subscriptions are intact. */
+    assert_report_counts(2, 2);
+    assert_int_equal(atomic_load(&child_ran_parent_task), 0);
+    assert_int_equal(aclrtProcessReport(1000), ACL_SUCCESS); /* mine's callback */
+    assert_int_equal(atomic_load(&child_ran_parent_task), 1);
+    assert_int_equal(aclrtUnSubscribeReport(ABSENT_TID, absent), ACL_SUCCESS); /* the worker runs them */
+    assert_int_equal(aclrtSynchronizeStream(absent), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(self_id(), mine), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(absent), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(mine), ACL_SUCCESS);
+    assert_report_counts(0, 0);
+}
+
 int main(void)
 {
     /* The tests assume the default configuration (8 devices). */
@@ -931,8 +1700,27 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_destroy_event_with_queued_record_is_safe, setup, teardown),
         cmocka_unit_test_setup_teardown(test_eight_threads_create_record_query_destroy_concurrently, setup, teardown),
         cmocka_unit_test_setup_teardown(test_task_cannot_wait_for_its_own_stream, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_subscription_error_codes_follow_cann_runtime, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_process_report_argument_subscription_and_timeout_codes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_block_callback_holds_later_tasks_until_process_report_runs_it, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_no_block_callback_lets_later_tasks_and_synchronize_go_on, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unsubscribed_stream_keeps_running_callbacks_on_its_worker, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_callback_goes_where_the_subscription_is_when_the_worker_reaches_it, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_reporter_thread_runs_callbacks_of_two_streams_in_order, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unsubscribe_hands_pending_callbacks_back_to_the_worker_in_order, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_destroy_and_shutdown_do_not_wait_for_an_absent_subscriber, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_process_report_waiting_forever_returns_when_last_subscription_ends, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_subscribed_thread_blocking_in_synchronize_gets_block_callbacks_run_elsewhere, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_block_callback_on_subscribed_thread_cannot_wait_for_its_stream, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_unsubscribe_waits_for_a_running_callback_and_order_is_kept, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_stream, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_subscription_churn_loses_and_reorders_no_callback, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_runs_queued_work_frees_everything_and_restarts, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fork_child_starts_without_streams_and_runs_no_parent_task, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_fork_child_has_no_subscriptions_and_parent_keeps_its_own, setup,
                                         teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

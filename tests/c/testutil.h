@@ -14,6 +14,7 @@
 #include "acl_rt.h"
 #include "npualloc.h"
 
+#define KiB_ ((size_t)1 << 10)
 #define MiB_ ((size_t)1 << 20)
 #define GiB_ ((size_t)1 << 30)
 

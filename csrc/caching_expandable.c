@@ -1,0 +1,372 @@
+/*
+ * caching_expandable.c - expandable segments (expandable_segments:True): one reserved range per
+ * (stream, pool) with pages mapped on demand at the lowest free address, so a growing workload
+ * extends its segment instead of fragmenting (PyTorch's "Note [Expandable Segments]", with
+ * torch_npu's page sizes).
+ *
+ * The range is tiled by blocks like any segment; unmapped stretches are blocks too (mapped ==
+ * false, kept in the pool's unmapped set).  Invariants: an unmapped block covers whole pages;
+ * a mapped block's pages are all mapped; two neighbouring unmapped blocks are merged.
+ *
+ * Stats as torch: mapping adds to reserved_bytes and num_device_alloc (the segment count does
+ * not move); unmapping subtracts and counts num_device_free; no inactive-split stats.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "caching.h"
+#include "common.h"
+
+bool expandable_supported(const device_cache *dc) { return dc->backend->reserve != NULL; }
+
+/* The page size of a pool's expandable segments (torch_npu: 2 MiB small, the large segment
+ * size (or the deprecated segment_size_mb) large, 1 GiB with page_size:1g). */
+static size_t page_size_for(const device_cache *dc, const block_pool *pool)
+{
+    if (pool->is_small)
+        return K_SMALL_BUFFER;
+    if (dc->settings->page_size_1g)
+        return K_EXTRA_LARGE_BUFFER;
+    return dc->settings->segment_size ? dc->settings->segment_size : dc->settings->large_segment_size;
+}
+
+/* ---- the segment: reserve, map and unmap pages ---- */
+
+static expandable_segment *segment_create(device_cache *dc, block_pool *pool, uint64_t stream)
+{
+    size_t page = page_size_for(dc, pool);
+    size_t free_bytes = 0, total = 0;
+    dc->backend->mem_info(dc->backend_ctx, dc->device, &free_bytes, &total);
+    /* 1 1/8 of the device's memory, so one stream can map all of it plus fragmentation. */
+    size_t pages = (total + total / 8 + page - 1) / page;
+    if (pages == 0)
+        pages = 1;
+    expandable_segment *es = calloc(1, sizeof *es);
+    uint64_t *handles = calloc(pages, sizeof *handles);
+    uintptr_t base = 0;
+    if (!es || !handles || dc->backend->reserve(dc->backend_ctx, dc->device, pages * page, &base) != ACL_SUCCESS) {
+        free(es);
+        free(handles);
+        return NULL;
+    }
+    es->stream = stream;
+    es->pool = pool;
+    es->base = base;
+    es->page_size = page;
+    es->pages = pages;
+    es->handles = handles;
+    es->next = dc->expandable_segments;
+    dc->expandable_segments = es;
+    return es;
+}
+
+static void segment_destroy(device_cache *dc, expandable_segment *es)
+{
+    for (expandable_segment **link = &dc->expandable_segments; *link; link = &(*link)->next) {
+        if (*link == es) {
+            *link = es->next;
+            break;
+        }
+    }
+    dc->backend->release(dc->backend_ctx, dc->device, es->base, es->pages * es->page_size);
+    free(es->handles);
+    free(es);
+}
+
+/* Takes a kept page of the right size, if any (LIFO). */
+static uint64_t take_cached_page(device_cache *dc, size_t size)
+{
+    for (size_t i = dc->cached_page_count; i-- > 0;) {
+        if (dc->cached_pages[i].size == size) {
+            uint64_t h = dc->cached_pages[i].handle;
+            dc->cached_pages[i] = dc->cached_pages[--dc->cached_page_count];
+            return h;
+        }
+    }
+    return 0;
+}
+
+static void keep_cached_page(device_cache *dc, uint64_t handle, size_t size)
+{
+    if (dc->cached_page_count == dc->cached_page_capacity) {
+        size_t cap = dc->cached_page_capacity ? dc->cached_page_capacity * 2 : 16;
+        cached_page *grown = realloc(dc->cached_pages, cap * sizeof *grown);
+        if (!grown) { /* out of host memory: free the page instead of keeping it */
+            dc->backend->free_page(dc->backend_ctx, dc->device, handle);
+            return;
+        }
+        dc->cached_pages = grown;
+        dc->cached_page_capacity = cap;
+    }
+    dc->cached_pages[dc->cached_page_count++] = (cached_page){handle, size};
+}
+
+static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t index)
+{
+    uintptr_t va = es->base + index * es->page_size;
+    uint64_t handle = take_cached_page(dc, es->page_size);
+    if (handle) {
+        if (dc->backend->remap_page(dc->backend_ctx, dc->device, va, es->page_size, handle) == ACL_SUCCESS) {
+            es->handles[index] = handle;
+            return ACL_SUCCESS;
+        }
+        dc->backend->free_page(dc->backend_ctx, dc->device, handle);
+    }
+    bool huge1g = es->page_size == K_EXTRA_LARGE_BUFFER && !es->pool->is_small;
+    aclError rc = dc->backend->map_page(dc->backend_ctx, dc->device, va, es->page_size, huge1g, &handle);
+    if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION && huge1g) {
+        cache_push_warning(
+            "The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M memory "
+            "page may result in performance degradation. This warning occurs because the "
+            "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated number of "
+            "1G large pages is insufficient or 1G large-page memory pre-allocation is not enabled.");
+        rc = dc->backend->map_page(dc->backend_ctx, dc->device, va, es->page_size, false, &handle);
+    }
+    if (rc == ACL_SUCCESS)
+        es->handles[index] = handle;
+    return rc;
+}
+
+/* Maps the pages covering [ptr, ptr + size); returns the bytes mapped (whole pages from ptr),
+ * or 0 when the device ran out of memory (the pages mapped by this call are given back). */
+static size_t segment_map(device_cache *dc, expandable_segment *es, uintptr_t ptr, size_t size)
+{
+    size_t first = (ptr - es->base) / es->page_size;
+    size_t last = (ptr + size - es->base + es->page_size - 1) / es->page_size;
+    for (size_t i = first; i < last; i++) {
+        if (es->handles[i])
+            continue;
+        if (map_one_page(dc, es, i) != ACL_SUCCESS) {
+            for (size_t j = first; j < i; j++) {
+                dc->backend->unmap_page(dc->backend_ctx, dc->device, es->base + j * es->page_size, es->page_size,
+                                        es->handles[j], false);
+                es->handles[j] = 0;
+                es->mapped_pages--;
+            }
+            return 0;
+        }
+        es->mapped_pages++;
+    }
+    return (last - first) * es->page_size;
+}
+
+/* Unmaps the pages lying entirely inside [ptr, ptr + size); returns the range unmapped. */
+static void segment_unmap(device_cache *dc, expandable_segment *es, uintptr_t ptr, size_t size, bool keep,
+                          uintptr_t *out_ptr, size_t *out_size)
+{
+    size_t first = (ptr - es->base + es->page_size - 1) / es->page_size;
+    size_t last = (ptr + size - es->base) / es->page_size;
+    *out_ptr = es->base + first * es->page_size;
+    *out_size = last > first ? (last - first) * es->page_size : 0;
+    for (size_t i = first; i < last; i++) {
+        uintptr_t va = es->base + i * es->page_size;
+        dc->backend->unmap_page(dc->backend_ctx, dc->device, va, es->page_size, es->handles[i], keep);
+        if (keep)
+            keep_cached_page(dc, es->handles[i], es->page_size);
+        es->handles[i] = 0;
+        es->mapped_pages--;
+    }
+}
+
+/* ---- blocks ---- */
+
+static inline bool allocatable(const cache_block *b)
+{
+    return b && !b->allocated && b->event_count == 0 && b->use_count == 0;
+}
+
+/* Maps the front `size` bytes (rounded to pages) of an unmapped block; the block becomes mapped,
+ * merges with free neighbours and goes into the pool.  False when out of device memory. */
+static bool map_block(device_cache *dc, cache_block *b, size_t size)
+{
+    expandable_segment *es = b->es;
+    size_t mapped = segment_map(dc, es, b->ptr, size);
+    if (mapped == 0)
+        return false;
+    block_pool *pool = b->pool;
+    block_pool_remove_unmapped(pool, b);
+    b->mapped = true;
+    if (mapped < b->size) {
+        cache_block *rest = cache_block_new(dc);
+        if (!rest) { /* out of host memory: give the pages back */
+            uintptr_t up;
+            size_t us;
+            segment_unmap(dc, es, b->ptr, mapped, false, &up, &us);
+            b->mapped = false;
+            block_pool_insert_unmapped(pool, b);
+            return false;
+        }
+        rest->pool = pool;
+        rest->stream = b->stream;
+        rest->es = es;
+        rest->mapped = false;
+        rest->ptr = b->ptr + mapped;
+        rest->size = b->size - mapped;
+        rest->prev = b;
+        rest->next = b->next;
+        if (b->next)
+            b->next->prev = rest;
+        b->next = rest;
+        b->size = mapped;
+        block_pool_insert_unmapped(pool, rest);
+    }
+    uintptr_t at = b->ptr;
+    cache_try_merge(dc, b, b->prev);
+    cache_try_merge(dc, b, b->next);
+    cache_pool_insert(b);
+    dc->total_allocated_memory += mapped;
+    cache_stat_update(dc->stats.reserved_bytes, pool, (int64_t)mapped);
+    dc->stats.num_device_alloc++;
+    cache_history_record(dc, TRACE_SEGMENT_MAP, at, mapped, b->stream);
+    return true;
+}
+
+/* The lowest-addressed place of the stream's segment with `size` bytes of free and unmapped
+ * space, or a new segment's whole range when there is none. */
+static cache_block *find_expandable_block(device_cache *dc, block_pool *pool, uint64_t stream, size_t size)
+{
+    for (cache_block *c = block_pool_first_unmapped(pool, stream); c && c->stream == stream;
+         c = block_pool_next_unmapped(c)) {
+        cache_block *start = allocatable(c->prev) ? c->prev : c; /* a free block just before can grow */
+        size_t bytes = 0;
+        for (cache_block *b = start; bytes < size && allocatable(b); b = b->next)
+            bytes += b->size;
+        if (bytes >= size)
+            return start;
+    }
+    expandable_segment *es = segment_create(dc, pool, stream);
+    cache_block *whole = es ? cache_block_new(dc) : NULL;
+    if (!whole) {
+        if (es)
+            segment_destroy(dc, es);
+        return NULL;
+    }
+    whole->pool = pool;
+    whole->stream = stream;
+    whole->es = es;
+    whole->mapped = false;
+    whole->ptr = es->base;
+    whole->size = es->pages * es->page_size;
+    block_pool_insert_unmapped(pool, whole);
+    return whole;
+}
+
+cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t stream, size_t size)
+{
+    cache_block *candidate = find_expandable_block(dc, pool, stream, size);
+    if (!candidate)
+        return NULL;
+    /* The candidate is unmapped, or free and followed by unmapped space. */
+    if (!candidate->mapped && !map_block(dc, candidate, candidate->size < size ? candidate->size : size))
+        return NULL;
+    while (candidate->size < size) {
+        /* free -> unmapped: map the missing part; the mapped pages merge into the candidate */
+        cache_block *grow = candidate->next;
+        size_t missing = size - candidate->size;
+        if (!map_block(dc, grow, grow->size < missing ? grow->size : missing))
+            return NULL;
+        candidate = grow;
+    }
+    block_pool_remove(pool, candidate);
+    return candidate;
+}
+
+/* Splits off [start, start + size) of a free mapped block b as its own block in the pool. */
+static cache_block *split_off(device_cache *dc, cache_block *b, uintptr_t start, size_t size, bool before)
+{
+    cache_block *part = cache_block_new(dc);
+    if (!part)
+        return NULL;
+    part->pool = b->pool;
+    part->stream = b->stream;
+    part->es = b->es;
+    part->ptr = start;
+    part->size = size;
+    if (before) { /* prev? -> part -> b */
+        part->prev = b->prev;
+        part->next = b;
+        if (b->prev)
+            b->prev->next = part;
+        b->prev = part;
+    } else { /* b -> part -> next? */
+        part->prev = b;
+        part->next = b->next;
+        if (b->next)
+            b->next->prev = part;
+        b->next = part;
+    }
+    cache_pool_insert(part);
+    return part;
+}
+
+void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
+{
+    expandable_segment *es = b->es;
+    uintptr_t up;
+    size_t us;
+    /* Which whole pages lie inside the block? (computed before touching anything) */
+    size_t first = (b->ptr - es->base + es->page_size - 1) / es->page_size;
+    size_t last = (b->ptr + b->size - es->base) / es->page_size;
+    if (last <= first)
+        return;
+    up = es->base + first * es->page_size;
+    us = (last - first) * es->page_size;
+    size_t before = up - b->ptr, after = b->size - before - us;
+    /* Out of host memory for the split-off parts: leave the block mapped (still correct). */
+    cache_block *front = NULL;
+    if (before && !(front = split_off(dc, b, b->ptr, before, true)))
+        return;
+    if (after && !split_off(dc, b, up + us, after, false)) {
+        if (front) { /* undo the front split */
+            block_pool_remove(front->pool, front);
+            cache_try_merge(dc, b, front);
+        }
+        return;
+    }
+    block_pool_remove(b->pool, b);
+    segment_unmap(dc, es, up, us, keep_pages, &up, &us);
+    b->ptr = up;
+    b->size = us;
+    b->mapped = false;
+    cache_try_merge(dc, b, b->prev);
+    cache_try_merge(dc, b, b->next);
+    block_pool_insert_unmapped(b->pool, b);
+    dc->total_allocated_memory -= us;
+    cache_stat_update(dc->stats.reserved_bytes, b->pool, -(int64_t)us);
+    dc->stats.num_device_free++;
+    cache_history_record(dc, TRACE_SEGMENT_UNMAP, up, us, b->stream);
+    if (!b->prev && !b->next) { /* nothing of the segment is mapped any more */
+        block_pool_remove_unmapped(b->pool, b);
+        cache_block_delete(dc, b);
+        segment_destroy(dc, es);
+    }
+}
+
+void expandable_free_cached_pages(device_cache *dc)
+{
+    for (size_t i = 0; i < dc->cached_page_count; i++)
+        dc->backend->free_page(dc->backend_ctx, dc->device, dc->cached_pages[i].handle);
+    dc->cached_page_count = 0;
+}
+
+void expandable_release_all(device_cache *dc, bool return_memory)
+{
+    while (dc->expandable_segments) {
+        expandable_segment *es = dc->expandable_segments;
+        dc->expandable_segments = es->next;
+        if (return_memory) {
+            for (size_t i = 0; i < es->pages; i++)
+                if (es->handles[i])
+                    dc->backend->unmap_page(dc->backend_ctx, dc->device, es->base + i * es->page_size,
+                                            es->page_size, es->handles[i], false);
+            dc->backend->release(dc->backend_ctx, dc->device, es->base, es->pages * es->page_size);
+        }
+        free(es->handles);
+        free(es);
+    }
+    if (return_memory)
+        expandable_free_cached_pages(dc);
+    free(dc->cached_pages);
+    dc->cached_pages = NULL;
+    dc->cached_page_count = dc->cached_page_capacity = 0;
+}

@@ -1,0 +1,165 @@
+/*
+ * acl_util_py.c - the rest of the pyACL face: acl.init / acl.finalize and the C half of
+ * acl.util (npualloc/acl.py adds the numpy helpers on top).
+ *
+ * acl.util has no C counterpart in CANN; here it is defined so that a bad device pointer is a
+ * Python exception, never a crash: device ranges are checked against the address registry
+ * before they are read (host pointers cannot be checked, as with a real NPU).
+ */
+#include "acl_rt.h"
+#include "binding.h"
+#include "device.h"
+#include "npualloc.h"
+#include "pyarg.h"
+#include "vmm.h"
+
+/* init(config_path) -> ret: config_path is a str or None (its content is not read). */
+static PyObject *acl_init(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char fn[] = "acl.init";
+    if (!check_nargs(fn, nargs, 1))
+        return NULL;
+    const char *path = NULL;
+    if (args[0] != Py_None) {
+        if (!PyUnicode_Check(args[0])) {
+            PyErr_Format(PyExc_TypeError, "%s() argument 'config_path' must be str or None, not %.80s", fn,
+                         Py_TYPE(args[0])->tp_name);
+            return NULL;
+        }
+        if (!(path = PyUnicode_AsUTF8(args[0])))
+            return NULL;
+    }
+    return ret_or_init_error(aclInit(path));
+}
+
+static PyObject *acl_finalize(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    (void)args;
+    if (!check_nargs("acl.finalize", nargs, 0))
+        return NULL;
+    return ret_or_init_error(aclFinalize());
+}
+
+/* Converts (ptr, size) for the util functions: TypeError for non-ints, ValueError for values
+ * out of range or a size that no Python buffer can hold. */
+static int util_range(PyObject *const *args, const char *fn, void **ptr, Py_ssize_t *size)
+{
+    uint64_t n = 0;
+    int a = arg_ptr(args[0], fn, "ptr", ptr);
+    if (a == ARG_TYPE_ERROR)
+        return -1;
+    int b = arg_u64(args[1], fn, "size", &n);
+    if (b == ARG_TYPE_ERROR)
+        return -1;
+    if (a != ARG_OK) {
+        PyErr_Format(PyExc_ValueError, "%s(): ptr must be an address in [0, 2**64)", fn);
+        return -1;
+    }
+    if (b != ARG_OK || n > (uint64_t)PY_SSIZE_T_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s(): size must be from 0 to %zd", fn, PY_SSIZE_T_MAX);
+        return -1;
+    }
+    if (n && !*ptr) {
+        PyErr_Format(PyExc_ValueError, "%s(): ptr is NULL", fn);
+        return -1;
+    }
+    *size = (Py_ssize_t)n;
+    return 0;
+}
+
+/* ptr_to_bytes(ptr, size) -> bytes: a copy of size bytes at ptr, read through aclrtMemcpy so
+ * that device memory is validated (ValueError when it is not mapped device memory). */
+static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char fn[] = "acl.util.ptr_to_bytes";
+    if (!check_nargs(fn, nargs, 2))
+        return NULL;
+    void *ptr;
+    Py_ssize_t size;
+    if (util_range(args, fn, &ptr, &size) != 0)
+        return NULL;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (!out || size == 0)
+        return out;
+    char *buf = PyBytes_AS_STRING(out);
+    aclError rc;
+    Py_BEGIN_ALLOW_THREADS rc = aclrtMemcpy(buf, (size_t)size, ptr, (size_t)size, ACL_MEMCPY_DEVICE_TO_HOST);
+    Py_END_ALLOW_THREADS
+    if (rc != ACL_SUCCESS) {
+        Py_DECREF(out);
+        if (!raise_init_error(rc))
+            PyErr_Format(PyExc_ValueError, "%s(): cannot read %zd bytes at %p: not mapped device memory (ret %d)", fn,
+                         size, ptr, rc);
+        return NULL;
+    }
+    return out;
+}
+
+/* bytes_to_ptr(bytes_obj) -> int: the address of a bytes or bytearray buffer (no copy; the
+ * caller keeps the object alive, and a bytearray unresized). */
+static PyObject *util_bytes_to_ptr(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    const char *p;
+    if (PyBytes_Check(arg))
+        p = PyBytes_AS_STRING(arg);
+    else if (PyByteArray_Check(arg))
+        p = PyByteArray_AS_STRING(arg);
+    else {
+        PyErr_Format(PyExc_TypeError,
+                     "acl.util.bytes_to_ptr() argument 'bytes_obj' must be bytes or bytearray, not %.80s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
+}
+
+/* memory(ptr, size) -> memoryview: a writable view of size bytes at ptr, after checking that a
+ * device range is mapped throughout (ValueError otherwise).  The view is valid only while the
+ * memory stays mapped (used by acl.util.ptr_to_numpy). */
+static PyObject *util_memory(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    static const char fn[] = "acl.util.ptr_to_numpy";
+    if (!check_nargs(fn, nargs, 2))
+        return NULL;
+    void *ptr;
+    Py_ssize_t size;
+    if (util_range(args, fn, &ptr, &size) != 0)
+        return NULL;
+    if (size == 0)
+        return PyMemoryView_FromMemory((char *)"", 0, PyBUF_WRITE);
+    aclError rc = runtime_ensure_init();
+    if (raise_init_error(rc))
+        return NULL;
+    int32_t dev;
+    vmm_read_lock();
+    range_class rc_class = vmm_classify_locked(ptr, (size_t)size, &dev);
+    vmm_read_unlock();
+    if (rc_class == RANGE_INVALID) {
+        PyErr_Format(PyExc_ValueError, "%s(): %zd bytes at %p are not mapped device memory", fn, size, ptr);
+        return NULL;
+    }
+    return PyMemoryView_FromMemory(ptr, size, PyBUF_WRITE);
+}
+
+static PyMethodDef acl_methods[] = {
+    {"init", (PyCFunction)(void (*)(void))acl_init, METH_FASTCALL, "init(config_path) -> ret"},
+    {"finalize", (PyCFunction)(void (*)(void))acl_finalize, METH_FASTCALL, "finalize() -> ret"},
+    {"ptr_to_bytes", (PyCFunction)(void (*)(void))util_ptr_to_bytes, METH_FASTCALL,
+     "ptr_to_bytes(ptr, size) -> bytes"},
+    {"bytes_to_ptr", util_bytes_to_ptr, METH_O, "bytes_to_ptr(bytes_obj) -> ptr"},
+    {"memory", (PyCFunction)(void (*)(void))util_memory, METH_FASTCALL,
+     "memory(ptr, size) -> memoryview (validated, writable)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef acl_def = {
+    PyModuleDef_HEAD_INIT, "npualloc._C.acl", "pyACL top-level functions and the C half of acl.util.", -1,
+    acl_methods, NULL, NULL, NULL, NULL,
+};
+
+PyObject *acl_util_module_create(void) { return PyModule_Create(&acl_def); }

@@ -1,0 +1,417 @@
+/* test_expandable.c - expandable segments, base_addr_aligned_kb and page_size:1g. */
+#include <stdio.h>
+
+#include "caching.h"
+#include "testutil.h"
+
+static void start_cache(uint64_t hbm, uint64_t huge1g, const char *conf)
+{
+    if (conf)
+        setenv("PYTORCH_NPU_ALLOC_CONF", conf, 1);
+    else
+        unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(1, hbm, hbm, huge1g, 0);
+    while (npualloc_has_warnings()) { /* start each test with no leftover warnings */
+        char w[512];
+        npualloc_pop_warning(w, sizeof w);
+    }
+}
+
+static int stop_cache(void **state)
+{
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    return stop_runtime(state);
+}
+
+static void check(void)
+{
+    char why[512] = "";
+    if (npualloc_cache_check(0, why, sizeof why) != ACL_SUCCESS)
+        fail_msg("invariant broken: %s", why);
+}
+
+static npualloc_stats stats(void)
+{
+    npualloc_stats s;
+    assert_int_equal(npualloc_cache_get_stats(0, &s), ACL_SUCCESS);
+    return s;
+}
+
+static void *alloc(size_t size)
+{
+    void *p = NULL;
+    aclError rc = npualloc_cache_malloc(0, size, 0, &p);
+    if (rc != ACL_SUCCESS)
+        fail_msg("malloc(%zu) failed: %d %s", size, rc, npualloc_last_error(NULL));
+    return p;
+}
+
+/* Counts the snapshot's segments and checks they are all expandable (or all not). */
+static size_t snapshot_segments(bool expandable, size_t *total)
+{
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    size_t n = snap->segment_count;
+    *total = 0;
+    for (size_t i = 0; i < n; i++) {
+        assert_int_equal(snap->segments[i].is_expandable, expandable);
+        *total += snap->segments[i].total_size;
+    }
+    npualloc_snapshot_free(snap);
+    return n;
+}
+
+#define PAGE (20 * MiB_)
+
+static void test_one_segment_grows_page_by_page(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    char *p[10];
+    for (int i = 0; i < 10; i++) {
+        p[i] = alloc(15 * MiB_ - 32); /* 15 MiB exactly */
+        if (i > 0)
+            assert_ptr_equal(p[i], p[i - 1] + 15 * MiB_); /* the segment extends in place */
+        size_t want_pages = ((size_t)(i + 1) * 15 + 19) / 20;
+        npualloc_stats s = stats();
+        assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, want_pages * PAGE);
+        assert_int_equal(s.num_device_alloc, i + 1 < 10 ? s.num_device_alloc : s.num_device_alloc);
+        assert_int_equal(s.segment[NPUALLOC_STAT_ALL].current, 0); /* mapping does not add segments */
+        check();
+    }
+    size_t total;
+    assert_int_equal(snapshot_segments(true, &total), 1); /* one contiguous mapped range */
+    assert_int_equal(total, 8 * PAGE);
+    for (int i = 0; i < 10; i++)
+        npualloc_cache_free(p[i]);
+    check();
+    npualloc_cache_empty();
+    npualloc_stats s = stats();
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    assert_int_equal(s.num_device_free, 1); /* one unmap of the whole free range */
+    assert_int_equal(snapshot_segments(true, &total), 0);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 0); /* pages freed, reservation released */
+    assert_int_equal(c.reservations, 0);
+    check();
+}
+
+static void test_small_pool_uses_2mib_pages(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    char *a = alloc(1000), *b = alloc(MiB_ - 32);
+    assert_ptr_equal(b, a + 1536);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_SMALL_POOL].current, 2 * MiB_); /* one page */
+    char *c = alloc(MiB_ - 32); /* crosses into a second 2 MiB page, contiguous */
+    assert_ptr_equal(c, b + MiB_);
+    npualloc_stats s = stats();
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_SMALL_POOL].current, 2 * 2 * MiB_);
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_LARGE_POOL].current, 0);
+    check();
+}
+
+static void test_empty_cache_unmaps_exactly_the_fully_free_pages(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    /* Three 30 MiB blocks over pages of 20 MiB: [0,30) [30,60) [60,90) -> pages 0..4 mapped. */
+    char *a = alloc(30 * MiB_ - 32), *b = alloc(30 * MiB_ - 32), *c = alloc(30 * MiB_ - 32);
+    (void)a;
+    (void)c;
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 5 * PAGE);
+    npualloc_cache_free(b); /* [30, 60) free: only page [40, 60) lies entirely inside */
+    npualloc_cache_empty();
+    npualloc_stats s = stats();
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, 4 * PAGE);
+    size_t total;
+    assert_int_equal(snapshot_segments(true, &total), 2); /* [0, 40) and [60, 100) */
+    assert_int_equal(total, 4 * PAGE);
+    check();
+    /* The hole is reused at the lowest address, mapping the page again. */
+    char *d = alloc(30 * MiB_ - 32);
+    assert_ptr_equal(d, b);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 5 * PAGE);
+    check();
+}
+
+static void test_empty_virt_addr_cache_keeps_physical_pages(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    void *a = alloc(40 * MiB_ - 32);
+    npualloc_cache_free(a);
+    assert_int_equal(npualloc_cache_empty_virt_addr_cache(), ACL_SUCCESS);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 2); /* unmapped but kept */
+    assert_int_equal(c.mappings, 0);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    alloc(40 * MiB_ - 32); /* maps the kept pages again: no new physical memory */
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 2);
+    check();
+    start_cache(GiB_, 0, NULL);
+    assert_int_equal(npualloc_cache_empty_virt_addr_cache(), ACL_ERROR_INVALID_PARAM);
+    assert_string_equal(npualloc_last_error(NULL),
+                        "Unsupported config for empty_virt_addr_cache, please enable expandable_segments.");
+}
+
+static void test_base_addr_aligned_kb(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *conf;
+        size_t align;
+    } cases[] = {{"expandable_segments:True", 16 * KiB_},
+                 {"expandable_segments:True,base_addr_aligned_kb:16", 16 * KiB_},
+                 {"expandable_segments:True,base_addr_aligned_kb:4", 4 * KiB_},
+                 {"expandable_segments:True,base_addr_aligned_kb:0", 512}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        start_cache(GiB_, 0, cases[i].conf);
+        char *small = alloc(11 * MiB_ - 32); /* 11 MiB: the next block starts 11 MiB in... */
+        char *odd = alloc(600 * 1024);       /* small pool: elsewhere */
+        char *big = alloc(3 * MiB_);         /* >= 2 MiB: aligned start */
+        (void)odd;
+        assert_int_equal((uintptr_t)big % cases[i].align, 0);
+        char *mid = alloc(2 * MiB_ + 1000); /* lands after big at an unaligned offset unless aligned */
+        assert_int_equal((uintptr_t)mid % cases[i].align, 0);
+        if (cases[i].align == 512)
+            assert_ptr_equal(mid, big + 3 * MiB_ + 512); /* no gap without alignment */
+        else
+            assert_true(mid >= big + 3 * MiB_ + 512 && mid < big + 3 * MiB_ + 512 + cases[i].align);
+        (void)small;
+        check();
+    }
+}
+
+static void test_base_addr_aligned_kb_needs_expandable(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "base_addr_aligned_kb:16");
+    alloc(11 * MiB_ - 32);
+    char *a = alloc(3 * MiB_), *b = alloc(2 * MiB_ + 1000);
+    assert_ptr_equal(b, a + 3 * MiB_ + 512); /* no effect without expandable segments */
+}
+
+static bool pop_warning_containing(const char *text)
+{
+    char w[512];
+    bool found = false;
+    while (npualloc_pop_warning(w, sizeof w))
+        found |= strstr(w, text) != NULL;
+    return found;
+}
+
+static void test_page_size_1g_uses_the_1g_pool(void **state)
+{
+    (void)state;
+    start_cache(8 * GiB_, 4 * GiB_, "page_size:1g");
+    alloc(100 * MiB_); /* a large-pool segment rounded up to 1 GiB */
+    npualloc_stats s = stats();
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, GiB_);
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE1G), 3 * GiB_);
+    alloc(100); /* small requests still use 2 MiB segments of normal memory */
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE1G), 3 * GiB_);
+    assert_false(pop_warning_containing("1G large-page"));
+    check();
+}
+
+static void test_page_size_1g_without_1g_pages_warns_and_falls_back(void **state)
+{
+    (void)state;
+    start_cache(8 * GiB_, 0, "page_size:1g");
+    alloc(100 * MiB_);
+    assert_true(pop_warning_containing("The malloc 1G large-page physical memory failed, so malloc 2M page memory."));
+    npualloc_stats s = stats();
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, GiB_);
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE), 7 * GiB_);
+    check();
+}
+
+static void test_page_size_1g_expandable_maps_1g_pages(void **state)
+{
+    (void)state;
+    start_cache(8 * GiB_, 2 * GiB_, "expandable_segments:True,page_size:1g");
+    alloc(1500 * MiB_);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 2 * GiB_);
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE1G), 0);
+    alloc(700 * MiB_); /* 1.5 + 0.7 GiB: a third page, the 1 GiB pool is empty: fallback */
+    assert_true(pop_warning_containing("1G large-page"));
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 3 * GiB_);
+    check();
+}
+
+static void test_option_conflicts_fail_with_torch_npu_messages(void **state)
+{
+    (void)state;
+    static const char *bad[] = {"expandable_segments:True,max_split_size_mb:64",
+                                "expandable_segments:True,garbage_collection_threshold:0.5"};
+    for (size_t i = 0; i < 2; i++) {
+        start_cache(GiB_, 0, bad[i]);
+        void *p = NULL;
+        assert_int_not_equal(npualloc_cache_malloc(0, 100, 0, &p), ACL_SUCCESS);
+        assert_string_equal(npualloc_last_error(NULL),
+                            "`max_split_size_mb` or `garbage_collection_threshold`, cannot be enabled with "
+                            "`expandable_segments`, please set `expandable_segments` to `False`.");
+    }
+}
+
+/* torch's test_release_expandable: release_cached_blocks runs with expandable blocks cached. */
+static void test_release_cached_blocks_with_expandable_blocks_free(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, NULL);
+    assert_int_equal(npualloc_cache_set_fraction(0, 120.0 / 1024.0), ACL_SUCCESS); /* 120 MiB allowed */
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:False,max_split_size_mb:40"), ACL_SUCCESS);
+    void *a = alloc(30 * MiB_ - 32);
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:True"), ACL_SUCCESS);
+    void *b = alloc(40 * MiB_ - 32);
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:False,max_split_size_mb:40"), ACL_SUCCESS);
+    void *c = alloc(30 * MiB_ - 32);
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 30 * MiB_ - 32, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    npualloc_cache_free(a);
+    npualloc_cache_free(b);
+    npualloc_cache_free(c);
+    check();
+    void *all = alloc(120 * MiB_ - 32); /* only fits once every cached block, expandable or not, is gone */
+    assert_non_null(all);
+    npualloc_stats s = stats();
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, 120 * MiB_);
+    check();
+}
+
+/* torch's test_garbage_collect_expandable: garbage collection frees plain segments only. */
+static void test_garbage_collection_skips_expandable_blocks(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, NULL);
+    assert_int_equal(npualloc_cache_set_fraction(0, 120.0 / 1024.0), ACL_SUCCESS);
+    void *a = alloc(40 * MiB_ - 32); /* a plain 40 MiB segment */
+    /* torch_npu's parser refuses expandable segments with garbage collection, so switch both on
+     * directly (all device locks are free here): the allocator must still skip expandable blocks. */
+    cache_settings.expandable_segments = true;
+    cache_settings.garbage_collection_threshold = 0.5;
+    void *b = alloc(40 * MiB_ - 32); /* two 20 MiB pages */
+    npualloc_cache_free(a);
+    npualloc_cache_free(b);
+    void *c = alloc(80 * MiB_ - 32); /* a miss above 60 MiB: GC frees a, b's pages grow instead */
+    (void)c;
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_device_free, 1);
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, 80 * MiB_);
+    check();
+}
+
+static void test_turning_expandable_off_skips_expandable_blocks(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    void *a = alloc(10 * MiB_);
+    npualloc_cache_free(a);
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:False"), ACL_SUCCESS);
+    void *b = alloc(10 * MiB_); /* the cached expandable block is not used */
+    assert_ptr_not_equal(a, b);
+    assert_int_equal(stats().segment[NPUALLOC_STAT_ALL].current, 1);
+    check();
+}
+
+static void test_history_records_map_and_unmap(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_STATE, 100), ACL_SUCCESS);
+    void *a = alloc(30 * MiB_ - 32);
+    npualloc_cache_free(a);
+    npualloc_cache_empty();
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    int maps = 0, unmaps = 0;
+    for (size_t i = 0; i < snap->trace_count; i++) {
+        if (snap->traces[i].action == NPUALLOC_TRACE_SEGMENT_MAP) {
+            maps++;
+            assert_int_equal(snap->traces[i].size, 2 * PAGE);
+        }
+        if (snap->traces[i].action == NPUALLOC_TRACE_SEGMENT_UNMAP) {
+            unmaps++;
+            assert_int_equal(snap->traces[i].size, 2 * PAGE);
+        }
+    }
+    assert_int_equal(maps, 1);
+    assert_int_equal(unmaps, 1);
+    npualloc_snapshot_free(snap);
+}
+
+static uint64_t rng_state = 0x243F6A8885A308D3ull;
+static uint64_t rng(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static void test_random_operations_with_expandable_segments(void **state)
+{
+    (void)state;
+    start_cache(2 * GiB_, 0, "expandable_segments:True");
+    aclrtStream side;
+    assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
+    enum { SLOTS = 256 };
+    void *live[SLOTS] = {0};
+    for (int step = 0; step < 20000; step++) {
+        uint64_t r = rng();
+        int slot = (int)(r % SLOTS), op = (int)((r >> 12) % 100);
+        if (live[slot] && op < 45) {
+            npualloc_cache_free(live[slot]);
+            live[slot] = NULL;
+        } else if (!live[slot] && op < 92) {
+            size_t size = (r >> 20) % 4 == 0 ? 1 + (r >> 32) % (200 * MiB_) : 1 + (r >> 32) % (4 * MiB_);
+            uint64_t stream = (r >> 40) % 4 == 0 ? (uint64_t)(uintptr_t)side : 0;
+            void *p = NULL;
+            aclError rc = npualloc_cache_malloc(0, size, stream, &p);
+            if (rc == ACL_SUCCESS) {
+                live[slot] = p;
+                ((char *)p)[size - 1] = 1;
+            } else {
+                assert_int_equal(rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
+            }
+        } else if (op < 95) {
+            npualloc_cache_empty();
+        } else if (op < 97) {
+            npualloc_cache_empty_virt_addr_cache();
+        }
+        check();
+    }
+    for (int i = 0; i < SLOTS; i++)
+        npualloc_cache_free(live[i]);
+    npualloc_cache_empty();
+    check();
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    aclrtDestroyStream(side);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_one_segment_grows_page_by_page, stop_cache),
+        cmocka_unit_test_teardown(test_small_pool_uses_2mib_pages, stop_cache),
+        cmocka_unit_test_teardown(test_empty_cache_unmaps_exactly_the_fully_free_pages, stop_cache),
+        cmocka_unit_test_teardown(test_empty_virt_addr_cache_keeps_physical_pages, stop_cache),
+        cmocka_unit_test_teardown(test_base_addr_aligned_kb, stop_cache),
+        cmocka_unit_test_teardown(test_base_addr_aligned_kb_needs_expandable, stop_cache),
+        cmocka_unit_test_teardown(test_page_size_1g_uses_the_1g_pool, stop_cache),
+        cmocka_unit_test_teardown(test_page_size_1g_without_1g_pages_warns_and_falls_back, stop_cache),
+        cmocka_unit_test_teardown(test_page_size_1g_expandable_maps_1g_pages, stop_cache),
+        cmocka_unit_test_teardown(test_option_conflicts_fail_with_torch_npu_messages, stop_cache),
+        cmocka_unit_test_teardown(test_release_cached_blocks_with_expandable_blocks_free, stop_cache),
+        cmocka_unit_test_teardown(test_garbage_collection_skips_expandable_blocks, stop_cache),
+        cmocka_unit_test_teardown(test_turning_expandable_off_skips_expandable_blocks, stop_cache),
+        cmocka_unit_test_teardown(test_history_records_map_and_unmap, stop_cache),
+        cmocka_unit_test_teardown(test_random_operations_with_expandable_segments, stop_cache),
+    };
+    return cmocka_run_group_tests_name("expandable", tests, NULL, NULL);
+}

@@ -1,0 +1,64 @@
+"""Shared fixtures: a freshly restarted virtual NPU runtime per test.
+
+Tests that use `npu` (or `dev0`, or `restart`) start from a clean runtime with a small,
+known configuration and leave a stopped one behind, so every test is independent of the others
+and of the NPUALLOC_* environment.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import npualloc
+from npualloc import _C, acl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# The small configuration: every page kind has its own, distinguishable capacity.
+#   HBM 4 GiB = 1 GiB pool of 1 GiB pages + 3 GiB of normal/huge pages, of which at most
+#   2 GiB huge; DDR 256 MiB.  Memory is committed only when touched, so this is cheap.
+SMALL = dict(device_count=4, device_memory=4 * GiB, huge_memory=2 * GiB, huge1g_memory=1 * GiB,
+             ddr_memory=256 * MiB)
+
+
+@pytest.fixture
+def restart():
+    """restart(**overrides) -> config: stops the runtime (releasing everything) and configures
+    it again, SMALL updated with `overrides`; the devices start on the next call."""
+
+    def _restart(**overrides):
+        _C.shutdown()
+        cfg = dict(SMALL)
+        cfg.update(overrides)
+        npualloc.configure(**cfg)
+        return cfg
+
+    yield _restart
+    _C.shutdown()
+
+
+@pytest.fixture
+def npu(restart):
+    """A fresh runtime with the SMALL configuration; no device is current yet."""
+    return restart()
+
+
+@pytest.fixture
+def dev0(npu):
+    """A fresh runtime with device 0 current on the calling thread."""
+    assert acl.rt.set_device(0) == acl.ACL_SUCCESS
+    return npu
+
+
+def run_python(code, env=None, timeout=60):
+    """Runs `code` in a fresh interpreter that imports this checkout; returns CompletedProcess."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("NPUALLOC_")}
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -1,0 +1,157 @@
+"""acl.init / acl.finalize, devices, the current device per thread, peer access."""
+import threading
+
+import pytest
+
+import npualloc
+from npualloc import acl
+
+rt = acl.rt
+pytestmark = pytest.mark.usefixtures("npu")
+
+
+def in_thread(fn):
+    """Runs fn() on a new thread and returns its result (re-raising its exception)."""
+    box = {}
+
+    def main():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=main)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_init_and_finalize_codes():
+    assert acl.init() == acl.ACL_SUCCESS
+    assert acl.init("/no/such/acl.json") == acl.ACL_ERROR_REPEAT_INITIALIZE == 100002
+    # a repeated init still leaves a working runtime
+    assert rt.set_device(0) == 0
+    ptr, ret = rt.malloc(64, acl.ACL_MEM_MALLOC_HUGE_FIRST)
+    assert ret == 0 and rt.free(ptr) == 0
+    assert acl.finalize() == acl.ACL_SUCCESS
+    assert acl.finalize() == acl.ACL_ERROR_REPEAT_FINALIZE == 100037
+    assert acl.init(None) == acl.ACL_SUCCESS
+    assert acl.finalize() == acl.ACL_SUCCESS
+
+
+def test_finalize_without_init():
+    assert acl.finalize() == acl.ACL_ERROR_REPEAT_FINALIZE
+
+
+def test_finalize_keeps_memory_valid():
+    assert acl.init() == 0
+    assert rt.set_device(0) == 0
+    ptr, ret = rt.malloc(16, 0)
+    assert ret == 0 and rt.memset(ptr, 16, 0x33, 16) == 0
+    assert acl.finalize() == 0
+    assert acl.util.ptr_to_bytes(ptr, 16) == b"\x33" * 16
+    assert rt.free(ptr) == 0
+
+
+def test_init_rejects_non_str_path():
+    with pytest.raises(TypeError, match=r"acl\.init\(\) argument 'config_path'"):
+        acl.init(5)
+
+
+def test_shutdown_ends_the_acl_session():
+    assert acl.init() == 0
+    npualloc._C.shutdown()
+    assert acl.finalize() == acl.ACL_ERROR_REPEAT_FINALIZE
+
+
+def test_device_count(npu):
+    assert rt.get_device_count() == (npu["device_count"], 0)
+
+
+def test_no_current_device_until_set():
+    assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.malloc(16, 0) == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.get_mem_info(acl.ACL_HBM_MEM) == (0, 0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.create_stream() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.synchronize_device() == acl.ACL_ERROR_RT_CONTEXT_NULL
+    assert rt.synchronize_stream(0) == acl.ACL_ERROR_RT_CONTEXT_NULL
+
+
+def test_set_and_get_device():
+    for dev in (3, 0, 2):
+        assert rt.set_device(dev) == 0
+        assert rt.get_device() == (dev, 0)
+
+
+@pytest.mark.parametrize("dev", [4, -1, 64, 2**31 - 1, -2**31, 2**31, 2**63, -2**70])
+def test_set_device_out_of_range(dev):
+    assert rt.set_device(dev) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+    assert rt.reset_device(dev) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+    assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+
+
+def test_current_device_is_per_thread():
+    assert rt.set_device(1) == 0
+    assert in_thread(rt.get_device) == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+
+    def other():
+        assert rt.set_device(3) == 0
+        ptr, ret = rt.malloc(1 << 20, 0)
+        assert ret == 0
+        used = rt.get_mem_info(acl.ACL_HBM_MEM)
+        rt.free(ptr)
+        return rt.get_device(), used
+
+    (dev, ret), (free, total, ret2) = in_thread(other)
+    assert (dev, ret, ret2) == (3, 0, 0)
+    assert free < total  # the thread's allocation was charged to device 3 ...
+    assert rt.get_device() == (1, 0)  # ... and the main thread still uses device 1
+    assert rt.get_mem_info(acl.ACL_HBM_MEM)[0] == rt.get_mem_info(acl.ACL_HBM_MEM)[1]
+
+
+def test_reset_device_is_reference_counted():
+    assert rt.set_device(2) == 0
+    assert rt.set_device(2) == 0
+    assert rt.reset_device(2) == 0
+    assert rt.get_device() == (2, 0)
+    assert rt.reset_device(2) == 0
+    assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.reset_device(2) == 0  # resetting an unused device is harmless
+
+
+def test_reset_device_ends_other_threads_context():
+    assert rt.set_device(1) == 0
+    in_thread(lambda: rt.reset_device(1))
+    assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+
+
+def test_synchronize_device_with_nothing_queued(dev0):
+    assert rt.synchronize_device() == 0
+
+
+def test_device_can_access_peer(npu):
+    assert rt.device_can_access_peer(0, 1) == (1, 0)
+    assert rt.device_can_access_peer(3, 0) == (1, 0)
+    assert rt.device_can_access_peer(1, 1) == (0, acl.ACL_ERROR_INVALID_PARAM)
+    assert rt.device_can_access_peer(0, 4) == (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)
+    assert rt.device_can_access_peer(-1, 0) == (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)
+    assert rt.device_can_access_peer(2**40, 0) == (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)
+
+
+def test_peer_access_enable_disable():
+    assert rt.device_enable_peer_access(1, 0) == acl.ACL_ERROR_RT_CONTEXT_NULL  # no current device
+    assert rt.set_device(0) == 0
+    assert rt.device_enable_peer_access(1, 0) == 0
+    assert rt.device_enable_peer_access(1, 0) == 0  # enabling twice is fine
+    assert rt.device_enable_peer_access(0, 0) == acl.ACL_ERROR_INVALID_PARAM  # itself
+    assert rt.device_enable_peer_access(4, 0) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+    assert rt.device_enable_peer_access(-7, 0) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+    assert rt.device_enable_peer_access(1, 1) == acl.ACL_ERROR_FEATURE_UNSUPPORTED
+    assert rt.device_enable_peer_access(1, -1) == acl.ACL_ERROR_FEATURE_UNSUPPORTED
+    assert rt.device_enable_peer_access(1, 2**32) == acl.ACL_ERROR_FEATURE_UNSUPPORTED
+    assert rt.device_disable_peer_access(1) == 0
+    assert rt.device_disable_peer_access(0) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.device_disable_peer_access(9) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+    assert rt.device_disable_peer_access(2**33) == acl.ACL_ERROR_RT_INVALID_DEVICEID

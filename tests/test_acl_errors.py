@@ -1,0 +1,279 @@
+"""pyACL argument conventions over every acl.rt function (TypeError for wrong types, codes for
+bad values), the constants against acl_rt.h, environment configuration errors, and the README."""
+import re
+
+import pytest
+
+import npualloc
+from conftest import ROOT, run_python
+from npualloc import acl
+
+rt = acl.rt
+
+PROP = {"handleType": 0, "allocationType": 0, "memAttr": 4, "location": {"id": 0, "type": 1}, "reserve": 0}
+CALLBACK = (lambda data: None)
+
+# name -> argument names; "prop", "fn" and "data" are not ints, every other argument is.
+SIGNATURES = {
+    "set_device": ["device_id"],
+    "reset_device": ["device_id"],
+    "get_device": [],
+    "get_device_count": [],
+    "synchronize_device": [],
+    "device_can_access_peer": ["device_id", "peer_device_id"],
+    "device_enable_peer_access": ["peer_device_id", "flags"],
+    "device_disable_peer_access": ["peer_device_id"],
+    "malloc": ["size", "policy"],
+    "malloc_align32": ["size", "policy"],
+    "malloc_cached": ["size", "policy"],
+    "free": ["dev_ptr"],
+    "malloc_host": ["size"],
+    "free_host": ["host_ptr"],
+    "memset": ["dev_ptr", "max_count", "value", "count"],
+    "memcpy": ["dst", "dest_max", "src", "count", "kind"],
+    "get_mem_info": ["attr"],
+    "mem_get_allocation_granularity": ["prop", "option"],
+    "malloc_physical": ["size", "prop", "flags"],
+    "free_physical": ["handle"],
+    "reserve_mem_address": ["size", "alignment", "expect_ptr", "flags"],
+    "release_mem_address": ["vir_ptr"],
+    "map_mem": ["vir_ptr", "size", "offset", "handle", "flags"],
+    "unmap_mem": ["vir_ptr"],
+    "create_stream": [],
+    "destroy_stream": ["stream"],
+    "synchronize_stream": ["stream"],
+    "memcpy_async": ["dst", "dest_max", "src", "count", "kind", "stream"],
+    "memset_async": ["dev_ptr", "max_count", "value", "count", "stream"],
+    "launch_callback": ["fn", "data", "block_type", "stream"],
+    "create_event": [],
+    "destroy_event": ["event"],
+    "record_event": ["event", "stream"],
+    "query_event": ["event"],
+    "query_event_status": ["event"],
+    "synchronize_event": ["event"],
+    "event_elapsed_time": ["start", "end"],
+    "stream_wait_event": ["stream", "event"],
+}
+
+
+def valid_value(argname):
+    return {"prop": PROP, "fn": CALLBACK, "data": None}.get(argname, 0)
+
+
+def test_every_acl_rt_function_is_covered():
+    public = {name for name in dir(rt) if not name.startswith("_")}
+    assert public == set(SIGNATURES)
+
+
+INT_ARGS = [(name, i, arg) for name, args in SIGNATURES.items() for i, arg in enumerate(args)
+            if arg not in ("prop", "fn", "data")]
+
+
+@pytest.mark.usefixtures("npu")
+@pytest.mark.parametrize("bad", ["1", 1.0, None, [1], b"\x01"], ids=["str", "float", "None", "list", "bytes"])
+@pytest.mark.parametrize("name,index,argname", INT_ARGS, ids=[f"{n}.{a}" for n, _, a in INT_ARGS])
+def test_wrong_type_raises_type_error_naming_function_and_argument(name, index, argname, bad):
+    args = [valid_value(a) for a in SIGNATURES[name]]
+    args[index] = bad
+    with pytest.raises(TypeError, match=rf"acl\.rt\.{name}\(\) argument '{argname}' must be int"):
+        getattr(rt, name)(*args)
+
+
+@pytest.mark.usefixtures("npu")
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_wrong_argument_count_raises_type_error(name):
+    args = [valid_value(a) for a in SIGNATURES[name]]
+    with pytest.raises(TypeError, match=rf"acl\.rt\.{name}\(\) takes exactly {len(args)} argument"):
+        getattr(rt, name)(*args, 0)
+    if args:
+        with pytest.raises(TypeError, match=rf"acl\.rt\.{name}\(\) takes exactly"):
+            getattr(rt, name)(*args[:-1])
+    with pytest.raises(TypeError):
+        getattr(rt, name)(*args, keyword=1)
+
+
+@pytest.mark.usefixtures("npu")
+def test_int_subclasses_and_index_objects_are_ints():
+    class Index:
+        def __index__(self):
+            return 0
+
+    assert rt.set_device(True) == 0  # bool is an int, as for pyACL
+    assert rt.get_device() == (1, 0)
+    assert rt.set_device(Index()) == 0
+    assert rt.get_device() == (0, 0)
+
+
+@pytest.mark.usefixtures("npu")
+@pytest.mark.parametrize("name,prop_index", [("malloc_physical", 1), ("mem_get_allocation_granularity", 0)])
+def test_prop_dict_type_errors(name, prop_index):
+    fn = getattr(rt, name)
+
+    def call(prop):
+        args = [valid_value(a) for a in SIGNATURES[name]]
+        args[prop_index] = prop
+        args[0 if prop_index else 1] = 2 << 20 if name == "malloc_physical" else 0
+        return fn(*args)
+
+    pre = rf"acl\.rt\.{name}\(\) argument "
+    for not_dict in (None, [PROP], "prop", 4):
+        with pytest.raises(TypeError, match=pre + "'prop' must be dict"):
+            call(not_dict)
+    for key in ("handleType", "allocationType", "memAttr", "location", "reserve"):
+        missing = {k: v for k, v in PROP.items() if k != key}
+        with pytest.raises(TypeError, match=pre + f"'prop' has no key '{key}'"):
+            call(missing)
+        if key != "location":
+            with pytest.raises(TypeError, match=pre + f"'prop.{key}' must be int, not str"):
+                call(dict(PROP, **{key: "4"}))
+    for key in ("id", "type"):
+        loc = {k: v for k, v in PROP["location"].items() if k != key}
+        with pytest.raises(TypeError, match=pre + f"'prop' has no key 'location.{key}'"):
+            call(dict(PROP, location=loc))
+        with pytest.raises(TypeError, match=pre + rf"'prop.location.{key}' must be int, not float"):
+            call(dict(PROP, location=dict(PROP["location"], **{key: 1.0})))
+    with pytest.raises(TypeError, match=pre + "'prop' key 'location' must be dict, not tuple"):
+        call(dict(PROP, location=(0, 1)))
+    # extra keys are ignored, like pyACL
+    assert call(dict(PROP, extra="ignored"))[1] == 0
+
+
+# Values of the right type that are out of range: an ACL code, never an exception.
+BIG = 2**64
+BAD_VALUES = [
+    ("set_device", (-1,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
+    ("set_device", (BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
+    ("reset_device", (-BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
+    ("malloc", (-1, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("malloc", (BIG, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("malloc", (BIG - 1, 0), (0, acl.ACL_ERROR_RT_MEMORY_ALLOCATION)),
+    ("malloc", (64, BIG), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("malloc_align32", (-(2**100), 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("malloc_cached", (0, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("free", (-1,), acl.ACL_ERROR_RT_MEMORY_FREE),
+    ("free", (BIG,), acl.ACL_ERROR_RT_MEMORY_FREE),
+    ("malloc_host", (-1,), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("free_host", (BIG,), acl.ACL_ERROR_RT_MEMORY_FREE),
+    ("memset", (-1, 1, 0, 1), acl.ACL_ERROR_INVALID_PARAM),
+    ("memcpy", (1, BIG, 1, 1, 1), acl.ACL_ERROR_INVALID_PARAM),
+    ("get_mem_info", (BIG,), (0, 0, 0)),
+    ("malloc_physical", (-(2 << 20), PROP, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("malloc_physical", (2 << 20, PROP, BIG), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("malloc_physical", (2 << 20, dict(PROP, memAttr=BIG), 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("malloc_physical", (2 << 20, dict(PROP, location={"id": -1, "type": 1}), 0),
+     (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)),
+    ("mem_get_allocation_granularity", (PROP, BIG), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("free_physical", (-5,), acl.ACL_ERROR_RT_INVALID_HANDLE),
+    ("free_physical", (12345,), acl.ACL_ERROR_RT_INVALID_HANDLE),
+    ("reserve_mem_address", (BIG, 0, 0, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("reserve_mem_address", (2 << 20, -1, 0, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("release_mem_address", (-1,), acl.ACL_ERROR_RT_PARAM_INVALID),
+    ("map_mem", (-1, 2 << 20, 0, 1, 0), acl.ACL_ERROR_RT_INVALID_HANDLE),
+    ("unmap_mem", (BIG,), acl.ACL_ERROR_RT_PARAM_INVALID),
+    ("destroy_stream", (-1,), acl.ACL_ERROR_INVALID_PARAM),
+    ("synchronize_stream", (BIG,), acl.ACL_ERROR_INVALID_PARAM),
+    ("memcpy_async", (1, 1, 1, 1, 1, -1), acl.ACL_ERROR_INVALID_PARAM),
+    ("memset_async", (1, 1, BIG, 1, 0), acl.ACL_ERROR_INVALID_PARAM),
+    ("launch_callback", (CALLBACK, None, BIG, 0), acl.ACL_ERROR_INVALID_PARAM),
+    ("destroy_event", (-1,), acl.ACL_ERROR_INVALID_PARAM),
+    ("record_event", (BIG, 0), acl.ACL_ERROR_INVALID_PARAM),
+    ("query_event", (-1,), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("query_event_status", (BIG,), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("synchronize_event", (-1,), acl.ACL_ERROR_INVALID_PARAM),
+    ("event_elapsed_time", (-1, BIG), (0.0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("stream_wait_event", (0, -1), acl.ACL_ERROR_INVALID_PARAM),
+    ("device_can_access_peer", (0, BIG), (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)),
+    ("device_enable_peer_access", (1, -1), acl.ACL_ERROR_FEATURE_UNSUPPORTED),
+    ("device_disable_peer_access", (-BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
+]
+
+
+@pytest.mark.usefixtures("dev0")
+@pytest.mark.parametrize("name,args,expected", BAD_VALUES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_VALUES)])
+def test_bad_values_return_codes(name, args, expected):
+    assert getattr(rt, name)(*args) == expected
+
+
+def test_constants_match_acl_rt_h():
+    header = ROOT / "csrc" / "include" / "acl_rt.h"
+    if not header.exists():
+        pytest.skip("no source checkout")
+    text = header.read_text()
+    found = {}
+    for m in re.finditer(r"#define\s+(ACL_\w+)\s+(0x[0-9A-Fa-f]+|\d+)U?L?\b", text):
+        found[m.group(1)] = int(m.group(2), 0)
+    for m in re.finditer(r"\b(ACL_\w+)\s*=\s*(0x[0-9A-Fa-f]+|\d+)", text):
+        found[m.group(1)] = int(m.group(2), 0)
+    assert len(found) > 100
+    missing = sorted(name for name in found if not hasattr(acl, name))
+    assert not missing, f"constants of acl_rt.h missing from npualloc.acl: {missing}"
+    wrong = {name: (getattr(acl, name), value) for name, value in found.items() if getattr(acl, name) != value}
+    assert not wrong
+    assert acl.ACL_ERROR_REPEAT_FINALIZE == 100037
+
+
+def test_configure_after_start_raises_runtime_error(dev0):
+    with pytest.raises(RuntimeError, match="already initialised"):
+        npualloc.configure(device_count=2)
+    assert rt.get_device_count() == (dev0["device_count"], 0)
+
+
+def test_inconsistent_configure_raises_value_error(restart):
+    restart()
+    npualloc._C.shutdown()
+    with pytest.raises(ValueError, match="NPUALLOC_HUGE_MEMORY must not exceed"):
+        npualloc.configure(device_memory=1 << 30, huge_memory=2 << 30)
+
+
+ENV_SCRIPT = r"""
+import npualloc
+from npualloc import acl
+calls = [
+    ("set_device", lambda: acl.rt.set_device(0)),
+    ("get_device_count", lambda: acl.rt.get_device_count()),
+    ("malloc", lambda: acl.rt.malloc(64, 0)),
+    ("malloc_host", lambda: acl.rt.malloc_host(64)),
+    ("create_stream", lambda: acl.rt.create_stream()),
+    ("create_event", lambda: acl.rt.create_event()),
+    ("get_mem_info", lambda: acl.rt.get_mem_info(1)),
+    ("reserve_mem_address", lambda: acl.rt.reserve_mem_address(2 << 20, 0, 0, 0)),
+    ("acl.init", lambda: acl.init()),
+    ("ptr_to_bytes", lambda: acl.util.ptr_to_bytes(1 << 45, 4)),
+    ("config", lambda: npualloc._C.config()),
+]
+for name, call in calls:
+    try:
+        print(name, "RETURNED", call())
+    except ValueError as exc:
+        print(name, "ValueError", exc)
+"""
+
+
+@pytest.mark.parametrize("var,value", [("NPUALLOC_DEVICE_MEMORY", "lots"), ("NPUALLOC_DEVICE_MEMORY", "12 parsecs"),
+                                       ("NPUALLOC_DEVICE_COUNT", "0"), ("NPUALLOC_DDR_MEMORY", "-1")])
+def test_malformed_environment_raises_value_error(var, value):
+    proc = run_python(ENV_SCRIPT, env={var: value})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 11
+    for line in lines:
+        name, outcome, message = line.split(" ", 2)
+        assert outcome == "ValueError", line
+        assert var in message and value in message, line
+
+
+def test_valid_environment_configures_the_devices():
+    code = "from npualloc import acl; print(acl.rt.get_device_count(), acl.rt.set_device(0), acl.rt.get_mem_info(1))"
+    proc = run_python(code, env={"NPUALLOC_DEVICE_COUNT": "3", "NPUALLOC_DEVICE_MEMORY": "1.5GiB"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"(3, 0) 0 ({3 << 29}, {3 << 29}, 0)"
+
+
+def test_readme_example_runs_as_written():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    example = next(b for b in blocks if "acl.util.ptr_to_bytes" in b)
+    expected = re.search(r"print\(.*\)\s+# (.*)", example).group(1).strip()
+    proc = run_python(example)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected == "b'ZZZZZZZZZZZZZZZZ'"

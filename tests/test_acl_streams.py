@@ -1,0 +1,333 @@
+"""Streams, events and callbacks through acl.rt: asynchronous copies in stream order behind
+npualloc._sleep, cross-stream waits, callbacks, elapsed time and the errors of each call."""
+import gc
+import sys
+import threading
+import time
+import weakref
+
+import pytest
+
+import npualloc
+from npualloc import acl
+
+rt = acl.rt
+pytestmark = pytest.mark.usefixtures("dev0")
+
+N = 4096
+
+
+def malloc(size=N, fill=None):
+    ptr, ret = rt.malloc(size, 0)
+    assert ret == 0
+    if fill is not None:
+        assert rt.memset(ptr, size, fill, size) == 0
+    return ptr
+
+
+def stream():
+    s, ret = rt.create_stream()
+    assert ret == 0 and s != 0
+    return s
+
+
+def event():
+    e, ret = rt.create_event()
+    assert ret == 0 and e != 0
+    return e
+
+
+def read(ptr, n=N):
+    return acl.util.ptr_to_bytes(ptr, n)
+
+
+def test_stream_lifecycle():
+    s = stream()
+    assert rt.synchronize_stream(s) == 0
+    assert rt.destroy_stream(s) == 0
+    assert rt.destroy_stream(s) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.synchronize_stream(s) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.destroy_stream(0) == acl.ACL_ERROR_INVALID_PARAM  # the default stream stays
+    assert rt.synchronize_stream(0) == 0
+    for forged in (12345, -1, 2**64, event()):
+        assert rt.synchronize_stream(forged) == acl.ACL_ERROR_INVALID_PARAM, forged
+        assert rt.destroy_stream(forged) == acl.ACL_ERROR_INVALID_PARAM, forged
+
+
+def test_async_memcpy_waits_behind_sleep():
+    src, dst = malloc(fill=0x11), malloc(fill=0)
+    s, e = stream(), event()
+    assert npualloc._sleep(0.2, s) == 0
+    assert rt.memcpy_async(dst, N, src, N, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s) == 0
+    assert rt.record_event(e, s) == 0
+    assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_NOT_READY, 0)
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, 0)
+    assert read(dst) == bytes(N)  # not copied yet
+    assert rt.synchronize_event(e) == 0
+    assert read(dst) == b"\x11" * N
+    assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_COMPLETE, 0)
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_COMPLETE, 0)
+    assert rt.destroy_event(e) == 0 and rt.destroy_stream(s) == 0
+
+
+def test_async_memset_and_memcpy_on_the_default_stream():
+    dst = malloc(fill=0)
+    host = bytearray(N)
+    assert npualloc._sleep(0.2) == 0  # None: the default stream
+    assert rt.memset_async(dst, N, 0x3C, N, 0) == 0
+    assert rt.memcpy_async(acl.util.bytes_to_ptr(host), N, dst, N, acl.ACL_MEMCPY_DEVICE_TO_HOST, 0) == 0
+    assert bytes(host) == bytes(N)
+    assert rt.synchronize_stream(0) == 0
+    assert bytes(host) == b"\x3c" * N
+
+
+def test_synchronize_device_waits_for_every_stream():
+    a, b = malloc(fill=0), malloc(fill=0)
+    s1, s2 = stream(), stream()
+    for s, p, v in ((s1, a, 1), (s2, b, 2)):
+        assert npualloc._sleep(0.1, s) == 0
+        assert rt.memset_async(p, N, v, N, s) == 0
+    assert rt.synchronize_device() == 0
+    assert read(a) == b"\x01" * N and read(b) == b"\x02" * N
+
+
+def test_destroy_stream_runs_its_queued_work():
+    dst = malloc(fill=0)
+    s = stream()
+    assert npualloc._sleep(0.1, s) == 0
+    assert rt.memset_async(dst, N, 0x5F, N, s) == 0
+    assert rt.destroy_stream(s) == 0
+    assert read(dst) == b"\x5f" * N
+
+
+def test_stream_wait_event_across_streams():
+    buf, dst = malloc(fill=0), malloc(fill=0)
+    s1, s2 = stream(), stream()
+    e1, e2 = event(), event()
+    assert npualloc._sleep(0.2, s1) == 0
+    assert rt.memset_async(buf, N, 0x22, N, s1) == 0
+    assert rt.record_event(e1, s1) == 0
+    assert rt.stream_wait_event(s2, e1) == 0  # s2's later work waits for s1's memset
+    assert rt.memcpy_async(dst, N, buf, N, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s2) == 0
+    assert rt.record_event(e2, s2) == 0
+    assert rt.query_event(e2) == (acl.ACL_EVENT_STATUS_NOT_READY, 0)
+    assert rt.synchronize_stream(s2) == 0
+    assert read(dst) == b"\x22" * N
+    assert rt.query_event(e1) == (acl.ACL_EVENT_STATUS_COMPLETE, 0)
+
+
+def test_stream_wait_event_on_the_default_stream_and_unrecorded_events():
+    s = stream()
+    e = event()
+    assert rt.stream_wait_event(0, e) == 0  # never recorded: nothing to wait for
+    assert npualloc._sleep(0.1, s) == 0
+    assert rt.record_event(e, s) == 0
+    assert rt.stream_wait_event(0, e) == 0
+    dst = malloc(fill=0)
+    assert rt.memset_async(dst, N, 9, N, 0) == 0
+    assert rt.synchronize_stream(0) == 0
+    assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_COMPLETE, 0)  # the default stream waited for s
+    assert read(dst) == b"\x09" * N
+
+
+def test_event_queries_before_record():
+    e = event()
+    assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_COMPLETE, 0)  # nothing to wait for
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, 0)  # but never recorded
+    assert rt.synchronize_event(e) == 0
+
+
+def test_event_errors():
+    invalid = acl.ACL_ERROR_INVALID_PARAM
+    e, s = event(), stream()
+    assert rt.destroy_event(e) == 0
+    for bad in (e, 0, 777, -1, 2**64, s):  # destroyed, NULL, forged, out of range, a stream
+        assert rt.destroy_event(bad) == invalid, bad
+        assert rt.record_event(bad, s) == invalid, bad
+        assert rt.query_event(bad) == (0, invalid), bad
+        assert rt.query_event_status(bad) == (0, invalid), bad
+        assert rt.synchronize_event(bad) == invalid, bad
+        assert rt.stream_wait_event(s, bad) == invalid, bad
+        assert rt.event_elapsed_time(bad, bad) == (0.0, invalid), bad
+    live = event()
+    for bad in (777, -1, 2**64, live):
+        assert rt.record_event(live, bad) == invalid, bad
+        assert rt.stream_wait_event(bad, live) == invalid, bad
+
+
+def test_event_elapsed_time():
+    s = stream()
+    start, end = event(), event()
+    assert rt.record_event(start, s) == 0
+    assert npualloc._sleep(0.2, s) == 0
+    assert rt.record_event(end, s) == 0
+    assert rt.event_elapsed_time(start, end) == (0.0, acl.ACL_ERROR_RT_STREAM_NOT_COMPLETE)
+    assert rt.synchronize_event(end) == 0
+    ms, ret = rt.event_elapsed_time(start, end)
+    assert ret == 0 and isinstance(ms, float)
+    assert 195.0 <= ms < 5000.0
+    back, ret = rt.event_elapsed_time(end, start)
+    assert ret == 0 and back == pytest.approx(-ms)
+    unrecorded = event()
+    assert rt.event_elapsed_time(start, unrecorded) == (0.0, acl.ACL_ERROR_INVALID_PARAM)
+
+
+def test_launch_callback_order_data_and_thread():
+    log = []
+    buf = malloc(fill=0)
+    s = stream()
+    main = threading.get_ident()
+
+    def cb(data):
+        log.append((data, threading.get_ident(), read(buf, 1)))
+
+    items = [["first"], ["second", 2], None]
+    assert npualloc._sleep(0.2, s) == 0
+    assert rt.launch_callback(cb, items[0], acl.ACL_CALLBACK_BLOCK, s) == 0
+    assert rt.memset_async(buf, N, 0x01, N, s) == 0
+    assert rt.launch_callback(cb, items[1], acl.ACL_CALLBACK_NO_BLOCK, s) == 0
+    assert rt.memset_async(buf, N, 0x02, N, s) == 0
+    assert rt.launch_callback(cb, items[2], acl.ACL_CALLBACK_BLOCK, s) == 0
+    assert log == []  # still behind the sleep
+    assert rt.synchronize_stream(s) == 0
+    assert [entry[0] for entry in log] == items
+    assert all(entry[0] is item for entry, item in zip(log, items))  # the very objects
+    assert [entry[2] for entry in log] == [b"\x00", b"\x01", b"\x02"]  # in stream order
+    threads = {entry[1] for entry in log}
+    assert len(threads) == 1 and main not in threads  # on the stream's worker
+
+
+def test_launch_callback_keeps_fn_and_data_alive():
+    ran = []
+
+    class Data(list):
+        pass
+
+    data = Data([42])
+    ref = weakref.ref(data)
+    s = stream()
+    assert npualloc._sleep(0.2, s) == 0
+    assert rt.launch_callback(lambda d: ran.append(list(d)), data, 0, s) == 0
+    del data
+    gc.collect()
+    assert ref() is not None  # held by the queued callback
+    assert rt.synchronize_stream(s) == 0
+    assert ran == [[42]]
+    gc.collect()
+    assert ref() is None  # released once it ran
+
+
+def test_launch_callback_exception_is_unraisable(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append((u.exc_type, u.object)))
+    ran = []
+
+    def boom(data):
+        raise KeyError(data)
+
+    assert rt.launch_callback(boom, "payload", 0, 0) == 0
+    assert rt.launch_callback(ran.append, "after", 0, 0) == 0
+    assert rt.synchronize_stream(0) == 0  # the error does not become the stream's
+    assert seen == [(KeyError, boom)]
+    assert ran == ["after"]
+
+
+def test_callback_cannot_wait_for_its_own_stream():
+    got = []
+    s = stream()
+
+    def cb(_):
+        got.append(rt.synchronize_stream(s))
+        got.append(rt.destroy_stream(s))
+
+    assert rt.launch_callback(cb, None, 1, s) == 0
+    assert rt.synchronize_stream(s) == 0
+    assert got == [acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT] * 2
+    assert rt.destroy_stream(s) == 0
+
+
+def test_launch_callback_errors():
+    data = ["x"]
+    before = sys.getrefcount(data)
+    fn = lambda d: None  # noqa: E731
+    assert rt.launch_callback(fn, data, 2, 0) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.launch_callback(fn, data, -1, 0) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.launch_callback(fn, data, 2**40, 0) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.launch_callback(fn, data, 0, 999) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.launch_callback(fn, data, 0, -1) == acl.ACL_ERROR_INVALID_PARAM
+    assert sys.getrefcount(data) == before  # nothing queued, nothing kept
+    with pytest.raises(TypeError, match=r"acl\.rt\.launch_callback\(\) argument 'fn' must be callable"):
+        rt.launch_callback(None, data, 0, 0)
+
+
+def test_sticky_error_of_a_failed_async_copy():
+    src, dst = malloc(fill=1), malloc(fill=0)
+    s = stream()
+    assert npualloc._sleep(0.2, s) == 0
+    assert rt.memcpy_async(dst, N, src, N, 3, s) == 0
+    assert rt.free(src) == 0  # freed before the copy runs
+    assert rt.synchronize_stream(s) == acl.ACL_ERROR_RT_DEVICE_MEM_ERROR
+    assert rt.synchronize_stream(s) == 0  # reported once
+    assert read(dst) == bytes(N)
+
+
+def test_async_argument_errors():
+    invalid, param = acl.ACL_ERROR_INVALID_PARAM, acl.ACL_ERROR_RT_PARAM_INVALID
+    a, b = malloc(), malloc()
+    s = stream()
+    assert rt.memcpy_async(a, N, b, 0, 3, s) == 0
+    assert rt.memcpy_async(0, N, b, 10, 3, s) == invalid
+    assert rt.memcpy_async(a, 5, b, 10, 3, s) == param
+    assert rt.memcpy_async(a, N, b, 10, 8, s) == invalid
+    for kind in (acl.ACL_MEMCPY_INNER_DEVICE_TO_DEVICE, acl.ACL_MEMCPY_INTER_DEVICE_TO_DEVICE):
+        assert rt.memcpy_async(a, N, b, 10, kind, s) == 0  # accepted by the async copy only
+    assert rt.memcpy_async(a, N, b, 10, 3, 4242) == invalid
+    assert rt.memcpy_async(a, N, b, -10, 3, s) == invalid
+    assert rt.memset_async(a, N, 1, 10, 4242) == invalid
+    assert rt.memset_async(a, 5, 1, 10, s) == param
+    assert rt.memset_async(0, 5, 1, 1, s) == invalid
+    assert rt.memset_async(a, N, 2**32, 10, s) == invalid
+    assert rt.memset_async(a, N, 1, 10, -1) == invalid
+    assert rt.synchronize_stream(s) == 0
+    assert rt.free(b) == 0
+    assert rt.memcpy_async(a, N, b, 10, 3, s) == param  # freed: rejected when queued
+    assert rt.memset_async(b, N, 1, 10, s) == param
+    assert rt.synchronize_stream(s) == 0
+    assert npualloc._sleep(-1.0, s) == invalid
+    assert npualloc._sleep(0.0, 4242) == invalid
+
+
+def test_streams_belong_to_their_device():
+    assert rt.set_device(2) == 0
+    s = stream()
+    dst = malloc(fill=0)
+    assert rt.set_device(0) == 0
+    assert rt.memset_async(dst, N, 4, N, s) == 0  # a created stream can be used from anywhere
+    assert rt.synchronize_stream(s) == 0
+    assert read(dst) == b"\x04" * N
+
+
+def test_many_streams_in_threads():
+    errors = []
+
+    def work(i):
+        try:
+            assert rt.set_device(i % 4) == 0
+            s = stream()
+            p = malloc(fill=0)
+            for v in range(1, 20):
+                assert rt.memset_async(p, N, v, N, s) == 0
+            assert rt.synchronize_stream(s) == 0
+            assert read(p) == bytes([19]) * N
+            assert rt.destroy_stream(s) == 0 and rt.free(p) == 0
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert time.monotonic() - t0 < 10
