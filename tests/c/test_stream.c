@@ -772,6 +772,8 @@ static void test_task_cannot_wait_for_its_own_stream(void **state)
 {
     (void)state;
     self_results r = {.self = new_stream(), .other = new_stream(), .event_on_self = new_event()};
+    /* Hold the worker so the event is recorded (behind the callback) before the callback runs. */
+    assert_int_equal(npualloc_sleep_async(r.self, 0.2), ACL_SUCCESS);
     assert_int_equal(aclrtLaunchCallback(cb_self_calls, &r, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(r.event_on_self, r.self), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(r.self), ACL_SUCCESS);
