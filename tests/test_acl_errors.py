@@ -53,6 +53,9 @@ SIGNATURES = {
     "synchronize_event": ["event"],
     "event_elapsed_time": ["start", "end"],
     "stream_wait_event": ["stream", "event"],
+    "subscribe_report": ["thread_id", "stream"],
+    "unsubscribe_report": ["thread_id", "stream"],
+    "process_report": ["timeout"],
 }
 
 
@@ -182,6 +185,9 @@ BAD_VALUES = [
     ("synchronize_event", (-1,), acl.ACL_ERROR_INVALID_PARAM),
     ("event_elapsed_time", (-1, BIG), (0.0, acl.ACL_ERROR_INVALID_PARAM)),
     ("stream_wait_event", (0, -1), acl.ACL_ERROR_INVALID_PARAM),
+    ("subscribe_report", (1, -1), acl.ACL_ERROR_INVALID_PARAM),
+    ("unsubscribe_report", (-1, 0), acl.ACL_ERROR_RT_STREAM_SUBSCRIBE),
+    ("process_report", (BIG,), acl.ACL_ERROR_INVALID_PARAM),
     ("device_can_access_peer", (0, BIG), (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)),
     ("device_enable_peer_access", (1, -1), acl.ACL_ERROR_FEATURE_UNSUPPORTED),
     ("device_disable_peer_access", (-BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),

@@ -331,3 +331,33 @@ def test_many_streams_in_threads():
         t.join()
     assert not errors, errors[0]
     assert time.monotonic() - t0 < 10
+
+
+def test_callbacks_run_on_the_subscribed_thread_in_process_report():
+    """pyACL's flow: a thread subscribes to the stream and serves callbacks in process_report."""
+    import threading
+
+    stream, ret = rt.create_stream()
+    assert ret == 0
+    seen = []
+    stop = threading.Event()
+
+    def serve():
+        rt.set_device(0)
+        while not stop.is_set():
+            rt.process_report(100)  # 107013 when nothing arrived in time
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    assert rt.subscribe_report(worker.ident, stream) == 0
+    assert rt.subscribe_report(worker.ident, stream) == acl.ACL_ERROR_RT_STREAM_SUBSCRIBE
+    for i in range(3):
+        assert rt.launch_callback(lambda data: seen.append((data, threading.get_ident())), i,
+                                  acl.ACL_CALLBACK_BLOCK, stream) == 0
+    assert rt.synchronize_stream(stream) == 0
+    assert seen == [(0, worker.ident), (1, worker.ident), (2, worker.ident)]
+    assert rt.unsubscribe_report(worker.ident, stream) == 0
+    stop.set()
+    worker.join()
+    assert rt.process_report(100) == acl.ACL_ERROR_RT_THREAD_SUBSCRIBE  # this thread serves nothing
+    assert rt.destroy_stream(stream) == 0

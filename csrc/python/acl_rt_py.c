@@ -582,6 +582,41 @@ static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ss
     return ret_or_init_error(rc);
 }
 
+/* CANN runs launched callbacks on a thread subscribed to the stream, inside
+ * aclrtProcessReport; without a subscription npualloc runs them on the stream's worker. */
+static PyObject *subscription(PyObject *const *args, const char *fn, bool subscribe)
+{
+    uint64_t thread_id = 0;
+    void *stream = NULL;
+    RT_ARG_OR(arg_u64, 0, "thread_id", thread_id, UINT64_MAX);
+    RT_ARG_OR(arg_ptr, 1, "stream", stream, BAD_HANDLE);
+    aclError rc;
+    CALL_NOGIL(rc = subscribe ? aclrtSubscribeReport(thread_id, stream) : aclrtUnSubscribeReport(thread_id, stream));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_subscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("subscribe_report", 2);
+    return subscription(args, fn, true);
+}
+
+static PyObject *rt_unsubscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("unsubscribe_report", 2);
+    return subscription(args, fn, false);
+}
+
+static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("process_report", 1);
+    int32_t timeout = 0;
+    RT_ARG_OR(arg_i32, 0, "timeout", timeout, 0); /* 0 is an invalid timeout: the C code says so */
+    aclError rc;
+    CALL_NOGIL(rc = aclrtProcessReport(timeout)); /* callbacks take the GIL themselves */
+    return ret_or_init_error(rc);
+}
+
 /* ---- events ---- */
 
 static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -703,6 +738,9 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(synchronize_event),
     RT_METHOD(event_elapsed_time),
     RT_METHOD(stream_wait_event),
+    RT_METHOD(subscribe_report),
+    RT_METHOD(unsubscribe_report),
+    RT_METHOD(process_report),
     {NULL, NULL, 0, NULL},
 };
 
