@@ -211,6 +211,29 @@ typedef struct alloc_params {
 
 static inline size_t max_split_size(const device_cache *dc) { return dc->settings->max_split_size; }
 
+/* ---- pools ---- */
+
+/* The pool an allocation comes from: the newest matching route's private pool, else the
+ * device's default pools (torch's get_pool; small = rounded size up to 1 MiB). */
+static block_pool *get_pool(device_cache *dc, size_t size, uint64_t stream)
+{
+    bool small = size <= K_SMALL_SIZE;
+    for (size_t i = dc->route_count; i-- > 0;) {
+        const pool_route *r = &dc->routes[i];
+        bool match = r->filter == NPUALLOC_POOL_FILTER_STREAM ? r->filter_value == stream
+                                                               : r->filter_value == (uint64_t)pthread_self();
+        if (match)
+            return small ? &r->pool->small : &r->pool->large;
+    }
+    return small ? &dc->small : &dc->large;
+}
+
+static inline void owner_segments(block_pool *pool, int delta)
+{
+    if (pool->owner)
+        pool->owner->segments += (size_t)(ptrdiff_t)delta;
+}
+
 /* ---- events ---- */
 
 static event_queue *queue_for(device_cache *dc, uint64_t stream_id)
@@ -273,9 +296,20 @@ static void insert_events(device_cache *dc, cache_block *b)
         free_block(dc, b);
 }
 
+/* Records the events of frees deferred while a capture was underway. */
+static void insert_deferred_events(device_cache *dc)
+{
+    size_t n = dc->deferred_count;
+    dc->deferred_count = 0;
+    for (size_t i = 0; i < n; i++)
+        insert_events(dc, dc->deferred[i]);
+}
+
 /* Completes the frees whose events have passed, per stream in FIFO order. */
 static void process_events(device_cache *dc)
 {
+    if (unlikely(dc->deferred_count))
+        insert_deferred_events(dc);
     if (likely(dc->pending_events == 0))
         return;
     for (size_t i = 0; i < dc->queue_count; i++) {
@@ -299,6 +333,8 @@ static void process_events(device_cache *dc)
 static void synchronize_and_free_events(device_cache *dc)
 {
     dc->stats.num_sync_all_streams++;
+    if (dc->deferred_count && dc->route_count == 0)
+        insert_deferred_events(dc);
     for (size_t i = 0; i < dc->queue_count; i++) {
         event_queue *q = &dc->queues[i];
         while (q->head) {
@@ -426,6 +462,7 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
         return false;
     }
     dc->total_allocated_memory += p->alloc_size;
+    owner_segments(p->pool, 1);
     b->pool = p->pool;
     b->stream = p->stream;
     b->ptr = (uintptr_t)ptr;
@@ -451,6 +488,7 @@ static void release_block(device_cache *dc, cache_block *b)
     dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)b->ptr, b->size);
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
+    owner_segments(pool, -1);
     cache_stat_update(dc->stats.segment, pool, -1);
     cache_stat_update(dc->stats.reserved_bytes, pool, -(int64_t)b->size);
     if (b->size >= max_split_size(dc))
@@ -522,11 +560,39 @@ static void release_blocks(device_cache *dc, block_pool *pool, bool keep_pages)
 }
 
 /* Returns every whole cached segment to the device (torch's release_cached_blocks). */
+static void pool_destroy(device_cache *dc, private_pool *pp)
+{
+    for (private_pool **link = &dc->private_pools; *link; link = &(*link)->next) {
+        if (*link == pp) {
+            *link = pp->next;
+            break;
+        }
+    }
+    free(pp);
+}
+
+/* Releases a private pool's free memory if nothing uses the pool any more; forgets the pool
+ * once it owns no memory. */
+static void release_freeable_pool(device_cache *dc, private_pool *pp, bool keep_pages)
+{
+    if (pp->use_count > 0)
+        return;
+    release_blocks(dc, &pp->large, keep_pages);
+    release_blocks(dc, &pp->small, keep_pages);
+    if (pp->segments == 0 && !block_pool_first(&pp->large) && !block_pool_first(&pp->small) &&
+        !avl_first(&pp->large.unmapped) && !avl_first(&pp->small.unmapped))
+        pool_destroy(dc, pp);
+}
+
 static bool release_cached_blocks(device_cache *dc, bool keep_pages)
 {
     synchronize_and_free_events(dc);
     release_blocks(dc, &dc->large, keep_pages);
     release_blocks(dc, &dc->small, keep_pages);
+    for (private_pool *pp = dc->private_pools, *next; pp; pp = next) {
+        next = pp->next;
+        release_freeable_pool(dc, pp, keep_pages);
+    }
     if (!keep_pages)
         expandable_free_cached_pages(dc);
     return true;
@@ -745,10 +811,24 @@ void cache_free_locked(device_cache *dc, cache_block *b)
     cache_history_record(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream);
     if (b->size >= max_split_size(dc))
         stat_decrease(&dc->stats.oversize_allocations, 1);
-    if (b->use_count > 0)
+    if (b->use_count > 0 && dc->route_count > 0) {
+        /* During a capture events cannot be recorded: they are inserted when it ends. */
+        if (dc->deferred_count == dc->deferred_capacity) {
+            size_t cap = dc->deferred_capacity ? dc->deferred_capacity * 2 : 8;
+            cache_block **grown = realloc(dc->deferred, cap * sizeof *grown);
+            if (!grown) { /* out of host memory: record the events now (correct, just early) */
+                insert_events(dc, b);
+                return;
+            }
+            dc->deferred = grown;
+            dc->deferred_capacity = cap;
+        }
+        dc->deferred[dc->deferred_count++] = b;
+    } else if (b->use_count > 0) {
         insert_events(dc, b);
-    else
+    } else {
         free_block(dc, b);
+    }
 }
 
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
@@ -829,11 +909,12 @@ static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, 
 aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out,
                              npualloc_oom_info *oom)
 {
-    process_events(dc);
+    if (likely(dc->route_count == 0)) /* no events are processed while a capture is underway */
+        process_events(dc);
     alloc_params p = {0};
     p.size = cache_round_size(dc->settings, dc->pad, orig_size);
     p.stream = stream;
-    p.pool = p.size <= K_SMALL_SIZE ? &dc->small : &dc->large;
+    p.pool = get_pool(dc, p.size, stream);
     p.alloc_size = allocation_size(dc->settings, p.size, p.pool->is_small);
     p.err = ACL_SUCCESS;
 
@@ -852,7 +933,7 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
         found = alloc_block(dc, &p, false) ||
                 (release_available_cached_blocks(dc, &p) && alloc_block(dc, &p, false));
     }
-    if (!found) {
+    if (!found && dc->route_count == 0) {
         /* Last resort: drain the device, return every cached segment, try once more. */
         synchronize_device_unlocked(dc);
         found = release_cached_blocks(dc, false) && alloc_block(dc, &p, true);
@@ -870,6 +951,103 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
     }
     align_block_start(dc, &p);
     return alloc_found_block(dc, &p, orig_size, out);
+}
+
+/* ---- private pools ---- */
+
+static bool same_id(npualloc_mempool_id a, npualloc_mempool_id b) { return a.first == b.first && a.second == b.second; }
+
+private_pool *cache_pool_find(device_cache *dc, npualloc_mempool_id id)
+{
+    for (private_pool *pp = dc->private_pools; pp; pp = pp->next)
+        if (same_id(pp->id, id))
+            return pp;
+    return NULL;
+}
+
+aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id)
+{
+    if (id.first == 0 && id.second == 0) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "the default pool id (0, 0) is not a private pool");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    private_pool *pp = cache_pool_find(dc, id);
+    if (pp) {
+        pp->use_count++;
+        return ACL_SUCCESS;
+    }
+    if (!(pp = calloc(1, sizeof *pp))) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for a pool");
+        return ACL_ERROR_BAD_ALLOC;
+    }
+    pp->id = id;
+    pp->use_count = 1;
+    block_pool_init(&pp->small, true, pp);
+    block_pool_init(&pp->large, false, pp);
+    pp->next = dc->private_pools;
+    dc->private_pools = pp;
+    return ACL_SUCCESS;
+}
+
+aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id)
+{
+    private_pool *pp = cache_pool_find(dc, id);
+    if (!pp || pp->use_count <= 0) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "releasePool: pool (%llu, %llu) is not in use",
+                        (unsigned long long)id.first, (unsigned long long)id.second);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pp->use_count--;
+    return ACL_SUCCESS;
+}
+
+aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
+                                 uint64_t value)
+{
+    for (size_t i = 0; i < dc->route_count; i++) {
+        if (same_id(dc->routes[i].id, id) && dc->routes[i].filter == filter && dc->routes[i].filter_value == value) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "beginAllocateToPool: already recording to mempool_id");
+            return ACL_ERROR_INVALID_PARAM;
+        }
+    }
+    if (dc->route_count == dc->route_capacity) {
+        size_t cap = dc->route_capacity ? dc->route_capacity * 2 : 4;
+        pool_route *grown = realloc(dc->routes, cap * sizeof *grown);
+        if (!grown) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for a pool route");
+            return ACL_ERROR_BAD_ALLOC;
+        }
+        dc->routes = grown;
+        dc->route_capacity = cap;
+    }
+    aclError rc = cache_pool_create_locked(dc, id); /* creates, or takes a reference */
+    if (rc != ACL_SUCCESS)
+        return rc;
+    dc->routes[dc->route_count++] = (pool_route){id, cache_pool_find(dc, id), filter, value};
+    return ACL_SUCCESS;
+}
+
+aclError cache_pool_end_locked(device_cache *dc, npualloc_mempool_id id)
+{
+    /* The newest route to this pool ends (routes nest like context managers). */
+    for (size_t i = dc->route_count; i-- > 0;) {
+        if (same_id(dc->routes[i].id, id)) {
+            memmove(&dc->routes[i], &dc->routes[i + 1], (dc->route_count - i - 1) * sizeof *dc->routes);
+            dc->route_count--;
+            return cache_pool_release_locked(dc, id);
+        }
+    }
+    cache_set_error(NPUALLOC_ERR_RUNTIME, "endAllocatePool: not currently recording to mempool_id");
+    return ACL_ERROR_INVALID_PARAM;
+}
+
+void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id)
+{
+    private_pool *pp = cache_pool_find(dc, id);
+    if (!pp)
+        return;
+    synchronize_and_free_events(dc);
+    release_freeable_pool(dc, pp, false);
 }
 
 /* ---- empty_cache, fraction ---- */
@@ -963,16 +1141,24 @@ static void dedupe_heads(head_list *l)
 
 /* Finds the first block of every segment, from every block reachable: cached, unmapped,
  * allocated, or waiting for events.  Sorted by address, no duplicates. */
+static void collect_pool_heads(block_pool *pool, head_list *heads)
+{
+    for (cache_block *b = block_pool_first(pool); b; b = block_pool_next(b))
+        collect_head(b, heads);
+    for (avl_node *n = avl_first(&pool->unmapped); n; n = avl_next(n))
+        collect_head(AVL_ENTRY(n, cache_block, pool_node), heads);
+}
+
 static void collect_heads(device_cache *dc, head_list *heads)
 {
-    block_pool *pools[2] = {&dc->large, &dc->small};
-    for (int i = 0; i < 2; i++) {
-        for (cache_block *b = block_pool_first(pools[i]); b; b = block_pool_next(b))
-            collect_head(b, heads);
-        avl_node *n = avl_first(&pools[i]->unmapped);
-        for (; n; n = avl_next(n))
-            collect_head(AVL_ENTRY(n, cache_block, pool_node), heads);
+    collect_pool_heads(&dc->large, heads);
+    collect_pool_heads(&dc->small, heads);
+    for (private_pool *pp = dc->private_pools; pp; pp = pp->next) {
+        collect_pool_heads(&pp->large, heads);
+        collect_pool_heads(&pp->small, heads);
     }
+    for (size_t i = 0; i < dc->deferred_count; i++)
+        collect_head(dc->deferred[i], heads);
     for (size_t i = 0; dc->allocated_blocks.mask && i <= dc->allocated_blocks.mask; i++)
         if (dc->allocated_blocks.slots[i].key)
             collect_head(dc->allocated_blocks.slots[i].value, heads);
@@ -1022,6 +1208,13 @@ static void release_everything(device_cache *dc, bool return_memory)
         }
     }
     free(dc->queues);
+    while (dc->private_pools) {
+        private_pool *pp = dc->private_pools;
+        dc->private_pools = pp->next;
+        free(pp);
+    }
+    free(dc->routes);
+    free(dc->deferred);
     ptr_map_free(&dc->allocated_blocks);
     for (size_t i = 0; i < dc->chunk_count; i++)
         free(dc->chunks[i]);
@@ -1137,7 +1330,7 @@ static void check_segment(cache_block *head, void *ctx)
             prev_free = false;
             continue;
         }
-        bool is_free = !b->allocated && b->event_count == 0;
+        bool is_free = !b->allocated && b->event_count == 0 && b->use_count == 0;
         CHECK(!(is_free && prev_free), "free neighbours %#lx and its predecessor were not merged",
               (unsigned long)b->ptr);
         CHECK(b->in_pool == is_free, "block %#lx: in pool %d but free %d", (unsigned long)b->ptr, b->in_pool, is_free);
@@ -1188,6 +1381,8 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
           "the allocated-block table holds %zu blocks for %lld allocations", dc->allocated_blocks.count,
           (long long)dc->stats.allocation[NPUALLOC_STAT_ALL].current);
     size_t pooled = block_pool_count(&dc->large) + block_pool_count(&dc->small);
+    for (const private_pool *pp = dc->private_pools; pp; pp = pp->next)
+        pooled += block_pool_count(&pp->large) + block_pool_count(&pp->small);
     CHECK(pooled == st->free_blocks, "the pools hold %zu blocks but the segments have %zu free ones", pooled,
           st->free_blocks);
     return st->failed ? ACL_ERROR_INTERNAL_ERROR : ACL_SUCCESS;

@@ -119,6 +119,26 @@ struct expandable_segment {
     size_t mapped_pages;
 };
 
+/* A private pool (torch's PrivatePool: MemPool, graph captures): its own small and large block
+ * pools; memory goes back to the device only once the pool is no longer used (use_count 0)
+ * and its blocks are free. */
+struct private_pool {
+    private_pool *next; /* the device's list */
+    npualloc_mempool_id id;
+    block_pool small, large;
+    int use_count;      /* holders (MemPool objects, captures) */
+    size_t segments;    /* live segments and mapped ranges owned (torch's cudaMalloc_count) */
+};
+
+/* An active "allocate to pool" (torch's captures_underway entry): allocations matching the
+ * filter come from the pool. */
+typedef struct pool_route {
+    npualloc_mempool_id id;
+    private_pool *pool;
+    npualloc_pool_filter filter;
+    uint64_t filter_value; /* the thread (pthread_t) or stream handle */
+} pool_route;
+
 /* Physical pages unmapped by empty_virt_addr_cache, kept for the next map. */
 typedef struct cached_page {
     uint64_t handle;
@@ -166,6 +186,11 @@ typedef struct device_cache {
     size_t queue_count, queue_capacity;
     size_t pending_events;
     expandable_segment *expandable_segments;
+    private_pool *private_pools;
+    pool_route *routes; /* newest last; matched newest first */
+    size_t route_count, route_capacity;
+    cache_block **deferred; /* freed with stream uses during a capture: events wait for its end */
+    size_t deferred_count, deferred_capacity;
     cached_page *cached_pages; /* pages kept by empty_virt_addr_cache */
     size_t cached_page_count, cached_page_capacity;
     cache_block *spare_blocks; /* recycled block structs: no heap call on a cache hit */
@@ -218,6 +243,15 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
 void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
+/* Private pools (lock held). */
+aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id);
+aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id);
+aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
+                                 uint64_t value);
+aclError cache_pool_end_locked(device_cache *dc, npualloc_mempool_id id);
+private_pool *cache_pool_find(device_cache *dc, npualloc_mempool_id id);
+/* emptyCache(mempool_id): that pool's freeable memory only. */
+void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id);
 /* empty_cache for one device: synchronize (lock released), then release every free segment;
  * `keep_pages` (empty_virt_addr_cache) unmaps expandable pages but keeps their memory. */
 void cache_empty_locked(device_cache *dc, bool keep_pages);

@@ -602,6 +602,72 @@ aclError npualloc_deallocate(void *ptr)
     return vmm_free_malloc(ptr);
 }
 
+/* ---- private pools ---- */
+
+/* torch's MemPool id counters: user-created (0, uid++), internal (uuid++, 0), both from 1. */
+static _Atomic uint64_t next_user_pool = 1, next_internal_pool = 1;
+
+npualloc_mempool_id npualloc_mempool_id_new(bool user_created)
+{
+    npualloc_mempool_id id = {0, 0};
+    if (user_created)
+        id.second = next_user_pool++;
+    else
+        id.first = next_internal_pool++;
+    return id;
+}
+
+/* Runs a pool operation on a started device under its lock. */
+#define WITH_DEVICE(device, expr)                                                                                      do {                                                                                                                   device_cache *dc_ = cache_get(device);                                                                             if (!dc_)                                                                                                              return ACL_ERROR_INVALID_PARAM;                                                                                pthread_mutex_lock(&dc_->lock);                                                                                    aclError rc_ = (expr);                                                                                             pthread_mutex_unlock(&dc_->lock);                                                                                  return rc_;                                                                                                    } while (0)
+
+aclError npualloc_cache_pool_create(int32_t device, npualloc_mempool_id id)
+{
+    WITH_DEVICE(device, cache_pool_create_locked(dc_, id));
+}
+
+aclError npualloc_cache_pool_release(int32_t device, npualloc_mempool_id id)
+{
+    WITH_DEVICE(device, cache_pool_release_locked(dc_, id));
+}
+
+aclError npualloc_cache_pool_begin(int32_t device, npualloc_mempool_id id, npualloc_pool_filter filter,
+                                   uint64_t value)
+{
+    if (filter != NPUALLOC_POOL_FILTER_THREAD && filter != NPUALLOC_POOL_FILTER_STREAM) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "unknown pool filter %d", (int)filter);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    WITH_DEVICE(device, cache_pool_begin_locked(dc_, id, filter, value));
+}
+
+aclError npualloc_cache_pool_end(int32_t device, npualloc_mempool_id id)
+{
+    WITH_DEVICE(device, cache_pool_end_locked(dc_, id));
+}
+
+static aclError empty_pool(device_cache *dc, npualloc_mempool_id id)
+{
+    cache_pool_empty_locked(dc, id);
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_pool_empty(int32_t device, npualloc_mempool_id id)
+{
+    WITH_DEVICE(device, empty_pool(dc_, id));
+}
+
+int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id)
+{
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return 0;
+    pthread_mutex_lock(&dc->lock);
+    private_pool *pp = cache_pool_find(dc, id);
+    int n = pp ? pp->use_count : 0;
+    pthread_mutex_unlock(&dc->lock);
+    return n;
+}
+
 /* ---- device-wide operations ---- */
 
 aclError npualloc_cache_empty(void)
@@ -776,6 +842,10 @@ static npualloc_segment_info *snap_begin(snap_builder *sb, const cache_block *b)
     seg->stream = b->stream;
     seg->is_small = b->pool->is_small;
     seg->is_expandable = b->es != NULL;
+    if (b->pool->owner) {
+        seg->pool_id[0] = b->pool->owner->id.first;
+        seg->pool_id[1] = b->pool->owner->id.second;
+    }
     seg->first_block = s->block_count;
     if (!b->prev) {
         seg->frames = b->segment_ctx;

@@ -214,6 +214,8 @@ static bool map_block(device_cache *dc, cache_block *b, size_t size)
     cache_try_merge(dc, b, b->prev);
     cache_try_merge(dc, b, b->next);
     cache_pool_insert(b);
+    if (pool->owner)
+        pool->owner->segments++;
     dc->total_allocated_memory += mapped;
     cache_stat_update(dc->stats.reserved_bytes, pool, (int64_t)mapped);
     dc->stats.num_device_alloc++;
@@ -331,6 +333,8 @@ void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
     cache_try_merge(dc, b, b->prev);
     cache_try_merge(dc, b, b->next);
     block_pool_insert_unmapped(b->pool, b);
+    if (b->pool->owner)
+        b->pool->owner->segments--;
     dc->total_allocated_memory -= us;
     cache_stat_update(dc->stats.reserved_bytes, b->pool, -(int64_t)us);
     dc->stats.num_device_free++;

@@ -192,7 +192,7 @@ typedef struct npualloc_segment_info {
     uint64_t address, total_size, allocated_size, active_size, requested_size;
     uint64_t stream;
     bool is_small, is_expandable;
-    uint64_t pool_id[2];
+    uint64_t pool_id[2];             /* the owning pool ((0, 0) = default) */
     size_t first_block, block_count; /* range in npualloc_snapshot.blocks */
     npualloc_context *frames;        /* where the segment was allocated (NULL if not recorded) */
 } npualloc_segment_info;
@@ -235,6 +235,34 @@ void npualloc_snapshot_free(npualloc_snapshot *snap);
 /* Starts or stops recording the memory history of every device (a ring of max_entries trace
  * entries, and contexts as `when` says); both clear what was recorded. */
 aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries);
+
+/* ---- private memory pools (torch's MemPool / graph_pool_handle) ---- */
+typedef struct npualloc_mempool_id {
+    uint64_t first, second; /* (0, 0) is the default pool */
+} npualloc_mempool_id;
+
+/* A new pool id: user-created ids are (0, n), internal ones (n, 0), counters shared as torch. */
+npualloc_mempool_id npualloc_mempool_id_new(bool user_created);
+/* Creates the pool on a device, or takes another reference to it. */
+aclError npualloc_cache_pool_create(int32_t device, npualloc_mempool_id id);
+/* Drops a reference; at zero the pool's memory returns to the device once its blocks are free
+ * (at the next empty_cache / last-resort release). */
+aclError npualloc_cache_pool_release(int32_t device, npualloc_mempool_id id);
+/* References held on a pool (0 when it does not exist). */
+int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id);
+
+typedef enum npualloc_pool_filter {
+    NPUALLOC_POOL_FILTER_THREAD = 0, /* allocations by this OS thread (use_mem_pool) */
+    NPUALLOC_POOL_FILTER_STREAM = 1  /* allocations on this stream (a capture) */
+} npualloc_pool_filter;
+
+/* Routes matching allocations to the pool until npualloc_cache_pool_end (torch's
+ * beginAllocateToPool / endAllocateToPool); takes a reference while routing. */
+aclError npualloc_cache_pool_begin(int32_t device, npualloc_mempool_id id, npualloc_pool_filter filter,
+                                   uint64_t value);
+aclError npualloc_cache_pool_end(int32_t device, npualloc_mempool_id id);
+/* Releases what a pool no longer uses (torch's emptyCache(mempool_id)). */
+aclError npualloc_cache_pool_empty(int32_t device, npualloc_mempool_id id);
 
 /* torch_npu.npu.memory._set_allocator_settings(text). */
 aclError npualloc_cache_set_settings(const char *text);

@@ -1,0 +1,224 @@
+/* test_pools.c - private memory pools (torch's MemPool / graph pools). */
+#include <pthread.h>
+
+#include "testutil.h"
+
+static void start_cache(void)
+{
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(1, 4 * GiB_, 4 * GiB_, 0, 0);
+}
+
+static void check(void)
+{
+    char why[512] = "";
+    if (npualloc_cache_check(0, why, sizeof why) != ACL_SUCCESS)
+        fail_msg("invariant broken: %s", why);
+}
+
+static void *alloc_on(size_t size, uint64_t stream)
+{
+    void *p = NULL;
+    aclError rc = npualloc_cache_malloc(0, size, stream, &p);
+    if (rc != ACL_SUCCESS)
+        fail_msg("malloc(%zu) failed: %d %s", size, rc, npualloc_last_error(NULL));
+    return p;
+}
+
+static void *alloc(size_t size) { return alloc_on(size, 0); }
+
+/* The pool id of the segment holding ptr, from a snapshot. */
+static npualloc_mempool_id pool_of(void *ptr)
+{
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    npualloc_mempool_id id = {UINT64_MAX, UINT64_MAX};
+    for (size_t i = 0; i < snap->segment_count; i++) {
+        const npualloc_segment_info *s = &snap->segments[i];
+        if ((uintptr_t)ptr >= s->address && (uintptr_t)ptr < s->address + s->total_size)
+            id = (npualloc_mempool_id){s->pool_id[0], s->pool_id[1]};
+    }
+    npualloc_snapshot_free(snap);
+    return id;
+}
+
+static npualloc_stats stats(void)
+{
+    npualloc_stats s;
+    assert_int_equal(npualloc_cache_get_stats(0, &s), ACL_SUCCESS);
+    return s;
+}
+
+static void test_pool_ids_follow_torch_counters(void **state)
+{
+    (void)state;
+    npualloc_mempool_id a = npualloc_mempool_id_new(true), b = npualloc_mempool_id_new(true);
+    assert_int_equal(a.first, 0);
+    assert_int_equal(b.first, 0);
+    assert_int_equal(b.second, a.second + 1);
+    npualloc_mempool_id internal = npualloc_mempool_id_new(false);
+    assert_int_not_equal(internal.first, 0);
+    assert_int_equal(internal.second, 0);
+}
+
+typedef struct other_thread {
+    void *ptr;
+} other_thread;
+
+static void *allocate_elsewhere(void *arg)
+{
+    other_thread *o = arg;
+    o->ptr = alloc(1000);
+    return NULL;
+}
+
+static void test_thread_route_sends_only_this_threads_allocations_to_the_pool(void **state)
+{
+    (void)state;
+    start_cache();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 2); /* the pool object and the route */
+    void *mine = alloc(1000), *big = alloc(30 * MiB_);
+    other_thread o;
+    pthread_t t;
+    pthread_create(&t, NULL, allocate_elsewhere, &o);
+    pthread_join(t, NULL);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
+    void *after = alloc(1000);
+    npualloc_mempool_id p1 = pool_of(mine), p2 = pool_of(big), p3 = pool_of(o.ptr), p4 = pool_of(after);
+    assert_true(p1.first == id.first && p1.second == id.second);
+    assert_true(p2.first == id.first && p2.second == id.second);
+    assert_true(p3.first == 0 && p3.second == 0);
+    assert_true(p4.first == 0 && p4.second == 0);
+    /* Pool segments count in the device's stats like any other. */
+    npualloc_stats s = stats();
+    assert_int_equal(s.segment[NPUALLOC_STAT_ALL].current, 3);
+    check();
+}
+
+static void test_stream_route_and_sharing_a_pool_between_captures(void **state)
+{
+    (void)state;
+    start_cache();
+    aclrtStream s1, s2;
+    assert_int_equal(aclrtCreateStream(&s1), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateStream(&s2), ACL_SUCCESS);
+    npualloc_mempool_id id = npualloc_mempool_id_new(false);
+    uint64_t h1 = (uint64_t)(uintptr_t)s1, h2 = (uint64_t)(uintptr_t)s2;
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, h1), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, h1), ACL_ERROR_INVALID_PARAM);
+    assert_string_equal(npualloc_last_error(NULL), "beginAllocateToPool: already recording to mempool_id");
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, h2), ACL_SUCCESS);
+    void *a = alloc_on(1000, h1), *b = alloc_on(1000, h2), *c = alloc_on(1000, 0);
+    npualloc_mempool_id pa = pool_of(a), pb = pool_of(b), pc = pool_of(c);
+    assert_true(pa.first == id.first && pb.first == id.first && pc.first == 0);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_ERROR_INVALID_PARAM);
+    assert_string_equal(npualloc_last_error(NULL), "endAllocatePool: not currently recording to mempool_id");
+    npualloc_cache_free(a);
+    npualloc_cache_free(b);
+    npualloc_cache_free(c);
+    check();
+    aclrtDestroyStream(s1);
+    aclrtDestroyStream(s2);
+}
+
+static void test_pool_memory_returns_only_when_released_and_free(void **state)
+{
+    (void)state;
+    start_cache();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    void *a = alloc(30 * MiB_);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    npualloc_cache_free(a);
+    /* Still held by the pool object: empty_cache keeps the pool's memory. */
+    npualloc_cache_empty();
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 30 * MiB_ + 2 * MiB_);
+    /* Allocations outside the route never reuse the pool's blocks. */
+    void *outside = alloc(30 * MiB_);
+    assert_ptr_not_equal(outside, a);
+    npualloc_cache_free(outside);
+    assert_int_equal(npualloc_cache_pool_release(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 0);
+    npualloc_cache_empty();
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    assert_int_equal(npualloc_cache_pool_release(0, id), ACL_ERROR_INVALID_PARAM); /* gone */
+    check();
+}
+
+static void test_pool_empty_releases_that_pool_only_when_freeable(void **state)
+{
+    (void)state;
+    start_cache();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS); /* creates the pool, the route holds the only reference */
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    void *d = alloc(1000);
+    npualloc_cache_free(d);
+    npualloc_cache_free(a);
+    assert_int_equal(npualloc_cache_pool_empty(0, id), ACL_SUCCESS);
+    /* The pool's segment went back; the default pool's stays cached. */
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 2 * MiB_);
+    check();
+}
+
+static void test_frees_with_stream_uses_wait_for_the_capture_to_end(void **state)
+{
+    (void)state;
+    start_cache();
+    aclrtStream side;
+    assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    npualloc_mempool_id id = npualloc_mempool_id_new(false);
+    aclrtStream cap;
+    assert_int_equal(aclrtCreateStream(&cap), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, (uint64_t)(uintptr_t)cap),
+                     ACL_SUCCESS);
+    npualloc_cache_free(a);
+    check(); /* deferred: active, not cached */
+    assert_int_equal(stats().active[NPUALLOC_STAT_ALL].current, 1);
+    void *b = alloc(1000); /* no events are processed during the capture */
+    assert_ptr_not_equal(a, b);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(side), ACL_SUCCESS);
+    void *c = alloc(1000); /* events recorded now, and already passed */
+    assert_ptr_equal(c, a);
+    check();
+    aclrtDestroyStream(side);
+    aclrtDestroyStream(cap);
+}
+
+static void test_default_pool_id_is_not_a_private_pool(void **state)
+{
+    (void)state;
+    start_cache();
+    npualloc_mempool_id zero = {0, 0};
+    assert_int_equal(npualloc_cache_pool_create(0, zero), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_pool_begin(0, zero, 7, 0), ACL_ERROR_INVALID_PARAM);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_pool_ids_follow_torch_counters),
+        cmocka_unit_test_teardown(test_thread_route_sends_only_this_threads_allocations_to_the_pool, stop_runtime),
+        cmocka_unit_test_teardown(test_stream_route_and_sharing_a_pool_between_captures, stop_runtime),
+        cmocka_unit_test_teardown(test_pool_memory_returns_only_when_released_and_free, stop_runtime),
+        cmocka_unit_test_teardown(test_pool_empty_releases_that_pool_only_when_freeable, stop_runtime),
+        cmocka_unit_test_teardown(test_frees_with_stream_uses_wait_for_the_capture_to_end, stop_runtime),
+        cmocka_unit_test_teardown(test_default_pool_id_is_not_a_private_pool, stop_runtime),
+    };
+    return cmocka_run_group_tests_name("pools", tests, NULL, NULL);
+}
