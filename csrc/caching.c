@@ -173,7 +173,7 @@ void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr,
     if (!dc->history_enabled || !dc->history_max)
         return;
     npualloc_context *ctx = dc->record_context >= NPUALLOC_RECORD_ALLOC ? dc->current_ctx : NULL;
-    trace_entry e = {action, addr, size, stream, (int64_t)(host_now_ns() / 1000), ctx};
+    trace_entry e = {action, addr, size, stream, host_epoch_us(), ctx};
     npualloc_context_retain(ctx);
     if (dc->history_count == dc->history_capacity && dc->history_capacity < dc->history_max) {
         size_t cap = dc->history_capacity ? dc->history_capacity * 2 : 1024;
@@ -401,9 +401,11 @@ static bool get_free_block(device_cache *dc, alloc_params *p)
 
 static bool trigger_free_memory_callbacks(device_cache *dc)
 {
+    if (!dc->backend->free_memory)
+        return false;
     npualloc_context *ctx = dc->current_ctx;
     pthread_mutex_unlock(&dc->lock);
-    bool freed = cache_run_free_callbacks();
+    bool freed = dc->backend->free_memory(dc->backend_ctx);
     pthread_mutex_lock(&dc->lock);
     dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
     return freed;
@@ -469,7 +471,8 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     b->size = p->alloc_size;
     cache_stat_update(dc->stats.segment, p->pool, 1);
     cache_stat_update(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
-    if (p->alloc_size >= max_split_size(dc))
+    b->oversize_segment = p->alloc_size >= max_split_size(dc);
+    if (b->oversize_segment)
         stat_increase(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_alloc++;
     if (dc->record_context >= NPUALLOC_RECORD_STATE) {
@@ -491,7 +494,7 @@ static void release_block(device_cache *dc, cache_block *b)
     owner_segments(pool, -1);
     cache_stat_update(dc->stats.segment, pool, -1);
     cache_stat_update(dc->stats.reserved_bytes, pool, -(int64_t)b->size);
-    if (b->size >= max_split_size(dc))
+    if (b->oversize_segment) /* counted when allocated, whatever max_split is now */
         stat_decrease(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_free++;
     block_pool_remove(pool, b);
@@ -668,6 +671,7 @@ static void align_block_start(device_cache *dc, alloc_params *p)
     aligned->pool = b->pool;
     aligned->stream = b->stream;
     aligned->es = b->es;
+    aligned->oversize_segment = b->oversize_segment;
     aligned->ptr = b->ptr + offset;
     aligned->size = b->size - offset;
     aligned->prev = b;
@@ -709,6 +713,7 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
         front->segment_ctx = rest->segment_ctx; /* the front is the segment's first block now */
         rest->segment_ctx = NULL;
         front->es = rest->es;
+        front->oversize_segment = rest->oversize_segment; /* every block carries its segment's flag */
         rest->ptr += p->size;
         rest->size -= p->size;
         cache_pool_insert(rest);
@@ -738,7 +743,8 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
     cache_stat_update(dc->stats.active, pool, 1);
     cache_stat_update(dc->stats.active_bytes, pool, (int64_t)b->size);
     cache_stat_update(dc->stats.requested_bytes, pool, (int64_t)orig_size);
-    if (b->size >= max_split_size(dc))
+    b->oversize_alloc = b->size >= max_split_size(dc);
+    if (b->oversize_alloc)
         stat_increase(&dc->stats.oversize_allocations, 1);
     *out = (void *)b->ptr;
     return ACL_SUCCESS;
@@ -801,15 +807,44 @@ static void free_block(device_cache *dc, cache_block *b)
     cache_stat_update(dc->stats.requested_bytes, pool, -(int64_t)requested);
 }
 
+/* ---- sharing pin (see caching.h) ---- */
+
+void (*cache_share_freed)(device_cache *dc, cache_block *b);
+
+void cache_share_unpin_locked(device_cache *dc, cache_block *b)
+{
+    if (--b->share_pins > 0 || b->allocated)
+        return;
+    for (cache_block **link = &dc->pinned; *link; link = &(*link)->pinned_next) {
+        if (*link == b) {
+            *link = b->pinned_next;
+            b->pinned_next = NULL;
+            if (--b->event_count == 0)
+                free_block(dc, b);
+            return;
+        }
+    }
+}
+
 void cache_free_locked(device_cache *dc, cache_block *b)
 {
     ptr_map_remove(&dc->allocated_blocks, b->ptr);
     b->allocated = false;
+    if (unlikely(b->shared)) { /* sharing pin: no reuse while another process has it open */
+        b->shared = false;
+        if (cache_share_freed)
+            cache_share_freed(dc, b);
+        if (b->share_pins) {
+            b->event_count++; /* dropped by the last cache_share_unpin_locked */
+            b->pinned_next = dc->pinned;
+            dc->pinned = b;
+        }
+    }
     block_pool *pool = b->pool;
     cache_stat_update(dc->stats.allocation, pool, -1);
     cache_stat_update(dc->stats.allocated_bytes, pool, -(int64_t)b->size);
     cache_history_record(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream);
-    if (b->size >= max_split_size(dc))
+    if (b->oversize_alloc) /* counted when allocated, whatever max_split is now */
         stat_decrease(&dc->stats.oversize_allocations, 1);
     if (b->use_count > 0 && dc->route_count > 0) {
         /* During a capture events cannot be recorded: they are inserted when it ends. */
@@ -826,7 +861,7 @@ void cache_free_locked(device_cache *dc, cache_block *b)
         dc->deferred[dc->deferred_count++] = b;
     } else if (b->use_count > 0) {
         insert_events(dc, b);
-    } else {
+    } else if (b->event_count == 0) { /* non-zero: held by a sharing pin */
         free_block(dc, b);
     }
 }
@@ -882,7 +917,9 @@ void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream
         last = e;
         link = &e->next;
     }
-    q->tail = last;
+    (void)last;
+    /* The walk may stop early: find the tail again from the head. */
+    q->tail = q->head;
     while (q->tail && q->tail->next)
         q->tail = q->tail->next;
 }
@@ -1116,8 +1153,8 @@ static void head_push(head_list *l, cache_block *b)
     l->items[l->count++] = b;
 }
 
-/* Every block is exactly one of: cached (pool), unmapped, allocated, waiting for events; so
- * visiting all four sets meets each segment's first block once. */
+/* Every block is exactly one of: cached (pool), unmapped, allocated, waiting for events or
+ * for sharing pins; so visiting all five sets meets each segment's first block once. */
 static void collect_head(cache_block *b, head_list *l)
 {
     if (!b->prev)
@@ -1165,6 +1202,8 @@ static void collect_heads(device_cache *dc, head_list *heads)
     for (size_t i = 0; i < dc->queue_count; i++)
         for (pending_event *e = dc->queues[i].head; e; e = e->next)
             collect_head(e->block, heads);
+    for (cache_block *b = dc->pinned; b; b = b->pinned_next) /* sharing pin */
+        collect_head(b, heads);
     if (heads->count > 1)
         qsort(heads->items, heads->count, sizeof *heads->items, head_order);
     dedupe_heads(heads); /* a pending block has one queue entry per stream that used it */
@@ -1233,6 +1272,7 @@ void cache_device_forget(device_cache *dc) { release_everything(dc, false); }
 /* ---- the invariant checker ---- */
 
 typedef struct check_state {
+    int64_t oversize_allocs, oversize_segments;
     const device_cache *dc;
     int32_t device;
     size_t free_blocks;
@@ -1340,7 +1380,11 @@ static void check_segment(cache_block *head, void *ctx)
         mapped_total += b->size;
         run += b->size;
         count_block(st, b, kind, is_free);
+        st->oversize_allocs += b->allocated && b->oversize_alloc;
+        CHECK(b->oversize_segment == head->oversize_segment, "block %#lx: oversize flag differs from its segment's",
+              (unsigned long)b->ptr);
     }
+    st->oversize_segments += head->oversize_segment;
     CHECK(!run || !be->segment_valid || be->segment_valid(st->dc->backend_ctx, st->device, (void *)run_start, run),
           "mapped range %#lx (%zu bytes) is not mapped memory of device %d", (unsigned long)run_start, run,
           st->device);
@@ -1375,6 +1419,12 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
         for (int k = 0; k < NPUALLOC_STAT_TYPES; k++)
             CHECK(have[i][k].current == want[i][k].current, "stat %s[%d].current is %lld but the blocks imply %lld",
                   names[i], k, (long long)have[i][k].current, (long long)want[i][k].current);
+    CHECK(dc->stats.oversize_allocations.current == st->oversize_allocs,
+          "oversize_allocations is %lld but %lld oversize blocks are allocated",
+          (long long)dc->stats.oversize_allocations.current, (long long)st->oversize_allocs);
+    CHECK(dc->stats.oversize_segments.current == st->oversize_segments,
+          "oversize_segments is %lld but %lld oversize segments exist", (long long)dc->stats.oversize_segments.current,
+          (long long)st->oversize_segments);
     CHECK(st->reserved_total == dc->total_allocated_memory, "reserved memory %zu differs from the segments' %zu",
           dc->total_allocated_memory, st->reserved_total);
     CHECK(dc->allocated_blocks.count == (size_t)dc->stats.allocation[NPUALLOC_STAT_ALL].current,

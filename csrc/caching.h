@@ -56,12 +56,19 @@ struct cache_block {
     bool allocated;
     bool in_pool;
     bool mapped;              /* false only for the unmapped address space of an expandable segment */
+    bool oversize_alloc;      /* counted in oversize_allocations when allocated */
+    bool oversize_segment;    /* its segment was counted in oversize_segments (same on every block) */
     expandable_segment *es;   /* the expandable segment the block lies in, or NULL */
     uint32_t use_count, use_capacity;
     uint64_t *uses;           /* streams recorded with record_stream while allocated */
     npualloc_context *ctx;    /* where it was allocated, while allocated (history) */
     npualloc_context *segment_ctx; /* on a segment's first block: where the segment was allocated */
     cache_block *free_link;   /* the device's list of spare block structs */
+    /* sharing pin (npualloc.share, ipc_share.c): while another process has the block open, a
+     * free by its owner waits (like a block waiting for events) until the last one closed. */
+    uint32_t share_pins;      /* opens in other processes */
+    bool shared;              /* a share of this allocation exists (cache_share_freed is told) */
+    cache_block *pinned_next; /* the device's list of freed blocks waiting for their pins */
 };
 
 /* One recorded use of a freed block on a stream (torch's per-stream event FIFO entry). */
@@ -165,6 +172,9 @@ typedef struct cache_backend {
     aclError (*remap_page)(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle);
     void (*unmap_page)(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle, bool keep);
     void (*free_page)(void *ctx, int32_t device, uint64_t handle);
+    /* torch's free-memory callbacks, run on a cache miss (NULL: none, e.g. a simulated device);
+     * true when something was freed. */
+    bool (*free_memory)(void *ctx);
 } cache_backend;
 
 typedef struct device_cache {
@@ -193,6 +203,7 @@ typedef struct device_cache {
     size_t deferred_count, deferred_capacity;
     cached_page *cached_pages; /* pages kept by empty_virt_addr_cache */
     size_t cached_page_count, cached_page_capacity;
+    cache_block *pinned;       /* freed blocks still open in another process (sharing pin) */
     cache_block *spare_blocks; /* recycled block structs: no heap call on a cache hit */
     void **chunks;             /* block struct chunks, freed at shutdown */
     size_t chunk_count, chunk_capacity;
@@ -260,6 +271,13 @@ void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr,
 /* Calls fn on every block of every segment (segments in address order, blocks in order). */
 void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx);
 aclError cache_check_locked(device_cache *dc, char *why, size_t len);
+
+/* ---- sharing pin (npualloc.share; the hook is set by ipc_share.c) ----
+ * Lock held.  cache_share_freed(dc, b) is called when the owner frees a shared block (before
+ * the free proceeds); if b->share_pins is then non-zero the free waits for
+ * cache_share_unpin_locked to drop the last pin. */
+extern void (*cache_share_freed)(device_cache *dc, cache_block *b);
+void cache_share_unpin_locked(device_cache *dc, cache_block *b);
 
 /* ---- lifetime (caching_api.c) ---- */
 /* Returns every cached and allocated segment to the runtime and forgets the settings. */

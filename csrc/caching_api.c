@@ -205,9 +205,15 @@ static void npu_free_page(void *ctx, int32_t device, uint64_t handle)
     aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handle);
 }
 
+static bool npu_free_memory(void *ctx)
+{
+    (void)ctx;
+    return cache_run_free_callbacks();
+}
+
 const cache_backend cache_npu_backend = {npu_segment_alloc, npu_segment_free, npu_mem_info,   npu_synchronize,
                                          npu_segment_valid, npu_reserve,      npu_release,    npu_map_page,
-                                         npu_remap_page,    npu_unmap_page,   npu_free_page};
+                                         npu_remap_page,    npu_unmap_page,   npu_free_page,  npu_free_memory};
 
 /* ---- settings ---- */
 
@@ -299,6 +305,35 @@ static device_cache *cache_of_ptr(const void *ptr)
     if (dev < 0 || dev >= NPU_MAX_DEVICES || !__atomic_load_n(&caches[dev].started, __ATOMIC_ACQUIRE))
         return NULL;
     return &caches[dev];
+}
+
+aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
+{
+    if (runtime_ensure_init() != ACL_SUCCESS) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
+        return ACL_ERROR_UNINITIALIZE;
+    }
+    pthread_mutex_lock(&api_lock);
+    init_caches();
+    load_settings();
+    /* Settings change with every device lock held: holding one is enough to read them. */
+    pthread_mutex_lock(&caches[0].lock);
+    const alloc_settings *s = &cache_settings;
+    out->max_split_size = s->max_split_size;
+    out->max_non_split_rounding_size = s->max_non_split_rounding_size;
+    out->garbage_collection_threshold = s->garbage_collection_threshold;
+    out->expandable_segments = s->expandable_segments;
+    for (int i = 0; i < 16; i++)
+        out->roundup_power2_divisions[i] = s->roundup_power2_divisions[i];
+    out->base_addr_aligned_size = s->base_addr_aligned_size;
+    out->page_size_1g = s->page_size_1g;
+    out->large_segment_size = s->large_segment_size;
+    out->release_lock_on_npumalloc = s->release_lock_on_npumalloc;
+    out->throw_on_npumalloc_oom = s->throw_on_npumalloc_oom;
+    out->multi_stream_lazy_reclaim = s->multi_stream_lazy_reclaim;
+    pthread_mutex_unlock(&caches[0].lock);
+    pthread_mutex_unlock(&api_lock);
+    return ACL_SUCCESS;
 }
 
 const char *npualloc_cache_settings_text(void)

@@ -93,7 +93,8 @@ int host_memfile_create(size_t size, host_memfile *out)
     if (size == 0)
         return EINVAL;
     size = round_to_page(size);
-    int fd = memfd_create("npualloc", MFD_CLOEXEC);
+    /* ALLOW_SEALING: an exporter seals the size (ipc.c), so no importer can shrink it under others */
+    int fd = memfd_create("npualloc", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
         return errno;
     int err = 0;
@@ -261,6 +262,13 @@ uint64_t host_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+int64_t host_epoch_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 void host_sleep_ns(uint64_t ns)

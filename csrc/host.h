@@ -57,6 +57,7 @@ void host_free_pinned(void *p, size_t size);
 
 size_t host_page_size(void);
 uint64_t host_now_ns(void); /* CLOCK_MONOTONIC */
+int64_t host_epoch_us(void); /* microseconds since the Unix epoch (trace timestamps, as torch) */
 void host_sleep_ns(uint64_t ns);
 
 /* How many memory-file descriptors may be kept open (NPUALLOC_FD_BUDGET, default half of the

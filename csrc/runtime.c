@@ -12,6 +12,7 @@
 #include "caching.h"
 #include "device.h"
 #include "host.h"
+#include "ipc.h"
 #include "mem.h"
 #include "npualloc.h"
 #include "stream.h"
@@ -21,6 +22,7 @@
 static void atfork_prepare(void)
 {
     caching_atfork_prepare();
+    ipc_atfork_prepare(); /* sharing: after the caches (its server takes a cache lock first) */
     stream_atfork_prepare();
     mem_atfork_prepare();
     vmm_atfork_prepare();
@@ -33,11 +35,20 @@ static void atfork_parent(void)
     vmm_atfork_parent();
     mem_atfork_parent();
     stream_atfork_parent();
+    ipc_atfork_parent();
     caching_atfork_parent();
 }
 
+/* Bumped when the runtime's objects go away (shutdown, fork child): handles and pointers of an
+ * older generation may be handed out again and must not be used. */
+static _Atomic uint64_t generation = 1;
+
+uint64_t npualloc_runtime_generation(void) { return atomic_load(&generation); }
+
 static void atfork_child(void)
 {
+    atomic_fetch_add(&generation, 1);
+    ipc_atfork_child(); /* sharing: no server, exports or imports in the child */
     stream_atfork_child();
     vmm_atfork_child();
     va_atfork_child();
@@ -84,6 +95,8 @@ void npualloc_vmm_counts_get(npualloc_vmm_counts *out)
 
 void npualloc_shutdown(void)
 {
+    atomic_fetch_add(&generation, 1); /* nothing of the old runtime is used while it shuts down */
+    ipc_shutdown(); /* sharing: first, it drops the pins other processes hold on cached blocks */
     caching_shutdown();
     stream_shutdown();
     vmm_shutdown();
@@ -91,4 +104,5 @@ void npualloc_shutdown(void)
     mem_shutdown();
     device_shutdown();
     atomic_store(&acl_session, false);
+    atomic_fetch_add(&generation, 1); /* nor anything made while it did */
 }

@@ -1734,3 +1734,19 @@ void stream_counts(size_t *streams, size_t *events)
         *events = event_table.live;
     pthread_mutex_unlock(&table_lock);
 }
+
+aclError npualloc_stream_query(aclrtStream stream, int32_t device, bool *done)
+{
+    if (!done)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    npu_stream *s;
+    rc = stream ? stream_acquire(stream, &s) : stream_acquire_default(device, &s);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    *done = stream_passed(s, stream_last_position(s));
+    stream_release(s);
+    return ACL_SUCCESS;
+}

@@ -5,6 +5,8 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -22,6 +24,11 @@ typedef struct phys_handle {
     size_t charged;     /* bytes charged to the device */
     host_memfile mem;
     uint32_t mappings;  /* live mappings; the memory is released when 0 and id == 0 */
+    /* cross-process sharing (ipc.c): */
+    uint64_t serial;    /* unique for the life of the process: never reused, unlike ids */
+    uint32_t refs;      /* imported handles: imports of the same value share it (refcount) */
+    bool shared;        /* exported or imported: vmm_share_released is told when users free it */
+    bool imported;      /* made by vmm_physical_adopt from another process's memory */
 } phys_handle;
 
 typedef struct region {
@@ -48,6 +55,10 @@ static struct {
     avl_tree mappings;
     size_t live_handles; /* including freed-but-mapped ones */
 } vmm = {.lock = PTHREAD_RWLOCK_INITIALIZER, .handles = {.tag = 'H'}};
+
+/* Cross-process sharing: handle serial numbers, and who to tell when shared memory is freed. */
+static _Atomic uint64_t next_serial = 1;
+void (*vmm_share_released)(uint64_t serial);
 
 /* ---- ordering ---- */
 
@@ -117,6 +128,8 @@ static aclError handle_create(int32_t device, mem_kind kind, size_t size, size_t
     h->kind = kind;
     h->size = size;
     h->mem.fd = -1;
+    h->serial = atomic_fetch_add(&next_serial, 1);
+    h->refs = 1;
     if (device >= 0) {
         aclError rc = device_charge(device, kind, charge);
         if (rc != ACL_SUCCESS) {
@@ -287,10 +300,20 @@ aclError aclrtFreePhysical(aclrtDrvMemHandle handle)
     if (rc != ACL_SUCCESS)
         return rc;
     pthread_rwlock_wrlock(&vmm.lock);
-    phys_handle *h = handle_table_remove(&vmm.handles, (uint64_t)(uintptr_t)handle);
-    bool release_now = false;
+    phys_handle *h = handle_table_get(&vmm.handles, (uint64_t)(uintptr_t)handle);
+    /* sharing: an imported handle imported n times in this process needs n frees */
+    if (h && h->refs > 1) {
+        h->refs--;
+        pthread_rwlock_unlock(&vmm.lock);
+        return ACL_SUCCESS;
+    }
+    h = handle_table_remove(&vmm.handles, (uint64_t)(uintptr_t)handle);
+    bool release_now = false, shared = false;
+    uint64_t serial = 0;
     if (h) {
         h->id = 0;
+        shared = h->shared;
+        serial = h->serial;
         release_now = h->mappings == 0;
         if (release_now)
             vmm.live_handles--;
@@ -298,6 +321,8 @@ aclError aclrtFreePhysical(aclrtDrvMemHandle handle)
     pthread_rwlock_unlock(&vmm.lock);
     if (!h)
         return ACL_ERROR_RT_INVALID_HANDLE;
+    if (shared && vmm_share_released) /* sharing: no new imports of this memory from now on */
+        vmm_share_released(serial);
     if (release_now)
         handle_destroy(h);
     return ACL_SUCCESS;
@@ -543,6 +568,8 @@ aclError vmm_free_malloc(void *ptr)
         return ACL_ERROR_INVALID_PARAM;
     }
     phys_handle *h = r->malloc_handle;
+    bool shared = h->shared; /* sharing: exported with an IPC key */
+    uint64_t serial = h->serial;
     avl_node *mn = avl_find(&vmm.mappings, &base, mapping_key_order);
     avl_remove(&vmm.mappings, mn);
     free(AVL_ENTRY(mn, mapping, node));
@@ -552,8 +579,139 @@ aclError vmm_free_malloc(void *ptr)
     va_free(r->base, r->size);
     pthread_rwlock_unlock(&vmm.lock);
     free(r);
+    if (shared && vmm_share_released)
+        vmm_share_released(serial);
     handle_destroy(h);
     return ACL_SUCCESS;
+}
+
+/* ---- cross-process sharing (used by ipc.c; see vmm.h) ---- */
+
+static void share_info_of(const phys_handle *h, vmm_share_info *info)
+{
+    if (!info)
+        return;
+    info->device = h->device;
+    info->kind = h->kind;
+    info->size = h->mem.size;
+    info->imported = h->imported;
+}
+
+aclError vmm_share_ref_handle(aclrtDrvMemHandle handle, vmm_share_ref *ref, vmm_share_info *info)
+{
+    pthread_rwlock_wrlock(&vmm.lock);
+    phys_handle *h = handle_table_get(&vmm.handles, (uint64_t)(uintptr_t)handle);
+    if (h) {
+        h->shared = true;
+        ref->handle_id = h->id;
+        ref->malloc_base = 0;
+        ref->serial = h->serial;
+        share_info_of(h, info);
+    }
+    pthread_rwlock_unlock(&vmm.lock);
+    return h ? ACL_SUCCESS : ACL_ERROR_RT_INVALID_HANDLE;
+}
+
+aclError vmm_share_ref_malloc(const void *base, vmm_share_ref *ref, vmm_share_info *info)
+{
+    uintptr_t b = (uintptr_t)base;
+    pthread_rwlock_wrlock(&vmm.lock);
+    avl_node *n = avl_find(&vmm.regions, &b, region_key_order);
+    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    phys_handle *h = r ? r->malloc_handle : NULL;
+    if (h) {
+        h->shared = true;
+        ref->handle_id = 0;
+        ref->malloc_base = b;
+        ref->serial = h->serial;
+        share_info_of(h, info);
+    }
+    pthread_rwlock_unlock(&vmm.lock);
+    return h ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM;
+}
+
+/* The handle a reference names while its owner has not freed it (read lock held). */
+static phys_handle *share_ref_resolve_locked(const vmm_share_ref *ref)
+{
+    phys_handle *h = NULL;
+    if (ref->handle_id) {
+        h = handle_table_get(&vmm.handles, ref->handle_id);
+    } else if (ref->malloc_base) {
+        avl_node *n = avl_find(&vmm.regions, &ref->malloc_base, region_key_order);
+        h = n ? AVL_ENTRY(n, region, node)->malloc_handle : NULL;
+    }
+    return h && h->serial == ref->serial ? h : NULL;
+}
+
+bool vmm_share_ref_live(const vmm_share_ref *ref)
+{
+    pthread_rwlock_rdlock(&vmm.lock);
+    bool live = share_ref_resolve_locked(ref) != NULL;
+    pthread_rwlock_unlock(&vmm.lock);
+    return live;
+}
+
+aclError vmm_share_dup_fd(const vmm_share_ref *ref, int *fd, vmm_share_info *info)
+{
+    pthread_rwlock_rdlock(&vmm.lock);
+    phys_handle *h = share_ref_resolve_locked(ref);
+    int err = 0;
+    if (h) {
+        err = host_memfile_dup_fd(&h->mem, fd);
+        share_info_of(h, info);
+    }
+    pthread_rwlock_unlock(&vmm.lock);
+    if (!h)
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    return err ? resource_error(err) : ACL_SUCCESS;
+}
+
+aclError vmm_physical_adopt(int32_t device, mem_kind kind, size_t size, int fd, aclrtDrvMemHandle *out,
+                            uint64_t *serial)
+{
+    phys_handle *h = calloc(1, sizeof *h);
+    if (!h) {
+        close(fd);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    h->device = device;
+    h->kind = kind;
+    h->size = size;
+    h->charged = 0; /* the exporter's device carries the memory */
+    h->serial = atomic_fetch_add(&next_serial, 1);
+    h->refs = 1;
+    h->shared = true;
+    h->imported = true;
+    int err = host_memfile_adopt(fd, size, &h->mem);
+    if (err) {
+        close(fd);
+        free(h);
+        return err == EINVAL ? ACL_ERROR_RT_IPC_ERROR : resource_error(err);
+    }
+    pthread_rwlock_wrlock(&vmm.lock);
+    h->id = handle_table_insert(&vmm.handles, h);
+    if (h->id)
+        vmm.live_handles++;
+    pthread_rwlock_unlock(&vmm.lock);
+    if (!h->id) {
+        handle_destroy(h);
+        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    }
+    *out = (aclrtDrvMemHandle)(uintptr_t)h->id;
+    if (serial)
+        *serial = h->serial;
+    return ACL_SUCCESS;
+}
+
+bool vmm_handle_retain(uint64_t handle_id, uint64_t serial)
+{
+    pthread_rwlock_wrlock(&vmm.lock);
+    phys_handle *h = handle_table_get(&vmm.handles, handle_id);
+    bool ok = h && h->serial == serial;
+    if (ok)
+        h->refs++;
+    pthread_rwlock_unlock(&vmm.lock);
+    return ok;
 }
 
 /* ---- validation for memory functions ---- */

@@ -57,6 +57,44 @@ void vmm_read_unlock(void);
  * receives the owning device (-1 for host-resident physical memory). */
 range_class vmm_classify_locked(const void *p, size_t n, int32_t *device);
 
+/* ---- cross-process sharing (ipc.c) ----
+ * A reference to shareable memory that is safe to resolve after the memory was freed: a user
+ * handle (by its id) or aclrtMalloc memory (by its base address), each checked against the
+ * handle's serial number, which is never reused in the life of the process.  Taking a
+ * reference marks the handle shared: when its user frees it (aclrtFreePhysical, aclrtFree),
+ * vmm_share_released(serial) is called (without any vmm lock held), so the exporter stops
+ * handing it out.  An imported handle is reference counted: each aclrtFreePhysical drops one
+ * reference and only the last frees it. */
+typedef struct vmm_share_ref {
+    uint64_t handle_id;   /* a user handle, or 0 */
+    uintptr_t malloc_base; /* aclrtMalloc memory, or 0 */
+    uint64_t serial;
+} vmm_share_ref;
+
+typedef struct vmm_share_info {
+    int32_t device;  /* -1: host memory */
+    mem_kind kind;
+    size_t size;     /* bytes of the memory file (what an importer maps) */
+    bool imported;   /* the handle itself came from another process */
+} vmm_share_info;
+
+extern void (*vmm_share_released)(uint64_t serial);
+/* References a live user handle (ACL_ERROR_RT_INVALID_HANDLE if not live). */
+aclError vmm_share_ref_handle(aclrtDrvMemHandle handle, vmm_share_ref *ref, vmm_share_info *info);
+/* References the aclrtMalloc memory that starts at `base` (ACL_ERROR_INVALID_PARAM otherwise). */
+aclError vmm_share_ref_malloc(const void *base, vmm_share_ref *ref, vmm_share_info *info);
+/* True while the reference's owner has not freed it. */
+bool vmm_share_ref_live(const vmm_share_ref *ref);
+/* A new descriptor (close-on-exec) for the memory of a reference its owner still holds;
+ * ACL_ERROR_RT_INVALID_HANDLE once the owner freed it. */
+aclError vmm_share_dup_fd(const vmm_share_ref *ref, int *fd, vmm_share_info *info);
+/* A user handle for memory received from another process (takes `fd` in every case).  It is
+ * charged to no device (the exporter's device carries it) and belongs to `device`. */
+aclError vmm_physical_adopt(int32_t device, mem_kind kind, size_t size, int fd, aclrtDrvMemHandle *out,
+                            uint64_t *serial);
+/* Adds a reference to a live handle with that serial (a repeated import); false if gone. */
+bool vmm_handle_retain(uint64_t handle_id, uint64_t serial);
+
 /* Counters for tests and leak checks. */
 void vmm_counts(size_t *handles, size_t *regions, size_t *mappings);
 

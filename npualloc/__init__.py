@@ -51,3 +51,18 @@ def _sleep(seconds, stream=None):
     """
     return _C.sleep(seconds, 0 if stream is None else stream)
 
+
+# ---- the torch_npu-like memory API (npualloc.memory, npualloc.streams) ----
+from . import memory  # noqa: E402
+from . import streams  # noqa: E402
+from .memory import *  # noqa: E402,F401,F403
+from .streams import Event, Stream, current_stream, default_stream, set_stream, stream  # noqa: E402,F401
+
+__all__ += memory.__all__ + ["memory", "streams", "Stream", "Event", "stream", "set_stream", "current_stream",
+                             "default_stream"]
+
+# ---- cross-process sharing of caching-allocator blocks (npualloc.sharing, docs/sharing.md) ----
+from . import sharing  # noqa: E402
+from .sharing import SharedBlock, close_shared, open_shared, share  # noqa: E402,F401
+
+__all__ += ["sharing", "SharedBlock", "share", "open_shared", "close_shared"]

@@ -1,29 +1,380 @@
-"""Command line: ``python -m npualloc demo``."""
+"""Command line: the allocator lab.
+
+    python -m npualloc demo [--out DIR] [--size tiny|small|default] [--traces DIR]
+    python -m npualloc replay TRACE [TRACE ...] [--conf SETTINGS ...] [--device-memory 80GiB]
+                              [--rounding npu|cuda] [--fraction F] [--huge1g-memory SIZE]
+                              [--on-oom continue|stop] [--device N]
+                              [--json FILE] [--plot FILE.png] [--progress] [--export-events FILE]
+
+``replay`` prints one row per configuration (peak allocated, peak reserved, fragmentation, device allocations,
+retries, OOMs, replay speed) under a row with the recorded run's own reservations.  A missing, unreadable or
+malformed trace is reported on one line (exit status 2).
+
+``demo`` (what ``make demo`` runs) generates a transformer training trace with npualloc's workload model,
+replays it under a set of allocator settings, prints the comparison, writes a timeline plot and the trace as a
+snapshot pickle, and does the same for the PyTorch traces in ../shared/traces/ when they are there.
+"""
 import argparse
+import json
+import os
 import sys
+import time
+from pathlib import Path
+
+PROG = "python -m npualloc"
+GiB = 1 << 30
 
 
-def demo(args):
-    """A short tour of the virtual NPU runtime."""
-    from . import acl
+class CliError(Exception):
+    """A user error: printed on one line, exit status 2."""
 
-    count, _ = acl.rt.get_device_count()
-    print(f"virtual NPU server: {count} devices")
-    acl.rt.set_device(0)
-    ptr, ret = acl.rt.malloc(64 << 20, 0)
-    print(f"acl.rt.malloc(64 MiB) -> {ptr:#x}, ret={ret}")
-    print(f"acl.rt.free -> ret={acl.rt.free(ptr)}")
-    ret = acl.rt.free(ptr)
-    print(f"acl.rt.free again -> ret={ret} (ACL_ERROR_RT_MEMORY_FREE)")
+
+# ---------------------------------------------------------------------------------------------------------------
+# progress
+
+
+class _Progress:
+    """A one-line progress bar on stderr (only drawn when enabled)."""
+
+    def __init__(self, enabled, label=""):
+        self.enabled = enabled
+        self.label = label
+        self.last = -1
+        self.drawn = False
+
+    def __call__(self, done, total):
+        if not self.enabled or total <= 0:
+            return
+        pct = int(100 * done / total)
+        if pct == self.last:
+            return
+        self.last = pct
+        width = 30
+        fill = width * done // total
+        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {pct:3d}%")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def close(self):
+        if self.drawn:
+            sys.stderr.write("\r" + " " * (len(self.label) + 40) + "\r")
+            sys.stderr.flush()
+            self.drawn = False
+        self.last = -1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shared pieces
+
+
+def _load(path):
+    from . import replay as rp
+
+    try:
+        return rp.Trace.load(path)
+    except rp.TraceError as e:
+        raise CliError(str(e)) from None
+
+
+def _replay_settings(confs, fraction, huge1g_memory=None):
+    from . import replay as rp
+
+    out = []
+    for c in confs:
+        text = "" if c is None or c.strip().lower() in ("", "default") else c
+        out.append(rp.Setting(text, fraction=fraction, huge1g_memory=huge1g_memory))
+    return out
+
+
+def _run_settings(trace, settings, device_memory, rounding, on_oom, device, progress_enabled):
+    """Replays every setting on every device of the trace; returns the results (a Comparison)."""
+    from . import replay as rp
+
+    devices = sorted(trace.devices) if device is None else [device]
+    results = []
+    for dev in devices:
+        if dev not in trace.devices:
+            raise CliError(f"{trace.name}: no events on device {dev} (devices: {sorted(trace.devices)})")
+        n = len(trace.devices[dev])
+        long_trace = n * len(settings) >= 200_000
+        for i, s in enumerate(settings):
+            show = progress_enabled is True or (progress_enabled is None and long_trace and sys.stderr.isatty())
+            bar = _Progress(show, f"{trace.name} dev {dev} [{i + 1}/{len(settings)}] {s.label[:30]}")
+            try:
+                results.extend(rp.compare(trace, [s], device_memory=device_memory, rounding=rounding,
+                                          on_oom=on_oom, device=dev, progress=bar))
+            except ValueError as e:
+                raise CliError(f"setting {s.conf!r}: {e}") from None
+            finally:
+                bar.close()
+    return rp.Comparison(results)
+
+
+def _plot(groups, path):
+    """Writes one PNG: a panel per (trace, device) group of results."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CliError("the timeline plot needs matplotlib (pip install matplotlib)") from None
+    from . import replay as rp
+
+    fig = Figure(figsize=(13, 4.2 * len(groups)))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
+    for ax, results in zip(axes, groups):
+        rp.plot_timeline(results, ax=ax)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise CliError(f"{path}: cannot write the plot ({e.strerror or e})") from None
+
+
+def _groups(comparison):
+    out, keys = [], {}
+    for r in comparison:
+        key = (r.trace, r.device)
+        if key not in keys:
+            keys[key] = len(out)
+            out.append([])
+        out[keys[key]].append(r)
+    return out
+
+
+def _write_json(path, payload):
+    try:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+    except OSError as e:
+        raise CliError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def _parse_memory(text, option="--device-memory", allow_zero=False):
+    from . import _C
+
+    try:
+        n = _C.parse_size(text)
+    except ValueError as e:
+        raise CliError(f"{option}: {e}") from None
+    if n <= 0 and not allow_zero:
+        raise CliError(f"{option} must be more than 0 bytes")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# replay
+
+
+def cmd_replay(args):
+    from . import replay as rp
+
+    device_memory = _parse_memory(args.device_memory)
+    if args.fraction is not None and not 0.0 < args.fraction <= 1.0:
+        raise CliError(f"--fraction must be in (0, 1], got {args.fraction}")
+    traces = [_load(p) for p in args.trace]
+    if args.export_events:
+        if len(traces) != 1:
+            raise CliError("--export-events takes a single trace")
+        try:
+            n = rp.export_events(traces[0], args.export_events, device=args.device)
+        except (ValueError, OSError) as e:
+            raise CliError(str(e)) from None
+        print(f"wrote {n} events of {traces[0].name} to {args.export_events}")
+        return 0
+    huge1g = None
+    if args.huge1g_memory is not None:
+        huge1g = _parse_memory(args.huge1g_memory, "--huge1g-memory", allow_zero=True)
+        if huge1g % GiB or huge1g > device_memory:
+            raise CliError("--huge1g-memory must be a multiple of 1 GiB and at most --device-memory")
+    settings = _replay_settings(args.conf or [""], args.fraction, huge1g)
+    all_results = []
+    for tr in traces:
+        comp = _run_settings(tr, settings, device_memory, args.rounding, args.on_oom, args.device,
+                             True if args.progress else None)
+        all_results.extend(comp)
+        print(comp.format())
+        print()
+    comp = rp.Comparison(all_results)
+    if args.json:
+        _write_json(args.json, comp.to_dict())
+        print(f"results: {args.json}")
+    if args.plot:
+        _plot(_groups(comp), args.plot)
+        print(f"timeline plot: {args.plot}")
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# demo
+
+
+def demo_settings(device_memory):
+    """The settings the demo compares (expandable segments are marked "not available" if this build lacks
+    them; page_size:1g gets a pool of 1 GiB pages of 3/4 of the device)."""
+    from .replay import Setting
+
+    pool = device_memory * 3 // 4 // GiB * GiB
+    return [
+        Setting("", label="default"),
+        Setting("max_split_size_mb:128"),
+        Setting("garbage_collection_threshold:0.8", fraction=0.9,
+                label="garbage_collection_threshold:0.8 +fraction 0.9"),
+        Setting("expandable_segments:True"),
+        Setting("page_size:1g", huge1g_memory=pool, label=f"page_size:1g ({pool // GiB} GiB pool)"),
+    ]
+
+
+def _default_traces_dir():
+    here = Path(__file__).resolve().parent.parent  # the project (npualloc/..)
+    for cand in (Path.cwd().parent / "shared" / "traces", here.parent / "shared" / "traces"):
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def _safe_name(name):
+    stem = name[:-7] if name.endswith(".pickle") else name
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)
+
+
+def cmd_demo(args):
+    import pickle
+
+    from . import replay as rp
+    from . import workload
+
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
+    gen_memory = _parse_memory(args.device_memory)
+    print("npualloc allocator lab: which PYTORCH_NPU_ALLOC_CONF wastes the least memory on a workload?")
+    print(f"Each setting replays the same trace through npualloc's caching allocator (torch_npu's algorithm) on a "
+          f"simulated device;\nfragmentation = 1 - peak active / peak reserved (GMLake).\n")
+
+    # 1. the built-in workload
+    snap = workload.transformer_trace(args.size, seed=args.seed)
+    info = snap["npualloc_workload"]
+    trace_path = out / "transformer-trace.pickle"
+    with open(trace_path, "wb") as f:
+        pickle.dump(snap, f, protocol=4)
+    print(f"Workload model: transformer training loop ({info['layers']} layers, hidden {info['hidden']}, "
+          f"batch {info['batch']}, sequence lengths {'/'.join(map(str, info['seq_choices']))}, {info['steps']} steps, "
+          f"seed {args.seed}; gradient buckets on a second stream), recorded from step {info['record_from_step']}: "
+          f"{info['recorded_events']} of {info['events']} events.")
+    trace = rp.Trace(snap, name="transformer-trace.pickle")
+    settings = demo_settings(gen_memory)
+    comp = _run_settings(trace, settings, gen_memory, "npu", "continue", None, None)
+    print()
+    print(comp.format())
+    print()
+    plots, all_results = [], list(comp)
+    plot_ok = _demo_plot(comp, out / "timeline-transformer.png", plots)
+
+    # 2. the PyTorch traces
+    if args.traces and not args.no_traces and not Path(args.traces).is_dir():
+        raise CliError(f"--traces {args.traces}: not a directory")
+    traces_dir = None if args.no_traces else (Path(args.traces) if args.traces else _default_traces_dir())
+    if traces_dir is not None:
+        files = sorted(traces_dir.glob("*.pickle"))
+        shared_memory = _parse_memory(args.traces_device_memory, "--traces-device-memory")
+        shared_settings = [rp.Setting("", label="default (cuda rounding)", rounding="cuda")] + \
+            demo_settings(shared_memory)
+        print(f"PyTorch CUDA traces in {traces_dir} ({len(files)}): replayed with CUDA rounding (the allocator that "
+              f"recorded them) and NPU rounding (+32 bytes), {rp.format_size(shared_memory)} device.\n")
+        for p in files:
+            try:
+                tr = rp.Trace.load(p)
+            except rp.TraceError as e:
+                print(f"skipped: {e}\n")
+                continue
+            c = _run_settings(tr, shared_settings, shared_memory, "npu", "continue", None, None)
+            all_results.extend(c)
+            print(c.format())
+            print()
+            if plot_ok:
+                _demo_plot(c, out / f"timeline-{_safe_name(p.name)}.png", plots)
+    _write_json(out / "results.json", rp.Comparison(all_results).to_dict())
+    print(f"Wrote to {out}/:")
+    print(f"  {trace_path.name:<40} the generated trace (a PyTorch-format memory snapshot pickle)")
+    for p in plots:
+        print(f"  {p.name:<40} allocated vs reserved over time, per setting")
+    print(f"  {'results.json':<40} every result (npualloc.replay's to_dict())")
+    print(f"Replay a trace yourself: {PROG} replay {trace_path} --conf expandable_segments:True --plot timeline.png")
+    print(f"(demo took {time.perf_counter() - t_start:.1f} s)")
+    return 0
+
+
+def _demo_plot(comp, path, plots):
+    try:
+        _plot(_groups(comp), path)
+    except CliError as e:
+        print(f"no plot: {e}")
+        return False
+    plots.append(path)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage errors: one line, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m npualloc")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the demo").set_defaults(func=demo)
+    parser = _Parser(prog=PROG, description="npualloc: the allocator lab.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="generate a workload trace, compare allocator settings, plot (make demo)")
+    d.add_argument("--out", default="npualloc-demo-out", help="output directory (default: ./npualloc-demo-out)")
+    d.add_argument("--size", default="default", choices=["tiny", "small", "default"],
+                   help="size of the generated workload (default: default, ~15k events)")
+    d.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    d.add_argument("--device-memory", default="8GiB", help="simulated device for the generated workload (8GiB)")
+    d.add_argument("--traces", default=None, help="directory of PyTorch snapshot pickles (default: ../shared/traces)")
+    d.add_argument("--traces-device-memory", default="80GiB", help="simulated device for those traces (80GiB)")
+    d.add_argument("--no-traces", action="store_true", help="do not replay the PyTorch traces")
+    d.set_defaults(func=cmd_demo)
+
+    r = sub.add_parser("replay", help="replay memory-snapshot traces under allocator settings")
+    r.add_argument("trace", nargs="+", help="snapshot pickle (torch/npualloc _dump_snapshot output)")
+    r.add_argument("--conf", action="append", metavar="SETTINGS",
+                   help="a PYTORCH_NPU_ALLOC_CONF to compare (repeatable; '' or 'default' = the defaults)")
+    r.add_argument("--device-memory", default="80GiB", help="simulated device capacity (default 80GiB)")
+    r.add_argument("--rounding", default="npu", choices=["npu", "cuda"],
+                   help="npu: torch_npu's +32-byte pad; cuda: torch's CUDA rounding (default npu)")
+    r.add_argument("--huge1g-memory", default=None, metavar="SIZE",
+                   help="the device's pool of 1 GiB pages for page_size:1g (default: 3/4 of the device)")
+    r.add_argument("--fraction", type=float, default=None, help="per-process memory fraction for every setting")
+    r.add_argument("--on-oom", default="continue", choices=["continue", "stop"], help="on an OOM (default continue)")
+    r.add_argument("--device", type=int, default=None, help="replay one device's events (default: all)")
+    r.add_argument("--json", metavar="FILE", help="write every result as JSON")
+    r.add_argument("--plot", metavar="FILE.png", help="write the allocated/reserved timeline (needs matplotlib)")
+    r.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a tty")
+    r.add_argument("--export-events", metavar="FILE",
+                   help="write the replay events as a binary file for benchmarks/bench_replay.c, and stop")
+    r.set_defaults(func=cmd_replay)
+
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except CliError as e:
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
 
 
 if __name__ == "__main__":

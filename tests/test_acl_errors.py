@@ -56,11 +56,20 @@ SIGNATURES = {
     "subscribe_report": ["thread_id", "stream"],
     "unsubscribe_report": ["thread_id", "stream"],
     "process_report": ["timeout"],
+    # cross-process sharing (csrc/python/ipc_py.c; "key" is a str and "pid_list" a list)
+    "mem_export_to_shareable_handle": ["handle", "handle_type", "flags"],
+    "mem_set_pid_to_shareable_handle": ["shareable_handle", "pid_list"],
+    "mem_import_from_shareable_handle": ["shareable_handle", "device_id"],
+    "device_get_bare_tgid": [],
+    "ipc_mem_get_export_key": ["dev_ptr", "size", "len", "flags"],
+    "ipc_mem_set_import_pid": ["key", "pid_list"],
+    "ipc_mem_import_by_key": ["key", "flags"],
+    "ipc_mem_close": ["key"],
 }
 
 
 def valid_value(argname):
-    return {"prop": PROP, "fn": CALLBACK, "data": None}.get(argname, 0)
+    return {"prop": PROP, "fn": CALLBACK, "data": None, "key": "", "pid_list": [1]}.get(argname, 0)
 
 
 def test_every_acl_rt_function_is_covered():
@@ -69,7 +78,7 @@ def test_every_acl_rt_function_is_covered():
 
 
 INT_ARGS = [(name, i, arg) for name, args in SIGNATURES.items() for i, arg in enumerate(args)
-            if arg not in ("prop", "fn", "data")]
+            if arg not in ("prop", "fn", "data", "key", "pid_list")]
 
 
 @pytest.mark.usefixtures("npu")

@@ -215,6 +215,17 @@ aclError aclrtReleaseMemAddress(void *virPtr);
 aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags);
 aclError aclrtUnmapMem(void *virPtr);
 
+/* ---- cross-process sharing (ipc.c; design in ipc.h, user's view in docs/sharing.md) ---- */
+aclError aclrtMemExportToShareableHandle(aclrtDrvMemHandle handle, aclrtMemHandleType handleType, uint64_t flags,
+                                         uint64_t *shareableHandle);
+aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t deviceId, aclrtDrvMemHandle *handle);
+aclError aclrtMemSetPidToShareableHandle(uint64_t shareableHandle, int32_t *pid, size_t pidNum);
+aclError aclrtDeviceGetBareTgid(int32_t *pid);
+aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key, size_t len, uint64_t flags);
+aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags);
+aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_t num);
+aclError aclrtIpcMemClose(const char *key);
+
 /* ---- streams and events ---- */
 aclError aclrtCreateStream(aclrtStream *stream);
 aclError aclrtDestroyStream(aclrtStream stream);

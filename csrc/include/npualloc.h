@@ -287,6 +287,29 @@ void npualloc_vmm_counts_get(npualloc_vmm_counts *out);
 /* Releases every resource (memory, streams, events) and stops the devices; the next call
  * starts them again.  Tests use it before checking for leaks. */
 void npualloc_shutdown(void);
+/* Changes whenever the runtime's objects go away (npualloc_shutdown, a fork child): handles
+ * and pointers remembered from an older generation may name someone else's object now. */
+uint64_t npualloc_runtime_generation(void);
+
+/* True once everything queued so far on the stream has run (stream 0: `device`'s default
+ * stream). */
+aclError npualloc_stream_query(aclrtStream stream, int32_t device, bool *done);
+
+/* The caching allocator's settings in effect (what _snapshot() reports as allocator_settings). */
+typedef struct npualloc_allocator_settings {
+    size_t max_split_size; /* SIZE_MAX: unlimited */
+    size_t max_non_split_rounding_size;
+    double garbage_collection_threshold;
+    bool expandable_segments;
+    size_t roundup_power2_divisions[16];
+    size_t base_addr_aligned_size;
+    bool page_size_1g;
+    size_t large_segment_size;
+    bool release_lock_on_npumalloc;
+    bool throw_on_npumalloc_oom;
+    bool multi_stream_lazy_reclaim;
+} npualloc_allocator_settings;
+aclError npualloc_cache_get_settings(npualloc_allocator_settings *out);
 
 #ifdef __cplusplus
 }

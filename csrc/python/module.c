@@ -3,6 +3,7 @@
  * functions.  The faces (acl.rt, the torch-like memory API) live in their own files.
  */
 #include "binding.h"
+#include "memory_py.h"
 #include "npualloc.h"
 #include "pyarg.h"
 
@@ -167,5 +168,8 @@ PyMODINIT_FUNC PyInit__C(void)
         Py_DECREF(m);
         return NULL;
     }
+    if (memory_py_attach(m) != 0) { Py_DECREF(m); return NULL; } /* the torch_npu-like memory face: _C.memory */
+    { extern int replay_py_attach(PyObject *); if (replay_py_attach(m) != 0) { Py_DECREF(m); return NULL; } } /* trace replay: _C.replay */
+    { extern int ipc_py_attach(PyObject *); if (ipc_py_attach(m) != 0) { Py_DECREF(m); return NULL; } } /* cross-process sharing: acl.rt ipc functions, _C.ipc */
     return m;
 }

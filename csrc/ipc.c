@@ -1,0 +1,1919 @@
+/*
+ * ipc.c - cross-process sharing of device memory (see ipc.h for the design, the wire format
+ * and the error codes).
+ *
+ * Sections: helpers; the export table (exporter side); the server thread; the importing side
+ * (connections, the import table); the aclrt* functions; IPC keys; caching-allocator shares;
+ * lifetime (fork, shutdown).
+ */
+#include "ipc.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "caching.h"
+#include "common.h"
+#include "device.h"
+#include "host.h"
+#include "va_space.h"
+#include "vmm.h"
+
+#define MAX_PIDS_PER_EXPORT 65536
+#define MAX_CLIENTS 4096
+#define MAX_FOREIGN_CLIENTS 64 /* connections of users not accepted (they only get refusals) */
+#define MAX_CLIENT_FAILURES 16
+#define MAX_SHARE_PAGES (1u << 20)
+#define SEALS (F_SEAL_SHRINK | F_SEAL_GROW)
+
+/* ---- state ---- */
+
+typedef struct pid_grant {
+    int32_t pid;
+    uint64_t start; /* the process's start time (clock ticks since boot) when granted */
+} pid_grant;
+
+/* Something this process exports: a shareable-handle value or an IPC key. */
+typedef struct export_entry {
+    struct export_entry *next;
+    bool is_key;
+    uint64_t value;    /* values */
+    uint8_t token[16]; /* keys */
+    char key[IPC_KEY_LEN];
+    vmm_share_ref ref;
+    vmm_share_info info;
+    uint64_t flags;      /* ..._DISABLE_PID_VALIDATION */
+    bool user;           /* exported through the API (one export per handle) */
+    bool gone;           /* the owner freed the memory (kept while share records list it) */
+    uint32_t share_refs; /* share records listing it */
+    pid_grant *pids;
+    size_t pid_count, pid_cap;
+} export_entry;
+
+/* A handle this process imported (one per exported memory and device). */
+typedef struct import_entry {
+    struct import_entry *next;
+    bool is_key;
+    uint64_t value;
+    uint8_t token[16];
+    int32_t exporter; /* keys: the exporter's pid (tokens are the exporter's) */
+    int32_t device;   /* the device it was imported for */
+    uint64_t handle_id, serial;
+    size_t size;
+    bool pending; /* a thread is importing it: others wait */
+} import_entry;
+
+/* An IPC key mapped by aclrtIpcMemImportByKey. */
+typedef struct key_import {
+    struct key_import *next;
+    char key[IPC_KEY_LEN];
+    int32_t device;
+    void *ptr;
+    uint64_t handle_id;
+    uint32_t refs;
+} key_import;
+
+/* A connection to an exporter kept while blocks of it are open here. */
+typedef struct session {
+    struct session *next;
+    int32_t pid;
+    uint32_t secret;
+    int fd;
+    uint32_t refs;
+    pthread_mutex_t lock; /* one request at a time */
+} session;
+
+/* A caching-allocator block shared by npualloc.share (owner side). */
+typedef struct share_record {
+    struct share_record *next;
+    uint8_t token[16];
+    int32_t device;
+    cache_block *block;
+    bool alive; /* the owner has not freed the block */
+    uint32_t pins;
+    char kind;  /* 'c': plain segment, 'e': expandable pages */
+    uint64_t offset, size, page_size;
+    size_t count;
+    export_entry **entries;
+} share_record;
+
+/* A block opened by npualloc.open_shared (importer side). */
+typedef struct open_share {
+    struct open_share *next;
+    uint8_t token[16];
+    int32_t exporter;
+    int32_t device;
+    session *s;
+    void *base; /* the reserved range */
+    void *ptr;  /* base + offset */
+    size_t count, page_size;
+    uint64_t *handles;
+    uint32_t refs;
+} open_share;
+
+/* A connection accepted by the server (server thread only). */
+typedef struct client_pin {
+    share_record *rec;
+    uint32_t n;
+} client_pin;
+
+typedef struct client {
+    int fd;
+    int32_t pid;   /* SO_PEERCRED: the kernel's word, fixed at connect time */
+    uint32_t uid;
+    uint64_t start; /* its start time, read when a whitelist is checked (0: not yet) */
+    bool uid_ok;
+    uint32_t failures;
+    client_pin *pins;
+    size_t pin_count, pin_cap;
+} client;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t cond; /* a pending import finished */
+    int32_t pid;
+    bool server_running;
+    uint32_t secret;
+    int listen_fd, wake_fd;
+    pthread_t thread;
+    export_entry *exports;
+    import_entry *imports;
+    key_import *key_imports;
+    session *sessions;
+    share_record *shares;
+    open_share *opens;
+    _Atomic size_t client_count, pin_count;
+} ipc = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER, .listen_fd = -1, .wake_fd = -1};
+
+/* Server-thread state (and ipc_shutdown's, after the thread is joined). */
+static client *clients;
+static size_t nclients, clients_cap;
+
+/* ---- helpers ---- */
+
+static int32_t self_pid(void)
+{
+    if (!ipc.pid)
+        ipc.pid = (int32_t)getpid();
+    return ipc.pid;
+}
+
+static void random_bytes(void *buf, size_t n)
+{
+    uint8_t *p = buf;
+    while (n) {
+        ssize_t got = getrandom(p, n, 0);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            /* no getrandom: the clock is a poor substitute, but never fails */
+            uint64_t t = host_now_ns() ^ ((uint64_t)getpid() << 32);
+            got = (ssize_t)(n < sizeof t ? n : sizeof t);
+            memcpy(p, &t, (size_t)got);
+        }
+        p += got;
+        n -= (size_t)got;
+    }
+}
+
+static uint64_t clock_ticks(void)
+{
+    static long hz;
+    if (!hz)
+        hz = sysconf(_SC_CLK_TCK);
+    return hz > 0 ? (uint64_t)hz : 100;
+}
+
+/* A process's start time in clock ticks since boot (/proc/<pid>/stat field 22), or 0. */
+static uint64_t proc_start(int32_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')'); /* the command name may contain spaces and parentheses */
+    if (!p)
+        return 0;
+    p++; /* at the space before field 3 */
+    for (int field = 3; field < 22 && p; field++) /* then before field `field + 1` */
+        p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static uint64_t boot_ticks_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_BOOTTIME, &ts);
+    return (uint64_t)ts.tv_sec * clock_ticks() + (uint64_t)ts.tv_nsec * clock_ticks() / 1000000000u;
+}
+
+/* The users whose processes may import from this one, and this one from theirs. */
+static bool uid_allowed(uint32_t uid)
+{
+    if (uid == (uint32_t)geteuid())
+        return true;
+    const char *list = getenv("NPUALLOC_IPC_ALLOW_UIDS");
+    while (list && *list) {
+        char *end;
+        unsigned long v = strtoul(list, &end, 10);
+        if (end != list && v == uid)
+            return true;
+        list = *end ? end + 1 : end;
+    }
+    return false;
+}
+
+static int timeout_ms(void)
+{
+    const char *env = getenv("NPUALLOC_IPC_TIMEOUT_MS");
+    long v = env ? strtol(env, NULL, 10) : 0;
+    return v > 0 && v < 3600000 ? (int)v : 10000;
+}
+
+int ipc_server_name(int32_t pid, uint32_t secret, char *buf, size_t len)
+{
+    return snprintf(buf, len, "npualloc-ipc-%d-%03x", (int)pid, (unsigned)secret);
+}
+
+static socklen_t make_addr(int32_t pid, uint32_t secret, struct sockaddr_un *a)
+{
+    memset(a, 0, sizeof *a);
+    a->sun_family = AF_UNIX;
+    int n = ipc_server_name(pid, secret, a->sun_path + 1, sizeof a->sun_path - 1);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
+}
+
+static uint64_t make_value(int32_t pid, uint32_t secret, int32_t device, uint32_t token24)
+{
+    return (uint64_t)(uint32_t)pid | ((uint64_t)secret << IPC_VALUE_SECRET_SHIFT) |
+           ((uint64_t)(uint8_t)device << IPC_VALUE_DEVICE_SHIFT) | ((uint64_t)token24 << IPC_VALUE_TOKEN_SHIFT);
+}
+
+static void hex16(const uint8_t t[16], char out[33])
+{
+    for (int i = 0; i < 16; i++)
+        snprintf(out + 2 * i, 3, "%02x", t[i]);
+}
+
+static bool unhex16(const char *s, uint8_t t[16])
+{
+    for (int i = 0; i < 16; i++) {
+        unsigned v = 0;
+        for (int j = 0; j < 2; j++) {
+            char c = s[2 * i + j];
+            v <<= 4;
+            if (c >= '0' && c <= '9')
+                v |= (unsigned)(c - '0');
+            else if (c >= 'a' && c <= 'f')
+                v |= (unsigned)(c - 'a' + 10);
+            else
+                return false;
+        }
+        t[i] = (uint8_t)v;
+    }
+    return true;
+}
+
+static void make_key(int32_t pid, uint32_t secret, int32_t device, const uint8_t token[16], char key[IPC_KEY_LEN])
+{
+    char hex[33];
+    hex16(token, hex);
+    snprintf(key, IPC_KEY_LEN, "npualloc-k1-%d-%03x-%d-%s", (int)pid, (unsigned)secret, (int)device, hex);
+}
+
+/* Parses a key strictly; false for anything not made by make_key. */
+static bool parse_key(const char *key, int32_t *pid, uint32_t *secret, int32_t *device, uint8_t token[16])
+{
+    if (strnlen(key, IPC_KEY_LEN) >= IPC_KEY_LEN || strncmp(key, "npualloc-k1-", 12) != 0)
+        return false;
+    const char *p = key + 12;
+    char *end;
+    errno = 0;
+    long v = strtol(p, &end, 10);
+    if (end == p || *end != '-' || v <= 0 || v >= (1L << IPC_VALUE_PID_BITS) || errno)
+        return false;
+    *pid = (int32_t)v;
+    p = end + 1;
+    unsigned long s = strtoul(p, &end, 16);
+    if (end != p + 3 || *end != '-' || s >= (1u << IPC_VALUE_SECRET_BITS))
+        return false;
+    *secret = (uint32_t)s;
+    p = end + 1;
+    long d = strtol(p, &end, 10);
+    if (end == p || *end != '-' || d < 0 || d > 255)
+        return false;
+    *device = (int32_t)d;
+    p = end + 1;
+    if (strlen(p) != 32 || !unhex16(p, token))
+        return false;
+    char again[IPC_KEY_LEN]; /* canonical form only (no leading zeros, signs or spaces) */
+    make_key(*pid, *secret, *device, token, again);
+    return strcmp(again, key) == 0;
+}
+
+/* ---- the export table (ipc.lock held) ---- */
+
+static export_entry *export_by_serial(uint64_t serial)
+{
+    for (export_entry *e = ipc.exports; e; e = e->next)
+        if (e->ref.serial == serial && !e->gone)
+            return e;
+    return NULL;
+}
+
+static export_entry *export_by_value(uint64_t value)
+{
+    for (export_entry *e = ipc.exports; e; e = e->next)
+        if (!e->is_key && e->value == value)
+            return e;
+    return NULL;
+}
+
+static export_entry *export_by_token(const uint8_t token[16], int32_t device)
+{
+    for (export_entry *e = ipc.exports; e; e = e->next)
+        if (e->is_key && memcmp(e->token, token, 16) == 0 && e->info.device == device)
+            return e;
+    return NULL;
+}
+
+static void export_remove(export_entry *e)
+{
+    for (export_entry **link = &ipc.exports; *link; link = &(*link)->next) {
+        if (*link == e) {
+            *link = e->next;
+            break;
+        }
+    }
+    free(e->pids);
+    free(e);
+}
+
+/* Releases an export no longer wanted by its user or its last share record. */
+static void export_maybe_remove(export_entry *e)
+{
+    if (e->share_refs == 0 && (!e->user || e->gone))
+        export_remove(e);
+}
+
+/* Starts the server if needed (ipc.lock held). */
+static aclError ensure_server_locked(void);
+
+/* Creates the export of a referenced handle or allocation (ipc.lock held). */
+static aclError export_create(const vmm_share_ref *ref, const vmm_share_info *info, bool is_key, bool user,
+                              uint64_t flags, export_entry **out)
+{
+    aclError rc = ensure_server_locked();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    export_entry *e = calloc(1, sizeof *e);
+    if (!e)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    e->is_key = is_key;
+    e->ref = *ref;
+    e->info = *info;
+    e->flags = flags;
+    e->user = user;
+    if (is_key) {
+        do
+            random_bytes(e->token, sizeof e->token);
+        while (export_by_token(e->token, info->device));
+        make_key(self_pid(), ipc.secret, info->device, e->token, e->key);
+    } else {
+        do {
+            uint32_t t = 0;
+            random_bytes(&t, 3);
+            e->value = make_value(self_pid(), ipc.secret, info->device, t & 0xFFFFFF);
+        } while (e->value >> IPC_VALUE_TOKEN_SHIFT == 0 || export_by_value(e->value));
+    }
+    e->next = ipc.exports;
+    ipc.exports = e;
+    /* The owner may have freed it while we were not holding the lock: the release hook
+     * either already ran (then drop it here) or waits for the lock (then it drops it). */
+    if (!vmm_share_ref_live(ref)) {
+        export_remove(e);
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    *out = e;
+    return ACL_SUCCESS;
+}
+
+static bool whitelisted(const export_entry *e, client *c)
+{
+    if (c->start == 0)
+        c->start = proc_start(c->pid); /* read once, when first needed */
+    if (c->start == 0)
+        return false;
+    for (size_t i = 0; i < e->pid_count; i++)
+        if (e->pids[i].pid == c->pid && c->start <= e->pids[i].start)
+            return true;
+    return false;
+}
+
+static aclError add_pids(export_entry *e, const int32_t *pids, size_t n)
+{
+    if (e->pid_count + n > MAX_PIDS_PER_EXPORT)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    if (e->pid_count + n > e->pid_cap) {
+        size_t cap = e->pid_cap ? e->pid_cap : 8;
+        while (cap < e->pid_count + n)
+            cap *= 2;
+        pid_grant *grown = realloc(e->pids, cap * sizeof *grown);
+        if (!grown)
+            return ACL_ERROR_RT_MEMORY_ALLOCATION;
+        e->pids = grown;
+        e->pid_cap = cap;
+    }
+    uint64_t now = boot_ticks_now();
+    for (size_t i = 0; i < n; i++) {
+        /* The process that has the pid now; a pid nobody has yet admits no process started
+         * later (CANN's time check: the pid must be set after the importer started). */
+        uint64_t start = proc_start(pids[i]);
+        bool seen = false;
+        for (size_t j = 0; j < e->pid_count && !seen; j++) {
+            if (e->pids[j].pid == pids[i]) {
+                e->pids[j].start = start ? start : now;
+                seen = true;
+            }
+        }
+        if (!seen)
+            e->pids[e->pid_count++] = (pid_grant){pids[i], start ? start : now};
+    }
+    return ACL_SUCCESS;
+}
+
+/* ---- release hooks ---- */
+
+/* vmm: the user freed exported or imported memory (no vmm lock held). */
+static void on_released(uint64_t serial)
+{
+    pthread_mutex_lock(&ipc.lock);
+    for (export_entry *e = ipc.exports, *next; e; e = next) {
+        next = e->next;
+        if (e->ref.serial == serial) {
+            e->gone = true;
+            e->user = false;
+            export_maybe_remove(e);
+        }
+    }
+    for (import_entry **link = &ipc.imports; *link;) {
+        import_entry *i = *link;
+        if (i->serial == serial && !i->pending) {
+            *link = i->next;
+            free(i);
+        } else {
+            link = &i->next;
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+}
+
+static void share_delete(share_record *rec);
+
+/* caching: the owner frees a shared block (the device lock is held). */
+static void on_block_freed(device_cache *dc, cache_block *b)
+{
+    (void)dc;
+    pthread_mutex_lock(&ipc.lock);
+    for (share_record *rec = ipc.shares; rec; rec = rec->next) {
+        if (rec->block == b && rec->alive) {
+            rec->alive = false; /* no new opens */
+            if (rec->pins == 0)
+                share_delete(rec);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+}
+
+__attribute__((constructor)) static void install_hooks(void)
+{
+    vmm_share_released = on_released;
+    cache_share_freed = on_block_freed;
+}
+
+/* ---- the server (exporter side) ---- */
+
+static share_record *share_by_token(const uint8_t token[16])
+{
+    for (share_record *r = ipc.shares; r; r = r->next)
+        if (memcmp(r->token, token, 16) == 0)
+            return r;
+    return NULL;
+}
+
+/* Does the client hold a pin on a share that lists the export? (ipc.lock held) */
+static bool client_pins_entry(const client *c, const export_entry *e)
+{
+    for (size_t i = 0; i < c->pin_count; i++) {
+        const share_record *rec = c->pins[i].rec;
+        for (size_t j = 0; j < rec->count; j++)
+            if (rec->entries[j] == e)
+                return true;
+    }
+    return false;
+}
+
+static aclError serve_import(client *c, const ipc_request *rq, ipc_reply *rp, int *fd)
+{
+    if (!c->uid_ok)
+        return ACL_ERROR_RT_DRV_INTERNAL_ERROR;
+    pthread_mutex_lock(&ipc.lock);
+    export_entry *e = rq->op == IPC_OP_IMPORT ? export_by_value(rq->value)
+                                              : export_by_token(rq->token, (int32_t)rq->value);
+    aclError rc = ACL_SUCCESS;
+    vmm_share_ref ref;
+    if (!e || e->gone)
+        rc = ACL_ERROR_RT_INVALID_HANDLE;
+    else if (!client_pins_entry(c, e) &&
+             !(e->user && ((e->flags & ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION) || whitelisted(e, c))))
+        rc = ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* "Current process not add in pid list" */
+    else
+        ref = e->ref;
+    pthread_mutex_unlock(&ipc.lock);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    vmm_share_info info;
+    rc = vmm_share_dup_fd(&ref, fd, &info); /* fails once the owner freed it */
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (fcntl(*fd, F_ADD_SEALS, SEALS) != 0) {
+        close(*fd);
+        *fd = -1;
+        return ACL_ERROR_RT_IPC_ERROR;
+    }
+    rp->device = info.device;
+    rp->kind = (uint32_t)info.kind;
+    rp->size = info.size;
+    return ACL_SUCCESS;
+}
+
+static aclError serve_open(client *c, const uint8_t token[16])
+{
+    if (!c->uid_ok)
+        return ACL_ERROR_RT_DRV_INTERNAL_ERROR;
+    pthread_mutex_lock(&ipc.lock);
+    share_record *rec = share_by_token(token);
+    int32_t dev = rec && rec->alive ? rec->device : -1;
+    pthread_mutex_unlock(&ipc.lock);
+    device_cache *dc = dev >= 0 ? cache_device(dev) : NULL;
+    if (!dc)
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    if (c->pin_count == c->pin_cap) {
+        size_t cap = c->pin_cap ? c->pin_cap * 2 : 4;
+        client_pin *grown = realloc(c->pins, cap * sizeof *grown);
+        if (!grown)
+            return ACL_ERROR_RT_MEMORY_ALLOCATION;
+        c->pins = grown;
+        c->pin_cap = cap;
+    }
+    aclError rc = ACL_SUCCESS;
+    pthread_mutex_lock(&dc->lock); /* lock order: device cache, then ipc */
+    pthread_mutex_lock(&ipc.lock);
+    rec = share_by_token(token);
+    if (!rec || !rec->alive) {
+        rc = ACL_ERROR_RT_INVALID_HANDLE; /* the owner freed the block meanwhile */
+    } else {
+        size_t i = 0;
+        while (i < c->pin_count && c->pins[i].rec != rec)
+            i++;
+        if (i == c->pin_count)
+            c->pins[c->pin_count++] = (client_pin){rec, 0};
+        c->pins[i].n++;
+        rec->pins++;
+        rec->block->share_pins++;
+        atomic_fetch_add(&ipc.pin_count, 1);
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    pthread_mutex_unlock(&dc->lock);
+    return rc;
+}
+
+/* Drops n pins of a share (no lock held). */
+static void unpin(share_record *rec, uint32_t n)
+{
+    device_cache *dc = cache_device(rec->device);
+    if (dc)
+        pthread_mutex_lock(&dc->lock);
+    pthread_mutex_lock(&ipc.lock);
+    for (uint32_t i = 0; i < n; i++) {
+        if (dc)
+            cache_share_unpin_locked(dc, rec->block); /* the last one completes a pending free */
+        rec->pins--;
+        atomic_fetch_sub(&ipc.pin_count, 1);
+    }
+    if (!rec->alive && rec->pins == 0)
+        share_delete(rec);
+    pthread_mutex_unlock(&ipc.lock);
+    if (dc)
+        pthread_mutex_unlock(&dc->lock);
+}
+
+static aclError serve_close(client *c, const uint8_t token[16])
+{
+    for (size_t i = 0; i < c->pin_count; i++) {
+        if (memcmp(c->pins[i].rec->token, token, 16) == 0) {
+            share_record *rec = c->pins[i].rec;
+            if (--c->pins[i].n == 0)
+                c->pins[i] = c->pins[--c->pin_count];
+            unpin(rec, 1);
+            return ACL_SUCCESS;
+        }
+    }
+    return ACL_ERROR_RT_INVALID_HANDLE;
+}
+
+static void client_drop(size_t index)
+{
+    client *c = &clients[index];
+    close(c->fd); /* first: the peer sees the hang-up at once */
+    for (size_t i = 0; i < c->pin_count; i++)
+        unpin(c->pins[i].rec, c->pins[i].n);
+    free(c->pins);
+    clients[index] = clients[--nclients];
+    atomic_store(&ipc.client_count, nclients);
+}
+
+static bool send_reply(int sock, const ipc_reply *rp, int fd)
+{
+    struct iovec iov = {(void *)rp, sizeof *rp};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (fd >= 0) {
+        memset(&u, 0, sizeof u);
+        msg.msg_control = u.buf;
+        msg.msg_controllen = sizeof u.buf;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+    }
+    return sendmsg(sock, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof *rp;
+}
+
+/* Failed lookups: at most ~1000 a second are answered at full speed (guessing costs time). */
+static void penalise_failure(void)
+{
+    static uint64_t window_start;
+    static unsigned in_window;
+    uint64_t now = host_now_ns();
+    if (now - window_start > 1000000000u) {
+        window_start = now;
+        in_window = 0;
+    }
+    if (++in_window > 1000)
+        host_sleep_ns(1000000);
+}
+
+/* Handles one message of a client; false when the client is to be dropped. */
+static bool serve_client(size_t index)
+{
+    client *c = &clients[index];
+    ipc_request rq;
+    ssize_t n = recv(c->fd, &rq, sizeof rq, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR))
+        return true;
+    if (n != (ssize_t)sizeof rq || rq.magic != IPC_MAGIC || rq.version != IPC_VERSION)
+        return false; /* hang-up, error, or not our protocol */
+    /* rq.claimed_pid is deliberately not read: who the client is comes from SO_PEERCRED. */
+    ipc_reply rp = {IPC_MAGIC, 0, -1, 0, 0};
+    int fd = -1;
+    switch (rq.op) {
+    case IPC_OP_IMPORT:
+    case IPC_OP_IMPORT_KEY:
+        rp.status = serve_import(c, &rq, &rp, &fd);
+        break;
+    case IPC_OP_OPEN:
+        rp.status = serve_open(c, rq.token);
+        break;
+    case IPC_OP_CLOSE:
+        rp.status = serve_close(c, rq.token);
+        break;
+    default:
+        return false;
+    }
+    if (rp.status != ACL_SUCCESS && rq.op != IPC_OP_CLOSE) {
+        c->failures++;
+        penalise_failure();
+    }
+    bool ok = send_reply(c->fd, &rp, fd);
+    if (fd >= 0)
+        close(fd);
+    /* a guesser goes; a connection holding pins stays (dropping it would release them) */
+    return ok && (c->failures < MAX_CLIENT_FAILURES || c->pin_count > 0);
+}
+
+static void accept_clients(int lfd)
+{
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0)
+            return;
+        struct ucred cr;
+        socklen_t len = sizeof cr;
+        if (nclients >= MAX_CLIENTS || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 || cr.pid <= 0) {
+            close(fd);
+            continue;
+        }
+        bool uid_ok = uid_allowed(cr.uid);
+        size_t foreign = 0;
+        for (size_t i = 0; i < nclients && !uid_ok; i++)
+            foreign += !clients[i].uid_ok;
+        if (foreign >= MAX_FOREIGN_CLIENTS) { /* other users cannot fill the table */
+            close(fd);
+            continue;
+        }
+        if (nclients == clients_cap) {
+            size_t cap = clients_cap ? clients_cap * 2 : 16;
+            client *grown = realloc(clients, cap * sizeof *grown);
+            if (!grown) {
+                close(fd);
+                continue;
+            }
+            clients = grown;
+            clients_cap = cap;
+        }
+        clients[nclients++] = (client){.fd = fd,
+                                       .pid = cr.pid,
+                                       .uid = cr.uid,
+                                       .uid_ok = uid_ok};
+        atomic_store(&ipc.client_count, nclients);
+        /* The request usually follows the connect at once: serve it without another poll round. */
+        if (!serve_client(nclients - 1))
+            client_drop(nclients - 1);
+    }
+}
+
+static void *server_main(void *arg)
+{
+    (void)arg;
+    struct pollfd *pfds = NULL;
+    size_t pcap = 0;
+    for (;;) {
+        size_t want = nclients + 2;
+        if (want > pcap) {
+            struct pollfd *grown = realloc(pfds, want * sizeof *grown);
+            if (!grown) {
+                host_sleep_ns(1000000);
+                continue;
+            }
+            pfds = grown;
+            pcap = want;
+        }
+        pfds[0] = (struct pollfd){ipc.wake_fd, POLLIN, 0};
+        pfds[1] = (struct pollfd){ipc.listen_fd, POLLIN, 0};
+        for (size_t i = 0; i < nclients; i++)
+            pfds[i + 2] = (struct pollfd){clients[i].fd, POLLIN, 0};
+        size_t polled = nclients;
+        if (poll(pfds, polled + 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (pfds[0].revents) {
+            uint64_t v;
+            if (read(ipc.wake_fd, &v, sizeof v) < 0) {
+            }
+            break; /* only ipc_shutdown wakes the server */
+        }
+        /* Clients from the last one down: dropping one moves the last into its slot. */
+        for (size_t i = polled; i-- > 0;) {
+            short ev = pfds[i + 2].revents;
+            if (!ev)
+                continue;
+            /* A hang-up with messages still queued serves them first (one per round). */
+            bool keep = (ev & POLLIN) ? serve_client(i) : false;
+            if (!keep)
+                client_drop(i);
+        }
+        if (pfds[1].revents)
+            accept_clients(ipc.listen_fd);
+    }
+    free(pfds);
+    return NULL;
+}
+
+static aclError ensure_server_locked(void)
+{
+    if (ipc.server_running)
+        return ACL_SUCCESS;
+    int32_t pid = self_pid();
+    int lfd = -1;
+    uint32_t secret = 0;
+    for (int attempt = 0; attempt < 64 && lfd < 0; attempt++) {
+        random_bytes(&secret, sizeof secret);
+        secret &= (1u << IPC_VALUE_SECRET_BITS) - 1;
+        lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (lfd < 0)
+            return ACL_ERROR_RT_IPC_ERROR;
+        struct sockaddr_un a;
+        socklen_t alen = make_addr(pid, secret, &a);
+        if (bind(lfd, (struct sockaddr *)&a, alen) != 0) {
+            int err = errno;
+            close(lfd);
+            lfd = -1;
+            if (err != EADDRINUSE) /* in use: somebody squats the name; draw another secret */
+                return ACL_ERROR_RT_IPC_ERROR;
+        }
+    }
+    if (lfd < 0)
+        return ACL_ERROR_RT_IPC_ERROR;
+    int wfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (wfd < 0 || listen(lfd, 256) != 0) {
+        close(lfd);
+        if (wfd >= 0)
+            close(wfd);
+        return ACL_ERROR_RT_IPC_ERROR;
+    }
+    ipc.listen_fd = lfd;
+    ipc.wake_fd = wfd;
+    ipc.secret = secret;
+    /* The server takes no signals (they belong to the application's threads). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int err = pthread_create(&ipc.thread, NULL, server_main, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err) {
+        close(lfd);
+        close(wfd);
+        ipc.listen_fd = ipc.wake_fd = -1;
+        return ACL_ERROR_RT_IPC_ERROR;
+    }
+    ipc.server_running = true;
+    return ACL_SUCCESS;
+}
+
+/* ---- the importing side ---- */
+
+/* Connects to an exporter's server and checks that it is that process, of an accepted user. */
+static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
+{
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    int ms = timeout_ms();
+    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    struct sockaddr_un a;
+    socklen_t alen = make_addr(pid, secret, &a);
+    int rc;
+    do
+        rc = connect(fd, (struct sockaddr *)&a, alen);
+    while (rc != 0 && errno == EINTR);
+    if (rc != 0) {
+        int err = errno;
+        close(fd);
+        /* nobody listens there: the exporter exited, never exported, or the value is forged */
+        return err == EAGAIN || err == ETIMEDOUT ? ACL_ERROR_RT_IPC_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 || cr.pid != pid) {
+        close(fd); /* somebody else holds the name: not the exporter the value names */
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    if (!uid_allowed(cr.uid)) {
+        close(fd);
+        return ACL_ERROR_RT_DRV_INTERNAL_ERROR;
+    }
+    *out = fd;
+    return ACL_SUCCESS;
+}
+
+/* Sends a request and receives the reply (and a descriptor, if one comes). */
+static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *token, ipc_reply *rp, int *fd)
+{
+    ipc_request rq;
+    memset(&rq, 0, sizeof rq);
+    rq.magic = IPC_MAGIC;
+    rq.version = IPC_VERSION;
+    rq.op = op;
+    rq.claimed_pid = self_pid(); /* informational only: the exporter does not read it */
+    rq.value = value;
+    if (token)
+        memcpy(rq.token, token, 16);
+    ssize_t n;
+    do
+        n = send(sock, &rq, sizeof rq, MSG_NOSIGNAL);
+    while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)sizeof rq)
+        return n < 0 && (errno == EAGAIN || errno == ETIMEDOUT) ? ACL_ERROR_RT_IPC_ERROR
+                                                                : ACL_ERROR_RT_INVALID_HANDLE;
+    struct iovec iov = {rp, sizeof *rp};
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        struct cmsghdr align;
+    } u;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    do
+        n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    while (n < 0 && errno == EINTR);
+    int got = -1;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
+        if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+            size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < count; i++) {
+                int f;
+                memcpy(&f, CMSG_DATA(cm) + i * sizeof(int), sizeof f);
+                if (got < 0)
+                    got = f;
+                else
+                    close(f); /* more than we asked for */
+            }
+        }
+    }
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != ETIMEDOUT)) {
+        if (got >= 0)
+            close(got);
+        return ACL_ERROR_RT_INVALID_HANDLE; /* the exporter went away */
+    }
+    if (n != (ssize_t)sizeof *rp || rp->magic != IPC_MAGIC || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+        if (got >= 0)
+            close(got);
+        return ACL_ERROR_RT_IPC_ERROR;
+    }
+    if (fd)
+        *fd = got;
+    else if (got >= 0)
+        close(got);
+    return ACL_SUCCESS;
+}
+
+typedef struct import_spec {
+    bool is_key;
+    uint64_t value;    /* values */
+    uint8_t token[16]; /* keys */
+    int32_t exporter;
+    uint32_t secret;
+    int32_t key_device; /* keys: the device named in the key */
+    int32_t device;     /* the device to import for */
+    int conn;           /* a session's connection, or -1 for a connection of its own */
+} import_spec;
+
+static import_entry *import_find(const import_spec *sp)
+{
+    for (import_entry *i = ipc.imports; i; i = i->next) {
+        if (i->is_key != sp->is_key || i->device != sp->device)
+            continue;
+        if (sp->is_key ? (i->exporter == sp->exporter && memcmp(i->token, sp->token, 16) == 0)
+                       : i->value == sp->value)
+            return i;
+    }
+    return NULL;
+}
+
+static void import_unlink(import_entry *e)
+{
+    for (import_entry **link = &ipc.imports; *link; link = &(*link)->next) {
+        if (*link == e) {
+            *link = e->next;
+            return;
+        }
+    }
+}
+
+/* Imports the memory a value or key names, as a handle of this process; a repeated import of
+ * the same memory for the same device returns the same handle with one more reference. */
+static aclError import_handle(const import_spec *sp, uint64_t *handle_out, size_t *size_out)
+{
+    pthread_mutex_lock(&ipc.lock);
+    import_entry *e;
+    while ((e = import_find(sp)) != NULL) {
+        if (e->pending) {
+            pthread_cond_wait(&ipc.cond, &ipc.lock);
+            continue;
+        }
+        if (vmm_handle_retain(e->handle_id, e->serial)) {
+            *handle_out = e->handle_id;
+            *size_out = e->size;
+            pthread_mutex_unlock(&ipc.lock);
+            return ACL_SUCCESS;
+        }
+        import_unlink(e); /* freed meanwhile: import anew */
+        free(e);
+    }
+    e = calloc(1, sizeof *e);
+    if (!e) {
+        pthread_mutex_unlock(&ipc.lock);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    e->is_key = sp->is_key;
+    e->value = sp->value;
+    memcpy(e->token, sp->token, 16);
+    e->exporter = sp->exporter;
+    e->device = sp->device;
+    e->pending = true;
+    e->next = ipc.imports;
+    ipc.imports = e;
+    pthread_mutex_unlock(&ipc.lock);
+
+    int sock = sp->conn;
+    aclError rc = ACL_SUCCESS;
+    if (sock < 0)
+        rc = connect_exporter(sp->exporter, sp->secret, &sock);
+    ipc_reply rp;
+    int fd = -1;
+    if (rc == ACL_SUCCESS)
+        rc = roundtrip(sock, sp->is_key ? IPC_OP_IMPORT_KEY : IPC_OP_IMPORT,
+                       sp->is_key ? (uint64_t)sp->key_device : sp->value, sp->is_key ? sp->token : NULL, &rp, &fd);
+    if (sp->conn < 0 && sock >= 0)
+        close(sock);
+    if (rc == ACL_SUCCESS && rp.status != ACL_SUCCESS)
+        rc = rp.status;
+    if (rc == ACL_SUCCESS && (fd < 0 || rp.kind >= MEM_KIND_COUNT || rp.size == 0))
+        rc = ACL_ERROR_RT_IPC_ERROR;
+    /* Only a file whose size is sealed can be mapped safely (nobody can shrink it under us). */
+    int seals = rc == ACL_SUCCESS ? fcntl(fd, F_GET_SEALS) : 0;
+    if (rc == ACL_SUCCESS && (seals < 0 || (seals & F_SEAL_SHRINK) == 0))
+        rc = ACL_ERROR_RT_IPC_ERROR;
+    /* Peer access rule: memory of another device needs peer access between the two. */
+    if (rc == ACL_SUCCESS && rp.device != sp->device &&
+        (!device_valid(rp.device) || !device_peer_enabled(sp->device, rp.device)))
+        rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    aclrtDrvMemHandle h = NULL;
+    uint64_t serial = 0;
+    if (rc == ACL_SUCCESS) {
+        rc = vmm_physical_adopt(sp->device, (mem_kind)rp.kind, (size_t)rp.size, fd, &h, &serial);
+        fd = -1; /* taken */
+    }
+    if (fd >= 0)
+        close(fd);
+
+    pthread_mutex_lock(&ipc.lock);
+    e->pending = false;
+    if (rc == ACL_SUCCESS) {
+        e->handle_id = (uint64_t)(uintptr_t)h;
+        e->serial = serial;
+        e->size = (size_t)rp.size;
+        *handle_out = e->handle_id;
+        *size_out = e->size;
+    } else {
+        import_unlink(e);
+        free(e);
+    }
+    pthread_cond_broadcast(&ipc.cond);
+    pthread_mutex_unlock(&ipc.lock);
+    return rc;
+}
+
+/* ---- shareable handles (aclrt*) ---- */
+
+aclError aclrtMemExportToShareableHandle(aclrtDrvMemHandle handle, aclrtMemHandleType handleType, uint64_t flags,
+                                         uint64_t *shareableHandle)
+{
+    if (!handle || handleType != ACL_MEM_HANDLE_TYPE_NONE || !shareableHandle)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (flags > ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    vmm_share_ref ref;
+    vmm_share_info info;
+    if ((rc = vmm_share_ref_handle(handle, &ref, &info)) != ACL_SUCCESS)
+        return rc;
+    if (info.imported)
+        return ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* memory of another process: it has its own value */
+    if (info.device < 0)
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* host-resident physical memory */
+    pthread_mutex_lock(&ipc.lock);
+    export_entry *e = export_by_serial(ref.serial);
+    if (e && e->user) {
+        rc = ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* one shareable handle per handle ("Blk has been shared") */
+    } else if (e) {
+        e->user = true; /* exported by npualloc.share before: the same value becomes the user's */
+        e->flags = flags;
+    } else {
+        rc = export_create(&ref, &info, false, true, flags, &e);
+    }
+    if (rc == ACL_SUCCESS)
+        *shareableHandle = e->value;
+    pthread_mutex_unlock(&ipc.lock);
+    return rc;
+}
+
+/* Set-pid for a value or key of this process (ipc.lock taken here). */
+static aclError set_pids(export_entry *(*find)(const void *), const void *what, bool own, const int32_t *pid,
+                         size_t n)
+{
+    if (!own)
+        return ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* only the exporter may set pids (-EACCES) */
+    pthread_mutex_lock(&ipc.lock);
+    export_entry *e = find(what);
+    aclError rc;
+    if (!e || !e->user || e->gone)
+        rc = ACL_ERROR_RT_INVALID_HANDLE;
+    else if (e->flags & ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+        rc = ACL_ERROR_RT_NO_PERMISSION; /* "Had set no need wlist" */
+    else
+        rc = add_pids(e, pid, n);
+    pthread_mutex_unlock(&ipc.lock);
+    return rc;
+}
+
+static export_entry *find_value_of(const void *what) { return export_by_value(*(const uint64_t *)what); }
+
+aclError aclrtMemSetPidToShareableHandle(uint64_t shareableHandle, int32_t *pid, size_t pidNum)
+{
+    if (!pid || pidNum == 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    bool own = ipc_value_pid(shareableHandle) == self_pid();
+    return set_pids(find_value_of, &shareableHandle, own, pid, pidNum);
+}
+
+aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t deviceId, aclrtDrvMemHandle *handle)
+{
+    if (!handle)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (!device_valid(deviceId))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (ipc_value_pid(shareableHandle) == self_pid()) {
+        pthread_mutex_lock(&ipc.lock);
+        bool mine = export_by_value(shareableHandle) != NULL;
+        pthread_mutex_unlock(&ipc.lock);
+        /* "Export process can not import" */
+        return mine ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    if (ipc_value_pid(shareableHandle) == 0)
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    import_spec sp = {.is_key = false,
+                      .value = shareableHandle,
+                      .exporter = ipc_value_pid(shareableHandle),
+                      .secret = ipc_value_secret(shareableHandle),
+                      .device = deviceId,
+                      .conn = -1};
+    uint64_t h = 0;
+    size_t size = 0;
+    if ((rc = import_handle(&sp, &h, &size)) == ACL_SUCCESS)
+        *handle = (aclrtDrvMemHandle)(uintptr_t)h;
+    return rc;
+}
+
+aclError aclrtDeviceGetBareTgid(int32_t *pid)
+{
+    if (!pid)
+        return ACL_ERROR_INVALID_PARAM;
+    /* CANN translates a container's pid to the host's; here the exporter and the importer see
+     * pids in the same namespace, and SO_PEERCRED reports them in the exporter's. */
+    *pid = (int32_t)getpid();
+    return ACL_SUCCESS;
+}
+
+/* ---- IPC keys ---- */
+
+aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key, size_t len, uint64_t flags)
+{
+    if (!devPtr || !key || size == 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (flags > ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    vmm_share_ref ref;
+    vmm_share_info info;
+    if (vmm_share_ref_malloc(devPtr, &ref, &info) != ACL_SUCCESS || size > info.size)
+        return ACL_ERROR_RT_PARAM_INVALID; /* not the start of an aclrtMalloc allocation */
+    pthread_mutex_lock(&ipc.lock);
+    export_entry *e = export_by_serial(ref.serial);
+    if (e) {
+        /* One key per allocation: asking again gives the same key (its first flags stay). */
+        if (!e->user) {
+            e->user = true;
+            e->flags = flags;
+        }
+    } else {
+        rc = export_create(&ref, &info, true, true, flags, &e);
+    }
+    if (rc == ACL_SUCCESS) {
+        size_t need = strlen(e->key) + 1;
+        if (len < need)
+            rc = ACL_ERROR_INVALID_PARAM;
+        else
+            memcpy(key, e->key, need);
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    return rc;
+}
+
+typedef struct key_parts {
+    int32_t pid, device;
+    uint32_t secret;
+    uint8_t token[16];
+} key_parts;
+
+static export_entry *find_key_of(const void *what)
+{
+    const key_parts *k = what;
+    return k->secret == ipc.secret ? export_by_token(k->token, k->device) : NULL;
+}
+
+aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_t num)
+{
+    if (!key || !pid || num == 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    key_parts k;
+    if (!parse_key(key, &k.pid, &k.secret, &k.device, k.token))
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    return set_pids(find_key_of, &k, k.pid == self_pid(), pid, num);
+}
+
+static key_import *key_import_find(const char *key, int32_t device)
+{
+    for (key_import *k = ipc.key_imports; k; k = k->next)
+        if (k->device == device && strcmp(k->key, key) == 0)
+            return k;
+    return NULL;
+}
+
+aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags)
+{
+    if (!devPtr || !key)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (flags > ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    key_parts k;
+    if (!parse_key(key, &k.pid, &k.secret, &k.device, k.token))
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    if (k.pid == self_pid()) {
+        pthread_mutex_lock(&ipc.lock);
+        bool mine = find_key_of(&k) != NULL;
+        pthread_mutex_unlock(&ipc.lock);
+        return mine ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    /* Mapped for the current device (the key's own device without a current one). */
+    int32_t target;
+    bool current = device_current(&target) == ACL_SUCCESS;
+    if (!current)
+        target = k.device;
+    if (!device_valid(target))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (current && target != k.device && device_valid(k.device) &&
+        (flags & ACL_RT_IPC_MEM_IMPORT_FLAG_ENABLE_PEER_ACCESS) && !device_peer_enabled(target, k.device))
+        (void)aclrtDeviceEnablePeerAccess(k.device, 0);
+    pthread_mutex_lock(&ipc.lock);
+    key_import *ki = key_import_find(key, target);
+    if (ki) {
+        ki->refs++;
+        *devPtr = ki->ptr;
+        pthread_mutex_unlock(&ipc.lock);
+        return ACL_SUCCESS;
+    }
+    pthread_mutex_unlock(&ipc.lock);
+
+    import_spec sp = {.is_key = true, .exporter = k.pid, .secret = k.secret, .key_device = k.device,
+                      .device = target, .conn = -1};
+    memcpy(sp.token, k.token, 16);
+    uint64_t h = 0;
+    size_t size = 0;
+    if ((rc = import_handle(&sp, &h, &size)) != ACL_SUCCESS)
+        return rc;
+    void *va = NULL;
+    rc = vmm_reserve(target, size, NULL, &va);
+    if (rc == ACL_SUCCESS && (rc = aclrtMapMem(va, size, 0, (aclrtDrvMemHandle)(uintptr_t)h, 0)) != ACL_SUCCESS) {
+        aclrtReleaseMemAddress(va);
+        va = NULL;
+    }
+    ki = rc == ACL_SUCCESS ? calloc(1, sizeof *ki) : NULL;
+    if (rc == ACL_SUCCESS && !ki)
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    key_import *other = NULL;
+    if (rc == ACL_SUCCESS) {
+        pthread_mutex_lock(&ipc.lock);
+        other = key_import_find(key, target); /* another thread imported it meanwhile */
+        if (other) {
+            other->refs++;
+            *devPtr = other->ptr;
+        } else {
+            snprintf(ki->key, sizeof ki->key, "%s", key);
+            ki->device = target;
+            ki->ptr = va;
+            ki->handle_id = h;
+            ki->refs = 1;
+            ki->next = ipc.key_imports;
+            ipc.key_imports = ki;
+            *devPtr = va;
+        }
+        pthread_mutex_unlock(&ipc.lock);
+    }
+    if (rc != ACL_SUCCESS || other) {
+        free(other ? ki : NULL);
+        if (va) {
+            aclrtUnmapMem(va);
+            aclrtReleaseMemAddress(va);
+        }
+        aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)h);
+    }
+    return rc;
+}
+
+aclError aclrtIpcMemClose(const char *key)
+{
+    if (!key)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&ipc.lock);
+    /* An importer closes its mapping (the last close of several imports)... */
+    key_import *found = NULL;
+    for (key_import **link = &ipc.key_imports; *link; link = &(*link)->next) {
+        if (strncmp((*link)->key, key, IPC_KEY_LEN) == 0) {
+            found = *link;
+            if (--found->refs == 0)
+                *link = found->next;
+            break;
+        }
+    }
+    if (found) {
+        pthread_mutex_unlock(&ipc.lock);
+        if (found->refs == 0) {
+            aclrtUnmapMem(found->ptr);
+            aclrtReleaseMemAddress(found->ptr);
+            aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)found->handle_id);
+            free(found);
+        }
+        return ACL_SUCCESS;
+    }
+    /* ...the exporter stops sharing (importers keep what they mapped). */
+    key_parts k;
+    export_entry *e = NULL;
+    if (parse_key(key, &k.pid, &k.secret, &k.device, k.token) && k.pid == self_pid())
+        e = find_key_of(&k);
+    if (e && e->user) {
+        e->user = false;
+        export_maybe_remove(e);
+    } else {
+        rc = ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    return rc;
+}
+
+/* ---- caching-allocator shares ---- */
+
+/* Descriptor: this header, then `count` shareable values ('e'). */
+typedef struct share_desc {
+    char magic[4]; /* "NPUS" */
+    uint8_t version;
+    char kind; /* 'c' or 'e' */
+    uint16_t reserved;
+    int32_t pid;
+    uint32_t secret;
+    int32_t device;
+    uint32_t count;
+    uint8_t token[16];     /* the share: OPEN/CLOSE */
+    uint64_t offset;       /* of the block in the first page ('e') or in the segment ('c') */
+    uint64_t size;         /* the block's size */
+    uint64_t page_size;    /* 'e' */
+    uint8_t key_token[16]; /* 'c': the segment's key token */
+} share_desc;
+
+/* Deletes a share record (ipc.lock held) and the exports only it needed. */
+static void share_delete(share_record *rec)
+{
+    for (share_record **link = &ipc.shares; *link; link = &(*link)->next) {
+        if (*link == rec) {
+            *link = rec->next;
+            break;
+        }
+    }
+    for (size_t i = 0; i < rec->count; i++) {
+        rec->entries[i]->share_refs--;
+        export_maybe_remove(rec->entries[i]);
+    }
+    free(rec->entries);
+    free(rec);
+}
+
+/* The export of a page handle or segment for a share (ipc.lock held; the device lock too). */
+static aclError share_export(bool is_key, uintptr_t what, export_entry **out)
+{
+    vmm_share_ref ref;
+    vmm_share_info info;
+    aclError rc = is_key ? vmm_share_ref_malloc((const void *)what, &ref, &info)
+                         : vmm_share_ref_handle((aclrtDrvMemHandle)what, &ref, &info);
+    if (rc != ACL_SUCCESS)
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    export_entry *e = export_by_serial(ref.serial);
+    if (!e && (rc = export_create(&ref, &info, is_key, false, 0, &e)) != ACL_SUCCESS)
+        return rc;
+    e->share_refs++;
+    *out = e;
+    return ACL_SUCCESS;
+}
+
+static aclError share_create(device_cache *dc, cache_block *b, share_record **out)
+{
+    share_record *rec = calloc(1, sizeof *rec);
+    if (!rec)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    random_bytes(rec->token, sizeof rec->token);
+    rec->device = dc->device;
+    rec->block = b;
+    rec->alive = true;
+    rec->size = b->size;
+    aclError rc = ACL_SUCCESS;
+    if (b->es) {
+        expandable_segment *es = b->es;
+        size_t first = (b->ptr - es->base) / es->page_size;
+        size_t last = (b->ptr + b->size - 1 - es->base) / es->page_size;
+        rec->kind = 'e';
+        rec->page_size = es->page_size;
+        rec->offset = b->ptr - (es->base + first * es->page_size);
+        rec->entries = calloc(last - first + 1, sizeof *rec->entries);
+        if (!rec->entries)
+            rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        for (size_t i = first; i <= last && rc == ACL_SUCCESS; i++) {
+            rc = share_export(false, (uintptr_t)es->handles[i], &rec->entries[rec->count]);
+            if (rc == ACL_SUCCESS)
+                rec->count++;
+        }
+    } else {
+        cache_block *head = b;
+        while (head->prev)
+            head = head->prev;
+        rec->kind = 'c';
+        rec->offset = b->ptr - head->ptr;
+        rec->entries = calloc(1, sizeof *rec->entries);
+        if (!rec->entries)
+            rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        else if ((rc = share_export(true, head->ptr, &rec->entries[0])) == ACL_SUCCESS)
+            rec->count = 1;
+    }
+    rec->next = ipc.shares;
+    ipc.shares = rec;
+    if (rc != ACL_SUCCESS) {
+        share_delete(rec);
+        return rc;
+    }
+    *out = rec;
+    return ACL_SUCCESS;
+}
+
+aclError ipc_share(void *ptr, void *buf, size_t cap, size_t *len)
+{
+    if (!ptr || !len)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    int32_t dev = va_device_of((uintptr_t)ptr);
+    device_cache *dc = dev >= 0 && dev < NPU_MAX_DEVICES && device_valid(dev) ? cache_device(dev) : NULL;
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&ipc.lock);
+    rc = ensure_server_locked();
+    pthread_mutex_unlock(&ipc.lock);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&dc->lock);
+    cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
+    pthread_mutex_lock(&ipc.lock);
+    share_record *rec = NULL;
+    if (!b) {
+        rc = ACL_ERROR_INVALID_PARAM; /* not a live block of the caching allocator */
+    } else if (b->shared) {
+        for (rec = ipc.shares; rec && !(rec->block == b && rec->alive); rec = rec->next) {
+        }
+        rc = rec ? ACL_SUCCESS : ACL_ERROR_RT_INTERNAL_ERROR;
+    } else if ((rc = share_create(dc, b, &rec)) == ACL_SUCCESS) {
+        b->shared = true;
+    }
+    if (rc == ACL_SUCCESS) {
+        size_t values = rec->kind == 'e' ? rec->count : 0;
+        *len = sizeof(share_desc) + values * sizeof(uint64_t);
+        if (!buf || cap < *len) {
+            rc = ACL_ERROR_INVALID_PARAM;
+        } else {
+            share_desc d;
+            memset(&d, 0, sizeof d);
+            memcpy(d.magic, "NPUS", 4);
+            d.version = 1;
+            d.kind = rec->kind;
+            d.pid = self_pid();
+            d.secret = ipc.secret;
+            d.device = rec->device;
+            d.count = (uint32_t)rec->count;
+            memcpy(d.token, rec->token, 16);
+            d.offset = rec->offset;
+            d.size = rec->size;
+            d.page_size = rec->page_size;
+            if (rec->kind == 'c')
+                memcpy(d.key_token, rec->entries[0]->token, 16);
+            memcpy(buf, &d, sizeof d);
+            for (size_t i = 0; i < values; i++)
+                memcpy((char *)buf + sizeof d + i * sizeof(uint64_t), &rec->entries[i]->value, sizeof(uint64_t));
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    pthread_mutex_unlock(&dc->lock);
+    return rc;
+}
+
+static aclError parse_desc(const void *desc, size_t len, share_desc *d)
+{
+    if (!desc || len < sizeof *d)
+        return ACL_ERROR_INVALID_PARAM;
+    memcpy(d, desc, sizeof *d);
+    if (memcmp(d->magic, "NPUS", 4) != 0 || d->version != 1 || (d->kind != 'c' && d->kind != 'e') ||
+        d->pid <= 0 || d->pid >= (1 << IPC_VALUE_PID_BITS) || d->secret >= (1u << IPC_VALUE_SECRET_BITS))
+        return ACL_ERROR_INVALID_PARAM;
+    if (d->kind == 'e' ? (d->count == 0 || d->count > MAX_SHARE_PAGES || d->page_size == 0 ||
+                          d->page_size % VMM_GRANULARITY != 0 || d->page_size > ((uint64_t)1 << 40) ||
+                          len != sizeof *d + (size_t)d->count * sizeof(uint64_t) ||
+                          d->offset >= d->count * d->page_size || d->size > d->count * d->page_size - d->offset)
+                       : (d->count != 1 || len != sizeof *d))
+        return ACL_ERROR_INVALID_PARAM;
+    return ACL_SUCCESS;
+}
+
+aclError ipc_share_describe(const void *desc, size_t len, char *kind, int32_t *pid, int32_t *device, uint64_t *size)
+{
+    share_desc d;
+    aclError rc = parse_desc(desc, len, &d);
+    if (rc == ACL_SUCCESS) {
+        *kind = d.kind;
+        *pid = d.pid;
+        *device = d.device;
+        *size = d.size;
+    }
+    return rc;
+}
+
+/* The session to an exporter (one more reference), connecting if there is none. */
+static aclError session_get(int32_t pid, uint32_t secret, session **out)
+{
+    pthread_mutex_lock(&ipc.lock);
+    for (session *s = ipc.sessions; s; s = s->next) {
+        if (s->pid == pid && s->secret == secret) {
+            s->refs++;
+            *out = s;
+            pthread_mutex_unlock(&ipc.lock);
+            return ACL_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    int fd;
+    aclError rc = connect_exporter(pid, secret, &fd);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    session *s = calloc(1, sizeof *s);
+    if (!s) {
+        close(fd);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    s->pid = pid;
+    s->secret = secret;
+    s->fd = fd;
+    s->refs = 1;
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_mutex_lock(&ipc.lock);
+    for (session *o = ipc.sessions; o; o = o->next) {
+        if (o->pid == pid && o->secret == secret) { /* another thread connected meanwhile */
+            o->refs++;
+            pthread_mutex_unlock(&ipc.lock);
+            close(fd);
+            pthread_mutex_destroy(&s->lock);
+            free(s);
+            *out = o;
+            return ACL_SUCCESS;
+        }
+    }
+    s->next = ipc.sessions;
+    ipc.sessions = s;
+    pthread_mutex_unlock(&ipc.lock);
+    *out = s;
+    return ACL_SUCCESS;
+}
+
+static void session_put(session *s)
+{
+    pthread_mutex_lock(&ipc.lock);
+    bool last = --s->refs == 0;
+    if (last) {
+        for (session **link = &ipc.sessions; *link; link = &(*link)->next) {
+            if (*link == s) {
+                *link = s->next;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    if (last) {
+        close(s->fd); /* the exporter drops whatever pins this connection still held */
+        pthread_mutex_destroy(&s->lock);
+        free(s);
+    }
+}
+
+static aclError session_request(session *s, uint16_t op, const uint8_t token[16])
+{
+    ipc_reply rp;
+    pthread_mutex_lock(&s->lock);
+    aclError rc = roundtrip(s->fd, op, 0, token, &rp, NULL);
+    pthread_mutex_unlock(&s->lock);
+    return rc == ACL_SUCCESS ? rp.status : rc;
+}
+
+static void unmap_open(void *base, size_t count, size_t page, const uint64_t *handles, size_t mapped)
+{
+    for (size_t i = 0; i < mapped; i++)
+        aclrtUnmapMem((char *)base + i * page);
+    if (base)
+        aclrtReleaseMemAddress(base);
+    for (size_t i = 0; i < count; i++)
+        if (handles[i])
+            aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handles[i]);
+}
+
+aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **ptr)
+{
+    share_desc d;
+    aclError rc = parse_desc(desc, len, &d);
+    if (rc != ACL_SUCCESS || !ptr)
+        return ACL_ERROR_INVALID_PARAM;
+    if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
+        return rc;
+    int32_t target = device < 0 ? d.device : device;
+    if (!device_valid(target))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    if (d.pid == self_pid())
+        return ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* the owner has the block already */
+    pthread_mutex_lock(&ipc.lock);
+    for (open_share *o = ipc.opens; o; o = o->next) {
+        if (o->exporter == d.pid && o->device == target && memcmp(o->token, d.token, 16) == 0) {
+            o->refs++;
+            *ptr = o->ptr;
+            pthread_mutex_unlock(&ipc.lock);
+            return ACL_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+
+    session *s;
+    if ((rc = session_get(d.pid, d.secret, &s)) != ACL_SUCCESS)
+        return rc;
+    if ((rc = session_request(s, IPC_OP_OPEN, d.token)) != ACL_SUCCESS) {
+        session_put(s);
+        return rc;
+    }
+    size_t count = d.count, page = 0, mapped = 0;
+    uint64_t *handles = calloc(count, sizeof *handles);
+    open_share *o = calloc(1, sizeof *o);
+    void *base = NULL;
+    if (!handles || !o)
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    pthread_mutex_lock(&s->lock); /* page imports travel on the pinned connection */
+    for (size_t i = 0; i < count && rc == ACL_SUCCESS; i++) {
+        import_spec sp = {.exporter = d.pid, .secret = d.secret, .device = target, .conn = s->fd};
+        if (d.kind == 'e') {
+            memcpy(&sp.value, (const char *)desc + sizeof d + i * sizeof(uint64_t), sizeof sp.value);
+        } else {
+            sp.is_key = true;
+            sp.key_device = d.device;
+            memcpy(sp.token, d.key_token, 16);
+        }
+        size_t size = 0;
+        rc = import_handle(&sp, &handles[i], &size);
+        if (rc == ACL_SUCCESS && d.kind == 'e' && size != d.page_size)
+            rc = ACL_ERROR_RT_IPC_ERROR;
+        page = size;
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (rc == ACL_SUCCESS && d.kind == 'c' && (d.offset >= page || d.size > page - d.offset))
+        rc = ACL_ERROR_RT_IPC_ERROR;
+    if (rc == ACL_SUCCESS)
+        rc = vmm_reserve(target, count * page, NULL, &base);
+    for (; rc == ACL_SUCCESS && mapped < count; mapped++)
+        if ((rc = aclrtMapMem((char *)base + mapped * page, page, 0, (aclrtDrvMemHandle)(uintptr_t)handles[mapped],
+                              0)) != ACL_SUCCESS)
+            break;
+    if (rc != ACL_SUCCESS) {
+        if (handles)
+            unmap_open(base, count, page, handles, mapped);
+        (void)session_request(s, IPC_OP_CLOSE, d.token);
+        session_put(s);
+        free(handles);
+        free(o);
+        return rc;
+    }
+    memcpy(o->token, d.token, 16);
+    o->exporter = d.pid;
+    o->device = target;
+    o->s = s;
+    o->base = base;
+    o->ptr = (char *)base + d.offset;
+    o->count = count;
+    o->page_size = page;
+    o->handles = handles;
+    o->refs = 1;
+    pthread_mutex_lock(&ipc.lock);
+    o->next = ipc.opens;
+    ipc.opens = o;
+    pthread_mutex_unlock(&ipc.lock);
+    *ptr = o->ptr;
+    return ACL_SUCCESS;
+}
+
+aclError ipc_close_shared(void *ptr)
+{
+    if (!ptr)
+        return ACL_ERROR_INVALID_PARAM;
+    pthread_mutex_lock(&ipc.lock);
+    open_share *o = NULL;
+    for (open_share **link = &ipc.opens; *link; link = &(*link)->next) {
+        if ((*link)->ptr == ptr) {
+            o = *link;
+            if (--o->refs == 0)
+                *link = o->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    if (!o)
+        return ACL_ERROR_INVALID_PARAM;
+    if (o->refs == 0) {
+        unmap_open(o->base, o->count, o->page_size, o->handles, o->count);
+        (void)session_request(o->s, IPC_OP_CLOSE, o->token);
+        session_put(o->s);
+        free(o->handles);
+        free(o);
+    }
+    return ACL_SUCCESS;
+}
+
+/* ---- introspection ---- */
+
+void ipc_get_counts(ipc_counts *out)
+{
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&ipc.lock);
+    for (export_entry *e = ipc.exports; e; e = e->next)
+        out->exports++;
+    for (import_entry *i = ipc.imports; i; i = i->next)
+        out->imports += !i->pending;
+    for (key_import *k = ipc.key_imports; k; k = k->next)
+        out->key_imports++;
+    for (share_record *r = ipc.shares; r; r = r->next)
+        out->shares++;
+    for (open_share *o = ipc.opens; o; o = o->next)
+        out->opens++;
+    for (session *s = ipc.sessions; s; s = s->next)
+        out->sessions++;
+    out->server_running = ipc.server_running;
+    out->secret = ipc.secret;
+    pthread_mutex_unlock(&ipc.lock);
+    out->clients = atomic_load(&ipc.client_count);
+    out->pins = atomic_load(&ipc.pin_count);
+}
+
+/* ---- lifetime ---- */
+
+/* Frees every table entry; `in_child`: after fork (nothing to give back). */
+static void forget_all(void)
+{
+    while (ipc.exports)
+        export_remove(ipc.exports);
+    while (ipc.imports) {
+        import_entry *i = ipc.imports;
+        ipc.imports = i->next;
+        free(i);
+    }
+    while (ipc.key_imports) {
+        key_import *k = ipc.key_imports;
+        ipc.key_imports = k->next;
+        free(k);
+    }
+    while (ipc.opens) {
+        open_share *o = ipc.opens;
+        ipc.opens = o->next;
+        free(o->handles);
+        free(o);
+    }
+    while (ipc.sessions) {
+        session *s = ipc.sessions;
+        ipc.sessions = s->next;
+        close(s->fd);
+        free(s);
+    }
+    while (ipc.shares) {
+        share_record *r = ipc.shares;
+        ipc.shares = r->next;
+        free(r->entries);
+        free(r);
+    }
+}
+
+void ipc_atfork_prepare(void) { pthread_mutex_lock(&ipc.lock); }
+void ipc_atfork_parent(void) { pthread_mutex_unlock(&ipc.lock); }
+
+void ipc_atfork_child(void)
+{
+    /* The child has no server thread and none of the parent's device memory: start empty.
+     * Descriptors are copies; closing them here affects nobody else. */
+    pthread_mutex_init(&ipc.lock, NULL);
+    pthread_cond_init(&ipc.cond, NULL);
+    ipc.pid = (int32_t)getpid();
+    if (ipc.server_running) {
+        close(ipc.listen_fd);
+        close(ipc.wake_fd);
+        ipc.listen_fd = ipc.wake_fd = -1;
+        ipc.server_running = false;
+    }
+    for (size_t i = 0; i < nclients; i++) {
+        close(clients[i].fd);
+        free(clients[i].pins);
+    }
+    free(clients);
+    clients = NULL;
+    nclients = clients_cap = 0;
+    forget_all();
+    atomic_store(&ipc.client_count, 0);
+    atomic_store(&ipc.pin_count, 0);
+    ipc.secret = 0;
+}
+
+void ipc_shutdown(void)
+{
+    pthread_mutex_lock(&ipc.lock);
+    bool running = ipc.server_running;
+    ipc.server_running = false;
+    pthread_mutex_unlock(&ipc.lock);
+    if (running) {
+        uint64_t one = 1;
+        if (write(ipc.wake_fd, &one, sizeof one) < 0) {
+        }
+        pthread_join(ipc.thread, NULL);
+        close(ipc.listen_fd);
+        close(ipc.wake_fd);
+        ipc.listen_fd = ipc.wake_fd = -1;
+    }
+    /* Pins held by other processes go: pending frees complete. */
+    while (nclients)
+        client_drop(nclients - 1);
+    free(clients);
+    clients = NULL;
+    clients_cap = 0;
+    /* Live shares: their blocks stop being shared. */
+    for (;;) {
+        pthread_mutex_lock(&ipc.lock);
+        share_record *rec = ipc.shares;
+        int32_t dev = rec ? rec->device : -1;
+        pthread_mutex_unlock(&ipc.lock);
+        if (!rec)
+            break;
+        device_cache *dc = cache_device(dev);
+        if (dc)
+            pthread_mutex_lock(&dc->lock);
+        pthread_mutex_lock(&ipc.lock);
+        if (ipc.shares == rec) {
+            if (rec->alive)
+                rec->block->shared = false;
+            share_delete(rec);
+        }
+        pthread_mutex_unlock(&ipc.lock);
+        if (dc)
+            pthread_mutex_unlock(&dc->lock);
+    }
+    pthread_mutex_lock(&ipc.lock);
+    forget_all(); /* vmm_shutdown releases the imported handles and mappings */
+    ipc.secret = 0;
+    pthread_mutex_unlock(&ipc.lock);
+}

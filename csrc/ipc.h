@@ -1,0 +1,185 @@
+/*
+ * ipc.h - cross-process sharing of device memory: CANN's shareable handles
+ * (aclrtMemExportToShareableHandle & co.), IPC keys (aclrtIpcMem*), and the sharing of
+ * caching-allocator blocks (npualloc.share / open_shared / close_shared).  docs/sharing.md has
+ * the user's view; this header has the design.
+ *
+ * ---- What is shared ----
+ * Device memory is a memory file (memfd) per physical handle (host.h).  Sharing hands the
+ * importer a descriptor of that file; the importer maps it into its own reserved ranges.
+ * Nothing is copied, and the kernel reference-counts the file: the memory lives while any
+ * process holds a descriptor, a handle or a mapping of it.  So the exporter may exit first,
+ * and an importer that crashes takes only its own references with it.  The exporter seals the
+ * file's size (F_SEAL_SHRINK | F_SEAL_GROW) before the first descriptor leaves the process, and
+ * the importer refuses a file without the seal: no process can truncate the memory under the
+ * others (which would fault them).
+ *
+ * ---- Shareable handle value (uint64) ----
+ *   bits 63..40  token: 24 random bits (getrandom), drawn per export, unique in the process
+ *   bits 39..32  the exporting device id (CANN's layout: share_devid << 32)
+ *   bits 31..22  server secret: 10 random bits drawn when the exporter's server starts
+ *   bits 21..0   the exporter's pid (pid_max is at most 2^22)
+ * The pid and secret locate the exporter's server; 34 random bits make a value unguessable
+ * (a guess costs a connection and the server answers at most ~1000 wrong guesses a second, so
+ * finding one live value takes days; and only processes the exporter accepts may even ask).
+ *
+ * ---- IPC key (string, at most 64 characters + NUL) ----
+ *   "npualloc-k1-<pid>-<secret, 3 hex>-<device>-<token, 32 hex>"   (128-bit random token)
+ *
+ * ---- Transport ----
+ * The exporter runs one server thread, started on its first export, listening on the
+ * abstract-namespace Unix socket "\0npualloc-ipc-<pid>-<secret, 3 hex>" (SOCK_SEQPACKET; no
+ * file on disk).  An importer connects and checks, with SO_PEERCRED, that the listener really
+ * is process <pid> of an accepted user (nobody else can impersonate the exporter).  The
+ * exporter reads the importer's pid and uid from SO_PEERCRED, which the kernel fills in at
+ * connect time: the importer never states who it is (the request's `claimed_pid` field is only
+ * informational and is never read), so it cannot be talked around.  It then checks:
+ *   - the uid: the exporter's own, or one listed in NPUALLOC_IPC_ALLOW_UIDS ("1001,1002");
+ *   - the value: it must name a live export of this process (its owner has not freed it);
+ *   - the pid whitelist (unless exported with DISABLE_PID_VALIDATION): the pid must have been
+ *     set, and the process must be the one that had that pid when it was set (its start time
+ *     is compared, so a recycled pid does not inherit the permission, like CANN's time check);
+ * and answers with the file's descriptor (SCM_RIGHTS), its size, page kind and device.
+ *
+ * Messages (little-endian, fixed size; one request or reply per SEQPACKET message):
+ *   request  { u32 magic 'NPUI' (0x4955504e); u16 version 1; u16 op; i32 claimed_pid (ignored);
+ *              u32 reserved; u64 value; u8 token[16] }                               40 bytes
+ *   reply    { u32 magic; i32 status (aclError); i32 device; u32 kind; u64 size }  24 bytes,
+ *              plus one descriptor when status is 0 and the op imports
+ *   ops: 1 IMPORT (value = shareable handle), 2 IMPORT_KEY (token = key token, value = its
+ *        device), 3 OPEN (token = share token: pin), 4 CLOSE (token: unpin)
+ * A connection that sends anything else is dropped, as is one with 16 failed lookups.
+ *
+ * ---- Error codes (CANN's, from the driver paths noted in npu-acl-runtime.md B3) ----
+ *   ACL_ERROR_INVALID_PARAM 100000   NULL pointer, handle type not NONE, pid count 0
+ *   ACL_ERROR_RT_PARAM_INVALID 107000  export flags > 1, IPC key of memory that is not the start
+ *                                    of an aclrtMalloc allocation, size larger than it
+ *   ACL_ERROR_RT_INVALID_DEVICEID 107001  import for a device that does not exist
+ *   ACL_ERROR_RT_INVALID_HANDLE 107017  unknown or forged value/key, or the exporter freed it
+ *                                    or exited ("Share handle doesn't exist", -EFAULT)
+ *   ACL_ERROR_RT_DRV_INTERNAL_ERROR 507899  not on the whitelist or not an accepted user
+ *                                    (-EACCES), the exporter importing its own value ("Export
+ *                                    process can not import"), set-pid by a process that is not
+ *                                    the exporter (-EACCES), a second export of one handle
+ *                                    ("Blk has been shared", -EINVAL: CANN allows one value per
+ *                                    handle), exporting an imported handle
+ *   ACL_ERROR_RT_NO_PERMISSION 207006  set-pid after a DISABLE_PID_VALIDATION export
+ *   ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000  import for another device without peer access
+ *                                    between the two (the code of a copy between such devices),
+ *                                    export of host-resident physical memory
+ *   ACL_ERROR_RT_IPC_ERROR 507022     the exporter broke the protocol or did not answer in time
+ *                                    (NPUALLOC_IPC_TIMEOUT_MS, default 10000)
+ *
+ * ---- Importing ----
+ * An imported handle is a normal physical handle of the importing process, charged to no
+ * device (the exporter's device carries the memory), belonging to the device it was imported
+ * for.  Importing the same value for the same device again returns the same handle with one
+ * more reference; aclrtFreePhysical drops one.  Importing for another device than the
+ * exporting one requires peer access between the two devices in the importing process.
+ *
+ * ---- Sharing caching-allocator blocks (npualloc.share) ----
+ * share(ptr) creates a share record for a live block: a plain segment is shared whole through
+ * an internal IPC-key export of its aclrtMalloc memory (the descriptor carries the block's
+ * offset, as torch's 'c' handles do); an expandable segment's block through one shareable
+ * value per physical page it spans ('e').  The descriptor is a small byte string.
+ * open_shared(desc) keeps one connection per exporter (a session), sends OPEN (the exporter
+ * pins the block: cache_block.share_pins), imports the pages over that same connection and maps
+ * them into a fresh reserved range.  The exporter serves share-created exports only to
+ * connections that hold a pin on a share that contains them.  close_shared(ptr) unmaps and sends
+ * CLOSE; a process that dies closes its session, and the exporter's server, seeing the hang-up,
+ * drops every pin of that connection.  A block freed by its owner while pinned stays out of the
+ * owner's pools (a pending free, like one waiting for stream events) until the last pin goes;
+ * its expandable pages therefore stay mapped.  A freed block can no longer be opened.
+ *
+ * ---- Fork, threads, shutdown ----
+ * All entry points are thread-safe.  The child of fork() starts with no exports, imports,
+ * shares or server (device memory is not inherited); it may import from its parent.
+ * Lock order: a device cache's lock, then the ipc lock, then the vmm lock.
+ */
+#ifndef NPUALLOC_IPC_H
+#define NPUALLOC_IPC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "acl_rt.h"
+
+#define IPC_KEY_LEN 65 /* CANN's key buffer: 64 characters and the NUL */
+
+/* Shareable-handle value layout. */
+#define IPC_VALUE_PID_BITS 22
+#define IPC_VALUE_SECRET_SHIFT 22
+#define IPC_VALUE_SECRET_BITS 10
+#define IPC_VALUE_DEVICE_SHIFT 32
+#define IPC_VALUE_TOKEN_SHIFT 40
+
+static inline int32_t ipc_value_pid(uint64_t v) { return (int32_t)(v & ((1u << IPC_VALUE_PID_BITS) - 1)); }
+static inline uint32_t ipc_value_secret(uint64_t v)
+{
+    return (uint32_t)((v >> IPC_VALUE_SECRET_SHIFT) & ((1u << IPC_VALUE_SECRET_BITS) - 1));
+}
+static inline int32_t ipc_value_device(uint64_t v) { return (int32_t)((v >> IPC_VALUE_DEVICE_SHIFT) & 0xFF); }
+
+/* Wire format (see above). */
+#define IPC_MAGIC 0x4955504eu /* "NPUI" */
+#define IPC_VERSION 1
+enum { IPC_OP_IMPORT = 1, IPC_OP_IMPORT_KEY = 2, IPC_OP_OPEN = 3, IPC_OP_CLOSE = 4 };
+
+typedef struct ipc_request {
+    uint32_t magic;
+    uint16_t version;
+    uint16_t op;
+    int32_t claimed_pid; /* what the sender says its pid is: never read by the exporter */
+    uint32_t reserved;
+    uint64_t value;
+    uint8_t token[16];
+} ipc_request;
+
+typedef struct ipc_reply {
+    uint32_t magic;
+    int32_t status;
+    int32_t device;
+    uint32_t kind;
+    uint64_t size;
+} ipc_reply;
+
+/* The abstract socket name of an exporter's server (without the leading NUL); returns its length. */
+int ipc_server_name(int32_t pid, uint32_t secret, char *buf, size_t len);
+
+/* ---- caching-allocator blocks (npualloc.share) ---- */
+/* Writes the share descriptor of the live block at `ptr` into buf (cap bytes); *len receives
+ * its size (also when cap is too small: ACL_ERROR_INVALID_PARAM then).  Errors: not a live
+ * caching-allocator block -> ACL_ERROR_INVALID_PARAM; transport trouble -> 507022. */
+aclError ipc_share(void *ptr, void *buf, size_t cap, size_t *len);
+/* Maps the block of a descriptor; `device` -1 means the exporting device. */
+aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **ptr);
+/* Unmaps memory from ipc_open_shared (the last close of a pointer opened several times). */
+aclError ipc_close_shared(void *ptr);
+/* What a descriptor holds (for display): kind 'c' or 'e', the exporter, device and size. */
+aclError ipc_share_describe(const void *desc, size_t len, char *kind, int32_t *pid, int32_t *device,
+                            uint64_t *size);
+
+/* ---- introspection (tests, leak checks) ---- */
+typedef struct ipc_counts {
+    size_t exports;      /* live export entries (values and keys) */
+    size_t imports;      /* imported handles this process holds through the import table */
+    size_t key_imports;  /* IPC keys mapped here */
+    size_t shares;       /* share records (owner side) */
+    size_t opens;        /* open_shared mappings (importer side) */
+    size_t sessions;     /* connections to exporters kept for opens */
+    size_t clients;      /* connections the server holds */
+    size_t pins;         /* pins held by the server's clients */
+    bool server_running;
+    uint32_t secret;     /* the running server's secret */
+} ipc_counts;
+void ipc_get_counts(ipc_counts *out);
+
+/* ---- lifetime (runtime.c) ---- */
+void ipc_atfork_prepare(void);
+void ipc_atfork_parent(void);
+void ipc_atfork_child(void);
+/* Stops the server, drops every pin, export, import and session (before the caches go). */
+void ipc_shutdown(void);
+
+#endif

@@ -1,0 +1,411 @@
+/*
+ * ipc_py.c - cross-process sharing in Python:
+ *   - the pyACL functions, added to the acl.rt module (`_C.rt`) with pyACL's conventions
+ *     (outputs first, `ret` last; TypeError for a wrong type, an ACL code for a bad value);
+ *   - `_C.ipc`: the C half of npualloc.share / open_shared / close_shared, and counters.
+ * Every call that may talk to a socket releases the GIL.
+ *
+ * ipc_py_attach(module) is called once from PyInit__C (module.c).
+ */
+#include <string.h>
+
+#include "acl_rt.h"
+#include "binding.h"
+#include "ipc.h"
+#include "npualloc.h"
+#include "pyarg.h"
+
+#define RT_BEGIN(name, n)                                                                                          \
+    static const char fn[] = "acl.rt." name;                                                                       \
+    (void)self;                                                                                                    \
+    if (!check_nargs(fn, nargs, (n)))                                                                              \
+        return NULL
+
+/* Converts argument i; a TypeError returns NULL, an out-of-range value becomes `sentinel`. */
+#define RT_ARG_OR(conv, i, argname, var, sentinel)                                                                 \
+    do {                                                                                                           \
+        int conv_rc_ = conv(args[i], fn, argname, &(var));                                                         \
+        if (conv_rc_ == ARG_TYPE_ERROR)                                                                            \
+            return NULL;                                                                                           \
+        if (conv_rc_ == ARG_OUT_OF_RANGE)                                                                          \
+            (var) = (sentinel);                                                                                    \
+    } while (0)
+
+#define CALL_NOGIL(stmt)                                                                                           \
+    do {                                                                                                           \
+        Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
+        Py_END_ALLOW_THREADS                                                                                       \
+    } while (0)
+
+#define BAD_HANDLE ((void *)(uintptr_t)UINT64_MAX)
+
+/* A pid list: pyACL wants a list (ValueError otherwise); items are ints (TypeError otherwise).
+ * Returns a PyMem buffer (NULL with an exception); *n receives the count; *bad is set when an
+ * item does not fit an int32. */
+static int32_t *pid_list(PyObject *o, const char *fn, size_t *n, bool *bad)
+{
+    if (!PyList_Check(o)) {
+        PyErr_SetString(PyExc_ValueError, "argument 2 only support the format of list");
+        return NULL;
+    }
+    Py_ssize_t len = PyList_GET_SIZE(o);
+    int32_t *pids = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *pids);
+    if (!pids)
+        return (int32_t *)PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < len; i++) {
+        int rc = arg_i32(PyList_GET_ITEM(o, i), fn, "pid_list item", &pids[i]);
+        if (rc == ARG_TYPE_ERROR) {
+            PyMem_Free(pids);
+            return NULL;
+        }
+        if (rc == ARG_OUT_OF_RANGE)
+            *bad = true;
+    }
+    *n = (size_t)len;
+    return pids;
+}
+
+/* A key argument: str (TypeError otherwise); NULL-safe UTF-8. */
+static const char *key_arg(PyObject *o, const char *fn)
+{
+    if (!PyUnicode_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s() argument 'key' must be str, not %.80s", fn, Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    return PyUnicode_AsUTF8(o);
+}
+
+/* ---- acl.rt ---- */
+
+static PyObject *rt_mem_export_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("mem_export_to_shareable_handle", 3);
+    void *handle = NULL;
+    int32_t type = 0;
+    uint64_t flags = 0;
+    RT_ARG_OR(arg_ptr, 0, "handle", handle, BAD_HANDLE);
+    RT_ARG_OR(arg_i32, 1, "handle_type", type, -1);
+    RT_ARG_OR(arg_u64, 2, "flags", flags, UINT64_MAX);
+    uint64_t value = 0;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemExportToShareableHandle(handle, (aclrtMemHandleType)type, flags, &value));
+    return ret_u64(value, rc);
+}
+
+static PyObject *rt_mem_set_pid_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("mem_set_pid_to_shareable_handle", 2);
+    uint64_t value = 0;
+    RT_ARG_OR(arg_u64, 0, "shareable_handle", value, 0);
+    size_t n = 0;
+    bool bad = false;
+    int32_t *pids = pid_list(args[1], fn, &n, &bad);
+    if (!pids)
+        return NULL;
+    aclError rc;
+    if (bad)
+        rc = ACL_ERROR_INVALID_PARAM;
+    else
+        CALL_NOGIL(rc = aclrtMemSetPidToShareableHandle(value, pids, n));
+    PyMem_Free(pids);
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("mem_import_from_shareable_handle", 2);
+    uint64_t value = 0;
+    int32_t dev = 0;
+    RT_ARG_OR(arg_u64, 0, "shareable_handle", value, 0);
+    RT_ARG_OR(arg_i32, 1, "device_id", dev, -1);
+    aclrtDrvMemHandle h = NULL;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemImportFromShareableHandle(value, dev, &h));
+    return ret_u64((uintptr_t)h, rc);
+}
+
+static PyObject *rt_device_get_bare_tgid(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("device_get_bare_tgid", 0);
+    (void)args;
+    int32_t pid = 0;
+    aclError rc = aclrtDeviceGetBareTgid(&pid);
+    return ret_i64(pid, rc);
+}
+
+static PyObject *rt_ipc_mem_get_export_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("ipc_mem_get_export_key", 4);
+    void *ptr = NULL;
+    uint64_t size = 0, len = 0, flags = 0;
+    RT_ARG_OR(arg_ptr, 0, "dev_ptr", ptr, BAD_HANDLE);
+    RT_ARG_OR(arg_u64, 1, "size", size, 0);
+    RT_ARG_OR(arg_u64, 2, "len", len, UINT64_MAX);
+    RT_ARG_OR(arg_u64, 3, "flags", flags, UINT64_MAX);
+    if (len >= 1024) {
+        PyErr_SetString(PyExc_ValueError, "key len should be less than 1024");
+        return NULL;
+    }
+    char key[1024] = "";
+    aclError rc;
+    CALL_NOGIL(rc = aclrtIpcMemGetExportKey(ptr, (size_t)size, key, (size_t)len, flags));
+    if (raise_init_error(rc))
+        return NULL;
+    return Py_BuildValue("(si)", rc == ACL_SUCCESS ? key : "", rc);
+}
+
+static PyObject *rt_ipc_mem_set_import_pid(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("ipc_mem_set_import_pid", 2);
+    const char *key = key_arg(args[0], fn);
+    if (!key)
+        return NULL;
+    size_t n = 0;
+    bool bad = false;
+    int32_t *pids = pid_list(args[1], fn, &n, &bad);
+    if (!pids)
+        return NULL;
+    aclError rc;
+    if (bad)
+        rc = ACL_ERROR_INVALID_PARAM;
+    else
+        CALL_NOGIL(rc = aclrtIpcMemSetImportPid(key, pids, n));
+    PyMem_Free(pids);
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("ipc_mem_import_by_key", 2);
+    const char *key = key_arg(args[0], fn);
+    if (!key)
+        return NULL;
+    uint64_t flags = 0;
+    RT_ARG_OR(arg_u64, 1, "flags", flags, UINT64_MAX);
+    void *p = NULL;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtIpcMemImportByKey(&p, key, flags));
+    return ret_u64((uintptr_t)p, rc);
+}
+
+static PyObject *rt_ipc_mem_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("ipc_mem_close", 1);
+    const char *key = key_arg(args[0], fn);
+    if (!key)
+        return NULL;
+    aclError rc;
+    CALL_NOGIL(rc = aclrtIpcMemClose(key));
+    return ret_or_init_error(rc);
+}
+
+#define RT_METHOD(name) {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL, NULL}
+
+static PyMethodDef ipc_rt_methods[] = {
+    RT_METHOD(mem_export_to_shareable_handle),
+    RT_METHOD(mem_set_pid_to_shareable_handle),
+    RT_METHOD(mem_import_from_shareable_handle),
+    RT_METHOD(device_get_bare_tgid),
+    RT_METHOD(ipc_mem_get_export_key),
+    RT_METHOD(ipc_mem_set_import_pid),
+    RT_METHOD(ipc_mem_import_by_key),
+    RT_METHOD(ipc_mem_close),
+    {NULL, NULL, 0, NULL},
+};
+
+/* ---- _C.ipc: npualloc.share and friends ---- */
+
+static PyObject *share_error(const char *what, aclError rc)
+{
+    if (raise_init_error(rc))
+        return NULL;
+    const char *why;
+    switch (rc) {
+    case ACL_ERROR_RT_INVALID_HANDLE:
+        why = "the block is no longer shared (its owner freed it, or exited)";
+        break;
+    case ACL_ERROR_RT_DRV_INTERNAL_ERROR:
+        why = "not permitted (the owner's own block, or a user the owner does not accept)";
+        break;
+    case ACL_ERROR_RT_FEATURE_NOT_SUPPORT:
+        why = "the block is on another device and peer access between the two is not enabled";
+        break;
+    case ACL_ERROR_RT_INVALID_DEVICEID:
+        why = "invalid device";
+        break;
+    case ACL_ERROR_RT_IPC_ERROR:
+        why = "the owner did not answer properly";
+        break;
+    default:
+        why = "failed";
+        break;
+    }
+    PyErr_Format(PyExc_RuntimeError, "%s: %s (ACL error %d)", what, why, (int)rc);
+    return NULL;
+}
+
+/* share(ptr) -> bytes */
+static PyObject *py_share(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    void *ptr = NULL;
+    int a = arg_ptr(arg, "share", "ptr", &ptr);
+    if (a == ARG_TYPE_ERROR)
+        return NULL;
+    char buf[4096];
+    size_t len = 0;
+    aclError rc;
+    if (a == ARG_OUT_OF_RANGE)
+        rc = ACL_ERROR_INVALID_PARAM;
+    else
+        CALL_NOGIL(rc = ipc_share(ptr, buf, sizeof buf, &len));
+    if (rc == ACL_SUCCESS)
+        return PyBytes_FromStringAndSize(buf, (Py_ssize_t)len);
+    if (rc == ACL_ERROR_INVALID_PARAM && len > sizeof buf) { /* a block over many pages */
+        char *big = PyMem_Malloc(len);
+        if (!big)
+            return PyErr_NoMemory();
+        size_t len2 = 0;
+        CALL_NOGIL(rc = ipc_share(ptr, big, len, &len2));
+        PyObject *out = rc == ACL_SUCCESS ? PyBytes_FromStringAndSize(big, (Py_ssize_t)len2) : NULL;
+        PyMem_Free(big);
+        if (rc == ACL_SUCCESS)
+            return out;
+    }
+    if (rc == ACL_ERROR_INVALID_PARAM) {
+        PyErr_Format(PyExc_RuntimeError, "share: %#llx is not a live block of the caching allocator",
+                     (unsigned long long)(uintptr_t)ptr);
+        return NULL;
+    }
+    return share_error("share", rc);
+}
+
+/* open_shared(desc: bytes, device: int (-1: the owner's)) -> ptr */
+static PyObject *py_open_shared(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_nargs("open_shared", nargs, 2))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0)
+        return NULL;
+    int32_t dev = -1;
+    int a = arg_i32(args[1], "open_shared", "device", &dev);
+    if (a == ARG_TYPE_ERROR) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    void *ptr = NULL;
+    aclError rc;
+    if (a == ARG_OUT_OF_RANGE)
+        rc = ACL_ERROR_RT_INVALID_DEVICEID;
+    else
+        CALL_NOGIL(rc = ipc_open_shared(view.buf, (size_t)view.len, dev, &ptr));
+    PyBuffer_Release(&view);
+    if (rc == ACL_ERROR_INVALID_PARAM) {
+        PyErr_SetString(PyExc_ValueError, "open_shared: not a handle made by npualloc.share");
+        return NULL;
+    }
+    if (rc != ACL_SUCCESS)
+        return share_error("open_shared", rc);
+    return PyLong_FromUnsignedLongLong((uintptr_t)ptr);
+}
+
+/* close_shared(ptr) */
+static PyObject *py_close_shared(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    void *ptr = NULL;
+    int a = arg_ptr(arg, "close_shared", "ptr", &ptr);
+    if (a == ARG_TYPE_ERROR)
+        return NULL;
+    aclError rc = ACL_ERROR_INVALID_PARAM;
+    if (a == ARG_OK)
+        CALL_NOGIL(rc = ipc_close_shared(ptr));
+    if (rc != ACL_SUCCESS) {
+        PyErr_Format(PyExc_RuntimeError, "close_shared: %#llx was not opened by open_shared",
+                     (unsigned long long)(uintptr_t)ptr);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* describe(desc) -> (kind, pid, device, size) */
+static PyObject *py_describe(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0)
+        return NULL;
+    char kind = 0;
+    int32_t pid = 0, dev = 0;
+    uint64_t size = 0;
+    aclError rc = ipc_share_describe(view.buf, (size_t)view.len, &kind, &pid, &dev, &size);
+    PyBuffer_Release(&view);
+    if (rc != ACL_SUCCESS) {
+        PyErr_SetString(PyExc_ValueError, "not a handle made by npualloc.share");
+        return NULL;
+    }
+    return Py_BuildValue("(C i i K)", (int)kind, (int)pid, (int)dev, (unsigned long long)size);
+}
+
+static PyObject *py_counts(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    ipc_counts c;
+    ipc_get_counts(&c);
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:I}", "exports", (Py_ssize_t)c.exports, "imports",
+                         (Py_ssize_t)c.imports, "key_imports", (Py_ssize_t)c.key_imports, "shares",
+                         (Py_ssize_t)c.shares, "opens", (Py_ssize_t)c.opens, "sessions", (Py_ssize_t)c.sessions,
+                         "clients", (Py_ssize_t)c.clients, "pins", (Py_ssize_t)c.pins, "server_running",
+                         c.server_running ? Py_True : Py_False, "secret", (unsigned)c.secret);
+}
+
+/* server_name(pid, secret) -> str: the abstract socket name (without the leading NUL). */
+static PyObject *py_server_name(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int pid;
+    unsigned secret;
+    if (!PyArg_ParseTuple(args, "iI:server_name", &pid, &secret))
+        return NULL;
+    char name[108];
+    ipc_server_name(pid, secret, name, sizeof name);
+    return PyUnicode_FromString(name);
+}
+
+static PyMethodDef ipc_methods[] = {
+    {"share", py_share, METH_O, "share(ptr) -> bytes: a handle for a live caching-allocator block"},
+    {"open_shared", (PyCFunction)(void (*)(void))py_open_shared, METH_FASTCALL,
+     "open_shared(handle, device) -> ptr (device -1: the owner's)"},
+    {"close_shared", py_close_shared, METH_O, "close_shared(ptr)"},
+    {"describe", py_describe, METH_O, "describe(handle) -> (kind, pid, device, size)"},
+    {"counts", py_counts, METH_NOARGS, "Live exports, imports, shares, opens, sessions, server clients, pins."},
+    {"server_name", py_server_name, METH_VARARGS, "server_name(pid, secret) -> the exporter's socket name"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef ipc_def = {
+    PyModuleDef_HEAD_INIT, "npualloc._C.ipc", "Cross-process sharing (npualloc.share and friends).", -1,
+    ipc_methods, NULL, NULL, NULL, NULL,
+};
+
+int ipc_py_attach(PyObject *module);
+
+int ipc_py_attach(PyObject *module)
+{
+    PyObject *rt = PyObject_GetAttrString(module, "rt");
+    if (!rt)
+        return -1;
+    int rc = PyModule_AddFunctions(rt, ipc_rt_methods);
+    Py_DECREF(rt);
+    if (rc != 0)
+        return -1;
+    PyObject *ipc = PyModule_Create(&ipc_def);
+    if (!ipc || PyModule_AddObject(module, "ipc", ipc) != 0) {
+        Py_XDECREF(ipc);
+        return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,1595 @@
+/*
+ * memory_py.c - the torch_npu-like memory face (`npualloc._C.memory`), used by
+ * npualloc/memory.py and npualloc/streams.py.
+ *
+ *   caching_allocator_alloc(size, device=None, stream=None) -> int   (the hot path, all in C)
+ *   caching_allocator_delete(ptr)
+ *   empty(nbytes, device=None, stream=None) -> Buffer                (npualloc_allocate)
+ *   Buffer, OutOfMemoryError
+ *   _xxx helpers: stats, snapshots, settings, fraction, streams, events, current devices and
+ *   the calling thread's current stream per device (a C thread-local table).
+ *
+ * Every call that may wait (allocation, empty_cache, synchronisation, settings changes, stream
+ * destruction) releases the GIL: a stream task may be a Python callback that needs it.
+ *
+ * Restarts: npualloc._C.shutdown() releases every stream, event and block, and the next
+ * runtime hands out the same handle and pointer values again.  This face wraps
+ * `npualloc._C.shutdown` to bump a generation number; streams, events, buffers and current
+ * stream entries remember the generation they were made in and are not touched once it is
+ * over (a stale Buffer is never freed, so it cannot free a block of the new runtime).
+ */
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include "acl_rt.h"
+#include "memory_py.h"
+#include "npualloc.h"
+#include "pyarg.h"
+
+#define MAX_DEVICES 64
+
+/* ---- generations ---- */
+
+static inline uint64_t gen_now(void) { return npualloc_runtime_generation(); }
+
+/* ---- the GIL around allocator calls ----
+ *
+ * An allocation or empty_cache may wait for a stream while it holds a device's allocator lock
+ * (torch's synchronize_and_free_events), and the stream may be running a Python callback that
+ * needs the GIL.  So those calls release the GIL, and while one of them is in flight every other
+ * call that takes an allocator lock releases it too (a thread holding the GIL must never wait
+ * for that lock).  With none in flight (the single-threaded hot path) frees keep the GIL.
+ * `waiters` changes only with the GIL held, so a call that saw 0 finishes before it can grow. */
+static atomic_int waiters;
+
+#define WAITING_CALL(stmt)                                                                                         \
+    do {                                                                                                           \
+        atomic_fetch_add(&waiters, 1);                                                                             \
+        Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
+        Py_END_ALLOW_THREADS                                                                                       \
+        atomic_fetch_sub(&waiters, 1);                                                                             \
+    } while (0)
+
+#define LOCKING_CALL(stmt)                                                                                         \
+    do {                                                                                                           \
+        if (atomic_load(&waiters) != 0) {                                                                          \
+            Py_BEGIN_ALLOW_THREADS stmt;                                                                           \
+            Py_END_ALLOW_THREADS                                                                                   \
+        } else {                                                                                                   \
+            stmt;                                                                                                  \
+        }                                                                                                          \
+    } while (0)
+
+/* ---- the calling thread's current stream, per device ---- */
+
+static _Thread_local uint64_t tl_gen;
+static _Thread_local uint64_t tl_streams[MAX_DEVICES];
+
+static inline void tl_refresh(void)
+{
+    uint64_t g = gen_now();
+    if (tl_gen != g) {
+        memset(tl_streams, 0, sizeof tl_streams);
+        tl_gen = g;
+    }
+}
+
+static inline uint64_t current_stream_of(int32_t dev)
+{
+    if (dev < 0 || dev >= MAX_DEVICES)
+        return 0;
+    tl_refresh();
+    return tl_streams[dev];
+}
+
+/* ---- module state ---- */
+
+static PyObject *OutOfMemoryError; /* npualloc.OutOfMemoryError (a RuntimeError) */
+static PyObject *stream_type;      /* npualloc.Stream, registered by streams.py */
+static PyObject *oom_observers;    /* list of callables */
+static PyObject *str_npu_stream;   /* interned "npu_stream" */
+
+/* Calls npualloc.memory.<name>(*args); new reference or NULL. */
+static PyObject *call_helper(const char *name, PyObject *args)
+{
+    PyObject *mod = PyImport_ImportModule("npualloc.memory");
+    if (!mod)
+        return NULL;
+    PyObject *fn = PyObject_GetAttrString(mod, name);
+    Py_DECREF(mod);
+    if (!fn)
+        return NULL;
+    PyObject *r = PyObject_CallObject(fn, args);
+    Py_DECREF(fn);
+    return r;
+}
+
+/* torch_npu's pta_error(ErrCode.<code>) suffix as a new str ("" when it cannot be built). */
+static PyObject *pta_suffix(const char *code)
+{
+    PyObject *args = Py_BuildValue("(s)", code);
+    PyObject *r = args ? call_helper("_pta_error", args) : NULL;
+    Py_XDECREF(args);
+    if (!r || !PyUnicode_Check(r)) {
+        Py_XDECREF(r);
+        PyErr_Clear();
+        return PyUnicode_FromString("");
+    }
+    return r;
+}
+
+/* Raises `exc` with a printf message followed by pta_error(code). */
+static PyObject *raise_pta(PyObject *exc, const char *code, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    PyObject *suffix = pta_suffix(code);
+    if (suffix) {
+        PyErr_Format(exc, "%s%U", msg, suffix);
+        Py_DECREF(suffix);
+    }
+    return NULL;
+}
+
+/* A failed runtime call: ValueError for a runtime that cannot start, else RuntimeError. */
+static PyObject *raise_acl(const char *what, aclError rc)
+{
+    if (raise_init_error(rc))
+        return NULL;
+    return raise_pta(PyExc_RuntimeError, "ACL", "NPU function error: %s, error code is %d", what, (int)rc);
+}
+
+/* A failed npualloc_cache_* call, raised by npualloc_last_error's kind. */
+static PyObject *raise_cache_error(aclError rc)
+{
+    npualloc_error_kind kind;
+    const char *msg = npualloc_last_error(&kind);
+    PyObject *exc;
+    switch (kind) {
+    case NPUALLOC_ERR_VALUE:
+        exc = PyExc_ValueError;
+        break;
+    case NPUALLOC_ERR_TYPE:
+        exc = PyExc_TypeError;
+        break;
+    case NPUALLOC_ERR_OOM:
+        exc = OutOfMemoryError;
+        break;
+    default:
+        exc = PyExc_RuntimeError;
+        break;
+    }
+    if (kind == NPUALLOC_ERR_NONE || !msg || !msg[0])
+        PyErr_Format(PyExc_RuntimeError, "npualloc: the allocator failed with ACL error %d", (int)rc);
+    else
+        PyErr_SetString(exc, msg);
+    return NULL;
+}
+
+/* An allocation failed: out of memory calls the OOM observers, then raises OutOfMemoryError. */
+static PyObject *raise_alloc_failure(aclError rc)
+{
+    npualloc_error_kind kind;
+    const char *m = npualloc_last_error(&kind);
+    if (rc != ACL_ERROR_RT_MEMORY_ALLOCATION || kind != NPUALLOC_ERR_OOM)
+        return raise_cache_error(rc);
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", m);
+    npualloc_oom_info info;
+    npualloc_cache_last_oom(&info);
+    if (!info.over_1eb && !info.preemptive && oom_observers && PyList_GET_SIZE(oom_observers) > 0) {
+        /* Observers may allocate (and so overwrite the thread's last error): msg is a copy. */
+        PyObject *observers = PyList_GetSlice(oom_observers, 0, PY_SSIZE_T_MAX);
+        if (!observers)
+            return NULL;
+        PyObject *args = Py_BuildValue("(iKKK)", (int)info.device, (unsigned long long)info.alloc_size,
+                                       (unsigned long long)(info.fraction_set ? info.allowed : info.device_total),
+                                       (unsigned long long)info.device_free);
+        for (Py_ssize_t i = 0; args && i < PyList_GET_SIZE(observers); i++) {
+            PyObject *r = PyObject_CallObject(PyList_GET_ITEM(observers, i), args);
+            if (!r) {
+                Py_DECREF(args);
+                Py_DECREF(observers);
+                return NULL; /* torch lets an observer's exception propagate */
+            }
+            Py_DECREF(r);
+        }
+        Py_XDECREF(args);
+        Py_DECREF(observers);
+        if (!args)
+            return NULL;
+    }
+    PyErr_SetString(OutOfMemoryError, msg);
+    return NULL;
+}
+
+/* Emits the allocator's pending warnings as UserWarnings; -1 if a warning became an error. */
+static int drain_warnings(void)
+{
+    if (!npualloc_has_warnings())
+        return 0;
+    char buf[512];
+    while (npualloc_pop_warning(buf, sizeof buf))
+        if (PyErr_WarnEx(PyExc_UserWarning, buf, 1) < 0)
+            return -1;
+    return 0;
+}
+
+/* ---- arguments ---- */
+
+/* Fills out[0..n) from positional and keyword arguments (NULL = not given); the first
+ * `required` are mandatory. */
+static int parse_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                      const char *const *names, Py_ssize_t n, Py_ssize_t required, PyObject **out)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        out[i] = NULL;
+    if (nargs > n) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at most %zd positional arguments (%zd given)", fn, n, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++)
+        out[i] = args[i];
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t k = 0; k < nkw; k++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+        Py_ssize_t j = 0;
+        while (j < n && PyUnicode_CompareWithASCIIString(key, names[j]) != 0)
+            j++;
+        if (j == n) {
+            PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%U'", fn, key);
+            return -1;
+        }
+        if (out[j]) {
+            PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fn, names[j]);
+            return -1;
+        }
+        out[j] = args[nargs + k];
+    }
+    for (Py_ssize_t i = 0; i < required; i++) {
+        if (!out[i]) {
+            PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s' (pos %zd)", fn, names[i], i + 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static bool check_count(const char *fn, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want)
+        return true;
+    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd argument%s (%zd given)", fn, want, want == 1 ? "" : "s",
+                 nargs);
+    return false;
+}
+
+/* An int as a 64-bit pointer or handle; negative values wrap like PyLong_AsVoidPtr. */
+static int as_u64(PyObject *o, const char *fn, const char *arg, uint64_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be int, not %.80s", fn, arg, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        long long s = PyLong_AsLongLong(o);
+        if (s == -1 && PyErr_Occurred())
+            return -1;
+        v = (unsigned long long)s;
+    }
+    *out = v;
+    return 0;
+}
+
+static int as_i32(PyObject *o, const char *fn, const char *arg, int32_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be int, not %.80s", fn, arg, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_OverflowError, "%s(): argument '%s' is out of range", fn, arg);
+        return -1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
+
+/* torch_npu's current_device(): the thread's device, lazily device 0 (its _lazy_init). */
+static int lazy_current_device(int32_t *dev)
+{
+    aclError rc = aclrtGetDevice(dev);
+    if (rc == ACL_ERROR_RT_CONTEXT_NULL) {
+        rc = aclrtSetDevice(0);
+        if (rc == ACL_SUCCESS)
+            *dev = 0;
+    }
+    if (rc != ACL_SUCCESS) {
+        raise_acl("c10_npu::GetDevice", rc);
+        return -1;
+    }
+    return 0;
+}
+
+/* None: the current device; int: itself; anything else: npualloc.memory._get_device_index. */
+static int resolve_device(PyObject *obj, int32_t *dev)
+{
+    if (!obj || obj == Py_None)
+        return lazy_current_device(dev);
+    if (PyLong_Check(obj))
+        return as_i32(obj, "device", "device", dev);
+    PyObject *args = PyTuple_Pack(1, obj);
+    PyObject *r = args ? call_helper("_get_device_index", args) : NULL;
+    Py_XDECREF(args);
+    if (!r)
+        return -1;
+    int rc = as_i32(r, "_get_device_index", "device", dev);
+    Py_DECREF(r);
+    return rc;
+}
+
+/* torch_npu's stream argument: None = the current stream of `dev`, an npualloc.Stream, an int. */
+static int resolve_stream(PyObject *obj, int32_t dev, uint64_t *out)
+{
+    if (!obj || obj == Py_None) {
+        *out = current_stream_of(dev);
+        return 0;
+    }
+    if (stream_type && !PyLong_Check(obj)) {
+        int is = (PyObject *)Py_TYPE(obj) == stream_type ? 1 : PyObject_IsInstance(obj, stream_type);
+        if (is < 0)
+            return -1;
+        if (is) {
+            PyObject *h = PyObject_GetAttr(obj, str_npu_stream);
+            if (!h)
+                return -1;
+            int rc = as_u64(h, "Stream", "npu_stream", out);
+            Py_DECREF(h);
+            return rc;
+        }
+    }
+    if (!PyLong_Check(obj)) {
+        raise_pta(PyExc_TypeError, "TYPE",
+                  "Invalid type for stream argument, must be `torch_npu.npu.Stream` or `int` representing a pointer "
+                  "to a exisiting stream");
+        return -1;
+    }
+    return as_u64(obj, "caching_allocator_alloc", "stream", out);
+}
+
+/* Switches the thread to `dev` (lazily starting the current device first); *prev gets the
+ * device to switch back to with restore_device. */
+static int enter_device(int32_t dev, int32_t *prev)
+{
+    if (lazy_current_device(prev) < 0)
+        return -1;
+    if (*prev != dev) {
+        aclError rc = aclrtSetDevice(dev);
+        if (rc != ACL_SUCCESS) {
+            raise_acl("c10_npu::SetDevice(device_id_)", rc);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void restore_device(int32_t dev, int32_t prev)
+{
+    if (prev != dev)
+        (void)aclrtSetDevice(prev);
+}
+
+/* ---- caching_allocator_alloc / caching_allocator_delete ---- */
+
+static PyObject *m_caching_allocator_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                           PyObject *kwnames)
+{
+    (void)self;
+    static const char *const names[] = {"size", "device", "stream"};
+    PyObject *a[3] = {NULL, NULL, NULL};
+    if (!kwnames && nargs >= 1 && nargs <= 3) {
+        for (Py_ssize_t i = 0; i < nargs; i++)
+            a[i] = args[i];
+    } else if (parse_args("caching_allocator_alloc", args, nargs, kwnames, names, 3, 1, a) < 0) {
+        return NULL;
+    }
+    int32_t dev;
+    if (resolve_device(a[1], &dev) < 0)
+        return NULL;
+    uint64_t stream;
+    if (resolve_stream(a[2], dev, &stream) < 0)
+        return NULL;
+    if (!PyLong_Check(a[0])) {
+        PyErr_Format(PyExc_TypeError, "caching_allocator_alloc(): argument 'size' must be int, not %.80s",
+                     Py_TYPE(a[0])->tp_name);
+        return NULL;
+    }
+    Py_ssize_t size = PyLong_AsSsize_t(a[0]); /* as torch_npu: a negative size wraps to a huge one */
+    if (size == -1 && PyErr_Occurred())
+        return NULL;
+    if (size == 0)
+        return PyLong_FromLong(0);
+    void *p = NULL;
+    aclError rc;
+    WAITING_CALL(rc = npualloc_cache_malloc(dev, (size_t)size, stream, &p));
+    if (rc != ACL_SUCCESS)
+        return raise_alloc_failure(rc);
+    if (drain_warnings() < 0) {
+        (void)npualloc_cache_free(p);
+        return NULL;
+    }
+    return PyLong_FromVoidPtr(p);
+}
+
+static PyObject *m_caching_allocator_delete(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    uint64_t p;
+    if (as_u64(arg, "caching_allocator_delete", "mem_ptr", &p) < 0)
+        return NULL;
+    if (p == 0)
+        Py_RETURN_NONE;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_free((void *)(uintptr_t)p));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    if (drain_warnings() < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---- Buffer ---- */
+
+typedef struct {
+    PyObject_HEAD uint64_t ptr;
+    uint64_t nbytes;
+    int32_t device;
+    uint64_t stream;
+    uint64_t gen;
+    Py_ssize_t exports;
+    bool freed;
+    PyObject *weakrefs;
+} BufferObject;
+
+static PyTypeObject Buffer_Type;
+
+/* Gives the memory back (GIL released: an uncached free synchronizes the device). */
+static int buffer_release(BufferObject *b)
+{
+    if (b->freed)
+        return 0;
+    b->freed = true;
+    void *p = (void *)(uintptr_t)b->ptr;
+    b->ptr = 0;
+    b->nbytes = 0;
+    if (!p || b->gen != gen_now())
+        return 0; /* nothing, or memory of a runtime that was shut down */
+    aclError rc;
+    if (npualloc_caching_disabled())
+        WAITING_CALL(rc = npualloc_deallocate(p)); /* synchronizes the device */
+    else
+        LOCKING_CALL(rc = npualloc_deallocate(p));
+    if (rc != ACL_SUCCESS) {
+        raise_cache_error(rc);
+        return -1;
+    }
+    return 0;
+}
+
+static void Buffer_dealloc(BufferObject *b)
+{
+    if (b->weakrefs)
+        PyObject_ClearWeakRefs((PyObject *)b);
+    if (!b->freed) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (buffer_release(b) < 0)
+            PyErr_WriteUnraisable((PyObject *)b);
+        else
+            (void)drain_warnings();
+        PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+    }
+    Py_TYPE(b)->tp_free((PyObject *)b);
+}
+
+static int Buffer_getbuffer(BufferObject *b, Py_buffer *view, int flags)
+{
+    if (b->freed) {
+        PyErr_SetString(PyExc_BufferError, "npualloc.Buffer: the memory was freed");
+        return -1;
+    }
+    if (b->gen != gen_now()) {
+        PyErr_SetString(PyExc_BufferError, "npualloc.Buffer: the runtime that owned the memory was shut down");
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)b, (void *)(uintptr_t)b->ptr, (Py_ssize_t)b->nbytes, 0, flags) < 0)
+        return -1;
+    b->exports++;
+    return 0;
+}
+
+static void Buffer_releasebuffer(BufferObject *b, Py_buffer *view)
+{
+    (void)view;
+    b->exports--;
+}
+
+static PyBufferProcs Buffer_as_buffer = {(getbufferproc)Buffer_getbuffer, (releasebufferproc)Buffer_releasebuffer};
+
+static PyObject *Buffer_free(BufferObject *b, PyObject *unused)
+{
+    (void)unused;
+    if (b->exports > 0) {
+        PyErr_Format(PyExc_BufferError, "npualloc.Buffer.free(): %zd exported view(s) of the memory still exist",
+                     b->exports);
+        return NULL;
+    }
+    if (buffer_release(b) < 0 || drain_warnings() < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Buffer_record_stream(BufferObject *b, PyObject *stream)
+{
+    if (b->freed) {
+        PyErr_SetString(PyExc_RuntimeError, "npualloc.Buffer.record_stream(): the memory was freed");
+        return NULL;
+    }
+    uint64_t h;
+    if (stream == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "record_stream(): argument 'stream' must be npualloc.Stream or int");
+        return NULL;
+    }
+    if (resolve_stream(stream, b->device, &h) < 0)
+        return NULL;
+    if (!b->ptr || npualloc_caching_disabled())
+        Py_RETURN_NONE; /* torch: memory not from the caching allocator is ignored */
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_record_stream((void *)(uintptr_t)b->ptr, h));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Buffer_enter(PyObject *b, PyObject *unused)
+{
+    (void)unused;
+    Py_INCREF(b);
+    return b;
+}
+
+static PyObject *Buffer_exit(BufferObject *b, PyObject *args)
+{
+    (void)args;
+    return Buffer_free(b, NULL);
+}
+
+static PyObject *Buffer_get_ptr(BufferObject *b, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(b->ptr);
+}
+
+static PyObject *Buffer_get_nbytes(BufferObject *b, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(b->nbytes);
+}
+
+static PyObject *Buffer_get_device(BufferObject *b, void *c)
+{
+    (void)c;
+    return PyLong_FromLong(b->device);
+}
+
+static PyObject *Buffer_get_stream(BufferObject *b, void *c)
+{
+    (void)c;
+    return PyLong_FromUnsignedLongLong(b->stream);
+}
+
+static PyObject *Buffer_get_freed(BufferObject *b, void *c)
+{
+    (void)c;
+    return PyBool_FromLong(b->freed);
+}
+
+static Py_ssize_t Buffer_len(BufferObject *b) { return (Py_ssize_t)b->nbytes; }
+
+static PyObject *Buffer_repr(BufferObject *b)
+{
+    if (b->freed)
+        return PyUnicode_FromFormat("<npualloc.Buffer freed, device=npu:%d>", (int)b->device);
+    char text[160];
+    snprintf(text, sizeof text, "<npualloc.Buffer ptr=0x%llx nbytes=%llu device=npu:%d stream=0x%llx>",
+             (unsigned long long)b->ptr, (unsigned long long)b->nbytes, (int)b->device,
+             (unsigned long long)b->stream);
+    return PyUnicode_FromString(text);
+}
+
+static PyMethodDef Buffer_methods[] = {
+    {"free", (PyCFunction)Buffer_free, METH_NOARGS,
+     "Gives the memory back now (BufferError while views of it exist); later calls do nothing."},
+    {"record_stream", (PyCFunction)Buffer_record_stream, METH_O,
+     "record_stream(stream): the memory is reused only after the work queued on `stream` when it is freed."},
+    {"__enter__", Buffer_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Buffer_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Buffer_getset[] = {
+    {"ptr", (getter)Buffer_get_ptr, NULL, "The device pointer (0 once freed).", NULL},
+    {"nbytes", (getter)Buffer_get_nbytes, NULL, "The size asked for, in bytes (0 once freed).", NULL},
+    {"device", (getter)Buffer_get_device, NULL, "The device index.", NULL},
+    {"stream", (getter)Buffer_get_stream, NULL, "The stream handle the memory was allocated on.", NULL},
+    {"freed", (getter)Buffer_get_freed, NULL, "True once the memory was given back.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods Buffer_as_sequence = {.sq_length = (lenfunc)Buffer_len};
+
+static PyTypeObject Buffer_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "npualloc.Buffer",
+    .tp_basicsize = sizeof(BufferObject),
+    .tp_dealloc = (destructor)Buffer_dealloc,
+    .tp_repr = (reprfunc)Buffer_repr,
+    .tp_as_sequence = &Buffer_as_sequence,
+    .tp_as_buffer = &Buffer_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Device memory from npualloc.empty(): .ptr, .nbytes, .device, .stream, a writable buffer "
+              "(numpy.frombuffer, memoryview), record_stream(s), free(); freed when collected.",
+    .tp_weaklistoffset = offsetof(BufferObject, weakrefs),
+    .tp_methods = Buffer_methods,
+    .tp_getset = Buffer_getset,
+};
+
+static PyObject *m_empty(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    (void)self;
+    static const char *const names[] = {"nbytes", "device", "stream"};
+    PyObject *a[3];
+    if (parse_args("empty", args, nargs, kwnames, names, 3, 1, a) < 0)
+        return NULL;
+    if (!PyLong_Check(a[0])) {
+        PyErr_Format(PyExc_TypeError, "empty(): argument 'nbytes' must be int, not %.80s", Py_TYPE(a[0])->tp_name);
+        return NULL;
+    }
+    long long n = PyLong_AsLongLong(a[0]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "empty(): nbytes must not be negative, got %lld", n);
+        return NULL;
+    }
+    int32_t dev;
+    if (resolve_device(a[1], &dev) < 0)
+        return NULL;
+    uint64_t stream;
+    if (resolve_stream(a[2], dev, &stream) < 0)
+        return NULL;
+    BufferObject *b = PyObject_New(BufferObject, &Buffer_Type);
+    if (!b)
+        return NULL;
+    b->ptr = 0;
+    b->nbytes = 0;
+    b->device = dev;
+    b->stream = stream;
+    b->gen = gen_now();
+    b->exports = 0;
+    b->freed = false;
+    b->weakrefs = NULL;
+    void *p = NULL;
+    aclError rc = ACL_SUCCESS;
+    if (n > 0) {
+        WAITING_CALL(rc = npualloc_allocate(dev, (size_t)n, stream, &p));
+    }
+    if (rc != ACL_SUCCESS) {
+        b->freed = true;
+        Py_DECREF(b);
+        return raise_alloc_failure(rc);
+    }
+    b->ptr = (uintptr_t)p;
+    b->nbytes = (uint64_t)n;
+    if (drain_warnings() < 0) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    return (PyObject *)b;
+}
+
+/* ---- the torch_npu memory functions behind npualloc.memory ---- */
+
+static PyObject *m_empty_cache(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    aclError rc;
+    WAITING_CALL(rc = npualloc_cache_empty());
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    if (drain_warnings() < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *stat_dict(const npualloc_stat *s)
+{
+    return Py_BuildValue("{s:L,s:L,s:L,s:L}", "current", (long long)s->current, "peak", (long long)s->peak,
+                         "allocated", (long long)s->allocated, "freed", (long long)s->freed);
+}
+
+static int put_stat_array(PyObject *d, const char *key, const npualloc_stat *arr)
+{
+    static const char *const pools[NPUALLOC_STAT_TYPES] = {"all", "small_pool", "large_pool"};
+    PyObject *sub = PyDict_New();
+    if (!sub)
+        return -1;
+    for (int i = 0; i < NPUALLOC_STAT_TYPES; i++) {
+        PyObject *s = stat_dict(&arr[i]);
+        if (!s || PyDict_SetItemString(sub, pools[i], s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(sub);
+            return -1;
+        }
+        Py_DECREF(s);
+    }
+    int rc = PyDict_SetItemString(d, key, sub);
+    Py_DECREF(sub);
+    return rc;
+}
+
+static int put_i64(PyObject *d, const char *key, int64_t v)
+{
+    PyObject *o = PyLong_FromLongLong(v);
+    if (!o)
+        return -1;
+    int rc = PyDict_SetItemString(d, key, o);
+    Py_DECREF(o);
+    return rc;
+}
+
+static int put_obj(PyObject *d, const char *key, PyObject *o)
+{
+    if (!o)
+        return -1;
+    int rc = PyDict_SetItemString(d, key, o);
+    Py_DECREF(o);
+    return rc;
+}
+
+/* _stats(device) -> the nested dict of torch_npu's _npu_memoryStats, in its key order. */
+static PyObject *m_stats(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    if (as_i32(arg, "memory_stats", "device", &dev) < 0)
+        return NULL;
+    npualloc_stats s;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_get_stats(dev, &s));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    if (put_i64(d, "num_alloc_retries", s.num_alloc_retries) < 0 || put_i64(d, "num_ooms", s.num_ooms) < 0 ||
+        put_i64(d, "max_split_size", s.max_split_size) < 0 ||
+        put_i64(d, "num_sync_all_streams", s.num_sync_all_streams) < 0 ||
+        put_i64(d, "num_device_alloc", s.num_device_alloc) < 0 ||
+        put_i64(d, "num_device_free", s.num_device_free) < 0 ||
+        put_i64(d, "num_oom_rejections", s.num_oom_rejections) < 0 ||
+        put_stat_array(d, "allocation", s.allocation) < 0 || put_stat_array(d, "segment", s.segment) < 0 ||
+        put_stat_array(d, "active", s.active) < 0 || put_stat_array(d, "inactive_split", s.inactive_split) < 0 ||
+        put_stat_array(d, "allocated_bytes", s.allocated_bytes) < 0 ||
+        put_stat_array(d, "reserved_bytes", s.reserved_bytes) < 0 ||
+        put_stat_array(d, "active_bytes", s.active_bytes) < 0 ||
+        put_stat_array(d, "inactive_split_bytes", s.inactive_split_bytes) < 0 ||
+        put_stat_array(d, "requested_bytes", s.requested_bytes) < 0 ||
+        put_obj(d, "oversize_allocations", stat_dict(&s.oversize_allocations)) < 0 ||
+        put_obj(d, "oversize_segments", stat_dict(&s.oversize_segments)) < 0) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    return d;
+}
+
+static PyObject *m_reset_peak(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    if (as_i32(arg, "reset_peak_memory_stats", "device", &dev) < 0)
+        return NULL;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_reset_peak(dev));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_reset_accumulated(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    if (as_i32(arg, "reset_accumulated_memory_stats", "device", &dev) < 0)
+        return NULL;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_reset_accumulated(dev));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+/* _set_fraction(device, fraction) */
+static PyObject *m_set_fraction(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_set_fraction", nargs, 2))
+        return NULL;
+    int32_t dev;
+    if (as_i32(args[0], "_set_fraction", "device", &dev) < 0)
+        return NULL;
+    double f = PyFloat_AsDouble(args[1]);
+    if (f == -1.0 && PyErr_Occurred())
+        return NULL;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_set_fraction(dev, f));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_get_fraction(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    if (as_i32(arg, "get_per_process_memory_fraction", "device", &dev) < 0)
+        return NULL;
+    double f = 1.0;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_get_fraction(dev, &f));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    return PyFloat_FromDouble(f);
+}
+
+/* _record_stream(ptr, stream) with a Stream or an int. */
+static PyObject *m_record_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("record_stream", nargs, 2))
+        return NULL;
+    uint64_t p, h;
+    if (as_u64(args[0], "record_stream", "ptr", &p) < 0 || resolve_stream(args[1], 0, &h) < 0)
+        return NULL;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_record_stream((void *)(uintptr_t)p, h));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+/* _erase_stream(ptr, stream_handle): torch_npu erases only when the block's own stream is the
+ * current stream of its device; otherwise it silently does nothing. */
+static PyObject *m_erase_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("erase_stream", nargs, 2))
+        return NULL;
+    uint64_t p, h;
+    if (as_u64(args[0], "erase_stream", "ptr", &p) < 0 || as_u64(args[1], "erase_stream", "stream", &h) < 0)
+        return NULL;
+    int32_t dev;
+    uint64_t own;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_block_info((void *)(uintptr_t)p, &dev, &own, NULL));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    if (own != current_stream_of(dev))
+        Py_RETURN_NONE;
+    LOCKING_CALL(rc = npualloc_cache_erase_stream((void *)(uintptr_t)p, h));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+/* _block_info(ptr) -> (device, stream, size) of a live block. */
+static PyObject *m_block_info(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    uint64_t p;
+    if (as_u64(arg, "_block_info", "ptr", &p) < 0)
+        return NULL;
+    int32_t dev;
+    uint64_t stream;
+    size_t size;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_block_info((void *)(uintptr_t)p, &dev, &stream, &size));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    return Py_BuildValue("(iKn)", (int)dev, (unsigned long long)stream, (Py_ssize_t)size);
+}
+
+static const char *const block_states[] = {"inactive", "active_allocated", "active_pending_free"};
+static const char *const trace_actions[] = {"alloc",       "free_requested", "free_completed",
+                                            "segment_alloc", "segment_free", "segment_map",
+                                            "segment_unmap", "snapshot",     "oom"};
+
+static PyObject *block_dict(const npualloc_block_info *b)
+{
+    unsigned st = (unsigned)b->state < 3 ? (unsigned)b->state : 0;
+    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:[]}", "address", (unsigned long long)b->address, "size",
+                         (unsigned long long)b->size, "requested_size", (unsigned long long)b->requested_size,
+                         "state", block_states[st], "frames");
+}
+
+static PyObject *segment_dict(const npualloc_snapshot *s, const npualloc_segment_info *g)
+{
+    PyObject *blocks = PyList_New((Py_ssize_t)g->block_count);
+    if (!blocks)
+        return NULL;
+    for (size_t i = 0; i < g->block_count; i++) {
+        PyObject *b = block_dict(&s->blocks[g->first_block + i]);
+        if (!b) {
+            Py_DECREF(blocks);
+            return NULL;
+        }
+        PyList_SET_ITEM(blocks, (Py_ssize_t)i, b);
+    }
+    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:(KK),s:s,s:O,s:[],s:N}", "device", (int)g->device,
+                         "address", (unsigned long long)g->address, "total_size", (unsigned long long)g->total_size,
+                         "allocated_size", (unsigned long long)g->allocated_size, "active_size",
+                         (unsigned long long)g->active_size, "requested_size", (unsigned long long)g->requested_size,
+                         "stream", (unsigned long long)g->stream, "segment_pool_id",
+                         (unsigned long long)g->pool_id[0], (unsigned long long)g->pool_id[1], "segment_type",
+                         g->is_small ? "small" : "large", "is_expandable", g->is_expandable ? Py_True : Py_False,
+                         "frames", "blocks", blocks);
+}
+
+static PyObject *trace_dict(const npualloc_trace_info *t)
+{
+    unsigned a = (unsigned)t->action;
+    const char *action = a < sizeof trace_actions / sizeof *trace_actions ? trace_actions[a] : "unknown";
+    return Py_BuildValue("{s:s,s:K,s:K,s:K,s:L,s:[]}", "action", action,
+                         t->action == NPUALLOC_TRACE_OOM ? "device_free" : "addr", (unsigned long long)t->addr,
+                         "size", (unsigned long long)t->size, "stream", (unsigned long long)t->stream, "time_us",
+                         (long long)t->time_us, "frames");
+}
+
+/* The settings in effect, read under a device lock (settings change with every device lock held). */
+static PyObject *settings_dict(void)
+{
+    npualloc_allocator_settings s;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_get_settings(&s));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    PyObject *divs = PyDict_New();
+    if (!divs)
+        return NULL;
+    for (int i = 0; i < 16; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "%d", 1 << i);
+        if (put_i64(divs, key, (int64_t)s.roundup_power2_divisions[i]) < 0) {
+            Py_DECREF(divs);
+            return NULL;
+        }
+    }
+    const char *text = npualloc_cache_settings_text();
+    return Py_BuildValue(
+        "{s:s,s:L,s:L,s:d,s:O,s:L,s:L,s:O,s:O,s:O,s:O,s:N}", "PYTORCH_NPU_ALLOC_CONF", text ? text : "",
+        "max_split_size", s.max_split_size == SIZE_MAX ? -1LL : (long long)s.max_split_size,
+        "max_non_split_rounding_size", (long long)s.max_non_split_rounding_size, "garbage_collection_threshold",
+        s.garbage_collection_threshold, "expandable_segments", s.expandable_segments ? Py_True : Py_False,
+        "large_segment_size", (long long)s.large_segment_size, "base_addr_aligned_size",
+        (long long)s.base_addr_aligned_size, "page_size_1g", s.page_size_1g ? Py_True : Py_False,
+        "release_lock_on_npumalloc", s.release_lock_on_npumalloc ? Py_True : Py_False, "throw_on_npumalloc_oom",
+        s.throw_on_npumalloc_oom ? Py_True : Py_False, "multi_stream_lazy_reclaim",
+        s.multi_stream_lazy_reclaim ? Py_True : Py_False, "roundup_power2_divisions", divs);
+}
+
+/* _snapshot() -> {"segments", "device_traces", "allocator_settings"}. */
+static PyObject *m_snapshot(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    uint32_t count = 0;
+    aclError rc = aclrtGetDeviceCount(&count);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtGetDeviceCount", rc);
+    PyObject *settings = settings_dict();
+    if (!settings) {
+        PyErr_Clear();
+        settings = PyDict_New();
+        if (!settings)
+            return NULL;
+    }
+    npualloc_snapshot *snap = NULL;
+    LOCKING_CALL(rc = npualloc_cache_snapshot(&snap));
+    if (rc != ACL_SUCCESS) {
+        Py_DECREF(settings);
+        return raise_cache_error(rc);
+    }
+    PyObject *segments = PyList_New((Py_ssize_t)snap->segment_count);
+    PyObject *traces = PyList_New((Py_ssize_t)count);
+    PyObject *result = NULL;
+    if (!segments || !traces)
+        goto done;
+    for (uint32_t d = 0; d < count; d++) {
+        PyObject *l = PyList_New(0);
+        if (!l)
+            goto done;
+        PyList_SET_ITEM(traces, d, l);
+    }
+    for (size_t i = 0; i < snap->segment_count; i++) {
+        PyObject *g = segment_dict(snap, &snap->segments[i]);
+        if (!g)
+            goto done;
+        PyList_SET_ITEM(segments, (Py_ssize_t)i, g);
+    }
+    for (size_t i = 0; i < snap->trace_count; i++) {
+        const npualloc_trace_info *t = &snap->traces[i];
+        if (t->device < 0 || (uint32_t)t->device >= count)
+            continue;
+        PyObject *e = trace_dict(t);
+        if (!e || PyList_Append(PyList_GET_ITEM(traces, t->device), e) < 0) {
+            Py_XDECREF(e);
+            goto done;
+        }
+        Py_DECREF(e);
+    }
+    result = Py_BuildValue("{s:O,s:O,s:O}", "segments", segments, "device_traces", traces, "allocator_settings",
+                           settings);
+done:
+    Py_XDECREF(segments);
+    Py_XDECREF(traces);
+    Py_DECREF(settings);
+    npualloc_snapshot_free(snap);
+    return result;
+}
+
+/* _record_history(enabled, when, max_entries): when is a npualloc_record_context (0..3). */
+static PyObject *m_record_history(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_record_history", nargs, 3))
+        return NULL;
+    int enabled = PyObject_IsTrue(args[0]);
+    if (enabled < 0)
+        return NULL;
+    int32_t when;
+    uint64_t n;
+    if (as_i32(args[1], "_record_history", "when", &when) < 0 ||
+        as_u64(args[2], "_record_history", "max_entries", &n) < 0)
+        return NULL;
+    if (when < NPUALLOC_RECORD_NEVER || when > NPUALLOC_RECORD_ALL) {
+        PyErr_Format(PyExc_ValueError, "_record_history(): invalid context level %d", (int)when);
+        return NULL;
+    }
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_record_history(enabled, (npualloc_record_context)when, (size_t)n));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_set_settings(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "_set_allocator_settings(): argument must be str, not %.80s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    const char *text = PyUnicode_AsUTF8(arg);
+    if (!text)
+        return NULL;
+    aclError rc;
+    WAITING_CALL(rc = npualloc_cache_set_settings(text));
+    if (rc != ACL_SUCCESS) {
+        PyObject *et, *ev, *tb;
+        raise_cache_error(rc);
+        PyErr_Fetch(&et, &ev, &tb);
+        (void)drain_warnings();
+        PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    if (drain_warnings() < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_settings_text(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    const char *t = npualloc_cache_settings_text();
+    return PyUnicode_FromString(t ? t : "");
+}
+
+static PyObject *m_check(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    if (as_i32(arg, "_check", "device", &dev) < 0)
+        return NULL;
+    char why[1024] = "";
+    aclError rc;
+    WAITING_CALL(rc = npualloc_cache_check(dev, why, sizeof why));
+    if (rc == ACL_ERROR_INVALID_PARAM)
+        return raise_cache_error(rc);
+    if (rc != ACL_SUCCESS) {
+        PyErr_SetString(PyExc_AssertionError, why[0] ? why : "npualloc_cache_check failed");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_attach_oom_observer(PyObject *self, PyObject *fn)
+{
+    (void)self;
+    if (!PyCallable_Check(fn)) {
+        PyErr_Format(PyExc_TypeError, "_attach_out_of_memory_observer() expects a callable, not %.80s",
+                     Py_TYPE(fn)->tp_name);
+        return NULL;
+    }
+    if (PyList_Append(oom_observers, fn) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _clear_oom_observers(): forgets every attached observer (for tests). */
+static PyObject *m_clear_oom_observers(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    if (PyList_SetSlice(oom_observers, 0, PY_SSIZE_T_MAX, NULL) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_set_stream_type(PyObject *self, PyObject *cls)
+{
+    (void)self;
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "_set_stream_type() expects a class");
+        return NULL;
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(stream_type, cls);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_caching_disabled(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(npualloc_caching_disabled());
+}
+
+static PyObject *m_generation(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(gen_now());
+}
+
+/* ---- devices ---- */
+
+static PyObject *m_current_device(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    int32_t dev;
+    if (lazy_current_device(&dev) < 0)
+        return NULL;
+    return PyLong_FromLong(dev);
+}
+
+/* _local_device() -> the thread's device, or -1 (never starts the runtime or a device). */
+static PyObject *m_local_device(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    int32_t dev = -1;
+    if (!npualloc_initialized() || aclrtGetDevice(&dev) != ACL_SUCCESS)
+        dev = -1;
+    return PyLong_FromLong(dev);
+}
+
+static PyObject *m_set_device(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev, cur;
+    if (as_i32(arg, "set_device", "device", &dev) < 0)
+        return NULL;
+    if (aclrtGetDevice(&cur) == ACL_SUCCESS && cur == dev)
+        Py_RETURN_NONE; /* torch_npu's SetDevice skips the current device */
+    aclError rc = aclrtSetDevice(dev);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("c10_npu::SetDevice(device_id_)", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_device_count(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    uint32_t n = 0;
+    aclError rc = aclrtGetDeviceCount(&n);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtGetDeviceCount", rc);
+    return PyLong_FromUnsignedLong(n);
+}
+
+static PyObject *m_mem_get_info(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev, prev;
+    if (as_i32(arg, "mem_get_info", "device", &dev) < 0 || enter_device(dev, &prev) < 0)
+        return NULL;
+    size_t free_b = 0, total = 0;
+    aclError rc = aclrtGetMemInfo(ACL_HBM_MEM, &free_b, &total);
+    restore_device(dev, prev);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtGetMemInfo", rc);
+    return Py_BuildValue("(KK)", (unsigned long long)free_b, (unsigned long long)total);
+}
+
+static PyObject *m_synchronize(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev, prev;
+    if (as_i32(arg, "synchronize", "device", &dev) < 0 || enter_device(dev, &prev) < 0)
+        return NULL;
+    aclError rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = aclrtSynchronizeDevice();
+    Py_END_ALLOW_THREADS
+    restore_device(dev, prev);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtSynchronizeDevice", rc);
+    Py_RETURN_NONE;
+}
+
+/* ---- current streams ---- */
+
+static PyObject *m_get_current_stream(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    if (as_i32(arg, "current_stream", "device", &dev) < 0)
+        return NULL;
+    return PyLong_FromUnsignedLongLong(current_stream_of(dev));
+}
+
+/* _set_current_stream(device, handle) */
+static PyObject *m_set_current_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_set_current_stream", nargs, 2))
+        return NULL;
+    int32_t dev;
+    uint64_t h;
+    if (as_i32(args[0], "_set_current_stream", "device", &dev) < 0 ||
+        as_u64(args[1], "_set_current_stream", "stream", &h) < 0)
+        return NULL;
+    if (dev < 0 || dev >= MAX_DEVICES) {
+        PyErr_Format(PyExc_ValueError, "_set_current_stream(): invalid device %d", (int)dev);
+        return NULL;
+    }
+    tl_refresh();
+    tl_streams[dev] = h;
+    Py_RETURN_NONE;
+}
+
+/* ---- streams and events ---- */
+
+/* _stream_create(device) -> handle (a new stream of that device). */
+static PyObject *m_stream_create(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev, prev;
+    if (as_i32(arg, "Stream", "device", &dev) < 0 || enter_device(dev, &prev) < 0)
+        return NULL;
+    aclrtStream s = NULL;
+    aclError rc = aclrtCreateStream(&s);
+    restore_device(dev, prev);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtCreateStream", rc);
+    return PyLong_FromUnsignedLongLong((uintptr_t)s);
+}
+
+/* _stream_destroy(handle, generation): nothing if the runtime restarted since. */
+static PyObject *m_stream_destroy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_stream_destroy", nargs, 2))
+        return NULL;
+    uint64_t h, g;
+    if (as_u64(args[0], "_stream_destroy", "stream", &h) < 0 || as_u64(args[1], "_stream_destroy", "gen", &g) < 0)
+        return NULL;
+    if (h == 0 || g != gen_now())
+        Py_RETURN_NONE;
+    aclError rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = aclrtDestroyStream((aclrtStream)(uintptr_t)h); /* waits for the stream's queued work */
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+/* Runs `op` on stream `h` of device `dev`: a default stream (0) needs its device current. */
+typedef aclError (*stream_op)(aclrtStream s, void *ctx);
+
+static PyObject *on_stream(PyObject *const *args, Py_ssize_t nargs, const char *fn, stream_op op, void *ctx,
+                           bool nogil)
+{
+    if (nargs < 2) {
+        PyErr_Format(PyExc_TypeError, "%s() takes at least 2 arguments", fn);
+        return NULL;
+    }
+    uint64_t h;
+    int32_t dev, prev = -1;
+    if (as_u64(args[0], fn, "stream", &h) < 0 || as_i32(args[1], fn, "device", &dev) < 0)
+        return NULL;
+    if (h == 0 && enter_device(dev, &prev) < 0)
+        return NULL;
+    aclError rc;
+    if (nogil) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = op((aclrtStream)(uintptr_t)h, ctx);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = op((aclrtStream)(uintptr_t)h, ctx);
+    }
+    if (h == 0)
+        restore_device(dev, prev);
+    if (rc != ACL_SUCCESS) {
+        char what[64];
+        snprintf(what, sizeof what, "%s", fn);
+        return raise_acl(what, rc);
+    }
+    return NULL; /* the caller builds the result */
+}
+
+static aclError op_sync(aclrtStream s, void *ctx)
+{
+    (void)ctx;
+    return aclrtSynchronizeStream(s);
+}
+
+static PyObject *m_stream_synchronize(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    on_stream(args, nargs, "aclrtSynchronizeStream", op_sync, NULL, true);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _stream_query(stream, device) -> True once everything queued on the stream has run
+ * (aclrtStreamQuery; the runtime's own bookkeeping, so an idle stream is complete at once). */
+static PyObject *m_stream_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_stream_query", nargs, 2))
+        return NULL;
+    uint64_t h;
+    int32_t dev;
+    if (as_u64(args[0], "_stream_query", "stream", &h) < 0 || as_i32(args[1], "_stream_query", "device", &dev) < 0)
+        return NULL;
+    bool done = false;
+    aclError rc = npualloc_stream_query((aclrtStream)(uintptr_t)h, dev, &done);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtStreamQuery", rc);
+    return PyBool_FromLong(done);
+}
+
+static aclError op_wait_event(aclrtStream s, void *ctx) { return aclrtStreamWaitEvent(s, ctx); }
+
+/* _stream_wait_event(stream, device, event) */
+static PyObject *m_stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_stream_wait_event", nargs, 3))
+        return NULL;
+    uint64_t e;
+    if (as_u64(args[2], "_stream_wait_event", "event", &e) < 0)
+        return NULL;
+    on_stream(args, nargs, "aclrtStreamWaitEvent", op_wait_event, (void *)(uintptr_t)e, false);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static aclError op_record(aclrtStream s, void *ctx) { return aclrtRecordEvent(ctx, s); }
+
+/* _event_record(stream, device, event) */
+static PyObject *m_event_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_event_record", nargs, 3))
+        return NULL;
+    uint64_t e;
+    if (as_u64(args[2], "_event_record", "event", &e) < 0)
+        return NULL;
+    on_stream(args, nargs, "aclrtRecordEvent", op_record, (void *)(uintptr_t)e, false);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_event_create(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    aclrtEvent e = NULL;
+    aclError rc = aclrtCreateEvent(&e);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtCreateEvent", rc);
+    return PyLong_FromUnsignedLongLong((uintptr_t)e);
+}
+
+static PyObject *m_event_destroy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_event_destroy", nargs, 2))
+        return NULL;
+    uint64_t e, g;
+    if (as_u64(args[0], "_event_destroy", "event", &e) < 0 || as_u64(args[1], "_event_destroy", "gen", &g) < 0)
+        return NULL;
+    if (e == 0 || g != gen_now())
+        Py_RETURN_NONE;
+    return PyLong_FromLong(aclrtDestroyEvent((aclrtEvent)(uintptr_t)e));
+}
+
+static PyObject *m_event_query(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    uint64_t e;
+    if (as_u64(arg, "_event_query", "event", &e) < 0)
+        return NULL;
+    aclrtEventStatus st;
+    aclError rc = aclrtQueryEvent((aclrtEvent)(uintptr_t)e, &st);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtQueryEvent", rc);
+    return PyBool_FromLong(st == ACL_EVENT_STATUS_COMPLETE);
+}
+
+static PyObject *m_event_synchronize(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    uint64_t e;
+    if (as_u64(arg, "_event_synchronize", "event", &e) < 0)
+        return NULL;
+    aclError rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = aclrtSynchronizeEvent((aclrtEvent)(uintptr_t)e);
+    Py_END_ALLOW_THREADS
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtSynchronizeEvent", rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_event_elapsed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_event_elapsed", nargs, 2))
+        return NULL;
+    uint64_t a, b;
+    if (as_u64(args[0], "_event_elapsed", "start", &a) < 0 || as_u64(args[1], "_event_elapsed", "end", &b) < 0)
+        return NULL;
+    float ms = 0.0f;
+    aclError rc = aclrtEventElapsedTime(&ms, (aclrtEvent)(uintptr_t)a, (aclrtEvent)(uintptr_t)b);
+    if (rc != ACL_SUCCESS)
+        return raise_acl("aclrtEventElapsedTime", rc);
+    return PyFloat_FromDouble(ms);
+}
+
+/* ---- the module ---- */
+
+#define FAST(fn) (PyCFunction)(void (*)(void))(fn)
+
+static PyMethodDef memory_methods[] = {
+    {"caching_allocator_alloc", FAST(m_caching_allocator_alloc), METH_FASTCALL | METH_KEYWORDS,
+     "caching_allocator_alloc(size, device=None, stream=None) -> int pointer"},
+    {"caching_allocator_delete", m_caching_allocator_delete, METH_O, "caching_allocator_delete(mem_ptr)"},
+    {"empty", FAST(m_empty), METH_FASTCALL | METH_KEYWORDS, "empty(nbytes, device=None, stream=None) -> Buffer"},
+    {"_empty_cache", m_empty_cache, METH_NOARGS, NULL},
+    {"_stats", m_stats, METH_O, "_stats(device) -> nested dict"},
+    {"_reset_peak", m_reset_peak, METH_O, NULL},
+    {"_reset_accumulated", m_reset_accumulated, METH_O, NULL},
+    {"_set_fraction", FAST(m_set_fraction), METH_FASTCALL, NULL},
+    {"_get_fraction", m_get_fraction, METH_O, NULL},
+    {"_record_stream", FAST(m_record_stream), METH_FASTCALL, NULL},
+    {"_erase_stream", FAST(m_erase_stream), METH_FASTCALL, NULL},
+    {"_block_info", m_block_info, METH_O, "_block_info(ptr) -> (device, stream, size)"},
+    {"_snapshot", m_snapshot, METH_NOARGS, NULL},
+    {"_record_history", FAST(m_record_history), METH_FASTCALL, NULL},
+    {"_set_settings", m_set_settings, METH_O, NULL},
+    {"_settings_text", m_settings_text, METH_NOARGS, NULL},
+    {"_check", m_check, METH_O, "_check(device): None, or AssertionError with the first violated invariant"},
+    {"_attach_oom_observer", m_attach_oom_observer, METH_O, NULL},
+    {"_clear_oom_observers", m_clear_oom_observers, METH_NOARGS, NULL},
+    {"_set_stream_type", m_set_stream_type, METH_O, NULL},
+    {"_caching_disabled", m_caching_disabled, METH_NOARGS, NULL},
+    {"_generation", m_generation, METH_NOARGS, NULL},
+    {"_current_device", m_current_device, METH_NOARGS, NULL},
+    {"_local_device", m_local_device, METH_NOARGS, NULL},
+    {"_set_device", m_set_device, METH_O, NULL},
+    {"_device_count", m_device_count, METH_NOARGS, NULL},
+    {"_mem_get_info", m_mem_get_info, METH_O, NULL},
+    {"_synchronize", m_synchronize, METH_O, NULL},
+    {"_get_current_stream", m_get_current_stream, METH_O, NULL},
+    {"_set_current_stream", FAST(m_set_current_stream), METH_FASTCALL, NULL},
+    {"_stream_create", m_stream_create, METH_O, NULL},
+    {"_stream_destroy", FAST(m_stream_destroy), METH_FASTCALL, NULL},
+    {"_stream_synchronize", FAST(m_stream_synchronize), METH_FASTCALL, NULL},
+    {"_stream_query", FAST(m_stream_query), METH_FASTCALL, NULL},
+    {"_stream_wait_event", FAST(m_stream_wait_event), METH_FASTCALL, NULL},
+    {"_event_create", m_event_create, METH_NOARGS, NULL},
+    {"_event_destroy", FAST(m_event_destroy), METH_FASTCALL, NULL},
+    {"_event_record", FAST(m_event_record), METH_FASTCALL, NULL},
+    {"_event_query", m_event_query, METH_O, NULL},
+    {"_event_synchronize", m_event_synchronize, METH_O, NULL},
+    {"_event_elapsed", FAST(m_event_elapsed), METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef memory_def = {
+    PyModuleDef_HEAD_INIT, "npualloc._C.memory", "The torch_npu-like memory face of npualloc.", -1, memory_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+int memory_py_attach(PyObject *module)
+{
+    if (PyType_Ready(&Buffer_Type) < 0)
+        return -1;
+    PyObject *m = PyModule_Create(&memory_def);
+    if (!m)
+        return -1;
+    if (!OutOfMemoryError) {
+        OutOfMemoryError = PyErr_NewExceptionWithDoc(
+            "npualloc.OutOfMemoryError", "The device (or the memory fraction) has no room for an allocation.",
+            PyExc_RuntimeError, NULL);
+        if (!OutOfMemoryError)
+            goto fail;
+    }
+    if (!oom_observers && !(oom_observers = PyList_New(0)))
+        goto fail;
+    if (!str_npu_stream && !(str_npu_stream = PyUnicode_InternFromString("npu_stream")))
+        goto fail;
+    Py_INCREF(OutOfMemoryError);
+    if (PyModule_AddObject(m, "OutOfMemoryError", OutOfMemoryError) < 0) {
+        Py_DECREF(OutOfMemoryError);
+        goto fail;
+    }
+    Py_INCREF(&Buffer_Type);
+    if (PyModule_AddObject(m, "Buffer", (PyObject *)&Buffer_Type) < 0) {
+        Py_DECREF(&Buffer_Type);
+        goto fail;
+    }
+    if (PyModule_AddObject(module, "memory", m) < 0)
+        goto fail;
+    return 0;
+fail:
+    Py_DECREF(m);
+    return -1;
+}

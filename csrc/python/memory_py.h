@@ -1,0 +1,17 @@
+/*
+ * memory_py.h - the torch_npu-like memory face: the `npualloc._C.memory` submodule
+ * (caching_allocator_alloc / delete, the Buffer type, OutOfMemoryError, stats, snapshots,
+ * streams and events for npualloc/streams.py, the thread's current streams).
+ */
+#ifndef NPUALLOC_MEMORY_PY_H
+#define NPUALLOC_MEMORY_PY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Creates the submodule and adds it to `module` as `memory`; also wraps `module.shutdown` so
+ * the face notices a restart of the runtime (its streams, events and buffers go stale).
+ * Returns 0, or -1 with an exception set. */
+int memory_py_attach(PyObject *module);
+
+#endif

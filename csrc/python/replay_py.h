@@ -1,0 +1,15 @@
+/*
+ * replay_py.h - the trace-replay face: the `npualloc._C.replay` submodule (the Session type
+ * behind npualloc/replay.py).
+ */
+#ifndef NPUALLOC_REPLAY_PY_H
+#define NPUALLOC_REPLAY_PY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* Creates the submodule and adds it to `module` as `replay`.  Returns 0, or -1 with an
+ * exception set. */
+int replay_py_attach(PyObject *module);
+
+#endif

@@ -1,0 +1,686 @@
+/*
+ * replay.c - trace replay through a private caching-allocator instance on a simulated device
+ * (see include/npualloc_replay.h for the API and replay.h for the session's layout).
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common.h"
+#include "replay.h"
+
+/* ---- the simulated device ---- */
+
+static uint64_t sim_paged_capacity(const sim_device *s) { return s->capacity - s->huge1g_capacity; }
+
+/* Takes `size` bytes: from the 1 GiB pool when asked and it has room, otherwise from ordinary
+ * memory.  A page_size:1g segment that does not fit the pool falls back to ordinary memory here
+ * rather than in caching.c, whose fallback would queue a process-wide warning; the outcome is
+ * the same and the session counts it.  Returns false when the device is full. */
+static bool sim_charge(sim_device *s, size_t size, bool huge1g, bool *from_pool)
+{
+    if (huge1g && s->huge1g_capacity - s->used_huge1g >= size) {
+        s->used_huge1g += size;
+        *from_pool = true;
+        return true;
+    }
+    if (sim_paged_capacity(s) - s->used_paged < size)
+        return false;
+    if (huge1g)
+        s->huge1g_fallbacks++;
+    s->used_paged += size;
+    *from_pool = false;
+    return true;
+}
+
+static void sim_uncharge(sim_device *s, size_t size, bool from_pool)
+{
+    if (from_pool)
+        s->used_huge1g -= size;
+    else
+        s->used_paged -= size;
+}
+
+static aclError sim_segment_alloc(void *ctx, int32_t device, size_t size, bool huge1g, void **ptr)
+{
+    (void)device;
+    sim_device *s = ctx;
+    bool pool;
+    if (!sim_charge(s, size, huge1g, &pool))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    uintptr_t *next = pool ? &s->next_huge1g : &s->next_paged;
+    *ptr = (void *)*next;
+    *next += round_up(size, pool ? GiB : 2 * MiB);
+    return ACL_SUCCESS;
+}
+
+static void sim_segment_free(void *ctx, int32_t device, void *ptr, size_t size)
+{
+    (void)device;
+    sim_device *s = ctx;
+    uintptr_t p = (uintptr_t)ptr;
+    sim_uncharge(s, size, p >= SIM_HUGE1G_BASE && p < SIM_RESERVE_BASE);
+}
+
+static void sim_mem_info(void *ctx, int32_t device, size_t *free_bytes, size_t *total_bytes)
+{
+    (void)device;
+    const sim_device *s = ctx;
+    *total_bytes = s->capacity;
+    *free_bytes = s->capacity - s->used_paged - s->used_huge1g;
+}
+
+static void sim_synchronize(void *ctx, int32_t device)
+{
+    (void)ctx;
+    (void)device; /* no streams: nothing is ever in flight */
+}
+
+static bool sim_segment_valid(void *ctx, int32_t device, void *ptr, size_t size)
+{
+    (void)device;
+    const sim_device *s = ctx;
+    uintptr_t p = (uintptr_t)ptr;
+    if (p >= SIM_RESERVE_BASE)
+        return p + size <= s->next_reserve;
+    if (p >= SIM_HUGE1G_BASE)
+        return p + size <= s->next_huge1g;
+    return p >= SIM_PAGED_BASE && p + size <= s->next_paged;
+}
+
+/* Expandable segments: address space costs nothing; pages are charged while they exist.  A page
+ * handle encodes where its bytes came from: serial << 32 | (size / 512) << 1 | from_pool. */
+static aclError sim_reserve(void *ctx, int32_t device, size_t size, uintptr_t *base)
+{
+    (void)device;
+    sim_device *s = ctx;
+    *base = s->next_reserve;
+    s->next_reserve += round_up(size, GiB);
+    return ACL_SUCCESS;
+}
+
+static void sim_release(void *ctx, int32_t device, uintptr_t base, size_t size)
+{
+    (void)ctx;
+    (void)device;
+    (void)base;
+    (void)size;
+}
+
+static aclError sim_map_page(void *ctx, int32_t device, uintptr_t va, size_t size, bool huge1g, uint64_t *handle)
+{
+    (void)device;
+    (void)va;
+    sim_device *s = ctx;
+    bool pool;
+    if (size % K_MIN_BLOCK_SIZE != 0 || size / K_MIN_BLOCK_SIZE >= ((uint64_t)1 << 31) ||
+        !sim_charge(s, size, huge1g, &pool))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    *handle = (++s->page_serial << 32) | ((uint64_t)(size / K_MIN_BLOCK_SIZE) << 1) | (pool ? 1u : 0u);
+    return ACL_SUCCESS;
+}
+
+static aclError sim_remap_page(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle)
+{
+    (void)ctx;
+    (void)device;
+    (void)va;
+    (void)size;
+    (void)handle; /* a kept page is still charged */
+    return ACL_SUCCESS;
+}
+
+static void sim_free_page(void *ctx, int32_t device, uint64_t handle)
+{
+    (void)device;
+    sim_uncharge(ctx, (size_t)((handle & 0xffffffffu) >> 1) * K_MIN_BLOCK_SIZE, handle & 1);
+}
+
+static void sim_unmap_page(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle, bool keep)
+{
+    (void)va;
+    (void)size;
+    if (!keep)
+        sim_free_page(ctx, device, handle);
+}
+
+const cache_backend replay_sim_backend = {
+    .segment_alloc = sim_segment_alloc,
+    .segment_free = sim_segment_free,
+    .mem_info = sim_mem_info,
+    .synchronize = sim_synchronize,
+    .segment_valid = sim_segment_valid,
+    .reserve = sim_reserve,
+    .release = sim_release,
+    .map_page = sim_map_page,
+    .remap_page = sim_remap_page,
+    .unmap_page = sim_unmap_page,
+    .free_page = sim_free_page,
+};
+
+/* ---- timeline ---- */
+
+static int timeline_init(replay_timeline *t, uint32_t points)
+{
+    memset(t, 0, sizeof *t);
+    if (points == 0)
+        return 0;
+    t->cap = points < 2 ? 2 : (points + 1) / 2 * 2; /* even: full buffers merge in pairs */
+    t->points = malloc(t->cap * sizeof *t->points);
+    t->stride = 1;
+    return t->points ? 0 : -1;
+}
+
+static void timeline_merge(replay_timeline *t)
+{
+    for (size_t i = 0; i < t->count / 2; i++) {
+        const npualloc_replay_point *a = &t->points[2 * i], *b = &t->points[2 * i + 1];
+        npualloc_replay_point m = {a->event, a->allocated > b->allocated ? a->allocated : b->allocated,
+                                   a->reserved > b->reserved ? a->reserved : b->reserved};
+        t->points[i] = m;
+    }
+    t->count /= 2;
+    t->stride *= 2;
+}
+
+static inline void timeline_sample(replay_timeline *t, uint64_t event, uint64_t allocated, uint64_t reserved)
+{
+    if (!t->cap)
+        return;
+    if (t->cur_events == 0) {
+        t->cur.event = event;
+        t->cur.allocated = allocated;
+        t->cur.reserved = reserved;
+    } else {
+        if (allocated > t->cur.allocated)
+            t->cur.allocated = allocated;
+        if (reserved > t->cur.reserved)
+            t->cur.reserved = reserved;
+    }
+    if (++t->cur_events == t->stride) {
+        t->points[t->count++] = t->cur;
+        t->cur_events = 0;
+        if (t->count == t->cap)
+            timeline_merge(t);
+    }
+}
+
+/* ---- the live map ---- */
+
+static inline size_t live_home(const live_map *m, uint64_t key)
+{
+    return (size_t)((key * 0x9E3779B97F4A7C15ull) >> m->shift); /* the product's top bits mix best */
+}
+
+static int live_grow(live_map *m)
+{
+    size_t cap = m->mask ? (m->mask + 1) * 2 : 1024;
+    live_entry *slots = calloc(cap, sizeof *slots);
+    if (!slots)
+        return -1;
+    live_map old = *m;
+    m->slots = slots;
+    m->mask = cap - 1;
+    m->shift = (unsigned)__builtin_clzll((unsigned long long)cap) + 1; /* 64 - log2(cap) */
+    for (size_t i = 0; old.slots && i <= old.mask; i++) {
+        if (!old.slots[i].key)
+            continue;
+        size_t j = live_home(m, old.slots[i].key);
+        while (m->slots[j].key)
+            j = (j + 1) & m->mask;
+        m->slots[j] = old.slots[i];
+    }
+    free(old.slots);
+    return 0;
+}
+
+/* The entry of `key`, inserted with value NULL when absent; NULL when out of memory. */
+static inline live_entry *live_find_or_insert(live_map *m, uint64_t key)
+{
+    if (unlikely((m->count + 1) * 2 > m->mask + 1 || !m->slots) && live_grow(m) != 0)
+        return NULL;
+    size_t i = live_home(m, key);
+    while (m->slots[i].key != key) {
+        if (!m->slots[i].key) {
+            m->slots[i].key = key;
+            m->slots[i].value = NULL;
+            m->count++;
+            break;
+        }
+        i = (i + 1) & m->mask;
+    }
+    return &m->slots[i];
+}
+
+/* Removes `key`; returns its value, or NULL when absent. */
+static inline void *live_remove(live_map *m, uint64_t key)
+{
+    if (!m->count)
+        return NULL;
+    size_t i = live_home(m, key);
+    while (m->slots[i].key != key) {
+        if (!m->slots[i].key)
+            return NULL;
+        i = (i + 1) & m->mask;
+    }
+    void *value = m->slots[i].value;
+    size_t hole = i;
+    for (size_t j = (i + 1) & m->mask; m->slots[j].key; j = (j + 1) & m->mask) {
+        size_t home = live_home(m, m->slots[j].key);
+        if (((j - home) & m->mask) >= ((j - hole) & m->mask)) {
+            m->slots[hole] = m->slots[j];
+            hole = j;
+        }
+    }
+    m->slots[hole].key = 0;
+    m->slots[hole].value = NULL;
+    m->count--;
+    return value;
+}
+
+/* ---- sessions ---- */
+
+static const char *const status_names[] = {"OK",        "BAD_SETTINGS", "BAD_CONFIG", "UNAVAILABLE",
+                                           "STOPPED",   "HOST_MEMORY",  "INVALID"};
+
+const char *npualloc_replay_status_name(npualloc_replay_status st)
+{
+    return (unsigned)st < ARRAY_LEN(status_names) ? status_names[st] : "UNKNOWN";
+}
+
+void npualloc_replay_config_default(npualloc_replay_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->device_memory = (uint64_t)80 << 30;
+    cfg->pad = NPUALLOC_REPLAY_PAD_NPU;
+    cfg->timeline_points = 2048;
+    cfg->max_oom_records = 64;
+}
+
+static npualloc_replay_status fail(char *err, size_t errlen, npualloc_replay_status st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static npualloc_replay_status fail(char *err, size_t errlen, npualloc_replay_status st, const char *fmt, ...)
+{
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+npualloc_replay_status npualloc_replay_create(const npualloc_replay_config *cfg, npualloc_replay **out, char *err,
+                                              size_t errlen)
+{
+    if (err && errlen)
+        err[0] = '\0';
+    if (!cfg || !out)
+        return fail(err, errlen, NPUALLOC_REPLAY_INVALID, "npualloc_replay_create: NULL argument");
+    *out = NULL;
+    if (cfg->device_memory == 0)
+        return fail(err, errlen, NPUALLOC_REPLAY_BAD_CONFIG, "device memory must be more than 0 bytes");
+    if (cfg->device_memory > ((uint64_t)1 << 60))
+        return fail(err, errlen, NPUALLOC_REPLAY_BAD_CONFIG, "device memory must be at most 1 EiB");
+    if (cfg->huge1g_memory % GiB != 0 || cfg->huge1g_memory > cfg->device_memory)
+        return fail(err, errlen, NPUALLOC_REPLAY_BAD_CONFIG,
+                    "the 1 GiB page pool (%llu bytes) must be a multiple of 1 GiB and at most the device memory",
+                    (unsigned long long)cfg->huge1g_memory);
+    if (cfg->pad >= K_MIN_BLOCK_SIZE)
+        return fail(err, errlen, NPUALLOC_REPLAY_BAD_CONFIG, "pad must be below 512 bytes (32 for NPU rounding, "
+                    "0 for CUDA rounding)");
+    if (!(cfg->fraction == 0.0 || (cfg->fraction > 0.0 && cfg->fraction <= 1.0)))
+        return fail(err, errlen, NPUALLOC_REPLAY_BAD_CONFIG, "memory fraction must be in (0, 1], got %g",
+                    cfg->fraction);
+
+    npualloc_replay *r = calloc(1, sizeof *r);
+    if (!r)
+        return fail(err, errlen, NPUALLOC_REPLAY_HOST_MEMORY, "out of host memory");
+    alloc_settings_default(&r->settings);
+    conf_result cr;
+    memset(&cr, 0, sizeof cr);
+    if (cfg->settings && alloc_conf_parse(cfg->settings, &r->settings, NULL, NULL, &cr) != CONF_OK) {
+        free(r);
+        return fail(err, errlen, NPUALLOC_REPLAY_BAD_SETTINGS, "%s", cr.message);
+    }
+    r->warning_count = cr.warning_count;
+    for (int i = 0; i < cr.warning_count && i < ALLOC_CONF_MAX_WARNINGS; i++)
+        memcpy(r->warnings[i], cr.warnings[i], sizeof r->warnings[i]);
+
+    r->sim.capacity = cfg->device_memory;
+    r->sim.huge1g_capacity = cfg->huge1g_memory;
+    r->sim.next_paged = SIM_PAGED_BASE;
+    r->sim.next_huge1g = SIM_HUGE1G_BASE;
+    r->sim.next_reserve = SIM_RESERVE_BASE;
+    r->stop_on_oom = cfg->stop_on_oom;
+    r->oom_cap = cfg->max_oom_records;
+    if (timeline_init(&r->timeline, cfg->timeline_points) != 0 ||
+        (r->oom_cap && !(r->ooms = calloc(r->oom_cap, sizeof *r->ooms)))) {
+        free(r->timeline.points);
+        free(r);
+        return fail(err, errlen, NPUALLOC_REPLAY_HOST_MEMORY, "out of host memory");
+    }
+    pthread_mutex_init(&r->dc.lock, NULL);
+    pthread_mutex_lock(&r->dc.lock);
+    cache_device_init(&r->dc, 0, &r->settings, &replay_sim_backend, &r->sim, cfg->pad);
+    if (cfg->fraction > 0.0)
+        cache_set_fraction_locked(&r->dc, cfg->fraction);
+    if (cfg->record_history) {
+        r->dc.history_enabled = true;
+        r->dc.history_max = cfg->record_history;
+        r->dc.record_context = NPUALLOC_RECORD_NEVER;
+    }
+    bool expandable = r->settings.expandable_segments;
+    bool supported = !expandable || expandable_supported(&r->dc);
+    pthread_mutex_unlock(&r->dc.lock);
+    if (!supported) {
+        npualloc_replay_destroy(r);
+        return fail(err, errlen, NPUALLOC_REPLAY_UNAVAILABLE,
+                    "expandable_segments is not available in this build of npualloc's allocator");
+    }
+    r->res.expandable = expandable;
+    *out = r;
+    return NPUALLOC_REPLAY_OK;
+}
+
+void npualloc_replay_destroy(npualloc_replay *r)
+{
+    if (!r)
+        return;
+    pthread_mutex_lock(&r->dc.lock);
+    cache_device_release_all(&r->dc);
+    pthread_mutex_unlock(&r->dc.lock);
+    pthread_mutex_destroy(&r->dc.lock);
+    free(r->live.slots);
+    free(r->timeline.points);
+    free(r->ooms);
+    free(r);
+}
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void record_oom(npualloc_replay *r, uint64_t event, uint64_t size, uint64_t stream,
+                       const npualloc_oom_info *info)
+{
+    size_t i = (size_t)r->res.ooms++;
+    if (i >= r->oom_cap)
+        return;
+    npualloc_replay_oom *o = &r->ooms[i];
+    o->event = event;
+    o->size = size;
+    o->stream = stream;
+    npualloc_format_oom(info, o->message, sizeof o->message);
+}
+
+/* Frees the session block at `ptr` (an allocated block of the session). */
+static inline void replay_free_ptr(npualloc_replay *r, void *ptr)
+{
+    cache_block *b = ptr_map_get(&r->dc.allocated_blocks, (uintptr_t)ptr);
+    if (likely(b != NULL))
+        cache_free_locked(&r->dc, b);
+    r->res.frees++;
+}
+
+npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_replay_events *ev)
+{
+    if (!r || !ev || (ev->count && (!ev->action || !ev->addr || !ev->size || !ev->stream)))
+        return NPUALLOC_REPLAY_INVALID;
+    pthread_mutex_lock(&r->dc.lock);
+    if (r->halted) {
+        pthread_mutex_unlock(&r->dc.lock);
+        return NPUALLOC_REPLAY_STOPPED;
+    }
+    npualloc_replay_status st = NPUALLOC_REPLAY_OK;
+    device_cache *dc = &r->dc;
+    const npualloc_stat *allocated = &dc->stats.allocated_bytes[NPUALLOC_STAT_ALL];
+    const npualloc_stat *reserved = &dc->stats.reserved_bytes[NPUALLOC_STAT_ALL];
+    double t0 = now_seconds();
+    size_t i;
+    for (i = 0; i < ev->count; i++) {
+        uint64_t index = r->res.events;
+        uintptr_t addr = (uintptr_t)ev->addr[i];
+        if (unlikely(addr == 0)) {
+            r->res.ignored++;
+        } else if (ev->action[i] == NPUALLOC_REPLAY_ALLOC) {
+            uint64_t size = ev->size[i];
+            if (unlikely(size == 0)) {
+                r->res.ignored++;
+                goto sample;
+            }
+            live_entry *slot = live_find_or_insert(&r->live, addr);
+            if (unlikely(!slot)) {
+                r->halted = true;
+                st = NPUALLOC_REPLAY_HOST_MEMORY;
+                break;
+            }
+            if (unlikely(slot->value != NULL)) {
+                /* The recorded run handed this address out again: its free is missing. */
+                r->res.duplicate_allocs++;
+                if (slot->value != REPLAY_SKIPPED)
+                    replay_free_ptr(r, slot->value);
+                slot->value = NULL;
+            }
+            void *ptr = NULL;
+            npualloc_oom_info oom;
+            aclError rc;
+            if (unlikely(size >= K_ONE_EB)) {
+                memset(&oom, 0, sizeof oom);
+                oom.over_1eb = true;
+                oom.requested = size;
+                rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+            } else {
+                rc = cache_malloc_locked(dc, (size_t)size, ev->stream[i], &ptr, &oom);
+            }
+            if (likely(rc == ACL_SUCCESS)) {
+                r->res.allocs++;
+                slot->value = ptr; /* the map does not change inside the allocator: slot is still valid */
+            } else if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION) {
+                record_oom(r, index, size, ev->stream[i], &oom);
+                if (r->stop_on_oom) {
+                    live_remove(&r->live, addr);
+                    r->res.stopped = true;
+                    r->halted = true;
+                    st = NPUALLOC_REPLAY_STOPPED;
+                    r->res.events++; /* the failing allocation was replayed */
+                    timeline_sample(&r->timeline, index, (uint64_t)allocated->current, (uint64_t)reserved->current);
+                    break;
+                }
+                slot->value = REPLAY_SKIPPED;
+            } else {
+                live_remove(&r->live, addr);
+                r->halted = true;
+                st = NPUALLOC_REPLAY_HOST_MEMORY;
+                break;
+            }
+        } else {
+            void *ptr = live_remove(&r->live, addr);
+            if (unlikely(ptr == NULL))
+                r->res.unknown_frees++;
+            else if (unlikely(ptr == REPLAY_SKIPPED))
+                r->res.skipped_frees++;
+            else
+                replay_free_ptr(r, ptr);
+        }
+    sample:
+        r->res.events++;
+        timeline_sample(&r->timeline, index, (uint64_t)allocated->current, (uint64_t)reserved->current);
+    }
+    r->res.wall_seconds += now_seconds() - t0;
+    pthread_mutex_unlock(&r->dc.lock);
+    return st;
+}
+
+void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
+{
+    pthread_mutex_lock(&r->dc.lock);
+    const npualloc_stats *s = &r->dc.stats;
+    *out = r->res;
+    out->peak_requested = (uint64_t)s->requested_bytes[NPUALLOC_STAT_ALL].peak;
+    out->peak_allocated = (uint64_t)s->allocated_bytes[NPUALLOC_STAT_ALL].peak;
+    out->peak_active = (uint64_t)s->active_bytes[NPUALLOC_STAT_ALL].peak;
+    out->peak_reserved = (uint64_t)s->reserved_bytes[NPUALLOC_STAT_ALL].peak;
+    out->final_allocated = (uint64_t)s->allocated_bytes[NPUALLOC_STAT_ALL].current;
+    out->final_reserved = (uint64_t)s->reserved_bytes[NPUALLOC_STAT_ALL].current;
+    out->segments = (uint64_t)s->segment[NPUALLOC_STAT_ALL].current;
+    out->live_allocations = (uint64_t)s->allocation[NPUALLOC_STAT_ALL].current;
+    out->fragmentation =
+        out->peak_reserved ? 1.0 - (double)out->peak_active / (double)out->peak_reserved : 0.0;
+    out->device_allocs = (uint64_t)s->num_device_alloc;
+    out->device_frees = (uint64_t)s->num_device_free;
+    out->retries = (uint64_t)s->num_alloc_retries;
+    out->huge1g_fallbacks = r->sim.huge1g_fallbacks;
+    out->events_per_second = out->wall_seconds > 0.0 ? (double)out->events / out->wall_seconds : 0.0;
+    pthread_mutex_unlock(&r->dc.lock);
+}
+
+void npualloc_replay_get_stats(npualloc_replay *r, npualloc_stats *out)
+{
+    pthread_mutex_lock(&r->dc.lock);
+    *out = r->dc.stats;
+    pthread_mutex_unlock(&r->dc.lock);
+}
+
+size_t npualloc_replay_timeline(npualloc_replay *r, npualloc_replay_point *out, size_t cap)
+{
+    pthread_mutex_lock(&r->dc.lock);
+    const replay_timeline *t = &r->timeline;
+    size_t n = t->count + (t->cur_events ? 1 : 0);
+    for (size_t i = 0; i < n && i < cap; i++)
+        out[i] = i < t->count ? t->points[i] : t->cur;
+    pthread_mutex_unlock(&r->dc.lock);
+    return n;
+}
+
+bool npualloc_replay_get_oom(npualloc_replay *r, size_t i, npualloc_replay_oom *out)
+{
+    pthread_mutex_lock(&r->dc.lock);
+    bool ok = i < r->res.ooms && i < r->oom_cap;
+    if (ok)
+        *out = r->ooms[i];
+    pthread_mutex_unlock(&r->dc.lock);
+    return ok;
+}
+
+const char *npualloc_replay_warning(npualloc_replay *r, size_t i)
+{
+    return i < (size_t)r->warning_count ? r->warnings[i] : NULL;
+}
+
+aclError npualloc_replay_check(npualloc_replay *r, char *why, size_t len)
+{
+    pthread_mutex_lock(&r->dc.lock);
+    aclError rc = cache_check_locked(&r->dc, why, len);
+    pthread_mutex_unlock(&r->dc.lock);
+    return rc;
+}
+
+/* ---- snapshot ---- */
+
+typedef struct replay_snap {
+    npualloc_snapshot *snap;
+    size_t seg_cap, block_cap;
+    bool failed;
+} replay_snap;
+
+static bool grow(void **items, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return true;
+    size_t n = *cap ? *cap * 2 : 64;
+    while (n < need)
+        n *= 2;
+    void *p = realloc(*items, n * elem);
+    if (!p)
+        return false;
+    *items = p;
+    *cap = n;
+    return true;
+}
+
+static void snap_segment(cache_block *head, void *ctx)
+{
+    replay_snap *rs = ctx;
+    npualloc_snapshot *s = rs->snap;
+    if (rs->failed || !grow((void **)&s->segments, &rs->seg_cap, s->segment_count + 1, sizeof *s->segments)) {
+        rs->failed = true;
+        return;
+    }
+    npualloc_segment_info *seg = &s->segments[s->segment_count];
+    memset(seg, 0, sizeof *seg);
+    seg->address = head->ptr;
+    seg->stream = head->stream;
+    seg->is_small = head->pool->is_small;
+    seg->is_expandable = head->es != NULL;
+    seg->first_block = s->block_count;
+    for (cache_block *b = head; b; b = b->next) {
+        if (!grow((void **)&s->blocks, &rs->block_cap, s->block_count + 1, sizeof *s->blocks)) {
+            rs->failed = true;
+            return;
+        }
+        npualloc_block_info *bi = &s->blocks[s->block_count++];
+        memset(bi, 0, sizeof *bi);
+        bi->address = b->ptr;
+        bi->size = b->size;
+        bi->requested_size = b->requested_size;
+        bool active = b->allocated || b->event_count > 0;
+        bi->state = b->allocated ? NPUALLOC_BLOCK_ACTIVE_ALLOCATED
+                    : active     ? NPUALLOC_BLOCK_ACTIVE_PENDING_FREE
+                                 : NPUALLOC_BLOCK_INACTIVE;
+        seg->total_size += b->size;
+        if (b->allocated)
+            seg->allocated_size += b->size;
+        if (active) {
+            seg->active_size += b->size;
+            seg->requested_size += b->requested_size;
+        }
+        seg->block_count++;
+    }
+    s->segment_count++;
+}
+
+npualloc_replay_status npualloc_replay_snapshot(npualloc_replay *r, npualloc_snapshot **out)
+{
+    if (!r || !out)
+        return NPUALLOC_REPLAY_INVALID;
+    *out = NULL;
+    npualloc_snapshot *s = calloc(1, sizeof *s);
+    if (!s)
+        return NPUALLOC_REPLAY_HOST_MEMORY;
+    replay_snap rs = {.snap = s};
+    pthread_mutex_lock(&r->dc.lock);
+    device_cache *dc = &r->dc;
+    if (dc->history_count) {
+        s->traces = malloc(dc->history_count * sizeof *s->traces);
+        if (!s->traces) {
+            rs.failed = true;
+        } else {
+            for (size_t i = 0; i < dc->history_count; i++) {
+                const trace_entry *e = &dc->history[(dc->history_next + i) % dc->history_count];
+                npualloc_trace_info *t = &s->traces[s->trace_count++];
+                memset(t, 0, sizeof *t);
+                t->action = (npualloc_trace_action)e->action;
+                t->addr = e->addr;
+                t->size = e->size;
+                t->stream = e->stream;
+                t->time_us = e->time_us;
+            }
+        }
+    }
+    if (!rs.failed)
+        cache_each_segment(dc, snap_segment, &rs);
+    pthread_mutex_unlock(&r->dc.lock);
+    if (rs.failed) {
+        npualloc_snapshot_free(s);
+        return NPUALLOC_REPLAY_HOST_MEMORY;
+    }
+    *out = s;
+    return NPUALLOC_REPLAY_OK;
+}

@@ -1,0 +1,517 @@
+"""The torch_npu-like memory API (``torch_npu.npu.memory`` and friends) over npualloc's caching
+allocator.  Everything here is also importable from ``npualloc`` directly.
+
+Devices are ints (``"npu:N"`` strings and objects with ``.type``/``.index``, such as a
+``torch.device``, are accepted where torch_npu accepts a device); pointers are ints.
+``caching_allocator_alloc``, ``caching_allocator_delete`` and ``empty`` are implemented in C
+(``npualloc._C.memory``); the rest follows torch_npu's Python code.
+
+Errors that torch_npu builds with ``pta_error(...)`` carry its suffix
+``"\\n[ERROR] <time> (PID:<pid>, Device:<dev>, RankID:-1) ERR<sub><code> PTA <text>"`` unless
+``TORCH_NPU_COMPACT_ERROR_OUTPUT`` is a non-zero int (or Python runs interactively).
+"""
+import collections
+import os
+import pickle
+import re
+import sys
+import time
+import warnings
+
+from . import _C
+
+_M = _C.memory
+
+OutOfMemoryError = _M.OutOfMemoryError
+Buffer = _M.Buffer
+caching_allocator_alloc = _M.caching_allocator_alloc
+caching_allocator_delete = _M.caching_allocator_delete
+empty = _M.empty
+
+__all__ = [
+    "OutOfMemoryError",
+    "Buffer",
+    "empty",
+    "caching_allocator_alloc",
+    "caching_allocator_delete",
+    "set_per_process_memory_fraction",
+    "get_per_process_memory_fraction",
+    "empty_cache",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "reset_max_memory_allocated",
+    "reset_max_memory_cached",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "memory_cached",
+    "max_memory_cached",
+    "memory_snapshot",
+    "memory_summary",
+    "mem_get_info",
+    "get_allocator_backend",
+    "device_count",
+    "set_device",
+    "current_device",
+    "is_initialized",
+    "synchronize",
+    "record_stream",
+    "erase_stream",
+]
+
+# ---- torch_npu's error suffix (torch_npu/utils/_error_code.py) ----
+
+_ERR_CODES = {
+    "SUCCESS": (0, "success"),
+    "PARAM": (1, "invalid parameter"),
+    "TYPE": (2, "invalid type"),
+    "VALUE": (3, "invalid value"),
+    "PTR": (4, "invalid pointer"),
+    "INTERNAL": (5, "internal error"),
+    "MEMORY": (6, "memory error"),
+    "NOT_SUPPORT": (7, "feature not supported"),
+    "NOT_FOUND": (8, "resource not found"),
+    "UNAVAIL": (9, "resource unavailable"),
+    "SYSCALL": (10, "system call failed"),
+    "TIMEOUT": (11, "timeout error"),
+    "PERMISSION": (12, "permission error"),
+    "ACL": (100, "call acl api failed"),
+    "HCCL": (200, "call hccl api failed"),
+    "GE": (300, "call ge api failed"),
+    "EXCEPT": (999, "applicaiton exception"),
+}
+
+
+def _is_interactive_command_line():
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    try:
+        __IPYTHON__  # noqa: F821
+        return True
+    except NameError:
+        pass
+    return "ipykernel" in sys.modules
+
+
+def _compact_error_output():
+    try:
+        return int(os.getenv("TORCH_NPU_COMPACT_ERROR_OUTPUT", "0")) != 0
+    except ValueError:
+        return False
+
+
+def _pta_error(code):
+    """torch_npu's ``pta_error(ErrCode.<code>)``: the suffix torch_npu appends to its messages."""
+    if _compact_error_output() or _is_interactive_command_line():
+        return ""
+    num, text = _ERR_CODES[code]
+    return "\n[ERROR] {time} (PID:{pid}, Device:{device}, RankID:{rank}) ERR{sub:0>2d}{code:0>3d} PTA {msg}".format(
+        time=time.strftime("%Y-%m-%d-%H:%M:%S", time.localtime()), pid=os.getpid(), device=_M._local_device(),
+        rank=-1, sub=0, code=num, msg=text)
+
+
+# ---- devices ----
+
+_DEVICE_RE = re.compile(r"^([a-zA-Z_]+)(?::([0-9]+))?$")
+
+
+def _parse_device(device):
+    """(type, index or None) of a device string or a torch.device-like object; None otherwise."""
+    if isinstance(device, str):
+        m = _DEVICE_RE.match(device.strip())
+        if not m:
+            raise RuntimeError(f"Invalid device string: '{device}'")
+        return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)
+    if hasattr(device, "type") and hasattr(device, "index") and not isinstance(device, int):
+        return device.type, device.index
+    return None
+
+
+def _get_device_index(device, optional=False, allow_cpu=False):
+    """torch_npu's ``_get_device_index``: an int index from an int, ``"npu:N"``, a device object,
+    or (optional=True) None for the current device."""
+    parsed = _parse_device(device)
+    idx = None
+    if parsed is not None:
+        dtype, idx = parsed
+        if allow_cpu:
+            if dtype not in ("npu", "cpu"):
+                raise ValueError("Expected a npu or cpu device, but got: {}".format(device) + _pta_error("VALUE"))
+            if dtype == "cpu":
+                return -1
+        elif dtype != "npu":
+            raise ValueError("Expected a npu device, but got: {}".format(device) + _pta_error("VALUE"))
+    elif isinstance(device, int):
+        idx = int(device)
+    elif device is not None:
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+    if idx is None:
+        if optional:
+            return current_device()
+        raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+    return idx
+
+
+def is_initialized():
+    """True once the virtual NPU runtime has started (torch_npu's lazy initialisation)."""
+    return _C.initialized()
+
+
+def device_count():
+    """The number of virtual NPUs."""
+    return _M._device_count()
+
+
+def current_device():
+    """The calling thread's device; like torch_npu's lazy init, device 0 is set if none is."""
+    return _M._current_device()
+
+
+def set_device(device):
+    """Makes ``device`` the calling thread's current device (a negative index does nothing)."""
+    device = _get_device_index(device, optional=True)
+    if device >= 0:
+        _M._set_device(device)
+
+
+def synchronize(device=None):
+    """Waits for everything queued on every stream of ``device`` (default: the current one)."""
+    return _M._synchronize(_get_device_index(device, optional=True))
+
+
+def mem_get_info(device=None):
+    """(free, total) bytes of the device's HBM, from aclrtGetMemInfo(ACL_HBM_MEM)."""
+    if device is None:
+        device = current_device()
+    return _M._mem_get_info(_get_device_index(device))
+
+
+# ---- the caching allocator ----
+
+def set_per_process_memory_fraction(fraction, device=None) -> None:
+    """Limits the caching allocator's reserved memory on ``device`` to ``fraction`` x its total
+    memory; going beyond raises OutOfMemoryError.  Like torch_npu, also makes ``device`` current."""
+    current_device()  # torch_npu's _lazy_init()
+    if device is None:
+        device = current_device()
+    device = _get_device_index(device)
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`" + _pta_error("TYPE"))
+    if fraction < 0 or fraction > 1:
+        raise ValueError("Invalid fraction value: {}. Allowed range: 0~1".format(fraction) + _pta_error("VALUE"))
+    _M._set_device(device)
+    _M._set_fraction(device, fraction)
+
+
+def get_per_process_memory_fraction(device=None) -> float:
+    """The fraction set for ``device`` (1.0 when none was set)."""
+    return _M._get_fraction(_get_device_index(device, optional=True))
+
+
+def empty_cache():
+    """Returns every unused cached segment to the devices (after synchronising them)."""
+    if is_initialized():
+        _M._empty_cache()
+
+
+def memory_stats(device=None):
+    """torch_npu's flattened, sorted statistics (an OrderedDict of 123 ints)."""
+    result = []
+
+    def _recurse_add_to_result(prefix, obj):
+        if isinstance(obj, dict):
+            if len(prefix) > 0:
+                prefix += "."
+            for k, v in obj.items():
+                _recurse_add_to_result(prefix + k, v)
+        else:
+            result.append((prefix, obj))
+
+    stats = memory_stats_as_nested_dict(device=device)
+    _recurse_add_to_result("", stats)
+    result.sort()
+    return collections.OrderedDict(result)
+
+
+def memory_stats_as_nested_dict(device=None):
+    """The statistics as torch_npu's nested dict ({} before the runtime started)."""
+    if not is_initialized():
+        return {}
+    device = _get_device_index(device, optional=True)
+    return _M._stats(device)
+
+
+def reset_accumulated_memory_stats(device=None):
+    """Zeroes the "allocated"/"freed" counters and the event counters."""
+    device = _get_device_index(device, optional=True)
+    return _M._reset_accumulated(device)
+
+
+def reset_peak_memory_stats(device=None):
+    """Sets every "peak" to its "current"."""
+    device = _get_device_index(device, optional=True)
+    return _M._reset_peak(device)
+
+
+def reset_max_memory_allocated(device=None):
+    warnings.warn(
+        "torch_npu.npu.reset_max_memory_allocated now calls torch_npu.npu.reset_peak_memory_stats, "
+        "which resets /all/ peak memory stats.",
+        DeprecationWarning)
+    return reset_peak_memory_stats(device=device)
+
+
+def reset_max_memory_cached(device=None):
+    warnings.warn(
+        "torch_npu.npu.reset_max_memory_cached now calls torch_npu.npu.reset_peak_memory_stats, "
+        "which resets /all/ peak memory stats.",
+        DeprecationWarning)
+    return reset_peak_memory_stats(device=device)
+
+
+def memory_allocated(device=None):
+    return memory_stats(device=device).get("allocated_bytes.all.current", 0)
+
+
+def max_memory_allocated(device=None):
+    return memory_stats(device=device).get("allocated_bytes.all.peak", 0)
+
+
+def memory_reserved(device=None):
+    return memory_stats(device=device).get("reserved_bytes.all.current", 0)
+
+
+def max_memory_reserved(device=None):
+    return memory_stats(device=device).get("reserved_bytes.all.peak", 0)
+
+
+def memory_cached(device=None):
+    warnings.warn("torch_npu.npu.memory_cached has been renamed to torch_npu.npu.memory_reserved",
+                  DeprecationWarning)
+    return memory_reserved(device=device)
+
+
+def max_memory_cached(device=None):
+    warnings.warn("torch_npu.npu.max_memory_cached has been renamed to torch_npu.npu.max_memory_reserved",
+                  DeprecationWarning)
+    return max_memory_reserved(device=device)
+
+
+def get_allocator_backend() -> str:
+    return "native"
+
+
+def _stream_handle(stream):
+    from .streams import Stream
+    if isinstance(stream, Stream):
+        return stream.npu_stream
+    if isinstance(stream, int):
+        return stream
+    return None
+
+
+def record_stream(ptr, stream):
+    """``tensor.record_stream(stream)`` for a pointer (or a Buffer): the block is reused only after
+    the work queued on ``stream`` when it is freed has run."""
+    if isinstance(ptr, Buffer):
+        return ptr.record_stream(stream)
+    return _M._record_stream(ptr, stream)
+
+
+def erase_stream(ptr, stream):
+    """``torch_npu.erase_stream(tensor, stream)``: forgets a record_stream use.  As in torch_npu it
+    does nothing unless the block's own stream is the current stream of its device."""
+    from .streams import Stream
+    if isinstance(ptr, Buffer):
+        if _M._caching_disabled():
+            return None
+        ptr = ptr.ptr
+    elif not isinstance(ptr, int):
+        raise TypeError(f"ptr should be int or npualloc.Buffer, could not be {type(ptr)}" + _pta_error("TYPE"))
+    if not isinstance(stream, Stream):
+        raise TypeError(f"stream should be torch_npu.npu.Stream, could not be {type(stream)}" + _pta_error("TYPE"))
+    return _M._erase_stream(ptr, stream.npu_stream)
+
+
+def _set_allocator_settings(settings):
+    """Changes allocator settings at run time (torch_npu's allowed keys)."""
+    _M._set_settings(settings)
+
+
+def _attach_out_of_memory_observer(observer):
+    """observer(device, alloc_size, allowed_or_total, device_free) runs before OutOfMemoryError."""
+    _M._attach_oom_observer(observer)
+
+
+def _clear_out_of_memory_observers():
+    """Forgets every attached OOM observer (npualloc extension, for tests)."""
+    _M._clear_oom_observers()
+
+
+def _check(device=None):
+    """Checks the allocator's invariants for ``device``: None, or AssertionError with the reason."""
+    return _M._check(_get_device_index(device, optional=True))
+
+
+# ---- snapshots and history ----
+
+def memory_snapshot(mempool_id=None):
+    """The segments of every device (torch_npu's snapshot["segments"])."""
+    segments = _M._snapshot()["segments"]
+    if mempool_id is not None:
+        want = tuple(mempool_id)
+        segments = [s for s in segments if s["segment_pool_id"] == want]
+    return segments
+
+
+_CONTEXT_LEVELS = {None: 0, "state": 1, "alloc": 2, "all": 3}
+
+
+def _record_memory_history(enabled="all", context="all", stacks="python", max_entries=sys.maxsize, device=None):
+    """Starts (``"state"``/``"all"``) or stops (None) recording the allocator's history on every device."""
+    for name, value in (("enabled", enabled), ("context", context), ("stacks", stacks)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"_record_memory_history(): argument '{name}' must be str or None, "
+                            f"not {type(value).__name__}")
+    if not (enabled is None or enabled in ("state", "all")):
+        raise RuntimeError("expected state to be 'state', 'all', or None" + _pta_error("NOT_FOUND"))
+    if not (context is None or context in ("state", "alloc", "all")):
+        raise RuntimeError("expected context to be 'state', 'alloc', 'all', or None" + _pta_error("NOT_FOUND"))
+    if stacks not in ("python", "all"):
+        raise RuntimeError("expected stacks to be 'python', or 'all'" + _pta_error("NOT_FOUND"))
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+        raise TypeError(f"_record_memory_history(): argument 'max_entries' must be int, "
+                        f"not {type(max_entries).__name__}")
+    current_device()  # torch_npu's _lazy_init()
+    entries = max(1, max_entries) if enabled == "all" else 1
+    when = _CONTEXT_LEVELS[context] if enabled is not None else 0
+    _M._record_history(enabled is not None, when, min(entries, (1 << 63) - 1))
+
+
+def _snapshot(device=None):
+    """{"segments": [...], "device_traces": [[trace entries of device d] for d], "allocator_settings": {...}}."""
+    return _M._snapshot()
+
+
+def _dump_snapshot(filename="dump_snapshot.pickle"):
+    """Pickles ``_snapshot()`` into ``filename``."""
+    data = _snapshot()
+    fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump(data, f)
+
+
+# ---- memory_summary (torch_npu's table, 75 characters wide) ----
+
+def _format_size(sz, pref_sz):
+    prefixes = ["B ", "KB", "MB", "GB", "TB", "PB"]
+    prefix = prefixes[0]
+    for new_prefix in prefixes[1:]:
+        if pref_sz < 768 * 1024:
+            break
+        prefix = new_prefix
+        sz //= 1024
+        pref_sz /= 1024
+    return "{:7d} {}".format(sz, prefix)
+
+
+def _format_count(cnt, pref_cnt):
+    prefixes = [" ", "K", "M"]
+    prefix = prefixes[0]
+    for new_prefix in prefixes[1:]:
+        if pref_cnt < 750 * 1000:
+            break
+        prefix = new_prefix
+        cnt //= 1000
+        pref_cnt /= 1000
+    return "{:7d} {} ".format(cnt, prefix)
+
+
+def _create_metrics_to_display():
+    metrics_to_display = [
+        ("allocated_bytes", "Allocated memory", _format_size),
+        ("active_bytes", "Active memory", _format_size),
+        ("reserved_bytes", "NPU reserved memory", _format_size),
+        ("inactive_split_bytes", "Non-releasable memory", _format_size),
+        ("allocation", "Allocations", _format_count),
+        ("active", "Active allocs", _format_count),
+        ("segment", "NPU reserved segments", _format_count),
+        ("inactive_split", "Non-releasable allocs", _format_count),
+    ]
+    lines = []
+    lines.append("=" * 75)
+    lines.append(" {_:16} PyTorch NPU memory summary, device ID {device:<18d} ")
+    lines.append("-" * 75)
+    lines.append("  {_:9} NPU OOMs: {num_ooms:<13d} | {_:6} npuMalloc retries: {num_alloc_retries:<9d}  ")
+    lines.append("=" * 75)
+    lines.append("        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ")
+    return metrics_to_display, lines
+
+
+def memory_summary(device=None, abbreviated=False):
+    """torch_npu's human-readable table of the allocator statistics of ``device``."""
+    device = _get_device_index(device, optional=True)
+    stats = memory_stats(device=device)
+    metrics_to_display, lines = _create_metrics_to_display()
+
+    for metric_key, metric_name, formatter in metrics_to_display:
+        lines.append("-" * 75)
+        submetrics = [("all", metric_name)]
+        if not abbreviated:
+            submetrics.append(("large_pool", "      from large pool"))
+            submetrics.append(("small_pool", "      from small pool"))
+
+        current_prefval, peak_prefval, allocated_prefval, freed_prefval = None, None, None, None
+
+        for submetric_key, submetric_name in submetrics:
+            prefix = metric_key + "." + submetric_key + "."
+
+            current = stats[prefix + "current"]
+            peak = stats[prefix + "peak"]
+            allocated = stats[prefix + "allocated"]
+            freed = stats[prefix + "freed"]
+
+            if current_prefval is None:
+                current_prefval = current
+                peak_prefval = peak
+                allocated_prefval = allocated
+                freed_prefval = freed
+
+            lines.append(" {:<21} | {} | {} | {} | {} ".format(
+                submetric_name,
+                formatter(current, current_prefval),
+                formatter(peak, peak_prefval),
+                formatter(allocated, allocated_prefval),
+                formatter(freed, freed_prefval)), )
+
+    metrics_to_display = [
+        ("oversize_allocations", "Oversize allocations", _format_count),
+        ("oversize_segments", "Oversize NPU segments", _format_count),
+    ]
+
+    for metric_key, metric_name, formatter in metrics_to_display:
+        lines.append("-" * 75)
+        prefix = metric_key + "."
+        current = stats[prefix + "current"]
+        peak = stats[prefix + "peak"]
+        allocated = stats[prefix + "allocated"]
+        freed = stats[prefix + "freed"]
+        lines.append(" {:<21} | {} | {} | {} | {} ".format(
+            metric_name,
+            formatter(current, current),
+            formatter(peak, peak),
+            formatter(allocated, allocated),
+            formatter(freed, freed)), )
+
+    lines.append("=" * 75)
+
+    fmt_dict = {"_": "", "device": device}
+    for k, v in stats.items():
+        fmt_dict[k.replace(".", "-")] = v
+    return "|" + "|\n|".join(lines).format(**fmt_dict) + "|\n"
+
+
+from . import streams as _streams  # noqa: E402  (registers npualloc.Stream with the C face)

@@ -1,0 +1,804 @@
+"""Trace replay: which allocator settings waste the least memory on a recorded workload?
+
+A PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot`` or ``npualloc.memory._dump_snapshot``)
+records every allocation and free.  :func:`replay` runs those events, stream by stream in their recorded
+order, through a fresh caching allocator (npualloc's, which follows torch_npu decision for decision) on a
+simulated device of a chosen capacity, under a chosen ``PYTORCH_NPU_ALLOC_CONF``, and reports what that
+allocator would have reserved.  The replay runs in C on a private allocator instance: it does not touch the
+live runtime, and 20k events take milliseconds.
+
+    >>> from npualloc import replay
+    >>> r = replay.replay("snapshot.pickle", conf="max_split_size_mb:128")
+    >>> r.peak_reserved, r.fragmentation
+    >>> table = replay.compare("snapshot.pickle", ["", "expandable_segments:True"])
+    >>> replay.plot_timeline(table)          # allocated vs reserved over the run
+
+Traces start mid-run: memory alive before recording began (freed in the trace but never allocated in it,
+or alive in the final ``segments`` without an allocation in the trace) is reconstructed and allocated first;
+``result.reconstructed_count`` / ``reconstructed_bytes`` say how much.  The recorded run's own reservations
+(from its ``segments`` and ``segment_alloc`` / ``segment_free`` events) are in ``result.recorded``.
+
+Snapshots are read with an unpickler that refuses every global: a snapshot holds only dicts, lists, tuples,
+numbers, strings and bools, so a pickle that names any class or function is rejected before anything in it
+runs (:class:`UnsafeTraceError`).
+"""
+import io
+import os
+import pickle
+import struct
+import sys
+import time
+from array import array
+
+from . import _C
+
+__all__ = ["TraceError", "UnsafeTraceError", "Unavailable", "load_trace", "Trace", "RecordedRun", "ReplayResult",
+           "Comparison", "Setting", "replay", "compare", "plot_timeline", "export_events", "format_size"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+CHUNK = 1 << 16  # events per call into C (progress is reported between chunks)
+
+Unavailable = _C.replay.Unavailable  # NotImplementedError: a setting this build's allocator does not implement
+
+
+class TraceError(ValueError):
+    """A trace that is missing, unreadable, or not a PyTorch memory snapshot."""
+
+
+class UnsafeTraceError(TraceError):
+    """A pickle that refers to a class or function: refused before anything in it ran."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+class _NoGlobalsUnpickler(pickle.Unpickler):
+    """An unpickler for plain data: every global (class, function) is refused, so nothing can be called."""
+
+    def find_class(self, module, name):
+        raise UnsafeTraceError(
+            f"refused to load: the pickle refers to the global {module}.{name}; a memory snapshot holds only "
+            "dicts, lists, numbers and strings, so nothing from this file was run")
+
+    def persistent_load(self, pid):
+        raise UnsafeTraceError("refused to load: the pickle uses persistent ids, which a memory snapshot never does")
+
+
+def _unpickle(data, name):
+    try:
+        return _NoGlobalsUnpickler(io.BytesIO(data)).load()
+    except UnsafeTraceError as e:
+        raise UnsafeTraceError(f"{name}: {e}") from None
+    except RecursionError:
+        raise TraceError(f"{name}: not a memory snapshot (nested too deeply)") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # UnpicklingError, EOFError, ValueError, ... from a damaged or foreign file
+        raise TraceError(f"{name}: not a readable pickle ({type(e).__name__}: {e})") from None
+
+
+def load_trace(path):
+    """Reads a snapshot pickle with an unpickler that refuses every global; returns the snapshot (a dict).
+
+    Raises :class:`TraceError` for a missing, unreadable or damaged file and :class:`UnsafeTraceError` for a
+    pickle that refers to any class or function (nothing in it is executed).
+    """
+    name = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise TraceError(f"{name}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{name}: is a directory, not a snapshot pickle") from None
+    except PermissionError:
+        raise TraceError(f"{name}: permission denied") from None
+    except OSError as e:
+        raise TraceError(f"{name}: cannot read ({e.strerror or e})") from None
+    if not data:
+        raise TraceError(f"{name}: empty file, not a snapshot pickle")
+    return _unpickle(data, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sizes
+
+
+def format_size(n):
+    """1536 -> '1.50 KiB'; bytes below 1 KiB are shown as such."""
+    if n is None:
+        return "-"
+    n = int(n)
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _parse_size(value, what):
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a size string, not bool")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what} must not be negative")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        return _C.parse_size(value.strip())
+    raise TypeError(f"{what} must be an int or a size string such as '80GiB', not {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Extracting the events
+
+
+class RecordedRun:
+    """The recorded run's own reservations on one device, from its snapshot.
+
+    ``final_reserved`` is the total of the final segments; ``initial_reserved`` is that minus the
+    reservations made during the trace (segment_alloc / segment_map) plus those given back (segment_free /
+    segment_unmap); ``peak_reserved`` is the largest total along the way.  ``peak_requested`` counts the bytes
+    requested by live allocations (the memory alive before recording included), so a replay that completes
+    without OOM reaches exactly this peak.
+    """
+
+    __slots__ = ("device", "initial_reserved", "peak_reserved", "final_reserved", "final_allocated",
+                 "segment_allocs", "segment_frees", "peak_requested", "ooms", "settings", "timeline")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+    def to_dict(self):
+        d = {k: getattr(self, k) for k in self.__slots__ if k != "timeline"}
+        d["timeline"] = {"event": list(self.timeline[0]), "reserved": list(self.timeline[1])}
+        return d
+
+    def __repr__(self):
+        return (f"RecordedRun(device={self.device}, peak_reserved={format_size(self.peak_reserved)}, "
+                f"final_reserved={format_size(self.final_reserved)}, segment_allocs={self.segment_allocs}, "
+                f"segment_frees={self.segment_frees})")
+
+
+class _DeviceEvents:
+    """The events of one device, ready for C: parallel arrays, the reconstructed allocations first."""
+
+    __slots__ = ("device", "action", "addr", "size", "stream", "prefix", "reconstructed_from_frees",
+                 "reconstructed_from_segments", "reconstructed_bytes", "recorded", "streams")
+
+    def __len__(self):
+        return len(self.action)
+
+
+def _bad(name, where, what):
+    raise TraceError(f"{name}: malformed snapshot: {where}: {what}")
+
+
+def _int_field(entry, key, name, where):
+    v = entry.get(key)
+    if type(v) is not int:  # noqa: E721 (bool is not a size)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return int(v)
+        _bad(name, where, f"'{key}' must be an int, not {type(v).__name__}")
+    if v < 0:
+        _bad(name, where, f"'{key}' is negative")
+    return v
+
+
+_RESERVE_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
+_KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                  "segment_unmap", "snapshot", "oom", "annotate", "user_defined", "free"}
+_U64 = (1 << 64) - 1
+
+
+def _extract_device(name, device, entries, segments):
+    """Builds the replay events of one device (see the module docstring for the reconstruction)."""
+    actions = bytearray()
+    addrs, sizes, streams = [], [], []
+    live = {}  # address -> True for allocations made in the trace and still alive
+    pre = []  # (address, size, stream) alive before recording began
+    reserve_deltas = []  # (replay event index without prefix, delta)
+    seg_allocs = seg_frees = ooms = 0
+    live_requested = peak_requested_trace = 0  # relative to the start of the trace
+    requested = {}
+    for i, e in enumerate(entries):
+        if type(e) is not dict:
+            _bad(name, f"device_traces[{device}][{i}]", f"a trace entry must be a dict, not {type(e).__name__}")
+        act = e.get("action")
+        if act == "alloc" or act == "free_requested":
+            addr = e.get("addr")
+            size = e.get("size")
+            stream = e.get("stream", 0)
+            if type(addr) is not int or type(size) is not int or type(stream) is not int:
+                where = f"device_traces[{device}][{i}]"
+                addr = _int_field(e, "addr", name, where)
+                size = _int_field(e, "size", name, where)
+                stream = _int_field(e, "stream", name, where) if "stream" in e else 0
+            if addr < 0 or size < 0 or addr > _U64 or size > _U64:
+                which = "addr" if not 0 <= addr <= _U64 else "size"
+                value = addr if which == "addr" else size
+                _bad(name, f"device_traces[{device}][{i}]", f"'{which}' is {'negative' if value < 0 else 'too large'}")
+            stream &= _U64
+            if act == "alloc":
+                actions.append(0)
+                live[addr] = True
+                requested[addr] = size
+                live_requested += size
+                if live_requested > peak_requested_trace:
+                    peak_requested_trace = live_requested
+            else:
+                actions.append(1)
+                if live.pop(addr, None) is None:
+                    pre.append((addr, size, stream))  # freed in the trace, never allocated in it
+                    live_requested -= size
+                else:
+                    live_requested -= requested.pop(addr, 0)
+            addrs.append(addr)
+            sizes.append(size)
+            streams.append(stream)
+        elif act in _RESERVE_DELTA:
+            size = _int_field(e, "size", name, f"device_traces[{device}][{i}]")
+            reserve_deltas.append((len(actions), _RESERVE_DELTA[act] * size))
+            if act == "segment_alloc":
+                seg_allocs += 1
+            elif act == "segment_free":
+                seg_frees += 1
+        elif act == "oom":
+            ooms += 1
+        elif not isinstance(act, str):
+            _bad(name, f"device_traces[{device}][{i}]", "missing 'action'")
+    # Blocks alive in the final segments without a live allocation in the trace were allocated before it.
+    final_reserved = final_allocated = 0
+    pre_end = []
+    for si, seg in enumerate(segments):
+        where = f"segments[{si}]"
+        final_reserved += _int_field(seg, "total_size", name, where)
+        final_allocated += int(seg.get("allocated_size", 0) or 0)
+        seg_stream = seg.get("stream", 0)
+        seg_stream = seg_stream & _U64 if isinstance(seg_stream, int) else 0
+        blocks = seg.get("blocks", [])
+        if not isinstance(blocks, list):
+            _bad(name, where, "'blocks' must be a list")
+        for bi, b in enumerate(blocks):
+            if type(b) is not dict:
+                _bad(name, f"{where}.blocks[{bi}]", "a block must be a dict")
+            state = b.get("state")
+            if state not in ("active_allocated", "active_pending_free", "active_awaiting_free"):
+                continue
+            addr = _int_field(b, "address", name, f"{where}.blocks[{bi}]")
+            if addr in live:
+                continue
+            size = b.get("requested_size") or _int_field(b, "size", name, f"{where}.blocks[{bi}]")
+            if not isinstance(size, int) or size < 0:
+                _bad(name, f"{where}.blocks[{bi}]", "'requested_size' must be a non-negative int")
+            pre_end.append((addr, size, seg_stream))
+    # The reconstructed allocations go first, in address order (blocks of one recorded segment together).
+    pre_all = sorted(pre + pre_end)
+    n_pre = len(pre_all)
+    ev = _DeviceEvents()
+    ev.device = device
+    ev.action = bytes(n_pre) + bytes(actions)
+    ev.addr = array("Q", [p[0] for p in pre_all])
+    ev.addr.extend(addrs)
+    ev.size = array("Q", [p[1] for p in pre_all])
+    ev.size.extend(sizes)
+    ev.stream = array("Q", [p[2] for p in pre_all])
+    ev.stream.extend(streams)
+    ev.prefix = n_pre
+    ev.reconstructed_from_frees = (len(pre), sum(p[1] for p in pre))
+    ev.reconstructed_from_segments = (len(pre_end), sum(p[1] for p in pre_end))
+    pre_bytes = ev.reconstructed_from_frees[1] + ev.reconstructed_from_segments[1]
+    ev.reconstructed_bytes = pre_bytes
+    ev.streams = sorted(set(ev.stream))
+    # The recorded run's reservations along the trace (event indices of the replay, prefix included).
+    initial = final_reserved - sum(d for _, d in reserve_deltas)
+    cur = peak = initial
+    tl_events, tl_reserved = [0], [initial]
+    for at, d in reserve_deltas:
+        cur += d
+        peak = max(peak, cur)
+        tl_events.append(n_pre + at)
+        tl_reserved.append(cur)
+    tl_events.append(n_pre + len(actions))
+    tl_reserved.append(cur)
+    ev.recorded = RecordedRun(device=device, initial_reserved=initial, peak_reserved=peak,
+                              final_reserved=final_reserved, final_allocated=final_allocated,
+                              segment_allocs=seg_allocs, segment_frees=seg_frees,
+                              peak_requested=pre_bytes + peak_requested_trace if actions or pre_all else 0,
+                              ooms=ooms, settings=None, timeline=(tl_events, tl_reserved))
+    return ev
+
+
+class Trace:
+    """A snapshot prepared for replay: per device, the events as arrays (built once, replayed many times).
+
+    ``Trace.load(path)`` reads a pickle safely; ``Trace(snapshot_dict, name=...)`` takes a loaded snapshot.
+    """
+
+    def __init__(self, snapshot, name="<snapshot>"):
+        self.name = name
+        if isinstance(snapshot, list):
+            raise TraceError(f"{name}: this is a list of segments (memory_snapshot()), not a full snapshot with "
+                             "device_traces: record one with _record_memory_history() and _dump_snapshot()")
+        if not isinstance(snapshot, dict):
+            kind = type(snapshot).__name__
+            raise TraceError(f"{name}: not a memory snapshot: the pickle holds {'an' if kind[0] in 'aeiou' else 'a'} "
+                             f"{kind}, not a dict with 'segments' and 'device_traces'")
+        traces = snapshot.get("device_traces")
+        if traces is None:
+            raise TraceError(f"{name}: not a memory snapshot: no 'device_traces' (keys: "
+                             f"{', '.join(map(str, list(snapshot)[:8])) or 'none'}); record the trace with "
+                             "_record_memory_history() before _dump_snapshot()")
+        if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+            raise TraceError(f"{name}: malformed snapshot: 'device_traces' must be a list of lists")
+        segments = snapshot.get("segments", [])
+        if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+            raise TraceError(f"{name}: malformed snapshot: 'segments' must be a list of dicts")
+        settings = snapshot.get("allocator_settings")
+        self.allocator_settings = settings if isinstance(settings, dict) else {}
+        by_device = {}
+        for s in segments:
+            dev = s.get("device", 0)
+            by_device.setdefault(dev if isinstance(dev, int) else 0, []).append(s)
+        self.devices = {}
+        for dev, entries in enumerate(traces):
+            segs = by_device.get(dev, [])
+            if not entries and not segs:
+                continue
+            ev = _extract_device(name, dev, entries, segs)
+            ev.recorded.settings = self.allocator_settings
+            if len(ev):
+                self.devices[dev] = ev
+        if not self.devices:
+            raise TraceError(f"{name}: the snapshot has no alloc or free events to replay")
+
+    @classmethod
+    def load(cls, path):
+        return cls(load_trace(path), name=os.path.basename(os.fspath(path)))
+
+    def device_events(self, device=None):
+        if device is None:
+            if len(self.devices) > 1:
+                raise ValueError(f"{self.name}: the trace has events on devices {sorted(self.devices)}: "
+                                 "choose one with device=")
+            device = next(iter(self.devices))
+        if device not in self.devices:
+            raise ValueError(f"{self.name}: no events on device {device} (devices: {sorted(self.devices)})")
+        return self.devices[device]
+
+    def __repr__(self):
+        parts = [f"device {d}: {len(ev)} events ({ev.prefix} reconstructed)" for d, ev in self.devices.items()]
+        return f"<Trace {self.name}: {'; '.join(parts)}>"
+
+
+def _as_trace(trace):
+    if isinstance(trace, Trace):
+        return trace
+    if isinstance(trace, (dict, list)):
+        return Trace(trace)
+    if isinstance(trace, (str, bytes, os.PathLike)):
+        return Trace.load(trace)
+    raise TypeError(f"trace must be a path, a snapshot dict or a Trace, not {type(trace).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Replaying
+
+
+class Setting:
+    """One configuration to replay under: the settings text and what goes with it.
+
+    ``label`` names the row (default: the text, or "default"); ``fraction`` a per-process memory fraction;
+    ``huge1g_memory`` the simulated device's pool of 1 GiB pages (None: 3/4 of the device when the text asks
+    for page_size:1g, else none); ``rounding`` overrides the replay's "npu" / "cuda" rounding.
+    """
+
+    __slots__ = ("conf", "label", "fraction", "huge1g_memory", "rounding")
+
+    def __init__(self, conf="", label=None, fraction=None, huge1g_memory=None, rounding=None):
+        if conf is None:
+            conf = ""
+        if not isinstance(conf, str):
+            raise TypeError(f"conf must be a str, not {type(conf).__name__}")
+        self.conf = conf
+        self.fraction = fraction
+        self.huge1g_memory = huge1g_memory
+        self.rounding = rounding
+        if label is None:
+            label = conf if conf else "default"
+            if fraction is not None:
+                label += f" +fraction {fraction:g}"
+        self.label = label
+
+    @classmethod
+    def of(cls, item):
+        if isinstance(item, Setting):
+            return item
+        if item is None or isinstance(item, str):
+            return cls(item or "")
+        if isinstance(item, dict):
+            return cls(**item)
+        if isinstance(item, tuple) and len(item) == 2:
+            return cls(item[1], label=item[0])
+        raise TypeError(f"a setting must be a str, dict, (label, conf) tuple or Setting, not {type(item).__name__}")
+
+    def __repr__(self):
+        return f"Setting({self.conf!r}, label={self.label!r})"
+
+
+def _wants_1g_pages(conf):
+    for part in conf.replace(" ", "").lower().split(","):
+        if part.startswith("page_size:") and part.split(":", 1)[1] == "1g":
+            return True
+    return False
+
+
+_RESULT_FIELDS = ("events", "allocs", "frees", "unknown_frees", "skipped_frees", "duplicate_allocs", "ignored",
+                  "ooms", "stopped", "peak_requested", "peak_allocated", "peak_active", "peak_reserved",
+                  "final_allocated", "final_reserved", "live_allocations", "fragmentation", "device_allocs",
+                  "device_frees", "retries", "segments", "huge1g_fallbacks", "expandable", "wall_seconds",
+                  "events_per_second")
+
+
+class ReplayResult:
+    """What one configuration did with one trace (plain attributes; ``to_dict()`` for JSON).
+
+    Peaks are bytes over the whole replay (the reconstructed memory included).  ``fragmentation`` is
+    1 - peak_active / peak_reserved, as GMLake defines it.  ``available`` is False (and ``error`` says why)
+    when the configuration cannot run in this build, e.g. expandable segments before they exist.
+    """
+
+    def __init__(self, trace_name, device, setting, rounding, device_memory, huge1g_memory, on_oom, recorded,
+                 events=None):
+        self.trace = trace_name
+        self.device = device
+        self.label = setting.label
+        self.conf = setting.conf
+        self.fraction = setting.fraction
+        self.rounding = rounding
+        self.device_memory = device_memory
+        self.huge1g_memory = huge1g_memory
+        self.on_oom = on_oom
+        self.recorded = recorded
+        self.available = True
+        self.error = None
+        self.reconstructed_count = self.reconstructed_bytes = 0
+        self.reconstructed_from_frees = self.reconstructed_from_segments = (0, 0)
+        self.trace_events = 0
+        for k in _RESULT_FIELDS:
+            setattr(self, k, None)
+        self.timeline = ([], [], [])
+        self.oom_events = []
+        self.warnings = []
+        self.load_seconds = 0.0
+        if events is not None:
+            self.reconstructed_count = events.prefix
+            self.reconstructed_bytes = events.reconstructed_bytes
+            self.reconstructed_from_frees = events.reconstructed_from_frees
+            self.reconstructed_from_segments = events.reconstructed_from_segments
+            self.trace_events = len(events) - events.prefix
+
+    def to_dict(self):
+        d = {
+            "trace": self.trace, "device": self.device, "label": self.label, "conf": self.conf,
+            "fraction": self.fraction, "rounding": self.rounding, "device_memory": self.device_memory,
+            "huge1g_memory": self.huge1g_memory, "on_oom": self.on_oom, "available": self.available,
+            "error": self.error, "trace_events": self.trace_events,
+            "reconstructed_count": self.reconstructed_count, "reconstructed_bytes": self.reconstructed_bytes,
+            "reconstructed_from_frees": list(self.reconstructed_from_frees),
+            "reconstructed_from_segments": list(self.reconstructed_from_segments),
+        }
+        for k in _RESULT_FIELDS:
+            d[k] = getattr(self, k)
+        d["oom_events"] = list(self.oom_events)
+        d["warnings"] = list(self.warnings)
+        d["timeline"] = {"event": list(self.timeline[0]), "allocated": list(self.timeline[1]),
+                         "reserved": list(self.timeline[2])}
+        d["recorded"] = self.recorded.to_dict() if self.recorded is not None else None
+        return d
+
+    def __repr__(self):
+        head = f"<ReplayResult {self.trace} dev {self.device} [{self.label}] rounding={self.rounding}"
+        if not self.available:
+            return f"{head}: not available ({self.error})>"
+        lines = [
+            head,
+            f"  peak requested {format_size(self.peak_requested)}, allocated {format_size(self.peak_allocated)}, "
+            f"active {format_size(self.peak_active)}, reserved {format_size(self.peak_reserved)}",
+            f"  fragmentation {self.fragmentation:.1%}; {self.device_allocs} device allocs, {self.device_frees} "
+            f"frees, {self.retries} retries, {self.ooms} OOMs{' (stopped)' if self.stopped else ''}",
+            f"  {self.events} events ({self.reconstructed_count} reconstructed, "
+            f"{format_size(self.reconstructed_bytes)}; {self.unknown_frees} unknown frees) in "
+            f"{self.wall_seconds * 1e3:.2f} ms, {self.events_per_second / 1e6:.2f} M events/s",
+        ]
+        if self.recorded is not None:
+            lines.append(f"  recorded run: peak reserved {format_size(self.recorded.peak_reserved)}, final "
+                         f"{format_size(self.recorded.final_reserved)}")
+        return "\n".join(lines) + ">"
+
+
+def _rounding_pad(rounding):
+    if rounding in ("npu", "NPU"):
+        return _C.replay.PAD_NPU
+    if rounding in ("cuda", "CUDA"):
+        return _C.replay.PAD_CUDA
+    raise ValueError(f"rounding must be 'npu' or 'cuda', not {rounding!r}")
+
+
+def _run(events, trace_name, setting, rounding, device_memory, on_oom, timeline_points, progress):
+    rounding = setting.rounding or rounding
+    pad = _rounding_pad(rounding)
+    huge1g = setting.huge1g_memory
+    if huge1g is None:
+        huge1g = (device_memory * 3 // 4) // GiB * GiB if _wants_1g_pages(setting.conf) else 0
+    else:
+        huge1g = _parse_size(huge1g, "huge1g_memory")
+    fraction = setting.fraction
+    if fraction is not None:
+        fraction = float(fraction)
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    res = ReplayResult(trace_name, events.device, setting, rounding, device_memory, huge1g, on_oom,
+                       events.recorded, events)
+    try:
+        session = _C.replay.Session(setting.conf, device_memory, huge1g, pad, fraction or 0.0, on_oom == "stop",
+                                    timeline_points)
+    except Unavailable as e:
+        res.available = False
+        res.error = str(e)
+        return res
+    n = len(events)
+    for start in range(0, n, CHUNK):
+        going = session.feed(events.action, events.addr, events.size, events.stream, start, CHUNK)
+        if progress is not None:
+            progress(min(start + CHUNK, n), n)
+        if not going:
+            break
+    for k, v in session.result().items():
+        setattr(res, k, v)
+    res.timeline = session.timeline()
+    res.oom_events = session.ooms()
+    res.warnings = session.warnings()
+    return res
+
+
+def _check_common(device_memory, on_oom, rounding):
+    device_memory = _parse_size(device_memory, "device_memory")
+    if device_memory <= 0:
+        raise ValueError("device_memory must be more than 0 bytes")
+    if on_oom not in ("continue", "stop"):
+        raise ValueError(f"on_oom must be 'continue' or 'stop', not {on_oom!r}")
+    _rounding_pad(rounding)
+    return device_memory
+
+
+def replay(trace, conf="", device_memory="80GiB", rounding="npu", fraction=None, on_oom="continue",
+           huge1g_memory=None, device=None, timeline_points=2048, progress=None, label=None):
+    """Replays a trace under one configuration; returns a :class:`ReplayResult`.
+
+    trace: a snapshot pickle's path, a loaded snapshot dict, or a :class:`Trace`.
+    conf: ``PYTORCH_NPU_ALLOC_CONF`` text (a malformed one raises ValueError with torch_npu's message).
+    device_memory: the simulated device's capacity ("80GiB" or bytes).
+    rounding: "npu" (torch_npu pads every request by 32 bytes) or "cuda" (no pad), to compare with the
+        allocator that recorded a GPU trace.
+    fraction: per-process memory fraction in (0, 1] (None: not set).
+    on_oom: "continue" (skip the allocation and its free) or "stop".
+    huge1g_memory: the device's pool of 1 GiB pages (None: 3/4 of the device for page_size:1g).
+    device: which device's events (None: the only one).
+    progress: optional callable(done, total) called between chunks of events.
+    """
+    device_memory = _check_common(device_memory, on_oom, rounding)
+    t0 = time.perf_counter()
+    tr = _as_trace(trace)
+    events = tr.device_events(device)
+    setting = Setting(conf, label=label, fraction=fraction, huge1g_memory=huge1g_memory)
+    res = _run(events, tr.name, setting, rounding, device_memory, on_oom, timeline_points, progress)
+    res.load_seconds = time.perf_counter() - t0 - (res.wall_seconds or 0.0)
+    return res
+
+
+class Comparison:
+    """Results of several configurations on a trace: iterate it, index it, print it, ``to_dict()`` it."""
+
+    def __init__(self, results):
+        self.results = list(results)
+
+    def __iter__(self):
+        return iter(self.results)
+
+    def __len__(self):
+        return len(self.results)
+
+    def __getitem__(self, i):
+        if isinstance(i, str):
+            for r in self.results:
+                if r.label == i:
+                    return r
+            raise KeyError(i)
+        return self.results[i]
+
+    def to_dict(self):
+        return {"results": [r.to_dict() for r in self.results]}
+
+    def rows(self):
+        """The table as a list of dicts (one per configuration, plus the recorded run per trace/device)."""
+        out = []
+        seen = set()
+        for r in self.results:
+            key = (r.trace, r.device)
+            if key not in seen and r.recorded is not None:
+                seen.add(key)
+                rec = r.recorded
+                out.append({"trace": r.trace, "device": r.device, "setting": "(recorded run)", "rounding": "",
+                            "peak_allocated": None, "peak_reserved": rec.peak_reserved,
+                            "final_reserved": rec.final_reserved, "fragmentation": None,
+                            "device_allocs": rec.segment_allocs, "retries": None, "ooms": rec.ooms,
+                            "events_per_second": None, "available": True})
+            out.append({"trace": r.trace, "device": r.device, "setting": r.label, "rounding": r.rounding,
+                        "peak_allocated": r.peak_allocated, "peak_reserved": r.peak_reserved,
+                        "final_reserved": r.final_reserved, "fragmentation": r.fragmentation,
+                        "device_allocs": r.device_allocs, "retries": r.retries, "ooms": r.ooms,
+                        "events_per_second": r.events_per_second, "available": r.available, "error": r.error})
+        return out
+
+    def format(self):
+        return format_table(self.results)
+
+    __str__ = format
+
+    def __repr__(self):
+        return self.format()
+
+
+def _fmt_gib(n):
+    return "-" if n is None else f"{n / GiB:,.2f}"
+
+
+def format_table(results):
+    """A plain-text table: one row per configuration, the recorded run's reservations first per trace."""
+    cols = ["setting", "round", "peak alloc GiB", "peak resv GiB", "final resv GiB", "frag", "dev allocs",
+            "retries", "OOMs", "Mev/s"]
+    rows = []
+    notes = []
+    groups = []
+    for r in results:
+        key = (r.trace, r.device)
+        if not groups or groups[-1][0] != key:
+            groups.append((key, []))
+        groups[-1][1].append(r)
+    lines = []
+    for (trace, device), rs in groups:
+        rows = []
+        rec = rs[0].recorded
+        if rec is not None:
+            rows.append(["(recorded run)", "", "-", _fmt_gib(rec.peak_reserved), _fmt_gib(rec.final_reserved), "-",
+                         str(rec.segment_allocs), "-", str(rec.ooms), "-"])
+        for r in rs:
+            if not r.available:
+                rows.append([r.label, r.rounding, "not available"] + [""] * (len(cols) - 3))
+                notes.append(f"{r.label}: {r.error}")
+                continue
+            ooms = str(r.ooms) + (" stop" if r.stopped else "")
+            rows.append([r.label, r.rounding, _fmt_gib(r.peak_allocated), _fmt_gib(r.peak_reserved),
+                         _fmt_gib(r.final_reserved), f"{r.fragmentation:.1%}", str(r.device_allocs), str(r.retries),
+                         ooms, f"{r.events_per_second / 1e6:.1f}"])
+        r0 = rs[0]
+        lines.append(f"{trace} (device {device}): {r0.trace_events} events, reconstructed "
+                     f"{r0.reconstructed_count} allocations alive before recording "
+                     f"({format_size(r0.reconstructed_bytes)}); device memory {format_size(r0.device_memory)}")
+        widths = [max(len(cols[i]), *(len(row[i]) for row in rows)) for i in range(len(cols))]
+        if any(row[2] == "not available" for row in rows):
+            widths[2] = max(widths[2], len("not available"))
+        fmt_row = lambda row: "  ".join(  # noqa: E731
+            (c.ljust(widths[i]) if i < 2 else c.rjust(widths[i])) if not (row[2] == "not available" and i == 2)
+            else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip()
+        lines.append(fmt_row(cols))
+        lines.append("  ".join("-" * w for w in widths))
+        lines.extend(fmt_row(row) for row in rows)
+        lines.append("")
+    for n in dict.fromkeys(notes):
+        lines.append(f"note: {n}")
+    return "\n".join(lines).rstrip()
+
+
+def compare(trace, confs=("",), device_memory="80GiB", rounding="npu", fraction=None, on_oom="continue",
+            device=None, timeline_points=2048, progress=None):
+    """Replays a trace under each configuration; returns a :class:`Comparison` (printable as a table).
+
+    confs: settings texts, or dicts / :class:`Setting` objects with ``conf``, ``label``, ``fraction``,
+    ``huge1g_memory``, ``rounding``.  ``fraction`` applies to the configurations that set none.  With
+    device=None every device that has events is replayed.
+    """
+    device_memory = _check_common(device_memory, on_oom, rounding)
+    tr = _as_trace(trace)
+    settings = [Setting.of(c) for c in confs]
+    devices = sorted(tr.devices) if device is None else [device]
+    results = []
+    for dev in devices:
+        events = tr.device_events(dev)
+        for s in settings:
+            if s.fraction is None and fraction is not None:
+                s = Setting(s.conf, label=s.label, fraction=fraction, huge1g_memory=s.huge1g_memory,
+                            rounding=s.rounding)
+            results.append(_run(events, tr.name, s, rounding, device_memory, on_oom, timeline_points, progress))
+    return Comparison(results)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plotting and export
+
+
+def plot_timeline(results, ax=None, recorded=True, allocated="first", title=None):
+    """Draws reserved bytes over the replay for each result (solid lines) and allocated bytes (a grey area for
+    the first result; ``allocated="all"``: a dashed line per result; ``"none"``) on a matplotlib axis (a new
+    figure's when ax is None), with the recorded run's reservations as a dotted black line; returns the axis.
+
+    Each point is the largest value over a bucket of events (at most ``timeline_points`` buckets per replay),
+    so peaks are never lost.
+    """
+    if isinstance(results, ReplayResult):
+        results = [results]
+    if allocated not in ("first", "all", "none"):
+        raise ValueError(f"allocated must be 'first', 'all' or 'none', not {allocated!r}")
+    results = [r for r in results if r.available and r.timeline and r.timeline[0]]
+    if ax is None:
+        import matplotlib.pyplot as plt
+
+        _, ax = plt.subplots(figsize=(11, 5))
+    drawn = set()
+    for i, r in enumerate(results):
+        ev, al, re = r.timeline
+        color = f"C{i % 10}"
+        if allocated == "all" or (allocated == "first" and i == 0):
+            gib = [x / GiB for x in al]
+            if allocated == "first":
+                ax.fill_between(ev, gib, step="post", color="0.8", lw=0, label=f"allocated ({r.label})")
+            else:
+                ax.step(ev, gib, where="post", color=color, lw=0.9, ls="--", alpha=0.8,
+                        label=f"{r.label} allocated")
+        name = r.label if r.rounding in r.label else f"{r.label} ({r.rounding})"
+        ax.step(ev, [x / GiB for x in re], where="post", color=color, lw=1.6, label=f"{name} reserved")
+        key = (r.trace, r.device)
+        if recorded and r.recorded is not None and key not in drawn:
+            drawn.add(key)
+            tev, tre = r.recorded.timeline
+            ax.step(tev, [x / GiB for x in tre], where="post", color="black", lw=1.2, ls=":",
+                    label="recorded run reserved")
+    if results and results[0].reconstructed_count:
+        ax.axvline(results[0].reconstructed_count, color="0.5", lw=0.8, ls="-.")
+        ax.annotate(" trace starts", (results[0].reconstructed_count, 0), xycoords=("data", "axes fraction"),
+                    fontsize="x-small", color="0.4", va="bottom")
+    ax.set_xlabel("event (the reconstructed allocations alive before recording first)")
+    ax.set_ylabel("GiB")
+    if title is None and results:
+        title = f"{results[0].trace} (device {results[0].device}): reserved per setting vs allocated"
+    if title:
+        ax.set_title(title, fontsize="medium")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return ax
+
+
+_EXPORT_MAGIC = b"NPUREPL1"
+
+
+def export_events(trace, path, device=None):
+    """Writes a device's replay events (reconstruction included) as the binary file benchmarks/bench_replay.c
+    reads: b"NPUREPL1", u64 count, u64 reconstructed, u8 action[count] padded to 8 bytes, then u64 addr[count],
+    size[count], stream[count], little-endian.  Returns the number of events."""
+    ev = _as_trace(trace).device_events(device)
+    n = len(ev)
+    with open(path, "wb") as f:
+        f.write(_EXPORT_MAGIC + struct.pack("<QQ", n, ev.prefix))
+        f.write(ev.action + bytes((-n) % 8))
+        for arr in (ev.addr, ev.size, ev.stream):
+            a = array("Q", arr)
+            if sys.byteorder != "little":
+                a.byteswap()
+            f.write(a.tobytes())
+    return n
+

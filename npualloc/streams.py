@@ -1,0 +1,230 @@
+"""Streams and events in the shape of ``torch_npu.npu.Stream`` / ``Event`` over npualloc's runtime.
+
+A Stream is an aclrt stream of one device (``npu_stream`` is its handle, 0 for a device's
+default stream).  Each thread has a current stream per device (kept in C, so that
+``caching_allocator_alloc`` reads it without Python work); ``stream(s)`` and ``set_stream(s)``
+change it, ``current_stream()`` reads it.
+"""
+import threading
+
+from . import _C
+from . import memory as _memory
+
+_M = _C.memory
+
+__all__ = ["Stream", "Event", "StreamContext", "stream", "set_stream", "current_stream", "default_stream"]
+
+# Keeps the Stream objects that are current on this thread alive (the C table holds handles only).
+_tls = threading.local()
+
+
+def _device_index(device):
+    return _memory._get_device_index(device, optional=True)
+
+
+class Stream:
+    """An NPU stream: ``Stream(device=None, priority=0)`` creates a new stream on ``device``
+    (default: the current device).  It is destroyed (after its queued work) when collected."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        dev = _device_index(device)
+        self.priority = priority
+        self._device = dev
+        self._gen = _M._generation()
+        self._owned = False
+        self.npu_stream = _M._stream_create(dev)
+        self._owned = True
+
+    @classmethod
+    def _wrap(cls, handle, device):
+        """A Stream object for an existing handle (not destroyed when collected)."""
+        s = cls.__new__(cls)
+        s.priority = 0
+        s._device = device
+        s._gen = _M._generation()
+        s._owned = False
+        s.npu_stream = handle
+        return s
+
+    @property
+    def device(self):
+        """The device index."""
+        return self._device
+
+    @property
+    def device_index(self):
+        return self._device
+
+    def synchronize(self):
+        """Waits for everything queued on the stream."""
+        _M._stream_synchronize(self.npu_stream, self._device)
+
+    def query(self):
+        """True if everything queued so far has run."""
+        return _M._stream_query(self.npu_stream, self._device)
+
+    def wait_event(self, event):
+        """Work queued on this stream from now on waits for ``event``."""
+        _M._stream_wait_event(self.npu_stream, self._device, event._ensure())
+
+    def wait_stream(self, stream):
+        """Work queued on this stream from now on waits for the work queued so far on ``stream``."""
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event=None):
+        """Records ``event`` (a new Event if None) on this stream and returns it."""
+        if event is None:
+            event = Event()
+        event.record(self)
+        return event
+
+    def __eq__(self, other):
+        if isinstance(other, Stream):
+            return self.npu_stream == other.npu_stream and self._device == other._device
+        return NotImplemented
+
+    def __hash__(self):
+        return hash((self.npu_stream, self._device))
+
+    def __repr__(self):
+        return f"<npualloc.Stream device=npu:{self._device} npu_stream={self.npu_stream:#x}>"
+
+    def __del__(self):
+        if getattr(self, "_owned", False):
+            self._owned = False
+            try:
+                _M._stream_destroy(self.npu_stream, self._gen)
+            except Exception:
+                pass
+
+
+class Event:
+    """An NPU event: ``record(stream)`` marks the point after the work queued so far on the stream."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self.interprocess = interprocess
+        self._handle = 0
+        self._gen = 0
+
+    def _ensure(self):
+        gen = _M._generation()
+        if not self._handle or self._gen != gen:
+            self._handle = _M._event_create()
+            self._gen = gen
+        return self._handle
+
+    @property
+    def npu_event(self):
+        return self._handle
+
+    def record(self, stream=None):
+        """Records the event on ``stream`` (default: the current stream)."""
+        if stream is None:
+            stream = current_stream()
+        _M._event_record(stream.npu_stream, stream.device, self._ensure())
+
+    def wait(self, stream=None):
+        """Makes ``stream`` (default: the current stream) wait for the event."""
+        if stream is None:
+            stream = current_stream()
+        stream.wait_event(self)
+
+    def query(self):
+        """True once the recorded work has run (True for an event never recorded)."""
+        if not self._handle or self._gen != _M._generation():
+            return True
+        return _M._event_query(self._handle)
+
+    def synchronize(self):
+        """Waits until the recorded work has run."""
+        if self._handle and self._gen == _M._generation():
+            _M._event_synchronize(self._handle)
+
+    def elapsed_time(self, end_event):
+        """Milliseconds between this event and ``end_event`` (both recorded, both with timing)."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'."
+                               + _memory._pta_error("PARAM"))
+        return _M._event_elapsed(self._ensure(), end_event._ensure())
+
+    def __repr__(self):
+        return f"<npualloc.Event {self._handle:#x}>" if self._handle else "<npualloc.Event uninitialized>"
+
+    def __del__(self):
+        handle, self._handle = getattr(self, "_handle", 0), 0
+        if handle:
+            try:
+                _M._event_destroy(handle, self._gen)
+            except Exception:
+                pass
+
+
+def _current_objects():
+    objs = getattr(_tls, "streams", None)
+    if objs is None:
+        objs = _tls.streams = {}
+    return objs
+
+
+def default_stream(device=None):
+    """The default stream of ``device`` (handle 0)."""
+    return Stream._wrap(0, _device_index(device))
+
+
+def current_stream(device=None):
+    """The calling thread's current stream on ``device`` (default: the current device)."""
+    dev = _device_index(device)
+    handle = _M._get_current_stream(dev)
+    obj = _current_objects().get(dev)
+    if obj is not None and obj.npu_stream == handle and obj._gen == _M._generation():
+        return obj
+    return Stream._wrap(handle, dev)
+
+
+def set_stream(stream):
+    """Makes ``stream`` the current stream of its device and that device current (None: nothing)."""
+    if stream is None:
+        return
+    _M._set_device(stream.device)
+    _M._set_current_stream(stream.device, stream.npu_stream)
+    objs = _current_objects()
+    if stream.npu_stream == 0:
+        objs.pop(stream.device, None)
+    else:
+        objs[stream.device] = stream
+
+
+class StreamContext:
+    """Context manager behind ``stream(s)`` (torch's StreamContext)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.src_prev_stream = None
+        self.dst_prev_stream = None
+
+    def __enter__(self):
+        cur = self.stream
+        if cur is None:
+            return
+        self.src_prev_stream = current_stream(None)
+        if self.src_prev_stream.device != cur.device:
+            self.dst_prev_stream = current_stream(cur.device)
+        set_stream(cur)
+
+    def __exit__(self, exc_type, exc, tb):
+        cur = self.stream
+        if cur is None:
+            return
+        if self.src_prev_stream.device != cur.device:
+            set_stream(self.dst_prev_stream)
+        set_stream(self.src_prev_stream)
+
+
+def stream(stream):
+    """``with stream(s):`` makes ``s`` current (and its device) inside the block; None does nothing."""
+    return StreamContext(stream)
+
+
+_M._set_stream_type(Stream)

@@ -1,0 +1,761 @@
+/* test_ipc.c - cross-process sharing: shareable handles, IPC keys and caching-allocator shares.
+ * The second process is a fork() child (which starts with a fresh runtime); it reports through
+ * its exit status, never through cmocka. */
+#include <dirent.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ipc.h"
+#include "testutil.h"
+
+#define G2 (2 * MiB_)
+
+static aclrtDrvMemHandle phys_on(int32_t dev, size_t size)
+{
+    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE, (uint32_t)dev);
+    aclrtDrvMemHandle h = NULL;
+    assert_int_equal(aclrtMallocPhysical(&h, size, &p, 0), ACL_SUCCESS);
+    return h;
+}
+
+static void *map_new(aclrtDrvMemHandle h, size_t size)
+{
+    void *va = NULL;
+    assert_int_equal(aclrtReserveMemAddress(&va, size, 0, NULL, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMapMem(va, size, 0, h, 0), ACL_SUCCESS);
+    return va;
+}
+
+static void unmap_release(void *va)
+{
+    assert_int_equal(aclrtUnmapMem(va), ACL_SUCCESS);
+    assert_int_equal(aclrtReleaseMemAddress(va), ACL_SUCCESS);
+}
+
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    for (struct dirent *e; d && (e = readdir(d));)
+        n += e->d_name[0] != '.';
+    if (d)
+        closedir(d);
+    return n - 1; /* the directory itself */
+}
+
+static void setup_runtime(void) { start_runtime(2, 2 * GiB_, 2 * GiB_, 0, 0); }
+
+/* ---- a child process: runs fn(arg), exits with its return value (0 = success) ---- */
+
+typedef struct child {
+    pid_t pid;
+    int to_child, from_child; /* pipes */
+} child;
+
+typedef int (*child_fn)(int in, int out, void *arg);
+
+static child spawn(child_fn fn, void *arg)
+{
+    int down[2], up[2];
+    assert_int_equal(pipe(down), 0);
+    assert_int_equal(pipe(up), 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        close(down[1]);
+        close(up[0]);
+        alarm(20);
+        _exit(fn(down[0], up[1], arg));
+    }
+    close(down[0]);
+    close(up[1]);
+    return (child){pid, down[1], up[0]};
+}
+
+static int finish(child *c)
+{
+    close(c->to_child);
+    close(c->from_child);
+    int st = 0;
+    assert_int_equal(waitpid(c->pid, &st, 0), c->pid);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static void put64(int fd, uint64_t v) { assert_true(write(fd, &v, sizeof v) == sizeof v); }
+
+static uint64_t get64(int fd)
+{
+    uint64_t v = 0;
+    return read(fd, &v, sizeof v) == sizeof v ? v : UINT64_MAX;
+}
+
+/* in a child: same, without cmocka */
+static int cput64(int fd, uint64_t v) { return write(fd, &v, sizeof v) == sizeof v ? 0 : 1; }
+
+/* ---- the value layout and export errors ---- */
+
+static void test_value_layout(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h0 = phys_on(0, G2), h1 = phys_on(1, G2), h2 = phys_on(0, G2);
+    uint64_t v0 = 0, v1 = 0, v2 = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h0, ACL_MEM_HANDLE_TYPE_NONE, 0, &v0), ACL_SUCCESS);
+    assert_int_equal(aclrtMemExportToShareableHandle(h1, ACL_MEM_HANDLE_TYPE_NONE, 1, &v1), ACL_SUCCESS);
+    assert_int_equal(aclrtMemExportToShareableHandle(h2, ACL_MEM_HANDLE_TYPE_NONE, 0, &v2), ACL_SUCCESS);
+    ipc_counts c;
+    ipc_get_counts(&c);
+    assert_true(c.server_running);
+    assert_int_equal(c.exports, 3);
+    assert_int_equal(ipc_value_pid(v0), getpid());
+    assert_int_equal(ipc_value_device(v0), 0);
+    assert_int_equal(ipc_value_device(v1), 1); /* CANN: the exporting device in bits 32-39 */
+    assert_int_equal(ipc_value_secret(v0), c.secret);
+    assert_int_equal(ipc_value_secret(v1), c.secret);
+    assert_true(v0 >> 40 != 0 && v0 != v2); /* random token bits */
+    assert_int_equal(aclrtFreePhysical(h0), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h1), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h2), ACL_SUCCESS);
+    ipc_get_counts(&c);
+    assert_int_equal(c.exports, 0); /* freeing withdraws the export */
+}
+
+static void test_export_errors(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h = phys_on(0, G2);
+    uint64_t v = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(NULL, 0, 0, &v), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_POSIX, 0, &v), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 2, &v), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemExportToShareableHandle((aclrtDrvMemHandle)(uintptr_t)0x4800000000000001ull, 0, 0, &v),
+                     ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 0, &v), ACL_SUCCESS);
+    uint64_t again = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 0, &again), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 1, &again), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 0, &again), ACL_ERROR_RT_INVALID_HANDLE);
+    /* host-resident physical memory is not device memory to share */
+    aclrtPhysicalMemProp hp = hbm_prop(ACL_DDR_MEM_HUGE, 0);
+    hp.location.type = ACL_MEM_LOCATION_TYPE_HOST;
+    aclrtDrvMemHandle hh = NULL;
+    assert_int_equal(aclrtMallocPhysical(&hh, G2, &hp, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMemExportToShareableHandle(hh, 0, 0, &v), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(aclrtFreePhysical(hh), ACL_SUCCESS);
+}
+
+static void test_set_pid_errors(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h = phys_on(0, G2), hd = phys_on(0, G2);
+    uint64_t v = 0, vd = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DEFAULT, &v), ACL_SUCCESS);
+    assert_int_equal(aclrtMemExportToShareableHandle(hd, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &vd),
+                     ACL_SUCCESS);
+    int32_t pids[2] = {12345, 23456};
+    assert_int_equal(aclrtMemSetPidToShareableHandle(v, NULL, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(v, pids, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(v, pids, 2), ACL_SUCCESS);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(v, pids, 2), ACL_SUCCESS); /* repeats are fine */
+    assert_int_equal(aclrtMemSetPidToShareableHandle(vd, pids, 1), ACL_ERROR_RT_NO_PERMISSION);
+    /* a value of another process: only its exporter may set pids */
+    uint64_t foreign = (v & ~(uint64_t)0x3FFFFF) | 1u;
+    assert_int_equal(aclrtMemSetPidToShareableHandle(foreign, pids, 1), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    /* a value of this process that it never exported */
+    uint64_t unknown = v ^ ((uint64_t)0x5A5A5A << 40);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(unknown, pids, 1), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(v, pids, 1), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtFreePhysical(hd), ACL_SUCCESS);
+    int32_t me = 0;
+    assert_int_equal(aclrtDeviceGetBareTgid(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDeviceGetBareTgid(&me), ACL_SUCCESS);
+    assert_int_equal(me, getpid());
+}
+
+static void test_import_errors_in_one_process(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h = phys_on(0, G2), out = NULL;
+    uint64_t v = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 1, &v), ACL_SUCCESS);
+    assert_int_equal(aclrtMemImportFromShareableHandle(v, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemImportFromShareableHandle(v, 7, &out), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtMemImportFromShareableHandle(v, -1, &out), ACL_ERROR_RT_INVALID_DEVICEID);
+    /* the exporter importing its own value */
+    assert_int_equal(aclrtMemImportFromShareableHandle(v, 0, &out), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    /* forged values: unknown token here, a process with no server (pid 1), pid 0 */
+    assert_int_equal(aclrtMemImportFromShareableHandle(v ^ ((uint64_t)1 << 63), 0, &out), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemImportFromShareableHandle((v & ~(uint64_t)0x3FFFFF) | 1u, 0, &out),
+                     ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemImportFromShareableHandle(v & ~(uint64_t)0x3FFFFF, 0, &out), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemImportFromShareableHandle(0, 0, &out), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
+/* ---- two processes ---- */
+
+typedef struct import_args {
+    int32_t device;
+    size_t size;
+    bool twice;      /* import twice: the same handle must come back */
+    bool write_back; /* write 'C' over the first 8 bytes */
+} import_args;
+
+/* Child: reads a value, imports, maps, checks the exporter's 'P' bytes, optionally writes back;
+ * reports the import code to the parent; exit status: 0 ok, else the step that failed. */
+static int child_import(int in, int out, void *arg)
+{
+    const import_args *a = arg;
+    if (cput64(out, (uint64_t)getpid()))
+        return 1;
+    uint64_t v = get64(in);
+    aclrtDrvMemHandle h = NULL, h2 = NULL;
+    aclError rc = aclrtMemImportFromShareableHandle(v, a->device, &h);
+    if (cput64(out, (uint64_t)rc) || rc != ACL_SUCCESS)
+        return rc == ACL_SUCCESS ? 2 : 0;
+    if (a->twice && (aclrtMemImportFromShareableHandle(v, a->device, &h2) != ACL_SUCCESS || h2 != h))
+        return 3;
+    void *va = NULL;
+    if (aclrtReserveMemAddress(&va, a->size, 0, NULL, 0) || aclrtMapMem(va, a->size, 0, h, 0))
+        return 4;
+    const char *p = va;
+    if (p[0] != 'P' || p[a->size - 1] != 'P')
+        return 5;
+    if (a->write_back)
+        memset(va, 'C', 8);
+    if (aclrtUnmapMem(va) || aclrtReleaseMemAddress(va) || aclrtFreePhysical(h))
+        return 6;
+    if (a->twice && aclrtFreePhysical(h2) != ACL_SUCCESS)
+        return 7;
+    if (aclrtFreePhysical(h) != ACL_ERROR_RT_INVALID_HANDLE) /* all references gone */
+        return 8;
+    size_t handles, regions, mappings;
+    npualloc_vmm_counts counts;
+    npualloc_vmm_counts_get(&counts);
+    handles = counts.physical_handles, regions = counts.reservations, mappings = counts.mappings;
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    if (handles || regions || mappings || ic.imports)
+        return 9;
+    return 0;
+}
+
+/* Exports a 'P'-filled handle, lets a child import it; returns the child's import code. */
+static aclError export_and_run(uint64_t flags, bool whitelist, bool free_first, import_args *a, int *status,
+                               char *first_byte)
+{
+    aclrtDrvMemHandle h = phys_on(0, a->size);
+    void *va = map_new(h, a->size);
+    memset(va, 'P', a->size);
+    uint64_t v = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, flags, &v), ACL_SUCCESS);
+    child c = spawn(child_import, a);
+    int32_t pid = (int32_t)get64(c.from_child);
+    if (whitelist)
+        assert_int_equal(aclrtMemSetPidToShareableHandle(v, &pid, 1), ACL_SUCCESS);
+    if (free_first) {
+        unmap_release(va);
+        assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    }
+    put64(c.to_child, v);
+    aclError rc = (aclError)get64(c.from_child);
+    *status = finish(&c);
+    if (!free_first) {
+        *first_byte = ((char *)va)[0];
+        unmap_release(va);
+        assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    }
+    return rc;
+}
+
+static void test_child_imports_with_whitelist(void **state)
+{
+    (void)state;
+    setup_runtime();
+    int fds = open_fds();
+    import_args a = {.device = 0, .size = 2 * G2, .twice = true, .write_back = true};
+    int status = -1;
+    char first = 0;
+    assert_int_equal(export_and_run(ACL_RT_VMM_EXPORT_FLAG_DEFAULT, true, false, &a, &status, &first), ACL_SUCCESS);
+    assert_int_equal(status, 0);
+    assert_int_equal(first, 'C'); /* the child's write is seen here: nothing was copied */
+    assert_int_equal(open_fds(), fds + 2); /* only the server's socket and wake fd remain */
+}
+
+static void test_child_not_on_whitelist_is_refused(void **state)
+{
+    (void)state;
+    setup_runtime();
+    import_args a = {.device = 0, .size = G2};
+    int status = -1;
+    char first = 0;
+    assert_int_equal(export_and_run(ACL_RT_VMM_EXPORT_FLAG_DEFAULT, false, false, &a, &status, &first),
+                     ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    assert_int_equal(status, 0);
+    /* DISABLE_PID_VALIDATION: any process of the user may import */
+    assert_int_equal(export_and_run(ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, false, false, &a, &status, &first),
+                     ACL_SUCCESS);
+    assert_int_equal(status, 0);
+}
+
+static void test_import_after_exporter_freed(void **state)
+{
+    (void)state;
+    setup_runtime();
+    import_args a = {.device = 0, .size = G2};
+    int status = -1;
+    char first = 0;
+    assert_int_equal(export_and_run(ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, false, true, &a, &status, &first),
+                     ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(status, 0);
+}
+
+static void test_cross_device_import_needs_peer_access(void **state)
+{
+    (void)state;
+    setup_runtime();
+    import_args a = {.device = 1, .size = G2};
+    int status = -1;
+    char first = 0;
+    assert_int_equal(export_and_run(ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, false, false, &a, &status, &first),
+                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(status, 0);
+}
+
+/* Child: exports 'X' memory with DISABLE_PID_VALIDATION, sends the value, waits, exits. */
+static int child_export(int in, int out, void *arg)
+{
+    (void)arg;
+    aclrtDrvMemHandle h = NULL;
+    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    if (aclrtMallocPhysical(&h, G2, &p, 0))
+        return 1;
+    void *va = NULL;
+    if (aclrtReserveMemAddress(&va, G2, 0, NULL, 0) || aclrtMapMem(va, G2, 0, h, 0))
+        return 2;
+    memset(va, 'X', G2);
+    uint64_t v = 0;
+    if (aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v))
+        return 3;
+    if (cput64(out, v))
+        return 4;
+    (void)get64(in); /* until told to go */
+    return 0;
+}
+
+static void test_exporter_exits_before_importer_unmaps(void **state)
+{
+    (void)state;
+    setup_runtime();
+    child c = spawn(child_export, NULL);
+    uint64_t v = get64(c.from_child);
+    aclrtDrvMemHandle h = NULL;
+    assert_int_equal(aclrtMemImportFromShareableHandle(v, 0, &h), ACL_SUCCESS);
+    void *va = map_new(h, G2);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS); /* mapped: the memory stays */
+    put64(c.to_child, 1);
+    assert_int_equal(finish(&c), 0);
+    const char *p = va;
+    assert_true(p[0] == 'X' && p[G2 - 1] == 'X'); /* the exporter is gone; the data is not */
+    memset(va, 'Y', 16);
+    assert_true(p[15] == 'Y');
+    unmap_release(va);
+    /* the exporter's server is gone with it */
+    assert_int_equal(aclrtMemImportFromShareableHandle(v, 0, &h), ACL_ERROR_RT_INVALID_HANDLE);
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.imports, 0);
+}
+
+/* ---- IPC keys ---- */
+
+static int child_key_import(int in, int out, void *arg)
+{
+    (void)arg;
+    if (cput64(out, (uint64_t)getpid()))
+        return 1;
+    char key[IPC_KEY_LEN];
+    if (read(in, key, sizeof key) != (ssize_t)sizeof key)
+        return 2;
+    void *p = NULL, *p2 = NULL;
+    aclError rc = aclrtIpcMemImportByKey(&p, key, ACL_RT_IPC_MEM_IMPORT_FLAG_DEFAULT);
+    if (cput64(out, (uint64_t)rc) || rc != ACL_SUCCESS)
+        return rc == ACL_SUCCESS ? 3 : 0;
+    if (aclrtIpcMemImportByKey(&p2, key, 0) != ACL_SUCCESS || p2 != p) /* refcounted */
+        return 4;
+    if (((char *)p)[0] != 'K' || ((char *)p)[MiB_ - 1] != 'K')
+        return 5;
+    if (aclrtMemset(p, MiB_, 'k', 4) != ACL_SUCCESS) /* it is device memory here too */
+        return 6;
+    if (aclrtFree(p) == ACL_SUCCESS) /* not this process's allocation */
+        return 7;
+    if (aclrtIpcMemClose(key) || aclrtIpcMemClose(key))
+        return 8;
+    if (aclrtIpcMemClose(key) != ACL_ERROR_RT_INVALID_HANDLE)
+        return 9;
+    npualloc_vmm_counts counts;
+    npualloc_vmm_counts_get(&counts);
+    if (counts.physical_handles || counts.reservations || counts.mappings)
+        return 10;
+    return 0;
+}
+
+static void test_ipc_keys(void **state)
+{
+    (void)state;
+    setup_runtime();
+    void *mem = NULL;
+    assert_int_equal(aclrtMalloc(&mem, MiB_, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    memset(mem, 'K', MiB_);
+    char key[IPC_KEY_LEN], key2[IPC_KEY_LEN];
+    assert_int_equal(aclrtIpcMemGetExportKey(NULL, MiB_, key, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemGetExportKey(mem, MiB_, NULL, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemGetExportKey(mem, MiB_, key, sizeof key, 2), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtIpcMemGetExportKey((char *)mem + 512, 512, key, sizeof key, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtIpcMemGetExportKey(mem, 64 * MiB_, key, sizeof key, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtIpcMemGetExportKey(mem, MiB_, key, 8, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemGetExportKey(mem, MiB_, key, sizeof key, 0), ACL_SUCCESS);
+    assert_true(strlen(key) <= 64 && strncmp(key, "npualloc-k1-", 12) == 0);
+    assert_int_equal(aclrtIpcMemGetExportKey(mem, MiB_, key2, sizeof key2, 0), ACL_SUCCESS);
+    assert_string_equal(key, key2); /* one key per allocation */
+    void *p = NULL;
+    assert_int_equal(aclrtIpcMemImportByKey(&p, key, 0), ACL_ERROR_RT_DRV_INTERNAL_ERROR); /* own key */
+    assert_int_equal(aclrtIpcMemImportByKey(&p, "npualloc-k1-1-000-0-00000000000000000000000000000000", 0),
+                     ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtIpcMemImportByKey(&p, "not a key", 0), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtIpcMemImportByKey(&p, key, 2), ACL_ERROR_RT_PARAM_INVALID);
+
+    /* not whitelisted, then whitelisted */
+    for (int round = 0; round < 2; round++) {
+        child c = spawn(child_key_import, NULL);
+        int32_t pid = (int32_t)get64(c.from_child);
+        if (round == 1)
+            assert_int_equal(aclrtIpcMemSetImportPid(key, &pid, 1), ACL_SUCCESS);
+        assert_true(write(c.to_child, key, sizeof key) == (ssize_t)sizeof key);
+        aclError rc = (aclError)get64(c.from_child);
+        assert_int_equal(rc, round == 0 ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_SUCCESS);
+        assert_int_equal(finish(&c), 0);
+    }
+    assert_memory_equal(mem, "kkkkK", 5); /* the importer's memset landed here */
+    int32_t pid = 1;
+    assert_int_equal(aclrtIpcMemSetImportPid(key, NULL, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemSetImportPid("npualloc-k1-1-000-0-00000000000000000000000000000000", &pid, 1),
+                     ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    /* the exporter closes: no new imports, freeing is still the owner's business */
+    assert_int_equal(aclrtIpcMemClose(key), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemSetImportPid(key, &pid, 1), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtIpcMemClose(key), ACL_ERROR_RT_INVALID_HANDLE);
+    /* DISABLE_PID_VALIDATION key: set-pid is refused */
+    void *mem2 = NULL;
+    assert_int_equal(aclrtMalloc(&mem2, MiB_, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemGetExportKey(mem2, MiB_, key2, sizeof key2, 1), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemSetImportPid(key2, &pid, 1), ACL_ERROR_RT_NO_PERMISSION);
+    assert_int_equal(aclrtFree(mem2), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemSetImportPid(key2, &pid, 1), ACL_ERROR_RT_INVALID_HANDLE); /* freed */
+    assert_int_equal(aclrtFree(mem), ACL_SUCCESS);
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.exports, 0);
+}
+
+/* ---- caching-allocator shares ---- */
+
+static int child_open_share(int in, int out, void *arg)
+{
+    (void)arg;
+    uint8_t desc[4096];
+    uint64_t len = get64(in);
+    if (len > sizeof desc || read(in, desc, len) != (ssize_t)len)
+        return 1;
+    void *p = NULL;
+    aclError rc = ipc_open_shared(desc, len, -1, &p);
+    if (cput64(out, (uint64_t)rc) || rc != ACL_SUCCESS)
+        return rc == ACL_SUCCESS ? 2 : 0;
+    void *again = NULL;
+    if (ipc_open_shared(desc, len, -1, &again) != ACL_SUCCESS || again != p)
+        return 3;
+    if (((char *)p)[0] != 'S')
+        return 4;
+    memset(p, 'T', 4);
+    if (cput64(out, 1))
+        return 5;
+    if (get64(in) == 2) /* 2: die without closing */
+        raise(SIGKILL);
+    if (ipc_close_shared(p) || ipc_close_shared(again) || ipc_close_shared(p) != ACL_ERROR_INVALID_PARAM)
+        return 6;
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    if (ic.opens || ic.sessions || ic.imports)
+        return 7;
+    return cput64(out, 3) ? 8 : 0;
+}
+
+static void share_round(bool die)
+{
+    void *p = NULL, *q = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 3 * MiB_, 0, &p), ACL_SUCCESS);
+    memset(p, 'S', 3 * MiB_);
+    uint8_t desc[4096];
+    size_t len = 0;
+    assert_int_equal(ipc_share(NULL, desc, sizeof desc, &len), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(ipc_share((char *)p + 512, desc, sizeof desc, &len), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(ipc_share(p, desc, sizeof desc, &len), ACL_SUCCESS);
+    void *own = NULL;
+    assert_int_equal(ipc_open_shared(desc, len, -1, &own), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    child c = spawn(child_open_share, NULL);
+    put64(c.to_child, len);
+    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    assert_int_equal(get64(c.from_child), ACL_SUCCESS);
+    assert_int_equal(get64(c.from_child), 1);
+    assert_memory_equal(p, "TTTTS", 5);
+    /* the owner frees while the child has it open: the memory is not reused */
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_malloc(0, 3 * MiB_, 0, &q), ACL_SUCCESS);
+    assert_ptr_not_equal(q, p);
+    assert_int_equal(npualloc_cache_free(q), ACL_SUCCESS);
+    char why[256];
+    assert_int_equal(npualloc_cache_check(0, why, sizeof why), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS); /* does not wait for the pin, keeps it */
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.pins, 1);
+    put64(c.to_child, die ? 2 : 1);
+    if (!die)
+        assert_int_equal(get64(c.from_child), 3);
+    assert_int_equal(finish(&c), die ? 128 + SIGKILL : 0);
+    for (int i = 0; i < 200; i++) { /* the server sees the close (or the death) */
+        ipc_get_counts(&ic);
+        if (ic.pins == 0 && ic.shares == 0)
+            break;
+        usleep(5000);
+    }
+    assert_int_equal(ic.pins, 0);
+    assert_int_equal(ic.shares, 0);
+    assert_int_equal(ic.exports, 0);
+    assert_int_equal(npualloc_cache_check(0, why, sizeof why), ACL_SUCCESS);
+    /* the block went back to the cache: the same request gets it again */
+    assert_int_equal(npualloc_cache_malloc(0, 3 * MiB_, 0, &q), ACL_SUCCESS);
+    assert_ptr_equal(q, p);
+    assert_int_equal(npualloc_cache_free(q), ACL_SUCCESS);
+}
+
+static void test_share_pins_block_until_close(void **state)
+{
+    (void)state;
+    setup_runtime();
+    share_round(false);
+}
+
+static void test_share_pin_released_when_opener_dies(void **state)
+{
+    (void)state;
+    setup_runtime();
+    share_round(true);
+}
+
+static void test_share_of_freed_block_cannot_be_opened(void **state)
+{
+    (void)state;
+    setup_runtime();
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, MiB_, 0, &p), ACL_SUCCESS);
+    uint8_t desc[4096];
+    size_t len = 0;
+    assert_int_equal(ipc_share(p, desc, sizeof desc, &len), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.shares, 0); /* nobody had it open: the share is gone with the block */
+    child c = spawn(child_open_share, NULL);
+    put64(c.to_child, len);
+    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    assert_int_equal(get64(c.from_child), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(finish(&c), 0);
+    /* garbage is not a descriptor */
+    void *q = NULL;
+    memset(desc, 0, sizeof desc);
+    assert_int_equal(ipc_open_shared(desc, 80, -1, &q), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(ipc_close_shared(p), ACL_ERROR_INVALID_PARAM);
+}
+
+static int child_open_and_check(int in, int out, void *arg)
+{
+    (void)arg;
+    uint8_t desc[4096];
+    uint64_t len = get64(in);
+    if (len > sizeof desc || read(in, desc, len) != (ssize_t)len)
+        return 1;
+    void *p = NULL;
+    if (ipc_open_shared(desc, len, -1, &p) != ACL_SUCCESS)
+        return 2;
+    uint64_t size = get64(in);
+    if (cput64(out, 1))
+        return 3;
+    (void)get64(in); /* the owner freed the block and emptied its caches */
+    const char *c = p;
+    if (c[0] != 'E' || memcmp(c + size - 4, "live", 4) != 0)
+        return 4;
+    return ipc_close_shared(p) == ACL_SUCCESS && cput64(out, 2) == 0 ? 0 : 5;
+}
+
+static int64_t reserved_bytes(void)
+{
+    npualloc_stats st;
+    assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_SUCCESS);
+    return st.reserved_bytes[NPUALLOC_STAT_ALL].current;
+}
+
+static void test_expandable_pages_of_a_pinned_block_stay_mapped(void **state)
+{
+    (void)state;
+    setup_runtime();
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:True"), ACL_SUCCESS);
+    size_t size = 45 * MiB_; /* three 20 MiB pages */
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, size, 0, &p), ACL_SUCCESS);
+    memset(p, 'E', size);
+    uint8_t desc[4096];
+    size_t len = 0;
+    assert_int_equal(ipc_share(p, desc, sizeof desc, &len), ACL_SUCCESS);
+    assert_int_equal(len, 80 + 3 * 8); /* one shareable value per page */
+    child c = spawn(child_open_and_check, NULL);
+    put64(c.to_child, len);
+    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    put64(c.to_child, size);
+    assert_int_equal(get64(c.from_child), 1);
+    int64_t reserved = reserved_bytes();
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_empty_virt_addr_cache(), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS);
+    assert_int_equal(reserved_bytes(), reserved); /* no page of the pinned block was unmapped */
+    memcpy((char *)p + size - 4, "live", 4);     /* the owner's mapping still shows the same pages */
+    put64(c.to_child, 1);
+    assert_int_equal(get64(c.from_child), 2);
+    assert_int_equal(finish(&c), 0);
+    ipc_counts ic;
+    for (int i = 0; i < 200; i++) {
+        ipc_get_counts(&ic);
+        if (ic.pins == 0 && ic.shares == 0)
+            break;
+        usleep(5000);
+    }
+    assert_int_equal(ic.pins + ic.shares + ic.exports, 0);
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS);
+    assert_int_equal(reserved_bytes(), 0); /* now they go */
+    char why[256];
+    assert_int_equal(npualloc_cache_check(0, why, sizeof why), ACL_SUCCESS);
+}
+
+/* ---- threads ---- */
+
+typedef struct export_job {
+    uint64_t values[32];
+    aclrtDrvMemHandle handles[32];
+} export_job;
+
+static void *export_many(void *arg)
+{
+    export_job *j = arg;
+    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    for (int i = 0; i < 32; i++) {
+        if (aclrtMallocPhysical(&j->handles[i], G2, &p, 0) ||
+            aclrtMemExportToShareableHandle(j->handles[i], 0, 1, &j->values[i]))
+            j->values[i] = 0;
+    }
+    return NULL;
+}
+
+static int child_import_many(int in, int out, void *arg)
+{
+    (void)out;
+    (void)arg;
+    uint64_t n = get64(in);
+    if (n > 4096)
+        return 3;
+    uint64_t *values = calloc(n, sizeof *values);
+    if (!values)
+        return 4;
+    for (uint64_t i = 0; i < n; i++)
+        values[i] = get64(in);
+    for (uint64_t i = 0; i < n; i++) {
+        aclrtDrvMemHandle h = NULL;
+        if (aclrtMemImportFromShareableHandle(values[i], 0, &h) != ACL_SUCCESS)
+            return 1;
+        if (aclrtFreePhysical(h) != ACL_SUCCESS)
+            return 2;
+    }
+    free(values);
+    return 0;
+}
+
+static void test_concurrent_exports_are_distinct(void **state)
+{
+    (void)state;
+    setup_runtime();
+    export_job jobs[4];
+    pthread_t t[4];
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(pthread_create(&t[i], NULL, export_many, &jobs[i]), 0);
+    for (int i = 0; i < 4; i++)
+        pthread_join(t[i], NULL);
+    child c = spawn(child_import_many, NULL);
+    put64(c.to_child, 4 * 32);
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 32; k++) {
+            assert_true(jobs[i].values[k] != 0);
+            for (int m = 0; m < k; m++)
+                assert_true(jobs[i].values[m] != jobs[i].values[k]);
+            put64(c.to_child, jobs[i].values[k]);
+        }
+    assert_int_equal(finish(&c), 0);
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 32; k++)
+            assert_int_equal(aclrtFreePhysical(jobs[i].handles[k]), ACL_SUCCESS);
+}
+
+static void test_shutdown_releases_everything(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h = phys_on(0, G2);
+    uint64_t v;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, 0, &v), ACL_SUCCESS);
+    npualloc_shutdown();
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    assert_false(ic.server_running);
+    assert_int_equal(ic.exports + ic.imports + ic.shares + ic.opens + ic.sessions + ic.clients, 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_value_layout, stop_runtime),
+        cmocka_unit_test_teardown(test_export_errors, stop_runtime),
+        cmocka_unit_test_teardown(test_set_pid_errors, stop_runtime),
+        cmocka_unit_test_teardown(test_import_errors_in_one_process, stop_runtime),
+        cmocka_unit_test_teardown(test_child_imports_with_whitelist, stop_runtime),
+        cmocka_unit_test_teardown(test_child_not_on_whitelist_is_refused, stop_runtime),
+        cmocka_unit_test_teardown(test_import_after_exporter_freed, stop_runtime),
+        cmocka_unit_test_teardown(test_cross_device_import_needs_peer_access, stop_runtime),
+        cmocka_unit_test_teardown(test_exporter_exits_before_importer_unmaps, stop_runtime),
+        cmocka_unit_test_teardown(test_ipc_keys, stop_runtime),
+        cmocka_unit_test_teardown(test_share_pins_block_until_close, stop_runtime),
+        cmocka_unit_test_teardown(test_share_pin_released_when_opener_dies, stop_runtime),
+        cmocka_unit_test_teardown(test_share_of_freed_block_cannot_be_opened, stop_runtime),
+        cmocka_unit_test_teardown(test_expandable_pages_of_a_pinned_block_stay_mapped, stop_runtime),
+        cmocka_unit_test_teardown(test_concurrent_exports_are_distinct, stop_runtime),
+        cmocka_unit_test_teardown(test_shutdown_releases_everything, stop_runtime),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,181 @@
+"""npualloc.share / open_shared / close_shared: caching-allocator blocks (plain and expandable
+segments) opened by other processes, and the sharing pin that keeps the owner from reusing a
+block while someone still has it open."""
+import ctypes
+import pickle
+import time
+
+import pytest
+
+import npualloc
+from conftest import MiB
+from npualloc import _C, acl
+from test_ipc import workers  # noqa: F401  (fixture)
+
+OPEN = """
+ptr = npualloc.open_shared(pickle.loads(blob))
+ret = (ptr, ctypes.string_at(ptr, 4), ctypes.string_at(ptr + size - 4, 4))
+ctypes.memmove(ptr, b"seen", 4)
+"""
+
+
+@pytest.fixture(params=["plain", "expandable"])
+def segments(request, dev0):
+    if request.param == "expandable":
+        npualloc.memory._set_allocator_settings("expandable_segments:True")
+    return request.param
+
+
+def wait_for(pred, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def counts():
+    return _C.ipc.counts()
+
+
+@pytest.mark.parametrize("size", [3 * MiB, 100_000, 45 * MiB])
+def test_open_shared_sees_the_owners_bytes(segments, workers, size):  # noqa: F811
+    (w,) = workers()
+    w.call("import pickle")
+    ptr = npualloc.caching_allocator_alloc(size, 0)
+    ctypes.memset(ptr, 0x53, size)
+    handle = npualloc.share(ptr)
+    assert handle.kind == ("e" if segments == "expandable" else "c")
+    assert (handle.owner_pid, handle.device) == (acl.rt.device_get_bare_tgid()[0], 0)
+    assert handle.size >= size
+    assert npualloc.share(ptr) == handle  # sharing again: the same handle
+    blob = pickle.dumps(handle)
+    assert len(blob) < 512  # small
+    wptr, head, tail = w.call(OPEN, blob=blob, size=size)
+    assert head == b"SSSS" and tail == b"SSSS"
+    assert ctypes.string_at(ptr, 5) == b"seenS"  # the opener's write, seen by the owner
+    ctypes.memmove(ptr + size - 4, b"back", 4)
+    assert w.call("ret = ctypes.string_at(p, 4)", p=wptr + size - 4) == b"back"
+    # opened twice: the same pointer; closed as many times
+    assert w.call("ret = npualloc.open_shared(pickle.loads(blob))", blob=blob) == wptr
+    w.call("npualloc.close_shared(p); npualloc.close_shared(p)", p=wptr)
+    with pytest.raises(AssertionError, match="was not opened"):
+        w.call("npualloc.close_shared(p)", p=wptr)
+    assert w.call("ret = (_C.ipc.counts()['opens'], _C.ipc.counts()['sessions'], _C.vmm_counts())") == \
+        (0, 0, {"physical_handles": 0, "reservations": 0, "mappings": 0, "fds_kept": 0})
+    npualloc.caching_allocator_delete(ptr)
+    assert wait_for(lambda: counts()["shares"] == 0 and counts()["exports"] == 0)
+
+
+def test_owner_does_not_reuse_a_block_until_the_last_opener_closed(segments, workers):  # noqa: F811
+    a, b = workers(2)
+    for w in (a, b):
+        w.call("import pickle")
+    size = 3 * MiB
+    ptr = npualloc.caching_allocator_alloc(size, 0)
+    ctypes.memset(ptr, 0x41, size)
+    blob = pickle.dumps(npualloc.share(ptr))
+    pa = a.call(OPEN, blob=blob, size=size)[0]
+    pb = b.call(OPEN, blob=blob, size=size)[0]
+    assert counts()["pins"] == 2
+    npualloc.caching_allocator_delete(ptr)  # returns at once; the memory stays the openers'
+    others = [npualloc.caching_allocator_alloc(size, 0) for _ in range(3)]
+    assert ptr not in others
+    for p in others:
+        npualloc.caching_allocator_delete(p)
+    npualloc.empty_cache()  # does not wait for the openers, and does not release the block
+    assert npualloc.memory._check() is None
+    # a freed block can no longer be opened
+    (c,) = workers()
+    with pytest.raises(AssertionError, match="no longer shared"):
+        c.call("import pickle; npualloc.open_shared(pickle.loads(blob))", blob=blob)
+    a.call("npualloc.close_shared(p)", p=pa)
+    assert wait_for(lambda: counts()["pins"] == 1)
+    assert npualloc.caching_allocator_alloc(size, 0) != ptr  # b still has it
+    b.call("npualloc.close_shared(p)", p=pb)
+    assert wait_for(lambda: counts()["pins"] == 0 and counts()["shares"] == 0)
+    assert npualloc.caching_allocator_alloc(size, 0) == ptr  # back in the cache: reused
+    assert npualloc.memory._check() is None
+
+
+def test_an_opener_that_dies_releases_its_pins(segments, workers):  # noqa: F811
+    victim, survivor = workers(2)
+    for w in (victim, survivor):
+        w.call("import pickle")
+    size = 5 * MiB
+    ptr = npualloc.caching_allocator_alloc(size, 0)
+    ctypes.memset(ptr, 0x44, size)
+    blob = pickle.dumps(npualloc.share(ptr))
+    victim.call(OPEN, blob=blob, size=size)
+    ps = survivor.call(OPEN, blob=blob, size=size)[0]
+    npualloc.caching_allocator_delete(ptr)
+    victim.kill()
+    assert wait_for(lambda: counts()["pins"] == 1)
+    assert survivor.call("ret = ctypes.string_at(p + 4, 4)", p=ps) == b"DDDD"  # the other opener is fine
+    survivor.kill()
+    assert wait_for(lambda: counts()["pins"] == 0 and counts()["clients"] == 0 and counts()["shares"] == 0)
+    assert npualloc.caching_allocator_alloc(size, 0) == ptr
+    assert npualloc.memory._check() is None
+
+
+def test_expandable_pages_of_a_pinned_block_stay_mapped(dev0, workers):  # noqa: F811
+    npualloc.memory._set_allocator_settings("expandable_segments:True")
+    (w,) = workers()
+    w.call("import pickle")
+    size = 45 * MiB  # three 20 MiB pages
+    ptr = npualloc.caching_allocator_alloc(size, 0)
+    ctypes.memset(ptr, 0x45, size)
+    reserved = npualloc.memory_reserved(0)
+    blob = pickle.dumps(npualloc.share(ptr))
+    wptr = w.call(OPEN, blob=blob, size=size)[0]
+    npualloc.caching_allocator_delete(ptr)
+    npualloc.empty_cache()
+    assert npualloc.memory_reserved(0) == reserved  # nothing of the pinned block was unmapped
+    ctypes.memmove(ptr + size - 4, b"live", 4)  # still the owner's mapping of the same pages
+    assert w.call("ret = ctypes.string_at(p, 4)", p=wptr + size - 4) == b"live"
+    w.call("npualloc.close_shared(p)", p=wptr)
+    assert wait_for(lambda: counts()["pins"] == 0)
+    npualloc.empty_cache()
+    assert npualloc.memory_reserved(0) == 0  # now the pages go
+
+
+def test_open_shared_for_another_device(dev0, workers):  # noqa: F811
+    (w,) = workers()
+    w.call("import pickle")
+    ptr = npualloc.caching_allocator_alloc(MiB, 0)
+    ctypes.memset(ptr, 0x4F, MiB)
+    blob = pickle.dumps(npualloc.share(ptr))
+    with pytest.raises(AssertionError, match="peer access"):
+        w.call("npualloc.open_shared(pickle.loads(blob), device=1)", blob=blob)
+    w.call("rt.set_device(1); rt.device_enable_peer_access(0, 0)")
+    wptr = w.call("ret = npualloc.open_shared(pickle.loads(blob), device='npu:1')", blob=blob)
+    assert w.call("ret = ctypes.string_at(p, 2)", p=wptr) == b"OO"
+    w.call("npualloc.close_shared(p)", p=wptr)
+
+
+def test_share_errors(dev0):
+    with pytest.raises(RuntimeError, match="not a live block"):
+        npualloc.share(0x1234)
+    ptr = npualloc.caching_allocator_alloc(MiB, 0)
+    with pytest.raises(RuntimeError, match="not a live block"):
+        npualloc.share(ptr + 512)  # inside a block: not a block
+    with pytest.raises(TypeError):
+        npualloc.share("ptr")
+    handle = npualloc.share(ptr)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        npualloc.open_shared(handle)  # the owner itself
+    with pytest.raises(ValueError):
+        npualloc.open_shared(b"garbage")
+    with pytest.raises(ValueError):
+        npualloc.SharedBlock(b"NPUS" + b"\0" * 76)
+    with pytest.raises(TypeError):
+        npualloc.open_shared(12)
+    with pytest.raises(RuntimeError, match="was not opened"):
+        npualloc.close_shared(ptr)
+    assert pickle.loads(pickle.dumps(handle)) == handle
+    assert "kind='c'" in repr(handle)
+    npualloc.caching_allocator_delete(ptr)
+    with pytest.raises(RuntimeError, match="not a live block"):
+        npualloc.share(ptr)
+    assert counts()["shares"] == 0

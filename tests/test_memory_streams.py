@@ -1,0 +1,225 @@
+"""Streams, events, current streams, record_stream / erase_stream and the states of freed blocks."""
+import threading
+import time
+
+import pytest
+
+import npualloc
+from npualloc import _C
+from conftest_memory import MiB, block_of, check_all, layout, mem, segment_of  # noqa: F401
+
+alloc = npualloc.caching_allocator_alloc
+free = npualloc.caching_allocator_delete
+
+SLEEP = 0.3
+
+
+# ---- Stream, Event, current streams ----
+
+def test_stream_basics(mem):
+    s = npualloc.Stream()
+    t = npualloc.Stream(device=1)
+    assert s.device == 0 and t.device == 1 and s.npu_stream != 0 and t.npu_stream != s.npu_stream
+    assert repr(s) == f"<npualloc.Stream device=npu:0 npu_stream={s.npu_stream:#x}>"
+    assert s == npualloc.Stream._wrap(s.npu_stream, 0) and s != t and len({s, t, s}) == 2
+    d = npualloc.default_stream()
+    assert d.npu_stream == 0 and d.device == 0 and npualloc.default_stream(1).device == 1
+    assert npualloc.current_stream() == d and npualloc.current_stream(1) == npualloc.default_stream(1)
+    assert s.query()
+    npualloc._sleep(SLEEP, s.npu_stream)
+    assert not s.query()
+    s.synchronize()
+    assert s.query()
+    t.synchronize()
+    assert npualloc.current_device() == 0
+
+
+def test_stream_context_and_set_stream(mem):
+    s = npualloc.Stream()
+    s1 = npualloc.Stream(1)
+    with npualloc.stream(s):
+        assert npualloc.current_stream() is s
+        with npualloc.stream(None):
+            assert npualloc.current_stream() is s
+        with npualloc.stream(s1):                # another device: it becomes current too
+            assert npualloc.current_device() == 1 and npualloc.current_stream() is s1
+            assert npualloc.current_stream(0) is s
+        assert npualloc.current_device() == 0 and npualloc.current_stream(1).npu_stream == 0
+        assert npualloc.current_stream() is s
+    assert npualloc.current_stream().npu_stream == 0
+    npualloc.set_stream(s1)
+    assert npualloc.current_device() == 1 and npualloc.current_stream() is s1
+    npualloc.set_stream(None)
+    assert npualloc.current_stream() is s1
+    npualloc.set_stream(npualloc.default_stream(1))
+    assert npualloc.current_stream().npu_stream == 0
+
+
+def test_current_stream_is_per_thread(mem):
+    s = npualloc.Stream()
+    seen = []
+    with npualloc.stream(s):
+        t = threading.Thread(target=lambda: seen.append(npualloc.current_stream().npu_stream))
+        t.start()
+        t.join()
+        assert npualloc.current_stream() is s
+    assert seen == [0]
+
+
+def test_events(mem):
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    e = npualloc.Event()
+    assert e.query() and repr(e) == "<npualloc.Event uninitialized>"
+    npualloc._sleep(SLEEP, s1.npu_stream)
+    e.record(s1)
+    assert not e.query()
+    s2.wait_event(e)                     # s2's later work waits for s1's sleep
+    assert not s2.query()
+    e.synchronize()
+    assert e.query()
+    s2.synchronize()
+    start, end = npualloc.Event(enable_timing=True), npualloc.Event(enable_timing=True)
+    start.record(s1)
+    npualloc._sleep(0.05, s1.npu_stream)
+    end.record(s1)
+    end.synchronize()
+    assert 45 <= start.elapsed_time(end) < 1000
+    with pytest.raises(RuntimeError, match="enable_timing=True"):
+        e.elapsed_time(end)
+    npualloc._sleep(SLEEP, s1.npu_stream)
+    s2.wait_stream(s1)
+    assert not s2.query()
+    ev = s2.record_event()
+    ev.synchronize()
+    assert s1.query() and ev.query()
+    with npualloc.stream(s1):
+        f = npualloc.Event()
+        f.record()                        # the current stream
+        f.wait()
+        f.synchronize()
+
+
+def test_stale_objects_after_a_restart_are_left_alone(mem):
+    s = npualloc.Stream()
+    e = s.record_event()
+    b = npualloc.empty(1000)
+    old_ptr, old_stream = b.ptr, s.npu_stream
+    mem()                                 # shutdown + configure: the new runtime reuses handles and addresses
+    t = npualloc.Stream()
+    p = alloc(1000)
+    assert t.npu_stream == old_stream and p == old_ptr   # what makes stale objects dangerous
+    del s, e, b                           # must not destroy t's stream nor free p's block
+    t.synchronize()
+    assert npualloc.memory_allocated() == 1536
+    assert npualloc.current_stream().npu_stream == 0
+    free(p)
+    check_all()
+
+
+# ---- record_stream, erase_stream and block states ----
+
+def test_record_stream_delays_reuse_until_the_stream_finished(mem):
+    side = npualloc.Stream()
+    p = alloc(1)
+    npualloc.record_stream(p, side)
+    npualloc._sleep(SLEEP, side.npu_stream)
+    start = time.monotonic()
+    free(p)
+    assert block_of(p)["state"] == "active_pending_free"
+    st = npualloc.memory_stats()
+    assert st["allocated_bytes.all.current"] == 0 and st["active_bytes.all.current"] == 512
+    assert segment_of(p)["allocated_size"] == 0 and segment_of(p)["active_size"] == 512
+    others = []
+    while True:
+        q = alloc(1)
+        if q == p:
+            break
+        others.append(q)
+        time.sleep(0.01)
+    assert time.monotonic() - start >= SLEEP * 0.9   # reused only once the sleep on `side` ended
+    assert others and all(o != p for o in others)
+    assert block_of(p)["state"] == "active_allocated"
+    free(p)
+    for o in others:
+        free(o)
+    check_all()
+
+
+def test_record_stream_states_and_synchronize(mem):
+    side = npualloc.Stream()
+    p = alloc(MiB + 1)
+    q = alloc(MiB + 1)
+    npualloc.record_stream(p, side.npu_stream)          # an int handle works too
+    npualloc._sleep(SLEEP, side.npu_stream)
+    free(p)
+    assert layout(p) == [(MiB + 512, "active_pending_free"), (MiB + 512, "active_allocated"),
+                         (18 * MiB - 1024, "inactive")]
+    npualloc.empty_cache()                              # synchronizes, completes the free, keeps the segment
+    assert layout(p) == [(MiB + 512, "inactive"), (MiB + 512, "active_allocated"), (18 * MiB - 1024, "inactive")]
+    free(q)
+    assert layout(p) == [(20 * MiB, "inactive")]
+    with pytest.raises(RuntimeError, match="invalid device pointer"):
+        npualloc.record_stream(p, side)
+    r = alloc(1)
+    with pytest.raises(RuntimeError, match="not a live stream"):
+        npualloc.record_stream(r, 0x5300000099000001)
+    with pytest.raises(TypeError, match="Invalid type for stream argument"):
+        npualloc.record_stream(r, "side")
+    free(r)
+
+
+def test_record_stream_on_the_own_stream_still_waits(mem):
+    # torch_npu records the block's own stream too: the free waits for an event on it.
+    p = alloc(1)
+    npualloc.record_stream(p, npualloc.current_stream())
+    npualloc._sleep(SLEEP, 0)
+    free(p)
+    assert block_of(p)["state"] == "active_pending_free"
+    assert alloc(1) != p
+    npualloc.synchronize()
+    assert alloc(1) == p
+
+
+def test_erase_stream_only_from_the_blocks_current_stream(mem):
+    own, side = npualloc.Stream(), npualloc.Stream()
+    p = alloc(1, stream=own)
+    npualloc.record_stream(p, side)
+    npualloc.erase_stream(p, side)              # own is not the current stream: nothing happens
+    npualloc._sleep(SLEEP, side.npu_stream)
+    free(p)
+    assert block_of(p)["state"] == "active_pending_free"
+    side.synchronize()
+    assert alloc(1, stream=own) == p            # (the next allocation completes the free)
+    npualloc.record_stream(p, side)
+    with npualloc.stream(own):
+        npualloc.erase_stream(p, side)          # now it is erased
+    npualloc._sleep(SLEEP, side.npu_stream)
+    free(p)
+    assert block_of(p)["state"] == "inactive"
+    with pytest.raises(TypeError, match="^stream should be torch_npu.npu.Stream, could not be <class 'int'>$"):
+        npualloc.erase_stream(p, side.npu_stream)
+    with pytest.raises(RuntimeError, match="invalid device pointer"):
+        npualloc.erase_stream(p, side)
+    side.synchronize()
+    check_all()
+
+
+def test_snapshot_states(mem):
+    side = npualloc.Stream()
+    a = alloc(1)
+    b = alloc(1)
+    c = alloc(1)
+    npualloc.record_stream(b, side)
+    npualloc._sleep(SLEEP, side.npu_stream)
+    free(b)
+    free(c)
+    seg = segment_of(a)
+    assert [(x["address"], x["size"], x["requested_size"], x["state"]) for x in seg["blocks"]] == [
+        (a, 512, 1, "active_allocated"), (b, 512, 1, "active_pending_free"),
+        (c, 2 * MiB - 1024, 1, "inactive")]           # requested_size is stale once free (torch)
+    assert (seg["allocated_size"], seg["active_size"], seg["requested_size"]) == (512, 1024, 2)
+    side.synchronize()
+    free(a)
+    alloc(600)                                           # completes b's free; merges everything
+    seg = segment_of(a)
+    assert [x["state"] for x in seg["blocks"]] == ["active_allocated", "inactive"]

@@ -1,0 +1,442 @@
+"""npualloc.replay: exact peaks on hand-written traces, the reconstruction of memory alive before recording,
+the recorded run's reservations, pickle round trips, the restricted unpickler, results and plots, and the
+PyTorch traces in ../shared/traces/ (skipped when absent)."""
+import json
+import os
+import pickle
+import threading
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+
+from npualloc import _C, replay, workload
+
+MiB = 1 << 20
+GiB = 1 << 30
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+FULLSTEP = SHARED / "cs336-ctx128-fullstep.pickle"
+
+
+def entry(action, addr, size, stream=0, t=0):
+    return {"action": action, "addr": addr, "size": size, "stream": stream, "time_us": t, "frames": []}
+
+
+def snapshot(entries, segments=(), settings=None):
+    return {"segments": list(segments), "device_traces": [list(entries)],
+            "allocator_settings": settings or {"PYTORCH_CUDA_ALLOC_CONF": ""}}
+
+
+def alloc(addr, size, stream=0):
+    return [entry("alloc", addr, size, stream)]
+
+
+def free(addr, size, stream=0):
+    # what torch records: the request, then its completion (replay uses the request)
+    return [entry("free_requested", addr, size, stream), entry("free_completed", addr, size, stream)]
+
+
+# ---- exact peaks ----
+
+def small_trace():
+    ev = []
+    ev += [entry("segment_alloc", 0x7000, 2 * MiB)]
+    ev += alloc(0x7000, 1000) + alloc(0x7200, 1000)
+    ev += free(0x7000, 1000)
+    ev += alloc(0x7000, 100)
+    ev += [entry("segment_alloc", 0x9000000, 20 * MiB)]
+    ev += alloc(0x9000000, 5 * MiB)
+    ev += free(0x7200, 1000) + free(0x7000, 100) + free(0x9000000, 5 * MiB)
+    segs = [
+        {"device": 0, "address": 0x7000, "total_size": 2 * MiB, "allocated_size": 0, "active_size": 0,
+         "requested_size": 0, "stream": 0, "segment_type": "small", "segment_pool_id": (0, 0),
+         "is_expandable": False, "frames": [], "blocks": [{"address": 0x7000, "size": 2 * MiB,
+                                                            "requested_size": 0, "state": "inactive", "frames": []}]},
+        {"device": 0, "address": 0x9000000, "total_size": 20 * MiB, "allocated_size": 0, "active_size": 0,
+         "requested_size": 0, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+         "is_expandable": False, "frames": [], "blocks": [{"address": 0x9000000, "size": 20 * MiB,
+                                                            "requested_size": 0, "state": "inactive", "frames": []}]},
+    ]
+    return snapshot(ev, segs)
+
+
+def test_hand_written_trace_has_exactly_known_peaks():
+    r = replay.replay(small_trace(), device_memory="1GiB")
+    # NPU: 1000 + 32 -> 1536 bytes; 100 + 32 -> 512 (in the first hole); 5 MiB + 32 -> 5 MiB + 512 in a 20 MiB
+    # segment (below 10 MiB).
+    assert r.events == 8 and r.allocs == 4 and r.frees == 4
+    assert r.unknown_frees == 0 and r.reconstructed_count == 0
+    assert r.peak_requested == 1000 + 100 + 5 * MiB
+    assert r.peak_allocated == 1536 + 512 + 5 * MiB + 512
+    assert r.peak_active == r.peak_allocated
+    assert r.peak_reserved == 22 * MiB
+    assert r.device_allocs == 2 and r.device_frees == 0 and r.retries == 0 and r.ooms == 0
+    assert r.fragmentation == pytest.approx(1 - r.peak_active / r.peak_reserved)
+    # The recorded run: both segments made during the trace, nothing before.
+    assert r.recorded.initial_reserved == 0
+    assert r.recorded.peak_reserved == r.recorded.final_reserved == 22 * MiB
+    assert r.recorded.segment_allocs == 2
+    assert r.recorded.peak_requested == r.peak_requested
+
+
+def test_cuda_rounding_has_no_pad():
+    ev = alloc(0x1000, MiB) + alloc(0x2000, 512) + free(0x1000, MiB) + free(0x2000, 512)
+    npu = replay.replay(snapshot(ev), rounding="npu")
+    cuda = replay.replay(snapshot(ev), rounding="cuda")
+    # 1 MiB + 32 is a large request (a 20 MiB segment) on an NPU, a small one (2 MiB segment) on CUDA.
+    assert npu.peak_reserved == 22 * MiB and npu.peak_allocated == MiB + 512 + 1024
+    assert cuda.peak_reserved == 2 * MiB and cuda.peak_allocated == MiB + 512
+    assert npu.peak_requested == cuda.peak_requested == MiB + 512
+
+
+def test_streams_are_replayed_with_their_own_pools():
+    ev = alloc(0x1000, 1000, stream=7) + free(0x1000, 1000, 7) + alloc(0x2000, 1000, 9) + free(0x2000, 1000, 9)
+    r = replay.replay(snapshot(ev))
+    assert r.device_allocs == 2 and r.peak_reserved == 4 * MiB
+
+
+# ---- reconstruction of memory alive before recording ----
+
+def test_memory_alive_before_recording_is_reconstructed():
+    ev = []
+    ev += free(0xA000, 5000)  # allocated before recording: only its free is in the trace
+    ev += alloc(0xB000, 3000)  # allocated in the trace, alive at the end: NOT reconstructed
+    ev += alloc(0xC000, 7 * MiB) + free(0xC000, 7 * MiB)
+    ev += [entry("segment_alloc", 0xF0000000, 20 * MiB), entry("segment_free", 0xE0000000, 40 * MiB)]
+    blocks_small = [
+        {"address": 0xB000, "size": 3072, "requested_size": 3000, "state": "active_allocated", "frames": []},
+        {"address": 0xB000 + 3072, "size": 2 * MiB - 3072, "requested_size": 0, "state": "inactive", "frames": []},
+    ]
+    blocks_large = [  # alive at the end, never allocated in the trace: reconstructed
+        {"address": 0xD000000, "size": 3 * MiB + 512, "requested_size": 3 * MiB, "state": "active_allocated",
+         "frames": []},
+        {"address": 0xD000000 + 3 * MiB + 512, "size": 17 * MiB - 512, "requested_size": 0, "state": "inactive",
+         "frames": []},
+    ]
+    segs = [
+        {"device": 0, "address": 0xB000, "total_size": 2 * MiB, "allocated_size": 3072, "active_size": 3072,
+         "requested_size": 3000, "stream": 0, "segment_type": "small", "blocks": blocks_small},
+        {"device": 0, "address": 0xD000000, "total_size": 20 * MiB, "allocated_size": 3 * MiB + 512,
+         "active_size": 3 * MiB + 512, "requested_size": 3 * MiB, "stream": 0, "segment_type": "large",
+         "blocks": blocks_large},
+    ]
+    r = replay.replay(snapshot(ev, segs))
+    assert r.reconstructed_count == 2
+    assert r.reconstructed_bytes == 5000 + 3 * MiB
+    assert r.reconstructed_from_frees == (1, 5000)
+    assert r.reconstructed_from_segments == (1, 3 * MiB)
+    assert r.unknown_frees == 0  # the free of 0xA000 found its reconstructed allocation
+    assert r.events == 2 + len([e for e in ev if e["action"] in ("alloc", "free_requested")])
+    # live requested bytes: 5000 + 3 MiB from the start; 0xA000's 5000 go first, then + 3000 and + 7 MiB
+    assert r.peak_requested == 3 * MiB + 3000 + 7 * MiB
+    assert r.recorded.peak_requested == r.peak_requested
+    assert r.live_allocations == 2  # 0xB000 and the reconstructed 0xD000000
+    # the recorded run: final 22 MiB; during the trace +20 MiB and -40 MiB, so it started at 42 MiB
+    rec = r.recorded
+    assert rec.final_reserved == 22 * MiB
+    assert rec.initial_reserved == 42 * MiB
+    assert rec.peak_reserved == 62 * MiB
+    assert (rec.segment_allocs, rec.segment_frees) == (1, 1)
+    assert rec.timeline[1][0] == 42 * MiB and rec.timeline[1][-1] == 22 * MiB
+
+
+def test_reconstruction_makes_a_mid_run_recording_complete():
+    snap = workload.transformer_trace("tiny")  # recorded from step 1: weights and Adam state came before
+    r = replay.replay(snap)
+    assert r.reconstructed_count > 0 and r.unknown_frees == 0 and r.ooms == 0
+    assert r.peak_requested == r.recorded.peak_requested
+    # every allocation alive at the end of the recorded run is alive at the end of the replay
+    live_end = sum(1 for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
+    assert r.live_allocations == live_end
+
+
+# ---- round trips ----
+
+def test_pickle_round_trip(tmp_path):
+    path = tmp_path / "trace.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(small_trace(), f)
+    a = replay.replay(str(path), device_memory="1GiB")
+    b = replay.replay(small_trace(), device_memory="1GiB")
+    assert a.trace == "trace.pickle"
+    for k in ("events", "peak_requested", "peak_allocated", "peak_reserved", "device_allocs"):
+        assert getattr(a, k) == getattr(b, k)
+    assert replay.load_trace(path) == small_trace()
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_a_fully_recorded_run_is_reproduced_exactly(size, tmp_path):
+    """The workload recorded through npualloc's allocator from the start, replayed under the same settings and
+    rounding, makes the same reservations: the replay is faithful to the recording allocator."""
+    snap = workload.transformer_trace(size, record_from_step=0, seed=3)
+    path = tmp_path / "w.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+    r = replay.replay(path)
+    rec = r.recorded
+    assert r.reconstructed_count == 0 and r.unknown_frees == 0
+    assert r.peak_reserved == rec.peak_reserved
+    assert r.final_reserved == rec.final_reserved
+    assert r.device_allocs == rec.segment_allocs
+    assert r.final_allocated == rec.final_allocated
+    assert r.peak_requested == rec.peak_requested
+
+
+def test_dump_snapshot_round_trip(restart, tmp_path):
+    """npualloc.memory._dump_snapshot -> replay reproduces the live allocator's reservations."""
+    memory = pytest.importorskip("npualloc.memory")
+    if not all(hasattr(memory, n) for n in ("_record_memory_history", "_dump_snapshot", "caching_allocator_alloc")):
+        pytest.skip("npualloc.memory has no memory history yet")
+    restart()
+    memory._record_memory_history(max_entries=100000)
+    ptrs = []
+    sizes = [1000, 3 * MiB, 25 * MiB, 700, 64 * MiB, 5 * MiB, 123456]
+    for i in range(60):
+        ptrs.append(memory.caching_allocator_alloc(sizes[i % len(sizes)] + i * 512))
+        if i % 3 == 2:
+            memory.caching_allocator_delete(ptrs.pop(i % len(ptrs)))
+    for p in ptrs[::2]:
+        memory.caching_allocator_delete(p)
+    path = tmp_path / "live.pickle"
+    memory._dump_snapshot(str(path))
+    peak_live = memory.max_memory_reserved(0)
+    memory._record_memory_history(None)
+    for p in ptrs[1::2]:
+        memory.caching_allocator_delete(p)
+    r = replay.replay(path, device_memory="4GiB")
+    assert r.reconstructed_count == 0 and r.unknown_frees == 0 and r.ooms == 0
+    assert r.peak_reserved == r.recorded.peak_reserved == peak_live
+    assert r.device_allocs == r.recorded.segment_allocs
+
+
+# ---- the restricted unpickler ----
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4, 5])
+def test_a_malicious_pickle_is_refused_and_nothing_runs(tmp_path, protocol):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pickle"
+    with open(path, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [[_Evil(marker)]]}, f, protocol=protocol)
+    with pytest.raises(replay.UnsafeTraceError) as exc:
+        replay.load_trace(path)
+    assert "system" in str(exc.value) and "nothing from this file was run" in str(exc.value)
+    with pytest.raises(replay.TraceError):
+        replay.replay(path)
+    assert not marker.exists()
+
+
+def test_a_pickle_naming_any_class_is_refused(tmp_path):
+    path = tmp_path / "set.pickle"
+    with open(path, "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [[]], "x": {1, 2}}, f)  # protocol 4 pickles sets natively
+    replay.load_trace(path)
+    with open(path, "wb") as f:
+        pickle.dump({"x": Path("/")}, f)
+    with pytest.raises(replay.UnsafeTraceError, match="pathlib"):
+        replay.load_trace(path)
+
+
+def test_unreadable_and_malformed_traces_raise_trace_errors(tmp_path):
+    with pytest.raises(replay.TraceError, match="no such file"):
+        replay.load_trace(tmp_path / "missing.pickle")
+    (tmp_path / "junk.pickle").write_bytes(b"this is not a pickle")
+    with pytest.raises(replay.TraceError, match="not a readable pickle"):
+        replay.load_trace(tmp_path / "junk.pickle")
+    (tmp_path / "empty.pickle").write_bytes(b"")
+    with pytest.raises(replay.TraceError, match="empty"):
+        replay.load_trace(tmp_path / "empty.pickle")
+    with pytest.raises(replay.TraceError, match="directory"):
+        replay.load_trace(tmp_path)
+    for bad, msg in [({"foo": 1}, "no 'device_traces'"), ([{"address": 1}], "list of segments"),
+                     ({"device_traces": {"0": []}}, "list of lists"),
+                     ({"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]}, "'addr' must be an int"),
+                     ({"device_traces": [[7]]}, "must be a dict"),
+                     ({"device_traces": [[]], "segments": []}, "no alloc or free events")]:
+        with pytest.raises(replay.TraceError, match=msg):
+            replay.replay(bad)
+    with open(tmp_path / "int.pickle", "wb") as f:
+        pickle.dump(42, f)
+    with pytest.raises(replay.TraceError, match="holds an int"):
+        replay.replay(tmp_path / "int.pickle")
+
+
+# ---- settings, OOM, results ----
+
+def test_bad_settings_raise_value_error_with_torch_npus_message():
+    with pytest.raises(ValueError, match="max_split_size_mb too small, must be >= 20"):
+        replay.replay(small_trace(), conf="max_split_size_mb:1")
+    with pytest.raises(ValueError, match="rounding"):
+        replay.replay(small_trace(), rounding="tpu")
+    with pytest.raises(ValueError, match="fraction"):
+        replay.replay(small_trace(), fraction=1.5)
+    with pytest.raises(ValueError, match="on_oom"):
+        replay.replay(small_trace(), on_oom="ignore")
+
+
+def test_oom_continue_and_stop():
+    ev = alloc(0x1000, 60 * MiB) + alloc(0x2000, 60 * MiB) + free(0x2000, 60 * MiB) + free(0x1000, 60 * MiB)
+    go = replay.replay(snapshot(ev), device_memory="100MiB")
+    assert go.ooms == 1 and not go.stopped and go.skipped_frees == 1 and go.events == 4
+    assert go.oom_events[0]["event"] == 1 and go.oom_events[0]["size"] == 60 * MiB
+    assert go.oom_events[0]["message"].startswith("NPU out of memory. Tried to allocate 62.00 MiB")
+    stop = replay.replay(snapshot(ev), device_memory="100MiB", on_oom="stop")
+    assert stop.ooms == 1 and stop.stopped and stop.events == 2
+    assert "stop" in replay.format_table([stop])
+
+
+def test_results_are_plain_objects():
+    r = replay.replay(small_trace())
+    d = r.to_dict()
+    json.dumps(d)
+    assert d["peak_reserved"] == 22 * MiB and d["recorded"]["peak_reserved"] == 22 * MiB
+    assert set(d["timeline"]) == {"event", "allocated", "reserved"}
+    text = repr(r)
+    assert "peak requested" in text and "fragmentation" in text and "M events/s" in text
+    ev, al, re = r.timeline
+    assert max(al) == r.peak_allocated and max(re) == r.peak_reserved and ev[0] == 0
+
+
+def test_compare_gives_a_table():
+    table = replay.compare(small_trace(), ["", "max_split_size_mb:128",
+                                           {"conf": "garbage_collection_threshold:0.8", "fraction": 0.9},
+                                           {"conf": "", "rounding": "cuda", "label": "cuda"}])
+    assert len(table) == 4
+    assert table["cuda"].rounding == "cuda" and table[0].label == "default"
+    assert table[2].fraction == 0.9
+    text = repr(table)
+    assert "(recorded run)" in text and "max_split_size_mb:128" in text and "frag" in text
+    rows = table.rows()
+    assert rows[0]["setting"] == "(recorded run)" and len(rows) == 5
+    json.dumps(table.to_dict())
+
+
+def test_an_unavailable_setting_is_marked_not_crashed(monkeypatch):
+    real = _C.replay.Session
+
+    def session(conf, *a, **kw):
+        if conf and "expandable_segments" in conf:
+            raise replay.Unavailable("expandable_segments is not available in this build of npualloc's allocator")
+        return real(conf, *a, **kw)
+
+    monkeypatch.setattr(_C.replay, "Session", session)
+    table = replay.compare(small_trace(), ["", "expandable_segments:True"])
+    assert table[0].available and not table[1].available
+    assert "not available" in table.format()
+    assert table[1].to_dict()["available"] is False
+
+
+def test_expandable_segments_replay_when_available():
+    try:
+        r = replay.replay(workload.transformer_trace("tiny"), conf="expandable_segments:True")
+    except replay.Unavailable:
+        pytest.skip("expandable segments are not in this build")
+    assert r.expandable and r.ooms == 0 and r.peak_reserved >= r.peak_allocated
+
+
+def test_page_size_1g_gets_a_pool():
+    r = replay.replay(small_trace(), conf="page_size:1g", device_memory="8GiB")
+    assert r.huge1g_memory == 6 * GiB and r.huge1g_fallbacks == 0
+    assert r.peak_reserved == GiB + 2 * MiB  # the 5 MiB request gets a whole 1 GiB segment
+
+
+def test_progress_is_reported_and_sessions_run_in_parallel():
+    tr = replay.Trace(workload.transformer_trace("small"), name="small")
+    seen = []
+    base = replay.replay(tr, progress=lambda done, total: seen.append((done, total)))
+    assert seen and seen[-1][0] == seen[-1][1] == len(tr.devices[0])
+    out = [None] * 4
+
+    def run(i):
+        out[i] = replay.replay(tr, conf="max_split_size_mb:128" if i % 2 else "")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0].peak_reserved == out[2].peak_reserved == base.peak_reserved
+    assert out[1].peak_reserved == out[3].peak_reserved
+
+
+def test_replay_leaves_the_live_runtime_alone():
+    _C.shutdown()
+    replay.replay(workload.transformer_trace("tiny"))
+    assert not _C.initialized()
+
+
+def test_plot_timeline_draws_on_an_axis():
+    mpl = pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    del mpl
+    table = replay.compare(workload.transformer_trace("tiny"), ["", "max_split_size_mb:128"])
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    assert replay.plot_timeline(table, ax=ax) is ax
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any("recorded run" in t for t in labels) and any("max_split_size_mb:128" in t for t in labels)
+    assert len(ax.lines) == 4  # two settings' reserved, the recorded run, where the trace starts
+
+
+def test_export_events_writes_the_bench_format(tmp_path):
+    path = tmp_path / "e.bin"
+    n = replay.export_events(small_trace(), path)
+    data = path.read_bytes()
+    assert data[:8] == b"NPUREPL1"
+    count = int.from_bytes(data[8:16], "little")
+    assert count == n == 8
+    pad = (8 - n % 8) % 8
+    addrs = array("Q", data[24 + n + pad: 24 + n + pad + 8 * n])
+    assert addrs[0] == 0x7000
+
+
+# ---- the PyTorch traces ----
+
+needs_shared = pytest.mark.skipif(not FULLSTEP.exists(), reason="../shared/traces/ is not present")
+
+
+@needs_shared
+def test_fullstep_trace_replays_fast_and_sanely():
+    t0 = time.perf_counter()
+    npu = replay.replay(FULLSTEP)  # default settings, NPU rounding, 80 GiB
+    elapsed = time.perf_counter() - t0
+    assert npu.trace_events == 6771 + 5894  # allocs + free_requested
+    assert npu.reconstructed_count > 0 and npu.unknown_frees == 0 and npu.ooms == 0
+    assert elapsed < 1.0, f"load + replay took {elapsed:.2f} s"
+    assert npu.events_per_second > 1e6, npu.events_per_second
+    rec = npu.recorded
+    assert rec.final_reserved == 58280 * MiB  # the README's figure
+    # The +32-byte pad costs a little; never less than the recorded run, never wildly more.
+    assert rec.peak_reserved <= npu.peak_reserved <= 1.10 * rec.peak_reserved
+    # CUDA rounding is the allocator that recorded the trace: its reservations come back.
+    cuda = replay.replay(FULLSTEP, rounding="cuda")
+    assert abs(cuda.peak_reserved - rec.peak_reserved) <= 0.01 * rec.peak_reserved
+    assert npu.peak_requested == cuda.peak_requested == rec.peak_requested
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["cs336-ctx128-forward.pickle", "cs336-ctx128-forward-mixed.pickle"])
+def test_forward_traces_replay_sanely(name):
+    path = SHARED / name
+    if not path.exists():
+        pytest.skip(f"{name} is not present")
+    tr = replay.Trace.load(path)
+    table = replay.compare(tr, ["", "expandable_segments:True", {"conf": "", "rounding": "cuda"}])
+    npu, cuda = table[0], table[2]
+    rec = npu.recorded
+    assert npu.ooms == 0 and npu.unknown_frees == 0
+    assert rec.peak_reserved <= npu.peak_reserved <= 1.10 * rec.peak_reserved
+    assert abs(cuda.peak_reserved - rec.peak_reserved) <= 0.01 * rec.peak_reserved
+    if table[1].available:
+        assert table[1].peak_reserved <= npu.peak_reserved

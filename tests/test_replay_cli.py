@@ -1,0 +1,162 @@
+"""`python -m npualloc replay` and `python -m npualloc demo`, in subprocesses: tables, JSON, plots, and one-line
+errors (exit status 2, no traceback) for missing, unreadable and malformed traces."""
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import npualloc
+from npualloc import workload
+
+PKG_PARENT = str(Path(npualloc.__file__).resolve().parent.parent)  # the checkout this test imported
+
+
+def cli(*args, cwd=None, timeout=120):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUALLOC_", "PYTORCH_"))}
+    env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
+    env["MPLBACKEND"] = "Agg"
+    return subprocess.run([sys.executable, "-m", "npualloc", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(p, *needles):
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("python -m npualloc replay: error: "), lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "tiny.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(workload.transformer_trace("tiny"), f)
+    return path
+
+
+def test_replay_prints_a_row_per_setting_next_to_the_recorded_run(tiny_trace, tmp_path):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "t.png"
+    p = cli("replay", tiny_trace, "--conf", "", "--conf", "max_split_size_mb:128", "--conf",
+            "garbage_collection_threshold:0.8,per_process_memory_fraction:0.9", "--device-memory", "2GiB",
+            "--json", out_json, "--plot", out_png)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("setting"))
+    for col in ("peak alloc", "peak resv", "frag", "dev allocs", "retries", "OOMs", "Mev/s"):
+        assert col in lines[header]
+    assert lines[header + 2].startswith("(recorded run)")
+    assert lines[header + 3].startswith("default ")
+    assert lines[header + 4].startswith("max_split_size_mb:128 ")
+    assert lines[header + 5].startswith("garbage_collection_threshold:0.8,per_process_memory_fraction:0.9")
+    assert "reconstructed" in p.stdout and "device memory 2.00 GiB" in p.stdout
+    data = json.loads(out_json.read_text())
+    assert [r["label"] for r in data["results"]][:2] == ["default", "max_split_size_mb:128"]
+    assert data["results"][0]["recorded"]["peak_reserved"] > 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "%" not in p.stderr  # no progress bar: not a tty, short trace
+
+
+def test_replay_progress_bar_on_request(tiny_trace):
+    p = cli("replay", tiny_trace, "--progress")
+    assert p.returncode == 0
+    assert "100%" in p.stderr and "[" in p.stderr
+
+
+def test_replay_cuda_rounding_and_export(tiny_trace, tmp_path):
+    p = cli("replay", tiny_trace, "--rounding", "cuda")
+    assert p.returncode == 0 and " cuda " in p.stdout
+    p = cli("replay", tiny_trace, "--export-events", tmp_path / "e.bin")
+    assert p.returncode == 0 and (tmp_path / "e.bin").read_bytes()[:8] == b"NPUREPL1"
+
+
+def test_missing_file(tmp_path):
+    assert_one_line_error(cli("replay", tmp_path / "nope.pickle"), "nope.pickle", "no such file")
+
+
+def test_not_a_pickle(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello, this is text\n")
+    assert_one_line_error(cli("replay", path), "notes.txt", "not a readable pickle")
+
+
+def test_a_directory_is_not_a_trace(tmp_path):
+    assert_one_line_error(cli("replay", tmp_path), "is a directory")
+
+
+def test_unreadable_file(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads everything")
+    path = tmp_path / "locked.pickle"
+    path.write_bytes(pickle.dumps({}))
+    path.chmod(0)
+    assert_one_line_error(cli("replay", path), "permission denied")
+
+
+@pytest.mark.parametrize("obj, needle", [
+    ({"segments": []}, "no 'device_traces'"),
+    ({"device_traces": "nope"}, "list of lists"),
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": -5}]]}, "'size' is negative"),
+    ([1, 2, 3], "list of segments"),
+    ("a string", "holds a str"),
+])
+def test_malformed_snapshot(tmp_path, obj, needle):
+    path = tmp_path / "bad.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(obj, f)
+    assert_one_line_error(cli("replay", path), "bad.pickle", needle)
+
+
+class _Evil:
+    def __init__(self, cmd):
+        self.cmd = cmd
+
+    def __reduce__(self):
+        return (os.system, (self.cmd,))
+
+
+def test_malicious_pickle_is_refused_without_running(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pickle"
+    payload = pickle.dumps({"device_traces": [[_Evil(f"touch {marker}")]]})
+    path.write_bytes(payload)
+    assert_one_line_error(cli("replay", path), "refused to load", "posix.system")
+    assert not marker.exists()
+
+
+def test_bad_conf_and_options(tiny_trace):
+    assert_one_line_error(cli("replay", tiny_trace, "--conf", "max_split_size_mb:1"),
+                          "max_split_size_mb too small")
+    assert_one_line_error(cli("replay", tiny_trace, "--device-memory", "lots"), "--device-memory")
+    p = cli("replay", tiny_trace, "--rounding", "tpu")
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+def test_demo_runs_end_to_end(tiny_trace, tmp_path):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "copy.pickle").write_bytes(tiny_trace.read_bytes())
+    (traces / "broken.pickle").write_bytes(b"junk")
+    out = tmp_path / "out"
+    p = cli("demo", "--size", "tiny", "--out", out, "--traces", traces, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    text = p.stdout
+    for setting in ("default", "max_split_size_mb:128", "garbage_collection_threshold:0.8 +fraction 0.9",
+                    "expandable_segments:True", "page_size:1g", "default (cuda rounding)", "(recorded run)"):
+        assert setting in text, setting
+    assert "skipped: " in text and "broken.pickle: not a readable pickle" in text
+    assert (out / "transformer-trace.pickle").exists() and (out / "results.json").exists()
+    assert (out / "timeline-transformer.png").exists() and (out / "timeline-copy.png").exists()
+    assert str(out) in text
+    # the snapshot it wrote replays, through the restricted loader
+    p = cli("replay", out / "transformer-trace.pickle")
+    assert p.returncode == 0, p.stderr
+    # the default output directory is ./npualloc-demo-out
+    p = cli("demo", "--size", "tiny", "--no-traces", cwd=tmp_path)
+    assert p.returncode == 0 and (tmp_path / "npualloc-demo-out" / "transformer-trace.pickle").exists()
