@@ -673,18 +673,21 @@ static bool send_reply(int sock, const ipc_reply *rp, int fd)
     return sendmsg(sock, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof *rp;
 }
 
-/* Failed lookups: at most ~1000 a second are answered at full speed (guessing costs time). */
+/* Failed lookups: at most 1000 are answered per second (so guessing values takes days). */
 static void penalise_failure(void)
 {
     static uint64_t window_start;
     static unsigned in_window;
     uint64_t now = host_now_ns();
-    if (now - window_start > 1000000000u) {
+    if (now - window_start >= 1000000000u) {
         window_start = now;
         in_window = 0;
     }
-    if (++in_window > 1000)
-        host_sleep_ns(1000000);
+    if (++in_window > 1000) { /* the rest of this second answers nobody's guesses */
+        host_sleep_ns(window_start + 1000000000u - now);
+        window_start = host_now_ns();
+        in_window = 1;
+    }
 }
 
 /* Handles one message of a client; false when the client is to be dropped. */

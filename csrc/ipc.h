@@ -20,8 +20,9 @@
  *   bits 31..22  server secret: 10 random bits drawn when the exporter's server starts
  *   bits 21..0   the exporter's pid (pid_max is at most 2^22)
  * The pid and secret locate the exporter's server; 34 random bits make a value unguessable
- * (a guess costs a connection and the server answers at most ~1000 wrong guesses a second, so
- * finding one live value takes days; and only processes the exporter accepts may even ask).
+ * (the server answers at most 1000 failed lookups a second, so finding one live value takes
+ * months, hours for someone holding another value of the same exporter; and only processes of
+ * users the exporter accepts may even ask).
  *
  * ---- IPC key (string, at most 64 characters + NUL) ----
  *   "npualloc-k1-<pid>-<secret, 3 hex>-<device>-<token, 32 hex>"   (128-bit random token)
