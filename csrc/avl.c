@@ -73,6 +73,16 @@ static void rebalance(avl_tree *t, avl_node *n)
     }
 }
 
+void avl_link(avl_tree *t, avl_node *n, avl_node *parent, avl_node **link)
+{
+    n->left = n->right = NULL;
+    n->parent = parent;
+    n->height = 0; /* rebalance computes 1 and walks up */
+    *link = n;
+    t->count++;
+    rebalance(t, n);
+}
+
 void avl_insert(avl_tree *t, avl_node *n, avl_order order)
 {
     avl_node *parent = NULL, **link = &t->root;
@@ -80,12 +90,7 @@ void avl_insert(avl_tree *t, avl_node *n, avl_order order)
         parent = *link;
         link = order(n, parent) < 0 ? &parent->left : &parent->right;
     }
-    n->left = n->right = NULL;
-    n->parent = parent;
-    n->height = 0; /* rebalance computes 1 and walks up */
-    *link = n;
-    t->count++;
-    rebalance(t, n);
+    avl_link(t, n, parent, link);
 }
 
 void avl_remove(avl_tree *t, avl_node *n)

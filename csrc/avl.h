@@ -37,6 +37,9 @@ static inline void avl_init(avl_tree *t)
 
 /* Inserts n (which must not compare equal to a node already in the tree). */
 void avl_insert(avl_tree *t, avl_node *n, avl_order order);
+/* Links n where a search ended (`*link` is NULL, `parent` its parent) and rebalances: for
+ * callers that search with an inline comparison instead of a function pointer. */
+void avl_link(avl_tree *t, avl_node *n, avl_node *parent, avl_node **link);
 void avl_remove(avl_tree *t, avl_node *n);
 
 avl_node *avl_find(const avl_tree *t, const void *key, avl_key_order order);

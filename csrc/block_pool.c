@@ -1,100 +1,281 @@
 /* block_pool.c - see block_pool.h. */
 #include "block_pool.h"
 
+#include <stdlib.h>
+#include <string.h>
+
 #include "caching.h"
+#include "common.h"
 
-static int block_order(const avl_node *a, const avl_node *b)
-{
-    const cache_block *x = AVL_ENTRY(a, cache_block, pool_node), *y = AVL_ENTRY(b, cache_block, pool_node);
-    if (x->stream != y->stream)
-        return x->stream < y->stream ? -1 : 1;
-    if (x->size != y->size)
-        return x->size < y->size ? -1 : 1;
-    return (x->ptr > y->ptr) - (x->ptr < y->ptr);
-}
+/* Size classes over sizes in 512-byte units u: exact for u < 64 (below 32 KiB), then 16 per
+ * power of two.  Classes grow with size, so scanning classes upward visits sizes upward. */
+#define EXACT_CLASSES 64
+#define SUB_BITS 4
+#define BIN_COUNT (EXACT_CLASSES + (64 - 6) * (1 << SUB_BITS))
+#define BIN_WORDS ((BIN_COUNT + 63) / 64)
 
-typedef struct pool_key {
+struct stream_bins {
     uint64_t stream;
-    size_t size;
-} pool_key;
+    uint64_t summary;           /* bit w: words[w] != 0 */
+    uint64_t words[BIN_WORDS];  /* bit c: bins[c] is not empty */
+    avl_tree bins[BIN_COUNT];   /* each ordered by (size, address) */
+    size_t count;
+};
 
-/* Orders the key (stream, size, address 0) against a block: never equal. */
-static int key_order(const void *key, const avl_node *n)
+static inline unsigned size_class(size_t size)
 {
-    const pool_key *k = key;
-    const cache_block *b = AVL_ENTRY(n, cache_block, pool_node);
-    if (k->stream != b->stream)
-        return k->stream < b->stream ? -1 : 1;
-    return k->size <= b->size ? -1 : 1;
+    size_t u = size >> 9;
+    if (u < EXACT_CLASSES)
+        return (unsigned)u;
+    unsigned fl = 63u - (unsigned)__builtin_clzll((unsigned long long)u); /* >= 6 */
+    unsigned sl = (unsigned)(u >> (fl - SUB_BITS)) & ((1u << SUB_BITS) - 1);
+    return EXACT_CLASSES + (fl - 6) * (1u << SUB_BITS) + sl;
 }
 
-/* Orders "just past every block of a stream" against a block. */
-static int stream_end_order(const void *key, const avl_node *n)
+static inline cache_block *entry(avl_node *n) { return n ? AVL_ENTRY(n, cache_block, pool_node) : NULL; }
+
+/* (size, address) order inside a bin. */
+static inline bool before(const cache_block *a, const cache_block *b)
 {
-    uint64_t stream = *(const uint64_t *)key;
-    return stream < AVL_ENTRY(n, cache_block, pool_node)->stream ? -1 : 1;
+    return a->size != b->size ? a->size < b->size : a->ptr < b->ptr;
+}
+
+static void mark(stream_bins *sb, unsigned c)
+{
+    sb->words[c >> 6] |= (uint64_t)1 << (c & 63);
+    sb->summary |= (uint64_t)1 << (c >> 6);
+}
+
+static void unmark(stream_bins *sb, unsigned c)
+{
+    sb->words[c >> 6] &= ~((uint64_t)1 << (c & 63));
+    if (!sb->words[c >> 6])
+        sb->summary &= ~((uint64_t)1 << (c >> 6));
+}
+
+/* The first non-empty class at or after c, or BIN_COUNT. */
+static unsigned next_class(const stream_bins *sb, unsigned c)
+{
+    if (c >= BIN_COUNT)
+        return BIN_COUNT;
+    unsigned w = c >> 6;
+    uint64_t bits = sb->words[w] & (~(uint64_t)0 << (c & 63));
+    if (bits)
+        return (w << 6) + (unsigned)__builtin_ctzll(bits);
+    uint64_t words = w + 1 < 64 ? sb->summary & (~(uint64_t)0 << (w + 1)) : 0;
+    if (!words)
+        return BIN_COUNT;
+    w = (unsigned)__builtin_ctzll(words);
+    return (w << 6) + (unsigned)__builtin_ctzll(sb->words[w]);
+}
+
+/* The last non-empty class at or before c, or -1. */
+static int prev_class(const stream_bins *sb, int c)
+{
+    if (c < 0)
+        return -1;
+    unsigned w = (unsigned)c >> 6;
+    unsigned bit = (unsigned)c & 63;
+    uint64_t bits = sb->words[w] & (bit == 63 ? ~(uint64_t)0 : (((uint64_t)1 << (bit + 1)) - 1));
+    if (bits)
+        return (int)((w << 6) + 63 - (unsigned)__builtin_clzll(bits));
+    uint64_t words = w ? sb->summary & (((uint64_t)1 << w) - 1) : 0;
+    if (!words)
+        return -1;
+    w = 63 - (unsigned)__builtin_clzll(words);
+    return (int)((w << 6) + 63 - (unsigned)__builtin_clzll(sb->words[w]));
+}
+
+/* ---- streams ---- */
+
+/* Index of the first stream at or after `stream` in the pool's sorted array. */
+static size_t stream_index(const block_pool *p, uint64_t stream)
+{
+    size_t lo = 0, hi = p->stream_count;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (p->streams[mid]->stream < stream)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static stream_bins *bins_of(const block_pool *p, uint64_t stream)
+{
+    /* Nearly always one or two streams: check the first before searching. */
+    if (p->stream_count && p->streams[0]->stream == stream)
+        return p->streams[0];
+    size_t i = stream_index(p, stream);
+    return i < p->stream_count && p->streams[i]->stream == stream ? p->streams[i] : NULL;
+}
+
+int block_pool_prepare(block_pool *p, uint64_t stream)
+{
+    if (likely(bins_of(p, stream) != NULL))
+        return 0;
+    if (p->stream_count == p->stream_capacity) {
+        size_t cap = p->stream_capacity ? p->stream_capacity * 2 : 2;
+        stream_bins **grown = realloc(p->streams, cap * sizeof *grown);
+        if (!grown)
+            return -1;
+        p->streams = grown;
+        p->stream_capacity = cap;
+    }
+    stream_bins *sb = calloc(1, sizeof *sb); /* zeroed trees and bitmaps are empty ones */
+    if (!sb)
+        return -1;
+    sb->stream = stream;
+    size_t i = stream_index(p, stream);
+    memmove(&p->streams[i + 1], &p->streams[i], (p->stream_count - i) * sizeof *p->streams);
+    p->streams[i] = sb;
+    p->stream_count++;
+    return 0;
 }
 
 void block_pool_init(block_pool *p, bool is_small, private_pool *owner)
 {
-    avl_init(&p->blocks);
+    memset(p, 0, sizeof *p);
     avl_init(&p->unmapped);
     p->is_small = is_small;
-    p->search_count = 0;
     p->owner = owner;
 }
 
+void block_pool_destroy(block_pool *p)
+{
+    for (size_t i = 0; i < p->stream_count; i++)
+        free(p->streams[i]);
+    free(p->streams);
+    p->streams = NULL;
+    p->stream_count = p->stream_capacity = 0;
+    p->count = 0;
+}
+
+/* ---- the free-block index ---- */
+
 void block_pool_insert(block_pool *p, cache_block *b)
 {
-    avl_insert(&p->blocks, &b->pool_node, block_order);
+    stream_bins *sb = bins_of(p, b->stream); /* prepared by the allocation that made the block */
+    unsigned c = size_class(b->size);
+    avl_tree *t = &sb->bins[c];
+    avl_node *parent = NULL, **link = &t->root;
+    while (*link) {
+        parent = *link;
+        link = before(b, entry(parent)) ? &parent->left : &parent->right;
+    }
+    avl_link(t, &b->pool_node, parent, link);
+    mark(sb, c);
+    sb->count++;
+    p->count++;
     b->in_pool = true;
 }
 
 void block_pool_remove(block_pool *p, cache_block *b)
 {
-    avl_remove(&p->blocks, &b->pool_node);
+    stream_bins *sb = bins_of(p, b->stream);
+    unsigned c = size_class(b->size);
+    avl_remove(&sb->bins[c], &b->pool_node);
+    if (!sb->bins[c].root)
+        unmark(sb, c);
+    sb->count--;
+    p->count--;
     b->in_pool = false;
+}
+
+/* The smallest (size, address) of a bin. */
+static cache_block *bin_first(const stream_bins *sb, unsigned c) { return entry(avl_first(&sb->bins[c])); }
+static cache_block *bin_last(const stream_bins *sb, unsigned c) { return entry(avl_last(&sb->bins[c])); }
+
+/* The first block of the stream's bins at or after class c. */
+static cache_block *first_from(const stream_bins *sb, unsigned c)
+{
+    c = next_class(sb, c);
+    return c < BIN_COUNT ? bin_first(sb, c) : NULL;
+}
+
+/* The first block of the streams from index i on. */
+static cache_block *first_of_streams(const block_pool *p, size_t i)
+{
+    for (; i < p->stream_count; i++)
+        if (p->streams[i]->count)
+            return first_from(p->streams[i], 0);
+    return NULL;
 }
 
 cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t size)
 {
-    pool_key k = {stream, size};
-    avl_node *n = avl_ceil(&p->blocks, &k, key_order);
-    return n ? AVL_ENTRY(n, cache_block, pool_node) : NULL;
+    size_t i = stream_index(p, stream);
+    if (i < p->stream_count && p->streams[i]->stream == stream) {
+        const stream_bins *sb = p->streams[i];
+        unsigned c = size_class(size);
+        /* In the request's own class sizes vary (above 32 KiB): the first one big enough. */
+        avl_node *n = sb->bins[c].root, *best = NULL;
+        while (n) {
+            if (entry(n)->size >= size) {
+                best = n;
+                n = n->left;
+            } else {
+                n = n->right;
+            }
+        }
+        if (best)
+            return entry(best);
+        cache_block *b = first_from(sb, c + 1);
+        if (b)
+            return b;
+        i++;
+    }
+    return first_of_streams(p, i);
 }
 
 cache_block *block_pool_next(const cache_block *b)
 {
+    const block_pool *p = b->pool;
     avl_node *n = avl_next(&b->pool_node);
-    return n ? AVL_ENTRY(n, cache_block, pool_node) : NULL;
+    if (n)
+        return entry(n);
+    size_t i = stream_index(p, b->stream);
+    cache_block *next = first_from(p->streams[i], size_class(b->size) + 1);
+    return next ? next : first_of_streams(p, i + 1);
 }
 
 cache_block *block_pool_prev(const cache_block *b)
 {
+    const block_pool *p = b->pool;
     avl_node *n = avl_prev(&b->pool_node);
-    return n ? AVL_ENTRY(n, cache_block, pool_node) : NULL;
+    if (n)
+        return entry(n);
+    size_t i = stream_index(p, b->stream);
+    int c = prev_class(p->streams[i], (int)size_class(b->size) - 1);
+    if (c >= 0)
+        return bin_last(p->streams[i], (unsigned)c);
+    while (i-- > 0) {
+        c = prev_class(p->streams[i], BIN_COUNT - 1);
+        if (c >= 0)
+            return bin_last(p->streams[i], (unsigned)c);
+    }
+    return NULL;
 }
 
-cache_block *block_pool_first(const block_pool *p)
-{
-    avl_node *n = avl_first(&p->blocks);
-    return n ? AVL_ENTRY(n, cache_block, pool_node) : NULL;
-}
+cache_block *block_pool_first(const block_pool *p) { return first_of_streams(p, 0); }
 
 cache_block *block_pool_last_of_stream(const block_pool *p, uint64_t stream)
 {
-    avl_node *n = avl_floor(&p->blocks, &stream, stream_end_order);
-    if (!n)
+    const stream_bins *sb = bins_of(p, stream);
+    if (!sb)
         return NULL;
-    cache_block *b = AVL_ENTRY(n, cache_block, pool_node);
-    return b->stream == stream ? b : NULL;
+    int c = prev_class(sb, BIN_COUNT - 1);
+    return c >= 0 ? bin_last(sb, (unsigned)c) : NULL;
 }
 
-size_t block_pool_count(const block_pool *p) { return p->blocks.count; }
+size_t block_pool_count(const block_pool *p) { return p->count; }
+
+/* ---- the unmapped set ---- */
 
 static int unmapped_order(const avl_node *a, const avl_node *b)
 {
-    const cache_block *x = AVL_ENTRY(a, cache_block, pool_node), *y = AVL_ENTRY(b, cache_block, pool_node);
+    const cache_block *x = entry((avl_node *)a), *y = entry((avl_node *)b);
     if (x->stream != y->stream)
         return x->stream < y->stream ? -1 : 1;
     return (x->ptr > y->ptr) - (x->ptr < y->ptr);
@@ -104,7 +285,7 @@ static int unmapped_order(const avl_node *a, const avl_node *b)
 static int stream_start_order(const void *key, const avl_node *n)
 {
     uint64_t stream = *(const uint64_t *)key;
-    return stream <= AVL_ENTRY(n, cache_block, pool_node)->stream ? -1 : 1;
+    return stream <= entry((avl_node *)n)->stream ? -1 : 1;
 }
 
 void block_pool_insert_unmapped(block_pool *p, cache_block *b) { avl_insert(&p->unmapped, &b->pool_node, unmapped_order); }
@@ -113,15 +294,8 @@ void block_pool_remove_unmapped(block_pool *p, cache_block *b) { avl_remove(&p->
 
 cache_block *block_pool_first_unmapped(const block_pool *p, uint64_t stream)
 {
-    avl_node *n = avl_ceil(&p->unmapped, &stream, stream_start_order);
-    if (!n)
-        return NULL;
-    cache_block *b = AVL_ENTRY(n, cache_block, pool_node);
-    return b->stream == stream ? b : NULL;
+    cache_block *b = entry(avl_ceil(&p->unmapped, &stream, stream_start_order));
+    return b && b->stream == stream ? b : NULL;
 }
 
-cache_block *block_pool_next_unmapped(const cache_block *b)
-{
-    avl_node *n = avl_next(&b->pool_node);
-    return n ? AVL_ENTRY(n, cache_block, pool_node) : NULL;
-}
+cache_block *block_pool_next_unmapped(const cache_block *b) { return entry(avl_next(&b->pool_node)); }

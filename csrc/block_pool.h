@@ -3,8 +3,14 @@
  * size, then address.  The allocator's best fit is the first block at or after
  * (stream, size) that still belongs to the stream.
  *
- * Invariant: a block is in exactly one pool's set while it is free and cached
- * (block->in_pool), and in none while allocated or waiting for events.
+ * Index: per stream, free blocks sit in size-class bins (exact classes below 32 KiB, 16 per
+ * power of two above), each bin a small ordered tree of (size, address); a two-level bitmap
+ * finds the next non-empty bin at once.  A search touches the request's own bin and at most
+ * one more, so its cost does not grow with the number of free blocks of other sizes.
+ *
+ * Invariant: a block is in exactly one pool's index while it is free and mapped
+ * (block->in_pool), in the pool's unmapped set while it is unmapped address space of an
+ * expandable segment, and in neither while allocated or waiting for events.
  */
 #ifndef NPUALLOC_BLOCK_POOL_H
 #define NPUALLOC_BLOCK_POOL_H
@@ -17,9 +23,12 @@
 
 typedef struct cache_block cache_block;
 typedef struct private_pool private_pool;
+typedef struct stream_bins stream_bins;
 
 typedef struct block_pool {
-    avl_tree blocks;       /* free blocks, ordered (stream, size, ptr) */
+    stream_bins **streams; /* one per stream used with the pool, sorted by stream handle */
+    size_t stream_count, stream_capacity;
+    size_t count;          /* free blocks indexed */
     avl_tree unmapped;     /* unmapped address space of expandable segments, ordered (stream, ptr) */
     bool is_small;
     uint64_t search_count; /* free-block searches while garbage collection is on: a block's age
@@ -28,6 +37,12 @@ typedef struct block_pool {
 } block_pool;
 
 void block_pool_init(block_pool *p, bool is_small, private_pool *owner);
+/* Frees the index (the blocks are the caller's). */
+void block_pool_destroy(block_pool *p);
+/* Makes sure a stream's bins exist, so inserting its blocks cannot fail later; -1 when out
+ * of memory.  Every block of a stream enters the pool after an allocation on that stream. */
+int block_pool_prepare(block_pool *p, uint64_t stream);
+
 void block_pool_insert(block_pool *p, cache_block *b);
 void block_pool_remove(block_pool *p, cache_block *b);
 /* The first block ordered at or after (stream, size, 0), or NULL (any stream). */

@@ -16,34 +16,7 @@
 #include "common.h"
 #include "host.h"
 
-/* ---- stats ---- */
-
-static inline void stat_increase(npualloc_stat *s, int64_t n)
-{
-    s->current += n;
-    if (s->current > s->peak)
-        s->peak = s->current;
-    s->allocated += n;
-}
-
-static inline void stat_decrease(npualloc_stat *s, int64_t n)
-{
-    s->current -= n;
-    s->freed += n;
-}
-
-/* Applies a change to the aggregate and to the pool's own kind. */
-void cache_stat_update(npualloc_stat *arr, const block_pool *pool, int64_t n)
-{
-    int kind = pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
-    if (n >= 0) {
-        stat_increase(&arr[NPUALLOC_STAT_ALL], n);
-        stat_increase(&arr[kind], n);
-    } else {
-        stat_decrease(&arr[NPUALLOC_STAT_ALL], -n);
-        stat_decrease(&arr[kind], -n);
-    }
-}
+/* ---- stats: see caching.h (inline, they run several times per allocation) ---- */
 
 /* ---- block structs ---- */
 
@@ -469,11 +442,11 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     b->stream = p->stream;
     b->ptr = (uintptr_t)ptr;
     b->size = p->alloc_size;
-    cache_stat_update(dc->stats.segment, p->pool, 1);
-    cache_stat_update(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
+    cache_stat_inc(dc->stats.segment, p->pool, 1);
+    cache_stat_inc(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
     b->oversize_segment = p->alloc_size >= max_split_size(dc);
     if (b->oversize_segment)
-        stat_increase(&dc->stats.oversize_segments, 1);
+        cache_stat_one_inc(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_alloc++;
     if (dc->record_context >= NPUALLOC_RECORD_STATE) {
         b->segment_ctx = dc->current_ctx;
@@ -492,10 +465,10 @@ static void release_block(device_cache *dc, cache_block *b)
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
     owner_segments(pool, -1);
-    cache_stat_update(dc->stats.segment, pool, -1);
-    cache_stat_update(dc->stats.reserved_bytes, pool, -(int64_t)b->size);
+    cache_stat_dec(dc->stats.segment, pool, 1);
+    cache_stat_dec(dc->stats.reserved_bytes, pool, (int64_t)b->size);
     if (b->oversize_segment) /* counted when allocated, whatever max_split is now */
-        stat_decrease(&dc->stats.oversize_segments, 1);
+        cache_stat_one_dec(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_free++;
     block_pool_remove(pool, b);
     cache_block_delete(dc, b);
@@ -565,6 +538,8 @@ static void release_blocks(device_cache *dc, block_pool *pool, bool keep_pages)
 /* Returns every whole cached segment to the device (torch's release_cached_blocks). */
 static void pool_destroy(device_cache *dc, private_pool *pp)
 {
+    block_pool_destroy(&pp->small);
+    block_pool_destroy(&pp->large);
     for (private_pool **link = &dc->private_pools; *link; link = &(*link)->next) {
         if (*link == pp) {
             *link = pp->next;
@@ -721,14 +696,14 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
         if (b->es) {
             /* expandable segments keep no inactive-split stats */
         } else if (already_split) {
-            cache_stat_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
+            cache_stat_dec(dc->stats.inactive_split_bytes, pool, (int64_t)b->size);
         } else {
-            cache_stat_update(dc->stats.inactive_split_bytes, pool, (int64_t)rest->size);
-            cache_stat_update(dc->stats.inactive_split, pool, 1);
+            cache_stat_inc(dc->stats.inactive_split_bytes, pool, (int64_t)rest->size);
+            cache_stat_inc(dc->stats.inactive_split, pool, 1);
         }
     } else if (already_split && !b->es) {
-        cache_stat_update(dc->stats.inactive_split_bytes, pool, -(int64_t)b->size);
-        cache_stat_update(dc->stats.inactive_split, pool, -1);
+        cache_stat_dec(dc->stats.inactive_split_bytes, pool, (int64_t)b->size);
+        cache_stat_dec(dc->stats.inactive_split, pool, 1);
     }
     ptr_map_put(&dc->allocated_blocks, b->ptr, b); /* cannot fail: capacity reserved above */
     b->allocated = true;
@@ -738,14 +713,14 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
         npualloc_context_retain(b->ctx);
     }
     cache_history_record(dc, TRACE_ALLOC, b->ptr, orig_size, b->stream);
-    cache_stat_update(dc->stats.allocation, pool, 1);
-    cache_stat_update(dc->stats.allocated_bytes, pool, (int64_t)b->size);
-    cache_stat_update(dc->stats.active, pool, 1);
-    cache_stat_update(dc->stats.active_bytes, pool, (int64_t)b->size);
-    cache_stat_update(dc->stats.requested_bytes, pool, (int64_t)orig_size);
+    cache_stat_inc(dc->stats.allocation, pool, 1);
+    cache_stat_inc(dc->stats.allocated_bytes, pool, (int64_t)b->size);
+    cache_stat_inc(dc->stats.active, pool, 1);
+    cache_stat_inc(dc->stats.active_bytes, pool, (int64_t)b->size);
+    cache_stat_inc(dc->stats.requested_bytes, pool, (int64_t)orig_size);
     b->oversize_alloc = b->size >= max_split_size(dc);
     if (b->oversize_alloc)
-        stat_increase(&dc->stats.oversize_allocations, 1);
+        cache_stat_one_inc(&dc->stats.oversize_allocations, 1);
     *out = (void *)b->ptr;
     return ACL_SUCCESS;
 }
@@ -802,9 +777,9 @@ static void free_block(device_cache *dc, cache_block *b)
         cache_stat_update(dc->stats.inactive_split, pool, net_splits);
     if (net_split_bytes && !b->es)
         cache_stat_update(dc->stats.inactive_split_bytes, pool, net_split_bytes);
-    cache_stat_update(dc->stats.active, pool, -1);
-    cache_stat_update(dc->stats.active_bytes, pool, -(int64_t)original_size);
-    cache_stat_update(dc->stats.requested_bytes, pool, -(int64_t)requested);
+    cache_stat_dec(dc->stats.active, pool, 1);
+    cache_stat_dec(dc->stats.active_bytes, pool, (int64_t)original_size);
+    cache_stat_dec(dc->stats.requested_bytes, pool, (int64_t)requested);
 }
 
 /* ---- sharing pin (see caching.h) ---- */
@@ -841,11 +816,11 @@ void cache_free_locked(device_cache *dc, cache_block *b)
         }
     }
     block_pool *pool = b->pool;
-    cache_stat_update(dc->stats.allocation, pool, -1);
-    cache_stat_update(dc->stats.allocated_bytes, pool, -(int64_t)b->size);
+    cache_stat_dec(dc->stats.allocation, pool, 1);
+    cache_stat_dec(dc->stats.allocated_bytes, pool, (int64_t)b->size);
     cache_history_record(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream);
     if (b->oversize_alloc) /* counted when allocated, whatever max_split is now */
-        stat_decrease(&dc->stats.oversize_allocations, 1);
+        cache_stat_one_dec(&dc->stats.oversize_allocations, 1);
     if (b->use_count > 0 && dc->route_count > 0) {
         /* During a capture events cannot be recorded: they are inserted when it ends. */
         if (dc->deferred_count == dc->deferred_capacity) {
@@ -952,6 +927,10 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
     p.size = cache_round_size(dc->settings, dc->pad, orig_size);
     p.stream = stream;
     p.pool = get_pool(dc, p.size, stream);
+    if (unlikely(block_pool_prepare(p.pool, stream) != 0)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
+        return ACL_ERROR_BAD_ALLOC;
+    }
     p.alloc_size = allocation_size(dc->settings, p.size, p.pool->is_small);
     p.err = ACL_SUCCESS;
 
@@ -1250,8 +1229,12 @@ static void release_everything(device_cache *dc, bool return_memory)
     while (dc->private_pools) {
         private_pool *pp = dc->private_pools;
         dc->private_pools = pp->next;
+        block_pool_destroy(&pp->small);
+        block_pool_destroy(&pp->large);
         free(pp);
     }
+    block_pool_destroy(&dc->small);
+    block_pool_destroy(&dc->large);
     free(dc->routes);
     free(dc->deferred);
     ptr_map_free(&dc->allocated_blocks);

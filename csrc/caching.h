@@ -224,7 +224,41 @@ void cache_block_delete(device_cache *dc, cache_block *b);
 void cache_pool_insert(cache_block *b);
 /* Merges src into dst when src is free (same mapped state); returns the bytes taken over. */
 size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src);
-void cache_stat_update(npualloc_stat *arr, const block_pool *pool, int64_t n);
+/* torch's Stat: increase (current, peak, allocated) and decrease (current, freed); an array
+ * is updated for the aggregate and for the pool's own kind. */
+static inline void cache_stat_one_inc(npualloc_stat *s, int64_t n)
+{
+    s->current += n;
+    s->peak = s->current > s->peak ? s->current : s->peak;
+    s->allocated += n;
+}
+
+static inline void cache_stat_one_dec(npualloc_stat *s, int64_t n)
+{
+    s->current -= n;
+    s->freed += n;
+}
+
+static inline void cache_stat_inc(npualloc_stat *arr, const block_pool *pool, int64_t n)
+{
+    cache_stat_one_inc(&arr[NPUALLOC_STAT_ALL], n);
+    cache_stat_one_inc(&arr[pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL], n);
+}
+
+static inline void cache_stat_dec(npualloc_stat *arr, const block_pool *pool, int64_t n)
+{
+    cache_stat_one_dec(&arr[NPUALLOC_STAT_ALL], n);
+    cache_stat_one_dec(&arr[pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL], n);
+}
+
+/* A net change of either sign. */
+static inline void cache_stat_update(npualloc_stat *arr, const block_pool *pool, int64_t n)
+{
+    if (n >= 0)
+        cache_stat_inc(arr, pool, n);
+    else
+        cache_stat_dec(arr, pool, -n);
+}
 /* Expandable segments (caching_expandable.c). */
 bool expandable_supported(const device_cache *dc);
 /* Finds or maps room for `size` bytes in the stream's expandable segment of the pool; the

@@ -224,6 +224,14 @@ int host_release(void *va, size_t size)
 
 int host_map(void *va, const host_memfile *mf)
 {
+    if (mf->fd >= 0) {
+        /* With the descriptor at hand, map the file directly (one call, and tools such as
+         * valgrind do not support mremap's duplicate-a-mapping form). */
+        void *p = mmap(va, mf->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, mf->fd, 0);
+        if (p == MAP_FAILED)
+            return errno;
+        return madvise(p, mf->size, MADV_DONTFORK) == 0 ? 0 : errno;
+    }
     void *p = mremap(mf->home, 0, mf->size, MREMAP_MAYMOVE | MREMAP_FIXED, va);
     if (p == MAP_FAILED)
         return errno;

@@ -9,8 +9,8 @@
  *   - Each memory file has a "home" mapping (PROT_NONE, MAP_SHARED) that keeps its pages alive
  *     without a file descriptor; the descriptor itself is kept only while the process-wide
  *     descriptor budget allows (it is needed to export the memory to another process).
- *   - Mapping a memory file into a reserved range duplicates the home mapping there with
- *     mremap(old_size = 0), so mapping needs no descriptor either.
+ *   - Mapping a memory file into a reserved range maps its descriptor there, or, when the
+ *     descriptor was closed, duplicates the home mapping with mremap(old_size = 0).
  *   - A reserved range is PROT_NONE anonymous memory; unmapping puts PROT_NONE memory back,
  *     so the reservation stays intact and an access to an unmapped page faults.
  *   - Device memory is MADV_DONTFORK: a child created by fork() does not inherit it (a real

@@ -33,7 +33,7 @@ static int grow(ptr_map *m)
     return 0;
 }
 
-int ptr_map_reserve(ptr_map *m, size_t extra)
+int ptr_map_grow_for(ptr_map *m, size_t extra)
 {
     while ((m->count + extra) * 2 > (m->mask ? m->mask + 1 : 0))
         if (grow(m) != 0)

@@ -23,7 +23,13 @@ typedef struct ptr_map {
 
 /* Makes room for `extra` more keys: afterwards that many ptr_map_put calls cannot fail.
  * Returns 0, or -1 when out of memory. */
-int ptr_map_reserve(ptr_map *m, size_t extra);
+int ptr_map_grow_for(ptr_map *m, size_t extra);
+static inline int ptr_map_reserve(ptr_map *m, size_t extra)
+{
+    if (__builtin_expect(m->mask != 0 && (m->count + extra) * 2 <= m->mask + 1, 1))
+        return 0;
+    return ptr_map_grow_for(m, extra);
+}
 /* Returns 0, or -1 when out of memory (the map is unchanged). */
 int ptr_map_put(ptr_map *m, uintptr_t key, void *value);
 void *ptr_map_get(const ptr_map *m, uintptr_t key);
