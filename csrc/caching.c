@@ -143,9 +143,19 @@ const void *npualloc_context_data(const npualloc_context *c, size_t *len)
 
 void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream)
 {
+    cache_history_record_ctx(dc, action, addr, size, stream, NULL);
+}
+
+/* torch's record_trace(..., context ? context : fallback): the call's context, else `fallback`
+ * (a free: the block's allocation context; a segment free: the segment's). */
+void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
+                              npualloc_context *fallback)
+{
     if (!dc->history_enabled || !dc->history_max)
         return;
-    npualloc_context *ctx = dc->record_context >= NPUALLOC_RECORD_ALLOC ? dc->current_ctx : NULL;
+    npualloc_context *ctx = dc->current_ctx ? dc->current_ctx : fallback;
+    if (dc->record_context < NPUALLOC_RECORD_ALLOC)
+        ctx = NULL;
     trace_entry e = {action, addr, size, stream, host_epoch_us(), ctx};
     npualloc_context_retain(ctx);
     if (dc->history_count == dc->history_capacity && dc->history_capacity < dc->history_max) {
@@ -460,7 +470,7 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
 /* Returns a whole free segment to the device. */
 static void release_block(device_cache *dc, cache_block *b)
 {
-    cache_history_record(dc, TRACE_SEGMENT_FREE, b->ptr, b->size, b->stream);
+    cache_history_record_ctx(dc, TRACE_SEGMENT_FREE, b->ptr, b->size, b->stream, b->segment_ctx);
     dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)b->ptr, b->size);
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
@@ -685,8 +695,8 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
             front->prev->next = front;
         front->next = rest;
         rest->prev = front;
-        front->segment_ctx = rest->segment_ctx; /* the front is the segment's first block now */
-        rest->segment_ctx = NULL;
+        /* As torch: the segment's context stays with the remainder (the front has none), so a
+         * segment reports frames only until its first block is split off. */
         front->es = rest->es;
         front->oversize_segment = rest->oversize_segment; /* every block carries its segment's flag */
         rest->ptr += p->size;
@@ -734,7 +744,8 @@ size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src)
         dst->prev = src->prev;
         if (dst->prev)
             dst->prev->next = dst;
-        dst->segment_ctx = src->segment_ctx; /* dst becomes the first block if src was */
+        npualloc_context_release(dst->segment_ctx); /* torch: dst takes src's (moved) */
+        dst->segment_ctx = src->segment_ctx;
         src->segment_ctx = NULL;
     } else {
         dst->next = src->next;
@@ -754,7 +765,7 @@ size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src)
 /* Completes a free: merges with free neighbours and caches the result. */
 static void free_block(device_cache *dc, cache_block *b)
 {
-    cache_history_record(dc, TRACE_FREE_COMPLETED, b->ptr, b->requested_size, b->stream);
+    cache_history_record_ctx(dc, TRACE_FREE_COMPLETED, b->ptr, b->requested_size, b->stream, b->ctx);
     size_t original_size = b->size, requested = b->requested_size;
     block_pool *pool = b->pool;
     int64_t net_splits = 0, net_split_bytes = 0;
@@ -818,7 +829,7 @@ void cache_free_locked(device_cache *dc, cache_block *b)
     block_pool *pool = b->pool;
     cache_stat_dec(dc->stats.allocation, pool, 1);
     cache_stat_dec(dc->stats.allocated_bytes, pool, (int64_t)b->size);
-    cache_history_record(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream);
+    cache_history_record_ctx(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream, b->ctx);
     if (b->oversize_alloc) /* counted when allocated, whatever max_split is now */
         cache_stat_one_dec(&dc->stats.oversize_allocations, 1);
     if (b->use_count > 0 && dc->route_count > 0) {

@@ -302,6 +302,8 @@ void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id);
 void cache_empty_locked(device_cache *dc, bool keep_pages);
 void cache_set_fraction_locked(device_cache *dc, double fraction);
 void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream);
+void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
+                              npualloc_context *fallback);
 /* Calls fn on every block of every segment (segments in address order, blocks in order). */
 void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx);
 aclError cache_check_locked(device_cache *dc, char *why, size_t len);

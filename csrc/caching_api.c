@@ -705,7 +705,9 @@ int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id)
 
 /* ---- device-wide operations ---- */
 
-aclError npualloc_cache_empty(void)
+aclError npualloc_cache_empty(void) { return npualloc_cache_empty_ctx(NULL); }
+
+aclError npualloc_cache_empty_ctx(npualloc_context *ctx)
 {
     if (runtime_ensure_init() != ACL_SUCCESS)
         return ACL_SUCCESS; /* nothing was ever cached */
@@ -714,7 +716,9 @@ aclError npualloc_cache_empty(void)
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
         pthread_mutex_lock(&dc->lock);
+        dc->current_ctx = ctx;
         cache_empty_locked(dc, false);
+        dc->current_ctx = NULL;
         pthread_mutex_unlock(&dc->lock);
     }
     return ACL_SUCCESS;

@@ -11,6 +11,7 @@ Errors that torch_npu builds with ``pta_error(...)`` carry its suffix
 ``TORCH_NPU_COMPACT_ERROR_OUTPUT`` is a non-zero int (or Python runs interactively).
 """
 import collections
+import inspect
 import os
 import pickle
 import re
@@ -367,37 +368,116 @@ def memory_snapshot(mempool_id=None):
     return segments
 
 
-_CONTEXT_LEVELS = {None: 0, "state": 1, "alloc": 2, "all": 3}
+_CONTEXT_LEVELS = {None: 0, "state": 1, "alloc": 2, "all": 3}  # torch's RecordContext: NEVER..ALL
+_MAX_ENTRIES = (1 << 63) - 1
 
 
-def _record_memory_history(enabled="all", context="all", stacks="python", max_entries=sys.maxsize, device=None):
-    """Starts (``"state"``/``"all"``) or stops (None) recording the allocator's history on every device."""
-    for name, value in (("enabled", enabled), ("context", context), ("stacks", stacks)):
-        if value is not None and not isinstance(value, str):
-            raise TypeError(f"_record_memory_history(): argument '{name}' must be str or None, "
-                            f"not {type(value).__name__}")
+def _check_str(fn, name, value):
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{fn}(): argument '{name}' must be str or None, not {type(value).__name__}")
+
+
+def _check_int(fn, name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}(): argument '{name}' must be int, not {type(value).__name__}")
+
+
+def _check_bool(fn, name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}(): argument '{name}' must be bool, not {type(value).__name__}")
+
+
+def _record_memory_history(enabled="all", *args, **kwargs):
+    """Starts or stops recording the caching allocator's history on every device (torch's
+    ``torch.cuda.memory._record_memory_history``).
+
+    ``enabled``: None stops recording and clears the history; ``"state"`` keeps where the live
+    memory was allocated (blocks and segments carry ``frames``) and a history of a single entry;
+    ``"all"`` also keeps a ring buffer of the last ``max_entries`` trace entries (alloc,
+    free_requested, free_completed, segment_alloc/free/map/unmap, snapshot, oom).
+
+    ``context``: whose Python stack is kept, as torch's RecordContext: None none, ``"state"`` the
+    live blocks' and segments', ``"alloc"`` also alloc-side trace entries', ``"all"`` also the
+    frees' (``caching_allocator_delete``, a Buffer freed or collected).
+
+    ``stacks``: ``"python"`` or ``"all"``.  Frames are Python frames, innermost first, as dicts
+    ``{"name", "filename", "line"}``; there are no C++ frames to add, so ``"all"`` records the
+    same as ``"python"``.
+
+    ``device`` is accepted and ignored (the history covers every device, as in torch_npu).
+    ``clear_history`` is accepted for torch compatibility: every call starts from an empty
+    history, as torch_npu does.  A bool first argument selects torch's legacy form
+    ``(enabled, record_context=True, trace_alloc_max_entries=1, trace_alloc_record_context=False,
+    device=None, record_context_cpp=False, clear_history=False)``.
+    """
+    if isinstance(enabled, bool):
+        return _record_memory_history_legacy(enabled, *args, **kwargs)
+    return _record_memory_history_impl(enabled, *args, **kwargs)
+
+
+def _record_memory_history_impl(enabled="all", context="all", stacks="python", max_entries=sys.maxsize,
+                                device=None, clear_history=False):
+    fn = "_record_memory_history"
+    _check_str(fn, "enabled", enabled)
+    _check_str(fn, "context", context)
+    if not isinstance(stacks, str):
+        raise TypeError(f"{fn}(): argument 'stacks' must be str, not {type(stacks).__name__}")
+    _check_int(fn, "max_entries", max_entries)
+    _check_bool(fn, "clear_history", clear_history)
+    if max_entries < 0:
+        raise TypeError(f"{fn}(): argument 'max_entries' must be a non-negative int, got {max_entries}")
     if not (enabled is None or enabled in ("state", "all")):
         raise RuntimeError("expected state to be 'state', 'all', or None" + _pta_error("NOT_FOUND"))
     if not (context is None or context in ("state", "alloc", "all")):
         raise RuntimeError("expected context to be 'state', 'alloc', 'all', or None" + _pta_error("NOT_FOUND"))
     if stacks not in ("python", "all"):
         raise RuntimeError("expected stacks to be 'python', or 'all'" + _pta_error("NOT_FOUND"))
-    if isinstance(max_entries, bool) or not isinstance(max_entries, int):
-        raise TypeError(f"_record_memory_history(): argument 'max_entries' must be int, "
-                        f"not {type(max_entries).__name__}")
     current_device()  # torch_npu's _lazy_init()
     entries = max(1, max_entries) if enabled == "all" else 1
     when = _CONTEXT_LEVELS[context] if enabled is not None else 0
-    _M._record_history(enabled is not None, when, min(entries, (1 << 63) - 1))
+    _M._record_history(enabled is not None, when, min(entries, _MAX_ENTRIES))
+
+
+def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
+                                  trace_alloc_record_context=False, device=None, record_context_cpp=False,
+                                  clear_history=False):
+    fn = "_record_memory_history"
+    for name, value in (("enabled", enabled), ("record_context", record_context),
+                        ("trace_alloc_record_context", trace_alloc_record_context),
+                        ("record_context_cpp", record_context_cpp), ("clear_history", clear_history)):
+        _check_bool(fn, name, value)
+    _check_int(fn, "trace_alloc_max_entries", trace_alloc_max_entries)
+    if trace_alloc_record_context:
+        when = _CONTEXT_LEVELS["alloc"]
+    elif record_context:
+        when = _CONTEXT_LEVELS["state"]
+    else:
+        when = 0
+    current_device()  # torch's lazyInitDevice
+    # torch converts the int64 to size_t: a negative count is a huge one
+    entries = max(1, trace_alloc_max_entries) if trace_alloc_max_entries >= 0 else _MAX_ENTRIES
+    _M._record_history(enabled, when if enabled else 0, min(entries, _MAX_ENTRIES))
+
+
+_record_memory_history.__signature__ = inspect.signature(_record_memory_history_impl)
 
 
 def _snapshot(device=None):
-    """{"segments": [...], "device_traces": [[trace entries of device d] for d], "allocator_settings": {...}}."""
+    """torch's snapshot dict: ``{"segments": [...], "device_traces": [[entries of device d] for d],
+    "allocator_settings": {...}}`` (``device`` is ignored: every device is included).
+
+    Segments and blocks always carry ``frames`` (the Python stack where the segment / the live
+    block was allocated, or [] when not recorded); a trace entry carries ``frames`` only when its
+    context was kept (context "alloc" or "all").  Trace entries are oldest first; an "oom" entry
+    has ``device_free`` instead of ``addr``.  Frames lists may be shared between entries that
+    come from one stack, as in torch."""
     return _M._snapshot()
 
 
 def _dump_snapshot(filename="dump_snapshot.pickle"):
-    """Pickles ``_snapshot()`` into ``filename``."""
+    """Pickles ``_snapshot()`` into ``filename``: only dicts, lists, tuples, ints, floats, strings and
+    bools, so torch's ``torch.cuda._memory_viz`` and its web viewer read it, and so does an
+    unpickler that refuses every global."""
     data = _snapshot()
     fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:

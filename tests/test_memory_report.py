@@ -183,8 +183,8 @@ def test_history_argument_errors(mem):
         memory._record_memory_history(context="some")
     with pytest.raises(RuntimeError, match=r"^expected stacks to be 'python', or 'all'$"):
         memory._record_memory_history(stacks="cpp")
-    with pytest.raises(TypeError):
-        memory._record_memory_history(True)
+    with pytest.raises(TypeError):  # a bool selects torch's legacy form, whose flags are bools
+        memory._record_memory_history(True, record_context="yes")
 
 
 def test_dump_snapshot(mem, tmp_path):

@@ -175,6 +175,9 @@ npualloc_record_context npualloc_cache_record_context(void);
 /* npualloc_cache_malloc / free with the caller's context (may be NULL; borrowed). */
 aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr);
 aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx);
+/* npualloc_cache_empty with the caller's context (may be NULL; borrowed): at record level ALL its
+ * segment_free trace entries keep it (torch's emptyCache gathers one). */
+aclError npualloc_cache_empty_ctx(npualloc_context *ctx);
 typedef enum npualloc_block_state {
     NPUALLOC_BLOCK_INACTIVE = 0,
     NPUALLOC_BLOCK_ACTIVE_ALLOCATED = 1,

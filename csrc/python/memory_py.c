@@ -32,6 +32,10 @@
 #include "npualloc.h"
 #include "pyarg.h"
 
+#ifndef unlikely
+#define unlikely(x) __builtin_expect(!!(x), 0)
+#endif
+
 #define MAX_DEVICES 64
 
 /* ---- generations ---- */
@@ -395,6 +399,334 @@ static void restore_device(int32_t dev, int32_t prev)
         (void)aclrtSetDevice(prev);
 }
 
+/* ---- memory history: the Python stack as an allocator context ----
+ *
+ * torch's _record_memory_history gathers the Python stack on every allocation when its record
+ * level (RecordContext) is STATE or more, and on every free at ALL; the allocator keeps the
+ * context for blocks and segments (>= STATE) and trace entries (>= ALLOC).  Here the stack is
+ * gathered in the binding, with the GIL held, before the allocator is entered.
+ *
+ * Encoding (opaque to the allocator): a header {magic, count} and `count` frames
+ * {code id, position}, innermost first (as torch's Python frames): 8 bytes a frame.  The code id
+ * indexes a process-wide, append-only table of the code objects seen (references held, so an id
+ * never names another object; only touched with the GIL held).  The position is the frame's last
+ * instruction offset (Python >= 3.11; the line is worked out only when a snapshot is decoded, as
+ * torch does, since computing it dominates the cost of gathering) or the line itself (3.9, 3.10).
+ * Identical stacks share one context through a small cache.  Snapshots decode contexts into
+ * torch's frame dicts {"name", "filename", "line"}: one list per context and one dict per distinct
+ * frame, shared as torch's py_symbolize shares them.
+ *
+ * The hot path with history off costs one integer load: `hist_level` mirrors the level set
+ * through _record_history (0 = off); it is only read and written with the GIL held. */
+
+#if PY_VERSION_HEX >= 0x030B0000
+#define CTX_MAGIC 0x3146504eu /* "NPF1": positions are instruction offsets */
+#else
+#define CTX_MAGIC 0x314c504eu /* "NPL1": positions are line numbers */
+#endif
+
+typedef struct {
+    uint32_t magic, count;
+} ctx_header;
+
+typedef struct {
+    uint32_t code;
+    int32_t pos;
+} ctx_frame;
+
+static int hist_level;    /* npualloc_record_context of the history started here; 0 = off */
+static uint64_t hist_gen; /* the runtime generation it was started in */
+
+/* The code table: id -> code object (a list holding references) and code pointer -> id (open
+ * addressing, linear probing). */
+typedef struct {
+    PyObject *code;
+    uint32_t id;
+} code_slot;
+
+static PyObject *hist_codes;
+static code_slot *code_map;
+static size_t code_map_cap, code_map_count;
+
+static ctx_frame *hist_buf; /* header + frames being gathered */
+static size_t hist_buf_cap; /* in ctx_frame units */
+
+#define CTX_CACHE_SLOTS 64
+static npualloc_context *ctx_cache[CTX_CACHE_SLOTS]; /* recent stacks, by hash (references held) */
+
+static void ctx_cache_clear(void)
+{
+    for (int i = 0; i < CTX_CACHE_SLOTS; i++) {
+        npualloc_context_release(ctx_cache[i]);
+        ctx_cache[i] = NULL;
+    }
+}
+
+static inline size_t code_hash(const void *p) { return (size_t)(((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ull); }
+
+static bool code_map_grow(void)
+{
+    size_t cap = code_map_cap ? code_map_cap * 2 : 256;
+    code_slot *slots = PyMem_Calloc(cap, sizeof *slots);
+    if (!slots)
+        return false;
+    for (size_t i = 0; i < code_map_cap; i++) {
+        if (!code_map[i].code)
+            continue;
+        size_t j = code_hash(code_map[i].code) & (cap - 1);
+        while (slots[j].code)
+            j = (j + 1) & (cap - 1);
+        slots[j] = code_map[i];
+    }
+    PyMem_Free(code_map);
+    code_map = slots;
+    code_map_cap = cap;
+    return true;
+}
+
+/* The id of a code object in the table (adding it), or -1 when the table cannot grow. */
+static inline long code_id(PyObject *code)
+{
+    if (code_map_cap) {
+        for (size_t i = code_hash(code) & (code_map_cap - 1);; i = (i + 1) & (code_map_cap - 1)) {
+            if (code_map[i].code == code)
+                return code_map[i].id;
+            if (!code_map[i].code)
+                break;
+        }
+    }
+    if ((code_map_count + 1) * 2 > code_map_cap && !code_map_grow())
+        return -1;
+    if (!hist_codes && !(hist_codes = PyList_New(0)))
+        return -1;
+    Py_ssize_t id = PyList_GET_SIZE(hist_codes);
+    if (id >= INT32_MAX || PyList_Append(hist_codes, code) < 0)
+        return -1;
+    size_t i = code_hash(code) & (code_map_cap - 1);
+    while (code_map[i].code)
+        i = (i + 1) & (code_map_cap - 1);
+    code_map[i].code = code; /* the list holds the reference */
+    code_map[i].id = (uint32_t)id;
+    code_map_count++;
+    return (long)id;
+}
+
+static bool hist_reserve(size_t n)
+{
+    if (n <= hist_buf_cap)
+        return true;
+    size_t cap = hist_buf_cap ? hist_buf_cap * 2 : 128;
+    while (cap < n)
+        cap *= 2;
+    ctx_frame *grown = PyMem_Realloc(hist_buf, cap * sizeof *grown);
+    if (!grown)
+        return false;
+    hist_buf = grown;
+    hist_buf_cap = cap;
+    return true;
+}
+
+/* The calling thread's Python stack as a new context (a reference the caller releases), or NULL
+ * when it cannot be gathered (never raises: losing a stack must not fail an allocation). */
+static npualloc_context *gather_stack(void)
+{
+    _Static_assert(sizeof(ctx_header) == sizeof(ctx_frame), "the header takes one frame slot");
+    static bool gathering;
+    if (gathering)
+        return NULL; /* a Buffer collected by a GC that a frame allocation started: no stack for it */
+    gathering = true;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb); /* a dealloc may run with an exception set */
+    size_t n = 0;
+    bool ok = hist_reserve(1);
+    PyFrameObject *f = PyEval_GetFrame(); /* borrowed */
+    Py_XINCREF(f);
+    while (f && ok) {
+        PyCodeObject *code = PyFrame_GetCode(f);
+        long id = code_id((PyObject *)code);
+        Py_DECREF(code);
+        if (id < 0 || !hist_reserve(n + 2)) {
+            ok = false;
+            break;
+        }
+        ctx_frame *fr = &hist_buf[1 + n++];
+        fr->code = (uint32_t)id;
+#if PY_VERSION_HEX >= 0x030B0000
+        fr->pos = PyFrame_GetLasti(f);
+#else
+        fr->pos = PyFrame_GetLineNumber(f);
+#endif
+        PyFrameObject *back = PyFrame_GetBack(f);
+        Py_DECREF(f);
+        f = back;
+    }
+    Py_XDECREF(f);
+    npualloc_context *ctx = NULL;
+    if (ok) {
+        ctx_header h = {CTX_MAGIC, (uint32_t)n};
+        memcpy(hist_buf, &h, sizeof h);
+        size_t len = (n + 1) * sizeof(ctx_frame);
+        /* The same stack again shares the cached context. */
+        uint64_t hash = 0x9E3779B97F4A7C15ull;
+        for (size_t i = 1; i <= n; i++) {
+            uint64_t w = ((uint64_t)hist_buf[i].code << 32) | (uint32_t)hist_buf[i].pos;
+            hash = (hash ^ w) * 0x100000001B3ull;
+            hash ^= hash >> 29;
+        }
+        npualloc_context **slot = &ctx_cache[(hash ^ (hash >> 32)) % CTX_CACHE_SLOTS];
+        size_t have = 0;
+        const void *data = *slot ? npualloc_context_data(*slot, &have) : NULL;
+        if (data && have == len && memcmp(data, hist_buf, len) == 0) {
+            ctx = *slot;
+        } else if ((ctx = npualloc_context_create(hist_buf, len))) {
+            npualloc_context_release(*slot);
+            *slot = ctx;
+        }
+        npualloc_context_retain(ctx); /* the caller's reference; the cache keeps its own */
+    }
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+    gathering = false;
+    return ctx;
+}
+
+/* A context for a call that needs record level `want` (STATE: allocations, ALL: frees and
+ * empty_cache), or NULL.  Callers test `hist_level` first, so history off costs one load. */
+static npualloc_context *gather_context(int want)
+{
+    if (hist_level < want)
+        return NULL;
+    if (hist_gen != gen_now()) { /* the runtime restarted: its history is gone */
+        hist_level = 0;
+        ctx_cache_clear();
+        return NULL;
+    }
+    return gather_stack();
+}
+
+#define GATHER(want) (unlikely(hist_level >= (want)) ? gather_context(want) : NULL)
+
+/* Decodes contexts into torch's frame lists while one snapshot is built. */
+typedef struct {
+    PyObject *lists;  /* context address -> list of frame dicts */
+    PyObject *frames; /* (code id, position) -> frame dict */
+    PyObject *s_name, *s_filename, *s_line, *s_unknown;
+} frame_decoder;
+
+static int decoder_init(frame_decoder *d)
+{
+    memset(d, 0, sizeof *d);
+    d->lists = PyDict_New();
+    d->frames = PyDict_New();
+    d->s_name = PyUnicode_InternFromString("name");
+    d->s_filename = PyUnicode_InternFromString("filename");
+    d->s_line = PyUnicode_InternFromString("line");
+    d->s_unknown = PyUnicode_InternFromString("??");
+    return d->lists && d->frames && d->s_name && d->s_filename && d->s_line && d->s_unknown ? 0 : -1;
+}
+
+static void decoder_free(frame_decoder *d)
+{
+    Py_XDECREF(d->lists);
+    Py_XDECREF(d->frames);
+    Py_XDECREF(d->s_name);
+    Py_XDECREF(d->s_filename);
+    Py_XDECREF(d->s_line);
+    Py_XDECREF(d->s_unknown);
+}
+
+/* torch's frame dict, key order as its py_symbolize: name, filename, line. */
+static PyObject *frame_dict(frame_decoder *d, PyObject *name, PyObject *filename, long line)
+{
+    PyObject *f = PyDict_New();
+    PyObject *l = PyLong_FromLong(line);
+    if (!f || !l || PyDict_SetItem(f, d->s_name, name) < 0 || PyDict_SetItem(f, d->s_filename, filename) < 0 ||
+        PyDict_SetItem(f, d->s_line, l) < 0) {
+        Py_XDECREF(f);
+        Py_XDECREF(l);
+        return NULL;
+    }
+    Py_DECREF(l);
+    return f;
+}
+
+/* The dict of one encoded frame (a new reference), shared by every list that has it. */
+static PyObject *decode_frame(frame_decoder *d, ctx_frame fr)
+{
+    PyObject *key = PyLong_FromUnsignedLongLong(((unsigned long long)fr.code << 32) | (uint32_t)fr.pos);
+    if (!key)
+        return NULL;
+    PyObject *f = PyDict_GetItemWithError(d->frames, key);
+    if (f || PyErr_Occurred()) {
+        Py_XINCREF(f);
+        Py_DECREF(key);
+        return f;
+    }
+    if (hist_codes && fr.code < (uint64_t)PyList_GET_SIZE(hist_codes)) {
+        PyCodeObject *code = (PyCodeObject *)PyList_GET_ITEM(hist_codes, fr.code);
+#if PY_VERSION_HEX >= 0x030B0000
+        long line = PyCode_Addr2Line(code, fr.pos);
+#else
+        long line = fr.pos;
+#endif
+        f = frame_dict(d, code->co_name, code->co_filename, line);
+    } else {
+        f = frame_dict(d, d->s_unknown, d->s_unknown, 0);
+    }
+    if (f && PyDict_SetItem(d->frames, key, f) < 0)
+        Py_CLEAR(f);
+    Py_DECREF(key);
+    return f;
+}
+
+/* The frames of a context as a new reference to its (shared) list; [] for NULL.  A context that
+ * was not made here (a C caller's) shows as one frame named by its bytes. */
+static PyObject *decode_frames(frame_decoder *d, npualloc_context *ctx)
+{
+    if (!ctx)
+        return PyList_New(0);
+    PyObject *key = PyLong_FromVoidPtr(ctx);
+    if (!key)
+        return NULL;
+    PyObject *list = PyDict_GetItemWithError(d->lists, key);
+    if (list || PyErr_Occurred()) {
+        Py_DECREF(key);
+        Py_XINCREF(list);
+        return list;
+    }
+    size_t len = 0;
+    const unsigned char *data = npualloc_context_data(ctx, &len);
+    ctx_header h = {0, 0};
+    if (len >= sizeof h)
+        memcpy(&h, data, sizeof h);
+    if (h.magic == CTX_MAGIC && len == ((size_t)h.count + 1) * sizeof(ctx_frame)) {
+        list = PyList_New((Py_ssize_t)h.count);
+        for (uint32_t i = 0; list && i < h.count; i++) {
+            ctx_frame fr;
+            memcpy(&fr, data + (size_t)(i + 1) * sizeof fr, sizeof fr);
+            PyObject *f = decode_frame(d, fr);
+            if (!f) {
+                Py_CLEAR(list);
+                break;
+            }
+            PyList_SET_ITEM(list, i, f);
+        }
+    } else {
+        PyObject *text = PyUnicode_DecodeUTF8((const char *)data, (Py_ssize_t)len, "replace");
+        PyObject *f = text ? frame_dict(d, text, d->s_unknown, 0) : NULL;
+        Py_XDECREF(text);
+        list = f ? PyList_New(1) : NULL;
+        if (list)
+            PyList_SET_ITEM(list, 0, f);
+        else
+            Py_XDECREF(f);
+    }
+    if (list && PyDict_SetItem(d->lists, key, list) < 0)
+        Py_CLEAR(list);
+    Py_DECREF(key);
+    return list;
+}
+
 /* ---- caching_allocator_alloc / caching_allocator_delete ---- */
 
 static PyObject *m_caching_allocator_alloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -427,7 +759,9 @@ static PyObject *m_caching_allocator_alloc(PyObject *self, PyObject *const *args
         return PyLong_FromLong(0);
     void *p = NULL;
     aclError rc;
-    WAITING_CALL(rc = npualloc_cache_malloc(dev, (size_t)size, stream, &p));
+    npualloc_context *ctx = GATHER(NPUALLOC_RECORD_STATE);
+    WAITING_CALL(rc = npualloc_cache_malloc_ctx(dev, (size_t)size, stream, ctx, &p));
+    npualloc_context_release(ctx);
     if (rc != ACL_SUCCESS)
         return raise_alloc_failure(rc);
     if (drain_warnings() < 0) {
@@ -446,7 +780,9 @@ static PyObject *m_caching_allocator_delete(PyObject *self, PyObject *arg)
     if (p == 0)
         Py_RETURN_NONE;
     aclError rc;
-    LOCKING_CALL(rc = npualloc_cache_free((void *)(uintptr_t)p));
+    npualloc_context *ctx = GATHER(NPUALLOC_RECORD_ALL);
+    LOCKING_CALL(rc = npualloc_cache_free_ctx((void *)(uintptr_t)p, ctx));
+    npualloc_context_release(ctx);
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     if (drain_warnings() < 0)
@@ -481,10 +817,14 @@ static int buffer_release(BufferObject *b)
     if (!p || b->gen != gen_now())
         return 0; /* nothing, or memory of a runtime that was shut down */
     aclError rc;
-    if (npualloc_caching_disabled())
+    if (npualloc_caching_disabled()) {
         WAITING_CALL(rc = npualloc_deallocate(p)); /* synchronizes the device */
-    else
-        LOCKING_CALL(rc = npualloc_deallocate(p));
+    } else {
+        /* npualloc_deallocate of cached memory is npualloc_cache_free: with the free's context */
+        npualloc_context *ctx = GATHER(NPUALLOC_RECORD_ALL);
+        LOCKING_CALL(rc = npualloc_cache_free_ctx(p, ctx));
+        npualloc_context_release(ctx);
+    }
     if (rc != ACL_SUCCESS) {
         raise_cache_error(rc);
         return -1;
@@ -697,8 +1037,13 @@ static PyObject *m_empty(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     b->weakrefs = NULL;
     void *p = NULL;
     aclError rc = ACL_SUCCESS;
-    if (n > 0) {
-        WAITING_CALL(rc = npualloc_allocate(dev, (size_t)n, stream, &p));
+    if (n > 0 && npualloc_caching_disabled()) {
+        WAITING_CALL(rc = npualloc_allocate(dev, (size_t)n, stream, &p)); /* no cache, no history */
+    } else if (n > 0) {
+        /* npualloc_allocate of cached memory is npualloc_cache_malloc: with the caller's stack */
+        npualloc_context *ctx = GATHER(NPUALLOC_RECORD_STATE);
+        WAITING_CALL(rc = npualloc_cache_malloc_ctx(dev, (size_t)n, stream, ctx, &p));
+        npualloc_context_release(ctx);
     }
     if (rc != ACL_SUCCESS) {
         b->freed = true;
@@ -721,7 +1066,10 @@ static PyObject *m_empty_cache(PyObject *self, PyObject *unused)
     (void)self;
     (void)unused;
     aclError rc;
-    WAITING_CALL(rc = npualloc_cache_empty());
+    /* torch's emptyCache gathers a context at ALL: its segment_free entries keep it */
+    npualloc_context *ctx = GATHER(NPUALLOC_RECORD_ALL);
+    WAITING_CALL(rc = npualloc_cache_empty_ctx(ctx));
+    npualloc_context_release(ctx);
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     if (drain_warnings() < 0)
@@ -931,45 +1279,60 @@ static const char *const trace_actions[] = {"alloc",       "free_requested", "fr
                                             "segment_alloc", "segment_free", "segment_map",
                                             "segment_unmap", "snapshot",     "oom"};
 
-static PyObject *block_dict(const npualloc_block_info *b)
+static PyObject *block_dict(frame_decoder *d, const npualloc_block_info *b)
 {
     unsigned st = (unsigned)b->state < 3 ? (unsigned)b->state : 0;
-    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:[]}", "address", (unsigned long long)b->address, "size",
+    PyObject *frames = decode_frames(d, b->frames);
+    if (!frames)
+        return NULL;
+    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:N}", "address", (unsigned long long)b->address, "size",
                          (unsigned long long)b->size, "requested_size", (unsigned long long)b->requested_size,
-                         "state", block_states[st], "frames");
+                         "state", block_states[st], "frames", frames);
 }
 
-static PyObject *segment_dict(const npualloc_snapshot *s, const npualloc_segment_info *g)
+static PyObject *segment_dict(frame_decoder *d, const npualloc_snapshot *s, const npualloc_segment_info *g)
 {
-    PyObject *blocks = PyList_New((Py_ssize_t)g->block_count);
-    if (!blocks)
+    PyObject *frames = decode_frames(d, g->frames);
+    PyObject *blocks = frames ? PyList_New((Py_ssize_t)g->block_count) : NULL;
+    if (!blocks) {
+        Py_XDECREF(frames);
         return NULL;
+    }
     for (size_t i = 0; i < g->block_count; i++) {
-        PyObject *b = block_dict(&s->blocks[g->first_block + i]);
+        PyObject *b = block_dict(d, &s->blocks[g->first_block + i]);
         if (!b) {
+            Py_DECREF(frames);
             Py_DECREF(blocks);
             return NULL;
         }
         PyList_SET_ITEM(blocks, (Py_ssize_t)i, b);
     }
-    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:(KK),s:s,s:O,s:[],s:N}", "device", (int)g->device,
+    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:(KK),s:s,s:O,s:N,s:N}", "device", (int)g->device,
                          "address", (unsigned long long)g->address, "total_size", (unsigned long long)g->total_size,
                          "allocated_size", (unsigned long long)g->allocated_size, "active_size",
                          (unsigned long long)g->active_size, "requested_size", (unsigned long long)g->requested_size,
                          "stream", (unsigned long long)g->stream, "segment_pool_id",
                          (unsigned long long)g->pool_id[0], (unsigned long long)g->pool_id[1], "segment_type",
                          g->is_small ? "small" : "large", "is_expandable", g->is_expandable ? Py_True : Py_False,
-                         "frames", "blocks", blocks);
+                         "frames", frames, "blocks", blocks);
 }
 
-static PyObject *trace_dict(const npualloc_trace_info *t)
+/* A trace entry; "frames" only when a context was kept (torch's TraceEntry). */
+static PyObject *trace_dict(frame_decoder *d, const npualloc_trace_info *t)
 {
     unsigned a = (unsigned)t->action;
     const char *action = a < sizeof trace_actions / sizeof *trace_actions ? trace_actions[a] : "unknown";
-    return Py_BuildValue("{s:s,s:K,s:K,s:K,s:L,s:[]}", "action", action,
-                         t->action == NPUALLOC_TRACE_OOM ? "device_free" : "addr", (unsigned long long)t->addr,
-                         "size", (unsigned long long)t->size, "stream", (unsigned long long)t->stream, "time_us",
-                         (long long)t->time_us, "frames");
+    PyObject *e = Py_BuildValue("{s:s,s:K,s:K,s:K,s:L}", "action", action,
+                                t->action == NPUALLOC_TRACE_OOM ? "device_free" : "addr", (unsigned long long)t->addr,
+                                "size", (unsigned long long)t->size, "stream", (unsigned long long)t->stream,
+                                "time_us", (long long)t->time_us);
+    if (e && t->frames) {
+        PyObject *frames = decode_frames(d, t->frames);
+        if (!frames || PyDict_SetItemString(e, "frames", frames) < 0)
+            Py_CLEAR(e);
+        Py_XDECREF(frames);
+    }
+    return e;
 }
 
 /* The settings in effect, read under a device lock (settings change with every device lock held). */
@@ -1026,10 +1389,12 @@ static PyObject *m_snapshot(PyObject *self, PyObject *unused)
         Py_DECREF(settings);
         return raise_cache_error(rc);
     }
+    frame_decoder dec;
+    int dec_rc = decoder_init(&dec);
     PyObject *segments = PyList_New((Py_ssize_t)snap->segment_count);
     PyObject *traces = PyList_New((Py_ssize_t)count);
     PyObject *result = NULL;
-    if (!segments || !traces)
+    if (dec_rc < 0 || !segments || !traces)
         goto done;
     for (uint32_t d = 0; d < count; d++) {
         PyObject *l = PyList_New(0);
@@ -1038,7 +1403,7 @@ static PyObject *m_snapshot(PyObject *self, PyObject *unused)
         PyList_SET_ITEM(traces, d, l);
     }
     for (size_t i = 0; i < snap->segment_count; i++) {
-        PyObject *g = segment_dict(snap, &snap->segments[i]);
+        PyObject *g = segment_dict(&dec, snap, &snap->segments[i]);
         if (!g)
             goto done;
         PyList_SET_ITEM(segments, (Py_ssize_t)i, g);
@@ -1047,7 +1412,7 @@ static PyObject *m_snapshot(PyObject *self, PyObject *unused)
         const npualloc_trace_info *t = &snap->traces[i];
         if (t->device < 0 || (uint32_t)t->device >= count)
             continue;
-        PyObject *e = trace_dict(t);
+        PyObject *e = trace_dict(&dec, t);
         if (!e || PyList_Append(PyList_GET_ITEM(traces, t->device), e) < 0) {
             Py_XDECREF(e);
             goto done;
@@ -1057,6 +1422,7 @@ static PyObject *m_snapshot(PyObject *self, PyObject *unused)
     result = Py_BuildValue("{s:O,s:O,s:O}", "segments", segments, "device_traces", traces, "allocator_settings",
                            settings);
 done:
+    decoder_free(&dec);
     Py_XDECREF(segments);
     Py_XDECREF(traces);
     Py_DECREF(settings);
@@ -1084,6 +1450,10 @@ static PyObject *m_record_history(PyObject *self, PyObject *const *args, Py_ssiz
     }
     aclError rc;
     LOCKING_CALL(rc = npualloc_cache_record_history(enabled, (npualloc_record_context)when, (size_t)n));
+    /* The stacks cached for sharing go with the history (the allocator cleared its own). */
+    ctx_cache_clear();
+    hist_level = rc == ACL_SUCCESS && enabled ? (int)when : NPUALLOC_RECORD_NEVER;
+    hist_gen = gen_now();
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     Py_RETURN_NONE;

@@ -1,0 +1,491 @@
+"""The memory history with Python stacks: _record_memory_history's levels, the frames of blocks,
+segments and trace entries, the ring buffer, disabling, OOM entries and _dump_snapshot's plain
+pickle (torch.cuda.memory semantics; the torch-viewer check is in test_history_viz.py).
+
+The allocator follows torch exactly where it keeps contexts: a free's trace entries fall back to
+the block's allocation stack, a segment free to the segment's, a segment keeps its stack only
+until its front block is split off, and empty_cache records its own stack.
+"""
+import inspect
+import io
+import json
+import pickle
+import sys
+import threading
+
+import pytest
+
+import npualloc
+from npualloc import _C
+from conftest_memory import GiB, MiB, mem  # noqa: F401
+
+memory = npualloc.memory
+alloc = npualloc.caching_allocator_alloc
+free = npualloc.caching_allocator_delete
+
+WHOLE_SEGMENT = 20 * MiB - 32  # rounds to exactly one 20 MiB segment: nothing is split off
+
+
+@pytest.fixture
+def hist(mem):
+    """A fresh runtime; whatever history a test starts is stopped at the end."""
+    yield mem
+    memory._record_memory_history(None)
+
+
+def snap_json():
+    return json.dumps(memory._snapshot())
+
+
+def line_of(fn, text):
+    """The line number of the first line of fn's source that contains text."""
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def block_at(snap, ptr):
+    for seg in snap["segments"]:
+        for b in seg["blocks"]:
+            if b["address"] == ptr:
+                return seg, b
+    raise AssertionError(f"no block at {ptr:#x}")
+
+
+def entries(snap, device=0):
+    return snap["device_traces"][device]
+
+
+# ---- the context levels, as torch's test_memory_plots_free_stack / free_segment_stack ----
+
+def _free_stack(context, api):
+    memory._record_memory_history(context=context)
+    x = None
+
+    def thealloc():
+        nonlocal x
+        x = alloc(3 * 4 * 4) if api == "ptr" else npualloc.empty(3 * 4 * 4)
+
+    def thefree():
+        nonlocal x
+        if api == "ptr":
+            free(x)
+        x = None  # a Buffer is freed when its last reference goes
+
+    thealloc()
+    thefree()
+    ss = snap_json()
+    assert ("thefree" in ss) == (context == "all")
+    assert ("thealloc" in ss) == (context != "state")
+
+
+@pytest.mark.parametrize("api", ["ptr", "buffer"])
+@pytest.mark.parametrize("context", ["alloc", "all"])
+def test_free_stack(hist, context, api):
+    _free_stack(context, api)
+
+
+@pytest.mark.parametrize("api", ["ptr", "buffer"])
+def test_free_stack_state(hist, api):
+    # torch keeps no allocation stack once the block is freed, and the segment's own stack stays
+    # with the remainder block that the freed front merges away
+    _free_stack("state", api)
+
+
+def _free_segment_stack(context):
+    memory._record_memory_history(context=context)
+    x = alloc(3 * 4 * 4)
+    free(x)
+    npualloc.empty_cache()
+    ss = snap_json()
+    assert ("empty_cache" in ss) == (context == "all")
+    assert [e["action"] for e in entries(memory._snapshot())][-2:] == ["segment_free", "snapshot"]
+
+
+@pytest.mark.parametrize("context", ["alloc", "state"])
+def test_free_segment_stack(hist, context):
+    _free_segment_stack(context)
+
+
+def test_free_segment_stack_all(hist):
+    _free_segment_stack("all")
+
+
+# ---- frames ----
+
+def test_frames_are_python_frames_innermost_first(hist):
+    memory._record_memory_history(stacks="python")
+
+    def inner():
+        return alloc(100)
+
+    def outer():
+        return inner()
+
+    p = outer()
+    snap = memory._snapshot()
+    _, blk = block_at(snap, p)
+    frames = blk["frames"]
+    assert all(list(f) == ["name", "filename", "line"] for f in frames)
+    assert all(type(f["name"]) is str and type(f["filename"]) is str and type(f["line"]) is int for f in frames)
+    assert frames[0] == {"name": "inner", "filename": __file__, "line": line_of(inner, "alloc(100)")}
+    assert frames[1] == {"name": "outer", "filename": __file__, "line": line_of(outer, "inner()")}
+    assert frames[2]["name"] == "test_frames_are_python_frames_innermost_first"
+    assert len(frames) > 3  # ... down to the outermost frame (pytest's)
+    assert frames[-1]["line"] >= 0
+    trace = entries(snap)
+    assert [e["action"] for e in trace] == ["segment_alloc", "alloc"]
+    assert all(e["frames"] == frames for e in trace)
+    free(p)
+
+
+def test_stacks_all_records_the_python_frames(hist):
+    memory._record_memory_history(stacks="all")  # no C++ frames exist here: the same frames
+
+    def where():
+        return alloc(100)
+
+    p = where()
+    assert block_at(memory._snapshot(), p)[1]["frames"][0]["name"] == "where"
+    free(p)
+
+
+def test_segment_frames(hist):
+    memory._record_memory_history()
+
+    def grow():
+        return alloc(WHOLE_SEGMENT)
+
+    p = grow()
+    seg, blk = block_at(memory._snapshot(), p)
+    assert seg["total_size"] == 20 * MiB and len(seg["blocks"]) == 1
+    assert seg["frames"] == blk["frames"] and seg["frames"][0]["name"] == "grow"
+    free(p)
+    seg = memory._snapshot()["segments"][0]  # cached, inactive: the block's stack is gone
+    assert seg["blocks"][0]["frames"] == [] and seg["frames"][0]["name"] == "grow"
+
+
+def test_split_segment_loses_its_frames_as_torch(hist):
+    memory._record_memory_history()
+
+    def small():
+        return alloc(100)
+
+    p = small()
+    seg, blk = block_at(memory._snapshot(), p)
+    assert blk["frames"][0]["name"] == "small"
+    assert seg["frames"] == []  # torch: the segment's stack stays with the split-off remainder
+    free(p)
+
+
+def test_buffer_frames(hist):
+    memory._record_memory_history()
+
+    def make():
+        return npualloc.empty(1000)
+
+    def drop(b):
+        b.free()
+
+    b = make()
+    ptr = b.ptr
+    assert block_at(memory._snapshot(), ptr)[1]["frames"][0]["name"] == "make"
+    drop(b)
+    trace = entries(memory._snapshot())
+    assert [(e["action"], e["frames"][0]["name"]) for e in trace if e["action"].startswith("free")] == [
+        ("free_requested", "drop"), ("free_completed", "drop")]
+
+
+def test_frames_of_another_thread(hist):
+    memory._record_memory_history()
+    out = []
+
+    def worker():
+        out.append(alloc(100))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    frames = block_at(memory._snapshot(), out[0])[1]["frames"]
+    assert frames[0]["name"] == "worker"
+    assert "test_frames_of_another_thread" not in json.dumps(frames)  # that thread's own stack
+    free(out[0])
+
+
+def test_deep_stack(hist):
+    memory._record_memory_history()
+
+    def down(k):
+        return alloc(100) if k == 0 else down(k - 1)
+
+    p = down(300)  # more frames than the gathering buffer starts with
+    frames = block_at(memory._snapshot(), p)[1]["frames"]
+    assert [f["name"] for f in frames[:301]] == ["down"] * 301
+    assert frames[301]["name"] == "test_deep_stack"
+    free(p)
+
+
+def test_threads_allocating_while_snapshots_are_taken(hist):
+    memory._record_memory_history(max_entries=1000)
+    errors = []
+
+    def worker(i):
+        try:
+            for k in range(200):
+                if i == 0 and k % 20 == 0:
+                    memory._snapshot()
+                free(alloc(100 + k))
+        except BaseException as e:  # pragma: no cover
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    trace = entries(memory._snapshot())
+    assert len(trace) == 1000
+    assert {e["frames"][0]["name"] for e in trace if e["action"] == "alloc"} == {"worker"}
+
+
+def test_one_stack_is_shared(hist):
+    memory._record_memory_history()
+    ptrs = [alloc(100) for _ in range(3)]  # one line, one stack
+    snap = memory._snapshot()
+    frames = [block_at(snap, p)[1]["frames"] for p in ptrs]
+    assert frames[0] == frames[1] == frames[2]
+    assert frames[0] is frames[1] is frames[2]  # as torch's py_symbolize: one list per stack
+    for p in ptrs:
+        free(p)
+
+
+# ---- what each level keeps ----
+
+def _actions_with_frames(trace):
+    return [(e["action"], e["frames"][0]["name"] if "frames" in e else None) for e in trace]
+
+
+def _alloc_free(context):
+    memory._record_memory_history(context=context)
+
+    def a():
+        return alloc(1000)
+
+    def f(p):
+        free(p)
+
+    p = a()
+    blk = block_at(memory._snapshot(), p)[1]
+    f(p)
+    return blk, entries(memory._snapshot())
+
+
+def test_context_none(hist):
+    blk, trace = _alloc_free(None)
+    assert blk["frames"] == []
+    assert _actions_with_frames(trace) == [("segment_alloc", None), ("alloc", None), ("snapshot", None),
+                                           ("free_requested", None), ("free_completed", None)]
+
+
+def test_context_state(hist):
+    blk, trace = _alloc_free("state")
+    assert blk["frames"][0]["name"] == "a"
+    assert all("frames" not in e for e in trace)  # trace entries keep no stack below "alloc"
+
+
+def test_context_alloc_frees_show_the_allocation(hist):
+    blk, trace = _alloc_free("alloc")
+    assert blk["frames"][0]["name"] == "a"
+    # torch: a free gathers no stack below "all", and its entries fall back to the block's
+    assert _actions_with_frames(trace) == [("segment_alloc", "a"), ("alloc", "a"), ("snapshot", None),
+                                           ("free_requested", "a"), ("free_completed", "a")]
+
+
+def test_context_alloc_allocations(hist):
+    _, trace = _alloc_free("alloc")
+    assert _actions_with_frames(trace)[:3] == [("segment_alloc", "a"), ("alloc", "a"), ("snapshot", None)]
+    assert all("frames" not in e or e["frames"][0]["name"] != "f" for e in trace)  # the free's stack: never
+
+
+def test_context_all(hist):
+    blk, trace = _alloc_free("all")
+    assert blk["frames"][0]["name"] == "a"
+    assert _actions_with_frames(trace) == [("segment_alloc", "a"), ("alloc", "a"), ("snapshot", None),
+                                           ("free_requested", "f"), ("free_completed", "f")]
+
+
+# ---- the ring buffer, "state", disabling ----
+
+def test_ring_buffer_keeps_the_last_entries(hist):
+    keep = alloc(100)  # the small segment exists: the loop adds no segment entries
+    memory._record_memory_history(max_entries=5)
+    for i in range(1, 11):
+        free(alloc(i * 1000))
+    trace = entries(memory._snapshot())
+    assert [(e["action"], e["size"]) for e in trace] == [
+        ("free_requested", 9000), ("free_completed", 9000), ("alloc", 10000), ("free_requested", 10000),
+        ("free_completed", 10000)]
+    times = [e["time_us"] for e in trace]
+    assert times == sorted(times)  # oldest first
+    trace = entries(memory._snapshot())  # the previous snapshot's entry is the newest now
+    assert trace[-1]["action"] == "snapshot" and len(trace) == 5
+    free(keep)
+
+
+def test_enabled_state_keeps_one_entry(hist):
+    memory._record_memory_history("state", max_entries=1000)
+
+    def a():
+        return alloc(100)
+
+    p = a()
+    q = a()
+    snap = memory._snapshot()
+    assert [e["action"] for e in entries(snap)] == ["alloc"]
+    assert block_at(snap, p)[1]["frames"][0]["name"] == "a"
+    for x in (p, q):
+        free(x)
+
+
+def test_disabling_clears_the_history(hist):
+    memory._record_memory_history()
+
+    def a():
+        return alloc(100)
+
+    p = a()
+    memory._record_memory_history(None)
+    q = a()
+    snap = memory._snapshot()
+    assert snap["device_traces"] == [[], []]
+    assert block_at(snap, q)[1]["frames"] == []  # nothing gathered any more
+    assert block_at(snap, p)[1]["frames"][0]["name"] == "a"  # as torch: a live block keeps its stack
+    memory._record_memory_history()  # a new start has an empty history
+    assert entries(memory._snapshot()) == []
+    free(p)
+    free(q)
+
+
+def test_restart_stops_the_history(hist):
+    memory._record_memory_history()
+    hist()  # _C.shutdown() and a new runtime
+    p = alloc(100)
+    snap = memory._snapshot()
+    assert snap["device_traces"] == [[], []] and block_at(snap, p)[1]["frames"] == []
+    free(p)
+
+
+def test_oom_entry(hist):
+    memory._record_memory_history()
+
+    def too_big():
+        return alloc(2 * GiB)
+
+    with pytest.raises(npualloc.OutOfMemoryError):
+        too_big()
+    oom = entries(memory._snapshot())[-1]
+    assert list(oom) == ["action", "device_free", "size", "stream", "time_us", "frames"]
+    assert oom["action"] == "oom" and oom["size"] == 2 * GiB + 512 and oom["device_free"] == GiB
+    assert oom["frames"][0]["name"] == "too_big"
+
+
+def test_history_of_each_device(hist):
+    memory._record_memory_history()
+    p = alloc(100, device=1)
+    snap = memory._snapshot()
+    assert entries(snap, 0) == [] and [e["action"] for e in entries(snap, 1)] == ["segment_alloc", "alloc"]
+    free(p)
+
+
+# ---- arguments ----
+
+def test_argument_errors(hist):
+    with pytest.raises(RuntimeError, match=r"^expected state to be 'state', 'all', or None$"):
+        memory._record_memory_history("yes")
+    with pytest.raises(RuntimeError, match=r"^expected context to be 'state', 'alloc', 'all', or None$"):
+        memory._record_memory_history(context="some")
+    with pytest.raises(RuntimeError, match=r"^expected stacks to be 'python', or 'all'$"):
+        memory._record_memory_history(stacks="cpp")
+    for kwargs in (dict(enabled=1), dict(context=2), dict(stacks=None), dict(max_entries="3"),
+                   dict(max_entries=-1), dict(max_entries=True), dict(bogus=1)):
+        with pytest.raises(TypeError):
+            memory._record_memory_history(**kwargs)
+    assert list(inspect.signature(memory._record_memory_history).parameters) == [
+        "enabled", "context", "stacks", "max_entries", "device", "clear_history"]
+
+
+def test_legacy_bool_form(hist):
+    def a():
+        return alloc(100)
+
+    memory._record_memory_history(True)  # record_context=True: STATE, one entry
+    p = a()
+    snap = memory._snapshot()
+    assert block_at(snap, p)[1]["frames"][0]["name"] == "a"
+    assert [("frames" in e, e["action"]) for e in entries(snap)] == [(False, "alloc")]
+    memory._record_memory_history(True, trace_alloc_max_entries=10, trace_alloc_record_context=True)  # ALLOC
+    q = a()
+    assert [("frames" in e, e["action"]) for e in entries(memory._snapshot())] == [(True, "alloc")]
+    memory._record_memory_history(True, record_context=False, trace_alloc_max_entries=10)  # NEVER
+    r = a()
+    snap = memory._snapshot()
+    assert block_at(snap, r)[1]["frames"] == [] and [e["action"] for e in entries(snap)] == ["alloc"]
+    memory._record_memory_history(False)
+    assert memory._snapshot()["device_traces"] == [[], []]
+    with pytest.raises(TypeError):
+        memory._record_memory_history(True, record_context=1)
+    for x in (p, q, r):
+        free(x)
+
+
+# ---- _dump_snapshot ----
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"global {module}.{name} refused")
+
+
+def _plain_types(obj, seen):
+    seen.add(type(obj))
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            assert type(k) is str
+            _plain_types(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _plain_types(v, seen)
+    return seen
+
+
+def test_dump_snapshot_is_plain(hist, tmp_path):
+    memory._record_memory_history()
+
+    def a():
+        return alloc(1000), npualloc.empty(5 * MiB)
+
+    p, buf = a()
+    with pytest.raises(npualloc.OutOfMemoryError):
+        alloc(2 * GiB)
+    path = tmp_path / "snap.pickle"
+    memory._dump_snapshot(str(path))
+    data = _NoGlobals(io.BytesIO(path.read_bytes())).load()
+    assert _plain_types(data, set()) <= {dict, list, tuple, int, float, str, bool}
+    assert "a" in {f["name"] for seg in data["segments"] for b in seg["blocks"] for f in b["frames"]}
+    assert {e["action"] for e in data["device_traces"][0]} >= {"segment_alloc", "alloc", "oom"}
+    expect = memory._snapshot()
+    for trace in expect["device_traces"]:  # less the dump's own "snapshot" entries
+        assert trace[-1]["action"] == "snapshot"
+        del trace[-1]
+    assert data == expect
+    free(p)
+    buf.free()
+
+
+def test_history_off_keeps_no_frames(hist):
+    p = alloc(100)
+    assert block_at(memory._snapshot(), p)[1]["frames"] == []
+    free(p)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
