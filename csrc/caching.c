@@ -653,6 +653,15 @@ static void align_block_start(device_cache *dc, alloc_params *p)
     cache_block *aligned = cache_block_new(dc);
     if (!aligned)
         return; /* out of host memory: the unaligned block still serves the request */
+    if (!b->es) {
+        /* A plain block (expandable segments switched on later) keeps its inactive-split stats
+         * exact: the front stays free and split, the aligned part is now split too.  (torch_npu
+         * changes no stats here and lets them drift for plain blocks.) */
+        bool was_split = block_is_split(b);
+        cache_stat_inc(dc->stats.inactive_split, b->pool, was_split ? 1 : 2);
+        if (!was_split)
+            cache_stat_inc(dc->stats.inactive_split_bytes, b->pool, (int64_t)b->size);
+    }
     aligned->pool = b->pool;
     aligned->stream = b->stream;
     aligned->es = b->es;

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "fault.h"
 
 typedef struct device {
     pthread_mutex_t lock; /* guards used[] */
@@ -228,6 +229,8 @@ aclError runtime_ensure_init(void)
     if (!atomic_load(&initialized)) {
         if (!configured)
             rc = npualloc_config_from_env(&config, init_error, sizeof init_error);
+        if (rc == ACL_SUCCESS && !fault_arm_from_env(init_error, sizeof init_error))
+            rc = ACL_ERROR_INVALID_PARAM;
         if (rc == ACL_SUCCESS) {
             init_error[0] = '\0';
             reset_devices();
@@ -424,6 +427,8 @@ static size_t available(const device *d, mem_kind kind)
 
 aclError device_charge(int32_t dev, mem_kind kind, size_t bytes)
 {
+    if (fault_fires(NPUALLOC_FAULT_DEVICE_ALLOC))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     device *d = &devices[dev];
     aclError rc = ACL_SUCCESS;
     pthread_mutex_lock(&d->lock);

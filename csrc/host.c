@@ -3,6 +3,8 @@
  */
 #include "host.h"
 
+#include "fault.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -92,6 +94,8 @@ int host_memfile_create(size_t size, host_memfile *out)
 {
     if (size == 0)
         return EINVAL;
+    if (fault_fires(NPUALLOC_FAULT_MEMFILE))
+        return EMFILE;
     size = round_to_page(size);
     /* ALLOW_SEALING: an exporter seals the size (ipc.c), so no importer can shrink it under others */
     int fd = memfd_create("npualloc", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -224,6 +228,8 @@ int host_release(void *va, size_t size)
 
 int host_map(void *va, const host_memfile *mf)
 {
+    if (fault_fires(NPUALLOC_FAULT_MAP))
+        return ENOMEM;
     if (mf->fd >= 0) {
         /* With the descriptor at hand, map the file directly (one call, and tools such as
          * valgrind do not support mremap's duplicate-a-mapping form). */

@@ -278,6 +278,19 @@ const char *npualloc_cache_settings_text(void);
  * first violation in `why`. */
 aclError npualloc_cache_check(int32_t device, char *why, size_t len);
 
+/* ---- fault injection (tests) ---- */
+typedef enum npualloc_fault_kind {
+    NPUALLOC_FAULT_DEVICE_ALLOC = 0, /* charging device capacity: fails as out of memory (207001) */
+    NPUALLOC_FAULT_MAP = 1,          /* mapping memory into a range: fails as ENOMEM (207005) */
+    NPUALLOC_FAULT_MEMFILE = 2,      /* creating a memory file: fails as EMFILE (207005) */
+    NPUALLOC_FAULT_KINDS = 3
+} npualloc_fault_kind;
+/* Makes the nth operation of `kind` from now fail once (0 disarms).  NPUALLOC_FAULT=
+ * "device_alloc:N,map:N,memfile:N" arms the same when the runtime starts. */
+aclError npualloc_fault_set(npualloc_fault_kind kind, uint64_t nth);
+/* Operations of `kind` seen since it was armed, and failures injected so far. */
+void npualloc_fault_counts(npualloc_fault_kind kind, uint64_t *seen, uint64_t *injected);
+
 /* ---- introspection ---- */
 typedef struct npualloc_vmm_counts {
     size_t physical_handles; /* live physical handles (including freed-but-still-mapped) */

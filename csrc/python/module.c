@@ -135,6 +135,33 @@ static PyObject *py_sleep(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return ret_or_init_error(rc);
 }
 
+/* fault_set(kind, nth) -> None: the nth device allocation (0), map (1) or memory-file creation
+ * (2) from now fails once; nth 0 disarms.  fault_counts(kind) -> (seen, injected). */
+static PyObject *py_fault_set(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int kind;
+    unsigned long long nth;
+    if (!PyArg_ParseTuple(args, "iK:fault_set", &kind, &nth))
+        return NULL;
+    if (npualloc_fault_set((npualloc_fault_kind)kind, nth) != ACL_SUCCESS) {
+        PyErr_Format(PyExc_ValueError, "fault_set(): unknown fault kind %d (0 device_alloc, 1 map, 2 memfile)", kind);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fault_counts(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    long kind = PyLong_AsLong(arg);
+    if (kind == -1 && PyErr_Occurred())
+        return NULL;
+    uint64_t seen, injected;
+    npualloc_fault_counts((npualloc_fault_kind)kind, &seen, &injected);
+    return Py_BuildValue("(KK)", (unsigned long long)seen, (unsigned long long)injected);
+}
+
 static PyMethodDef module_methods[] = {
     {"parse_size", py_parse_size, METH_O, "parse_size(text) -> bytes"},
     {"env_config", py_env_config, METH_NOARGS, "The NPUALLOC_* environment over the defaults."},
@@ -143,6 +170,8 @@ static PyMethodDef module_methods[] = {
     {"initialized", py_initialized, METH_NOARGS, "True once the devices have started."},
     {"vmm_counts", py_vmm_counts, METH_NOARGS, "Live physical handles, reservations, mappings, kept fds."},
     {"shutdown", py_shutdown, METH_NOARGS, "Releases every resource; the next use restarts the devices."},
+    {"fault_set", py_fault_set, METH_VARARGS, "fault_set(kind, nth): make the nth operation of a kind fail once."},
+    {"fault_counts", py_fault_counts, METH_O, "fault_counts(kind) -> (seen since armed, injected so far)."},
     {"sleep", (PyCFunction)(void (*)(void))py_sleep, METH_FASTCALL, "sleep(seconds, stream) -> ret"},
     {NULL, NULL, 0, NULL},
 };

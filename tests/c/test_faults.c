@@ -1,0 +1,199 @@
+/* test_faults.c - fault injection swept over whole workloads: every injected failure surfaces as
+ * a documented error, the allocator stays consistent and usable, and nothing leaks (memory,
+ * mappings, descriptors). */
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        return -1;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+static void check(int32_t dev)
+{
+    char why[512] = "";
+    if (npualloc_cache_check(dev, why, sizeof why) != ACL_SUCCESS)
+        fail_msg("invariant broken: %s", why);
+}
+
+static bool documented(aclError rc)
+{
+    return rc == ACL_SUCCESS || rc == ACL_ERROR_RT_MEMORY_ALLOCATION || rc == ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+}
+
+/* A workload touching every path that allocates, maps or creates memory files: the caching
+ * allocator (plain and expandable segments, a retry), aclrtMalloc, physical handles mapped
+ * twice.  Returns how many calls failed (each with a documented code). */
+static int workload(void)
+{
+    int failures = 0;
+    void *p[24] = {0};
+    static const size_t sizes[] = {1000, 3 * MiB_, 30 * MiB_, 200, 12 * MiB_, 100 * MiB_};
+    for (int i = 0; i < 12; i++) {
+        aclError rc = npualloc_cache_malloc(0, sizes[i % 6], 0, &p[i]);
+        assert_true(documented(rc));
+        failures += rc != ACL_SUCCESS;
+    }
+    for (int i = 0; i < 12; i += 2)
+        npualloc_cache_free(p[i]);
+    /* expandable segments: map pages */
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:True"), ACL_SUCCESS);
+    for (int i = 12; i < 18; i++) {
+        aclError rc = npualloc_cache_malloc(0, sizes[i % 6], 0, &p[i]);
+        assert_true(documented(rc));
+        failures += rc != ACL_SUCCESS;
+    }
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:False"), ACL_SUCCESS);
+    /* the runtime directly */
+    void *d = NULL;
+    aclError rc = aclrtMalloc(&d, 5 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST);
+    assert_true(documented(rc));
+    failures += rc != ACL_SUCCESS;
+    aclrtPhysicalMemProp prop = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    aclrtDrvMemHandle h = NULL;
+    rc = aclrtMallocPhysical(&h, 2 * MiB_, &prop, 0);
+    assert_true(documented(rc));
+    failures += rc != ACL_SUCCESS;
+    void *va = NULL, *vb = NULL;
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 0, NULL, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtReserveMemAddress(&vb, 2 * MiB_, 0, NULL, 0), ACL_SUCCESS);
+    aclError ma = h ? aclrtMapMem(va, 2 * MiB_, 0, h, 0) : ACL_ERROR_RT_MEMORY_ALLOCATION;
+    aclError mb = h ? aclrtMapMem(vb, 2 * MiB_, 0, h, 0) : ACL_ERROR_RT_MEMORY_ALLOCATION;
+    assert_true(documented(ma) && documented(mb));
+    failures += (ma != ACL_SUCCESS) + (mb != ACL_SUCCESS);
+    check(0);
+    /* and everything goes back */
+    if (ma == ACL_SUCCESS)
+        assert_int_equal(aclrtUnmapMem(va), ACL_SUCCESS);
+    if (mb == ACL_SUCCESS)
+        assert_int_equal(aclrtUnmapMem(vb), ACL_SUCCESS);
+    assert_int_equal(aclrtReleaseMemAddress(va), ACL_SUCCESS);
+    assert_int_equal(aclrtReleaseMemAddress(vb), ACL_SUCCESS);
+    if (h)
+        assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    if (d)
+        assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    for (int i = 0; i < 18; i++)
+        if (i >= 12 || i % 2)
+            npualloc_cache_free(p[i]);
+    return failures;
+}
+
+static void assert_nothing_left(int fds_before)
+{
+    check(0);
+    npualloc_cache_empty();
+    npualloc_stats s;
+    assert_int_equal(npualloc_cache_get_stats(0, &s), ACL_SUCCESS);
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    assert_int_equal(s.allocated_bytes[NPUALLOC_STAT_ALL].current, 0);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 0);
+    assert_int_equal(c.mappings, 0);
+    assert_int_equal(c.reservations, 0);
+    assert_int_equal(c.fds_kept, 0);
+    assert_int_equal(free_of(ACL_HBM_MEM), 512 * MiB_);
+    if (open_fds() != fds_before) {
+        char cmd[64];
+        snprintf(cmd, sizeof cmd, "ls -l /proc/%d/fd >&2", (int)getpid());
+        if (system(cmd) != 0)
+            print_error("ls failed\n");
+    }
+    assert_int_equal(open_fds(), fds_before);
+}
+
+static void sweep(npualloc_fault_kind kind, const char *name)
+{
+    start_runtime(1, 512 * MiB_, 512 * MiB_, 0, 0);
+    int fds_before = open_fds();
+    /* How many operations of this kind does the workload perform? */
+    assert_int_equal(npualloc_fault_set(kind, UINT64_MAX), ACL_SUCCESS);
+    assert_int_equal(workload(), 0);
+    uint64_t ops = 0, injected_before = 0;
+    npualloc_fault_counts(kind, &ops, &injected_before);
+    assert_true(ops > 3);
+    assert_nothing_left(fds_before);
+    int survived = 0;
+    for (uint64_t n = 1; n <= ops; n++) {
+        assert_int_equal(npualloc_fault_set(kind, n), ACL_SUCCESS);
+        int failed = workload();
+        uint64_t seen, injected;
+        npualloc_fault_counts(kind, &seen, &injected);
+        assert_int_equal(injected, injected_before + n); /* exactly one fault per run */
+        (void)failed;
+        assert_nothing_left(fds_before);
+        /* and the allocator is still usable */
+        void *q = NULL;
+        assert_int_equal(npualloc_cache_malloc(0, 4 * MiB_, 0, &q), ACL_SUCCESS);
+        npualloc_cache_free(q);
+        npualloc_cache_empty(); /* every run starts from the same state */
+        survived++;
+    }
+    assert_int_equal(npualloc_fault_set(kind, 0), ACL_SUCCESS);
+    print_message("%s: %d injected faults survived over %llu operations\n", name, survived,
+                  (unsigned long long)ops);
+}
+
+static void test_every_device_allocation_can_fail(void **state)
+{
+    (void)state;
+    sweep(NPUALLOC_FAULT_DEVICE_ALLOC, "device_alloc");
+}
+
+static void test_every_map_can_fail(void **state)
+{
+    (void)state;
+    sweep(NPUALLOC_FAULT_MAP, "map");
+}
+
+static void test_every_memory_file_creation_can_fail(void **state)
+{
+    (void)state;
+    sweep(NPUALLOC_FAULT_MEMFILE, "memfile");
+}
+
+static void test_environment_arms_faults(void **state)
+{
+    (void)state;
+    for (int k = 0; k < NPUALLOC_FAULT_KINDS; k++)
+        npualloc_fault_set((npualloc_fault_kind)k, 0);
+    npualloc_shutdown();
+    setenv("NPUALLOC_FAULT", "device_alloc:2", 1);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    void *a = NULL, *b = NULL;
+    assert_int_equal(aclrtMalloc(&a, 100, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMalloc(&b, 100, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtMalloc(&b, 100, 0), ACL_SUCCESS); /* one failure, then disarmed */
+    aclrtFree(a);
+    aclrtFree(b);
+    npualloc_shutdown();
+    setenv("NPUALLOC_FAULT", "disk:3", 1);
+    assert_int_equal(aclrtSetDevice(0), ACL_ERROR_UNINITIALIZE);
+    assert_non_null(strstr(npualloc_init_error(), "NPUALLOC_FAULT='disk:3' is malformed"));
+    unsetenv("NPUALLOC_FAULT");
+    assert_int_equal(npualloc_fault_set(7, 1), ACL_ERROR_INVALID_PARAM);
+}
+
+int main(void)
+{
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_every_device_allocation_can_fail, stop_runtime),
+        cmocka_unit_test_teardown(test_every_map_can_fail, stop_runtime),
+        cmocka_unit_test_teardown(test_every_memory_file_creation_can_fail, stop_runtime),
+        cmocka_unit_test_teardown(test_environment_arms_faults, stop_runtime),
+    };
+    return cmocka_run_group_tests_name("faults", tests, NULL, NULL);
+}
