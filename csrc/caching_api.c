@@ -12,6 +12,7 @@
 #include "caching.h"
 #include "common.h"
 #include "device.h"
+#include "graph.h"
 #include "va_space.h"
 #include "vmm.h"
 
@@ -463,6 +464,10 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
         npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
         return report_oom(&info);
     }
+    /* graph capture hook (graph.c): an allocation on a capturing stream is a graph ALLOC node */
+    aclError grc;
+    if (unlikely(graph_capture_active()) && graph_capture_malloc(device, size, stream, ptr, &grc))
+        return grc;
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
@@ -496,6 +501,10 @@ aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx)
         }
         pthread_mutex_unlock(&dc->lock);
     }
+    /* graph capture hook (graph.c): graph memory is freed by a FREE node (or with its graph) */
+    aclError grc;
+    if (unlikely(graph_ranges_active()) && graph_free(ptr, &grc))
+        return grc;
     cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid device pointer: %p", ptr);
     return ACL_ERROR_INVALID_PARAM;
 }
@@ -553,8 +562,9 @@ aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
     }
     device_cache *dc;
     cache_block *b = locked_block(ptr, &dc);
+    aclError grc; /* graph capture hook (graph.c): graph memory's FREE node also waits for the stream */
     if (!b)
-        return ACL_ERROR_INVALID_PARAM;
+        return unlikely(graph_capture_active()) && graph_record_stream(ptr, stream, &grc) ? grc : ACL_ERROR_INVALID_PARAM;
     aclError rc = cache_record_stream_locked(dc, b, stream);
     pthread_mutex_unlock(&dc->lock);
     if (rc != ACL_SUCCESS)
@@ -602,6 +612,9 @@ aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **
         return report_oom(&info);
     }
     aclError rc = runtime_ensure_init();
+    /* graph capture hook (graph.c): an allocation on a capturing stream is a graph ALLOC node */
+    if (rc == ACL_SUCCESS && unlikely(graph_capture_active()) && graph_capture_malloc(device, size, stream, ptr, &rc))
+        return rc;
     if (rc == ACL_SUCCESS && !device_valid(device))
         rc = ACL_ERROR_RT_INVALID_DEVICEID;
     if (rc == ACL_SUCCESS)

@@ -14,6 +14,7 @@
 #include "avl.h"
 #include "common.h"
 #include "device.h"
+#include "graph.h"
 #include "host.h"
 #include "mem.h"
 #include "stream.h"
@@ -206,6 +207,8 @@ static aclError check_copy_locked(void *dst, const void *src, size_t count)
     range_class sc = vmm_classify_locked(src, count, &sd);
     if (dc == RANGE_INVALID || sc == RANGE_INVALID)
         return ACL_ERROR_RT_PARAM_INVALID;
+    if (unlikely(graph_ranges_active())) /* graph memory (graph.c): its access masks, checked lifetimes */
+        return graph_check_locked(dst, dc, dd, src, sc, sd, count);
     if (dc == RANGE_DEVICE && sc == RANGE_DEVICE && dd >= 0 && sd >= 0 && !device_peer_enabled(dd, sd))
         return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     return ACL_SUCCESS;
@@ -213,8 +216,13 @@ static aclError check_copy_locked(void *dst, const void *src, size_t count)
 
 static aclError check_memset_locked(void *dst, size_t count)
 {
-    int32_t dev;
-    return vmm_classify_locked(dst, count, &dev) == RANGE_INVALID ? ACL_ERROR_RT_PARAM_INVALID : ACL_SUCCESS;
+    int32_t dev = -1;
+    range_class c = vmm_classify_locked(dst, count, &dev);
+    if (c == RANGE_INVALID)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    if (unlikely(graph_ranges_active())) /* graph memory (graph.c): checked lifetimes */
+        return graph_check_locked(dst, c, dev, NULL, RANGE_HOST, -1, count);
+    return ACL_SUCCESS;
 }
 
 static aclError copy_args_check(void *dst, size_t destMax, const void *src, size_t count, int kind, int max_kind)
@@ -315,6 +323,9 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
+    /* graph capture (graph.c): on a capturing stream the copy becomes a MEMCPY node */
+    if (unlikely(graph_capture_active()) && graph_capture_memop(stream, dst, src, count, 0, true, &rc))
+        return rc;
     vmm_read_lock();
     rc = check_copy_locked(dst, src, count);
     vmm_read_unlock();
@@ -333,6 +344,9 @@ aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t c
         return ACL_ERROR_RT_PARAM_INVALID;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
+        return rc;
+    /* graph capture (graph.c): on a capturing stream the memset becomes a MEMSET node */
+    if (unlikely(graph_capture_active()) && graph_capture_memop(stream, devPtr, NULL, count, value, false, &rc))
         return rc;
     vmm_read_lock();
     rc = check_memset_locked(devPtr, count);

@@ -51,6 +51,7 @@
 
 #include "common.h"
 #include "device.h"
+#include "graph.h"
 #include "handle_table.h"
 #include "host.h"
 #include "npualloc.h"
@@ -91,6 +92,9 @@ struct npu_stream {
 
     /* Stored by the worker (with `lock` held), loaded without the lock by stream_passed(). */
     _Atomic uint64_t completed;
+
+    /* graph capture (graph.c): the graph its tasks are recorded into, NULL when they run. */
+    _Atomic(void *) capture;
 
     atomic_uint refs; /* every reference, pins included */
     atomic_uint pins; /* the references taken by stream_acquire*() */
@@ -683,11 +687,43 @@ static aclError ensure_worker_locked(npu_stream *s)
     return ACL_SUCCESS;
 }
 
+static aclError run_callback(void *arg);
+static aclError run_sleep(void *arg);
+
+void *stream_capture_get(const npu_stream *s)
+{
+    return s ? atomic_load_explicit(&((npu_stream *)s)->capture, memory_order_acquire) : NULL;
+}
+
+void stream_capture_set(npu_stream *s, void *capture) { atomic_store_explicit(&s->capture, capture, memory_order_release); }
+
+void stream_pin(npu_stream *s)
+{
+    stream_retain(s);
+    atomic_fetch_add_explicit(&s->pins, 1, memory_order_relaxed);
+}
+
+/* graph capture: the task becomes a node of the capturing graph (graph.c), which owns `arg`. */
+static bool capture_task(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                         uint64_t *position, aclError *rc)
+{
+    int kind = fn == run_callback ? GRAPH_TASK_HOST : fn == run_sleep ? GRAPH_TASK_DELAY : GRAPH_TASK_GENERIC;
+    if (!graph_capture_task(s, kind, fn, arg, cleanup, rc))
+        return false; /* the capture ended meanwhile */
+    if (position)
+        *position = stream_last_position(s);
+    return true;
+}
+
 aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
                         uint64_t *position)
 {
     if (!s || !fn)
         return ACL_ERROR_INVALID_PARAM;
+    aclError crc;
+    if (unlikely(atomic_load_explicit(&s->capture, memory_order_relaxed) != NULL) &&
+        capture_task(s, fn, arg, cleanup, position, &crc))
+        return crc;
     stream_task *t = malloc(sizeof *t);
     if (!t)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -1415,7 +1451,9 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
         return rc;
     npu_stream *s;
     if ((rc = stream_lookup(stream, &s)) == ACL_SUCCESS) {
-        rc = event_record(e, s);
+        /* graph capture (graph.c): a record on a capturing stream marks a point of the graph */
+        if (!(unlikely(graph_capture_active()) && graph_capture_record(s, handle_value(event), &rc)))
+            rc = event_record(e, s);
         stream_put(s);
     }
     event_put(e);
@@ -1570,6 +1608,12 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
         event_put(e);
         return rc;
     }
+    /* graph capture (graph.c): waiting for a captured record is a dependency (and joins the capture) */
+    if (unlikely(graph_capture_active()) && graph_capture_wait(s, handle_value(event), &rc)) {
+        event_put(e);
+        stream_put(s);
+        return rc;
+    }
     /* The position is taken now: a later re-record of the event does not change this wait. */
     uint64_t position;
     npu_stream *src = event_target(e, &position);
@@ -1665,6 +1709,7 @@ void stream_atfork_child(void)
         s->running = NULL;
         atomic_store(&s->cb_running, 0);
         atomic_store(&s->completed, s->last); /* nothing will run: every position passed */
+        atomic_store(&s->capture, NULL);      /* graph capture: the child has none */
         /* The only references that can still be released are the pins of the layers above;
          * the others belonged to objects and threads that are gone. */
         unsigned pins = atomic_load(&s->pins);

@@ -128,6 +128,16 @@ void stream_atfork_child(void);
  * still pinned is freed by its last stream_release).  Does nothing when called from a task. */
 void stream_shutdown(void);
 
+/* Graph capture (graph.c, npualloc_graph.h): while a stream's capture pointer is set, what is
+ * queued on it becomes a node of that graph instead of running (stream_enqueue hands the task
+ * to the graph, which owns `arg` from then on and runs `cleanup` when the graph goes, so a
+ * task queued on a capturing stream may run any number of times, once per launch); event
+ * records and waits on it become dependencies. */
+void *stream_capture_get(const npu_stream *s);
+void stream_capture_set(npu_stream *s, void *capture);
+/* Takes one more pin on a stream the caller holds (released with stream_release). */
+void stream_pin(npu_stream *s);
+
 /* Counts for tests: live created streams and events. */
 void stream_counts(size_t *streams, size_t *events);
 /* Counts for tests: threads with a subscription, and subscribed streams. */

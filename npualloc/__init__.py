@@ -66,3 +66,13 @@ from . import sharing  # noqa: E402
 from .sharing import SharedBlock, close_shared, open_shared, share  # noqa: E402,F401
 
 __all__ += ["sharing", "SharedBlock", "share", "open_shared", "close_shared"]
+
+# ---- private memory pools and captured graphs with planned memory (npualloc.mempool, npualloc.graph) ----
+from . import mempool, graph  # noqa: E402
+from .mempool import MemPool, graph_pool_handle, mempool_stats, mempool_summary, use_mem_pool  # noqa: E402,F401
+from .graph import (Graph, GraphExec, GraphMemoryError, get_graph_mem_access, is_current_stream_capturing,  # noqa: E402,F401
+                    set_graph_mem_access)
+
+__all__ += ["mempool", "graph", "MemPool", "use_mem_pool", "graph_pool_handle", "mempool_stats", "mempool_summary",
+            "Graph", "GraphExec", "GraphMemoryError", "set_graph_mem_access", "get_graph_mem_access",
+            "is_current_stream_capturing"]

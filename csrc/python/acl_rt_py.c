@@ -11,6 +11,7 @@
 #include "acl_rt.h"
 #include "binding.h"
 #include "npualloc.h"
+#include "npualloc_graph.h"
 #include "pyarg.h"
 
 /* Declares `fn`, checks the argument count. */
@@ -556,6 +557,35 @@ static void py_callback_trampoline(void *arg)
     PyMem_RawFree(c);
 }
 
+/* graph capture (csrc/graph.c): a callback queued on a capturing stream becomes a host node that
+ * runs at every launch of the graph, so running it must not free it: npualloc_launch_host_func
+ * calls py_callback_free once (right after the single run, or when the graph goes). */
+static void py_callback_call(void *arg)
+{
+    py_callback *c = arg;
+    if (interpreter_finalizing())
+        return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = PyObject_CallOneArg(c->fn, c->user_data);
+    if (r)
+        Py_DECREF(r);
+    else
+        PyErr_WriteUnraisable(c->fn);
+    PyGILState_Release(g);
+}
+
+static void py_callback_free(void *arg)
+{
+    py_callback *c = arg;
+    if (interpreter_finalizing())
+        return; /* (its objects are leaked, as py_callback_trampoline does) */
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_DECREF(c->fn);
+    Py_DECREF(c->user_data);
+    PyGILState_Release(g);
+    PyMem_RawFree(c);
+}
+
 static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     RT_BEGIN("launch_callback", 4);
@@ -573,7 +603,10 @@ static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ss
         return PyErr_NoMemory();
     c->fn = Py_NewRef(args[0]);
     c->user_data = Py_NewRef(args[1]);
-    aclError rc = aclrtLaunchCallback(py_callback_trampoline, c, (aclrtCallbackBlockType)block_type, stream);
+    aclError rc = npualloc_graph_capture_active_hint()
+                      ? npualloc_launch_host_func(stream, py_callback_call, c, py_callback_free,
+                                                  (aclrtCallbackBlockType)block_type) /* graph capture */
+                      : aclrtLaunchCallback(py_callback_trampoline, c, (aclrtCallbackBlockType)block_type, stream);
     if (rc != ACL_SUCCESS) { /* nothing was queued: the references are still ours */
         Py_DECREF(c->fn);
         Py_DECREF(c->user_data);

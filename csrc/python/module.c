@@ -200,5 +200,6 @@ PyMODINIT_FUNC PyInit__C(void)
     if (memory_py_attach(m) != 0) { Py_DECREF(m); return NULL; } /* the torch_npu-like memory face: _C.memory */
     { extern int replay_py_attach(PyObject *); if (replay_py_attach(m) != 0) { Py_DECREF(m); return NULL; } } /* trace replay: _C.replay */
     { extern int ipc_py_attach(PyObject *); if (ipc_py_attach(m) != 0) { Py_DECREF(m); return NULL; } } /* cross-process sharing: acl.rt ipc functions, _C.ipc */
+    { extern int graph_py_attach(PyObject *); if (graph_py_attach(m) != 0) { Py_DECREF(m); return NULL; } } /* captured graphs, private pools: _C.graph */
     return m;
 }

@@ -1,0 +1,117 @@
+/*
+ * bench_threads.c - caching-allocator throughput with several threads.
+ *
+ *   bench_threads [--json]
+ *
+ * Each thread runs cache-hit alloc+free pairs (mixed small sizes) for a fixed time.  Prints
+ * pairs/s for 1, 2 and 4 threads: all on one stream of one device, on different streams of one
+ * device, and on different devices (one lock each).
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "npualloc.h"
+
+#define RUN_NS 400000000.0 /* 0.4 s per measurement */
+
+typedef struct worker {
+    pthread_t thread;
+    int32_t device;
+    uint64_t stream;
+    uint64_t pairs;
+} worker;
+
+static atomic_int go, stop;
+
+static double now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+static void *run(void *arg)
+{
+    worker *w = arg;
+    static const size_t sizes[] = {512, 4096, 70000, 1 << 20, 3 << 20};
+    while (!atomic_load(&go)) {
+    }
+    uint64_t n = 0;
+    while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
+        for (int i = 0; i < 64; i++) {
+            void *p;
+            npualloc_cache_malloc(w->device, sizes[(n + (uint64_t)i) % 5], w->stream, &p);
+            npualloc_cache_free(p);
+        }
+        n += 64;
+    }
+    w->pairs = n;
+    return NULL;
+}
+
+/* Pairs per second with `threads` workers placed by `place`. */
+static double measure(int threads, int place, aclrtStream *streams)
+{
+    worker w[4];
+    atomic_store(&go, 0);
+    atomic_store(&stop, 0);
+    for (int i = 0; i < threads; i++) {
+        w[i].device = place == 2 ? i : 0;
+        w[i].stream = place == 1 ? (uint64_t)(uintptr_t)streams[i] : 0;
+        w[i].pairs = 0;
+        pthread_create(&w[i].thread, NULL, run, &w[i]);
+    }
+    double t0 = now_ns();
+    atomic_store(&go, 1);
+    while (now_ns() - t0 < RUN_NS) {
+        struct timespec ts = {0, 10000000};
+        nanosleep(&ts, NULL);
+    }
+    atomic_store(&stop, 1);
+    double elapsed = now_ns() - t0;
+    uint64_t total = 0;
+    for (int i = 0; i < threads; i++) {
+        pthread_join(w[i].thread, NULL);
+        total += w[i].pairs;
+    }
+    return (double)total / (elapsed / 1e9);
+}
+
+int main(int argc, char **argv)
+{
+    int json = argc > 1 && strcmp(argv[1], "--json") == 0;
+    npualloc_config cfg = {4, (uint64_t)16 << 30, (uint64_t)16 << 30, 0, 0};
+    char err[256];
+    if (npualloc_configure(&cfg, err, sizeof err) != ACL_SUCCESS) {
+        fprintf(stderr, "configure: %s\n", err);
+        return 1;
+    }
+    aclrtStream streams[4];
+    aclrtSetDevice(0);
+    for (int i = 0; i < 4; i++)
+        aclrtCreateStream(&streams[i]);
+    static const char *places[] = {"same stream", "different streams", "different devices"};
+    double base = measure(1, 0, streams); /* warm-up too */
+    base = measure(1, 0, streams);
+    if (!json)
+        printf("%-20s %8s %14s %10s\n", "placement", "threads", "pairs/s", "x 1 thread");
+    for (int place = 0; place < 3; place++) {
+        for (int threads = 1; threads <= 4; threads *= 2) {
+            double rate = threads == 1 ? base : measure(threads, place, streams);
+            if (json)
+                printf("{\"bench\":\"threads\",\"placement\":\"%s\",\"threads\":%d,\"pairs_per_s\":%.0f,"
+                       "\"speedup\":%.3f}\n",
+                       places[place], threads, rate, rate / base);
+            else
+                printf("%-20s %8d %14.0f %10.2f\n", places[place], threads, rate, rate / base);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        aclrtDestroyStream(streams[i]);
+    npualloc_shutdown();
+    return 0;
+}

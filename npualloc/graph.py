@@ -1,0 +1,220 @@
+"""Captured graphs with planned memory (CUDA graph memory nodes; seed 003).  The model and its limits are
+described in ``csrc/include/npualloc_graph.h``; in short::
+
+    g = npualloc.Graph()                    # Graph(checked=True) detects use outside lifetimes
+    with g.capture():                       # the current stream (or stream=s) records instead of running
+        a = npualloc.caching_allocator_alloc(n)          # an ALLOC node: a graph address
+        acl.rt.memset_async(a, n, 1, n, s.npu_stream)    # a MEMSET node
+        npualloc.caching_allocator_delete(a)             # a FREE node
+    exe = g.instantiate()
+    exe.memory_plan()                       # {"allocations": [(offset, size, node)], "footprint", "lower_bound", ...}
+    exe.launch(stream)                      # maps the stream's shared pages behind the graph's range, runs it
+
+* Addresses are assigned at capture: an allocation takes the range of an earlier one only when that one's
+  FREE is an ancestor of its ALLOC in the graph (stream order and event waits), best fit.  So the pointer a
+  capture hands out is the one every launch uses, and host callbacks may carry it.
+* Streams join a capture by waiting for an event recorded on a capturing stream (``Stream.wait_stream``),
+  and must be joined back before the capture ends.
+* Graphs launched on one stream map the same physical pages (each at its own addresses); graphs on
+  different streams never share pages.  Allocations not freed in the graph are its outputs: they get
+  pages of their own and keep their data until the next launch.  Freeing an output after the capture
+  does nothing (the memory goes with the graph), so free graph Buffers before dropping the graph.
+* ``Graph(checked=True)``: a copy or memset at capture touching graph memory outside a live allocation
+  fails with ACL_ERROR_RT_PARAM_INVALID (the call's ret code) and is recorded, as is a FREE not ordered
+  after every use; ``instantiate()`` then raises :class:`GraphMemoryError`.  After a launch,
+  ``acl.rt.memcpy``/``memset`` (and the async forms on ordinary streams) on the graph's range outside its
+  outputs return ACL_ERROR_RT_PARAM_INVALID and are recorded in ``violations()``.
+* Multi-device access: ``capture(access=[1, 2])`` lets devices 1 and 2 access the capture's allocations;
+  without it, the device's setting (``set_graph_mem_access``) when each allocation is captured applies.
+  Changing the setting later does not change captured allocations.  Peer access enablement does not
+  apply to graph memory.
+* ``capture(pool=MemPool or graph_pool_handle())``: torch-style capture instead, allocations come from the
+  private pool at real addresses (no plan); several captures may share a pool.
+"""
+import contextlib
+import weakref
+
+from . import _C
+from . import memory as _memory
+from . import streams as _streams
+from .mempool import _pool_id
+
+_G = _C.graph
+
+GraphMemoryError = _G.GraphMemoryError
+
+__all__ = ["Graph", "GraphExec", "GraphMemoryError", "set_graph_mem_access", "get_graph_mem_access",
+           "is_current_stream_capturing"]
+
+
+def _device_mask(devices):
+    mask = 0
+    for d in devices:
+        idx = _memory._get_device_index(d)
+        if not 0 <= idx < 64:
+            raise ValueError(f"invalid device {d!r}")
+        mask |= 1 << idx
+    return mask
+
+
+def _mask_devices(mask):
+    return [d for d in range(64) if (mask >> d) & 1]
+
+
+def _as_stream(stream):
+    if stream is None:
+        return _streams.current_stream()
+    if isinstance(stream, _streams.Stream):
+        return stream
+    raise TypeError(f"stream must be an npualloc.Stream or None, not {type(stream).__name__}")
+
+
+def set_graph_mem_access(device, devices):
+    """The devices that may access graph memory of ``device`` allocated in later captures (the device itself
+    always may): like ``cudaMemPoolSetAccess`` on the device's graph memory pool."""
+    _G.set_mem_access(_memory._get_device_index(device), _device_mask(devices))
+
+
+def get_graph_mem_access(device=None):
+    """The devices that may access graph memory of ``device`` captured from now on."""
+    return _mask_devices(_G.get_mem_access(_memory._get_device_index(device, optional=True)))
+
+
+def is_current_stream_capturing():
+    """True when the current stream is in capture mode (torch's ``is_current_stream_capturing``)."""
+    s = _streams.current_stream()
+    return _G.capture_status(s.npu_stream, s.device)
+
+
+class Graph:
+    """A graph captured from streams.  ``checked=True`` detects uses of graph memory outside an
+    allocation's lifetime (see the module docstring)."""
+
+    def __init__(self, checked=False):
+        self._g = _G.Graph(bool(checked))
+        self.checked = bool(checked)
+        self._exec = None   # weak reference to the executable graph instantiate() returned
+        self._owned = None  # the one launch() made (the graph keeps it, like torch's replay)
+        self.pool = None
+
+    # ---- capture ----
+    def capture_begin(self, stream=None, access=None, pool=None):
+        """Starts capturing ``stream`` (default: the current stream).  ``access``: devices that may access the
+        allocations (default: the device's ``set_graph_mem_access`` setting at each allocation).  ``pool``:
+        capture torch-style into a private pool instead (a MemPool or an id)."""
+        s = _as_stream(stream)
+        mask = None if access is None else _device_mask(access)
+        pid = None if pool is None else _pool_id(pool)
+        if pid is not None and mask is not None:
+            raise ValueError("access applies to planned graph memory, not to a pool capture")
+        self._g.capture_begin(s.npu_stream, s.device, mask, pid)
+        self.pool = pid
+        return s
+
+    def capture_end(self):
+        """Ends the capture; every stream that joined it leaves capture mode."""
+        self._g.capture_end()
+
+    @contextlib.contextmanager
+    def capture(self, stream=None, access=None, pool=None):
+        """``with g.capture(stream=None, access=None, pool=None):`` captures the block; the capturing stream is
+        the current stream inside it."""
+        s = self.capture_begin(stream, access, pool)
+        try:
+            with _streams.stream(s):
+                yield self
+        except BaseException:
+            try:
+                self._g.capture_end()
+            except RuntimeError:
+                pass
+            raise
+        self._g.capture_end()
+
+    # ---- execution ----
+    def instantiate(self):
+        """The executable graph (one at a time); raises GraphMemoryError for a checked graph whose capture
+        recorded a violation."""
+        exe = GraphExec(self, self._g.instantiate())
+        self._exec = weakref.ref(exe)
+        return exe
+
+    def launch(self, stream=None):
+        """Launches on ``stream`` (default: the current stream) the executable graph instantiate() returned if
+        it is still alive, else one the graph instantiates on first use and keeps."""
+        exe = self._exec() if self._exec is not None else None
+        if exe is None or exe.destroyed:
+            if self._owned is None or self._owned.destroyed:
+                self._owned = self.instantiate()
+            exe = self._owned
+        exe.launch(stream)
+
+    replay = launch
+
+    # ---- introspection ----
+    def nodes(self):
+        """The nodes in capture order: dicts with index, kind (alloc, free, memcpy, memset, host, delay, task),
+        stream (capture stream index), deps, and alloc / dst, src, value, count."""
+        return self._g.nodes()
+
+    def allocations(self):
+        """The allocations: index, address, offset, size (rounded to 512), requested, alloc_node, free_node
+        (None: an output), access (devices)."""
+        return self._g.allocations()
+
+    def streams(self):
+        """(handle, device) of each capture stream, by index (the origin first)."""
+        return self._g.streams()
+
+    def violations(self):
+        """What a checked graph detected (messages)."""
+        return self._g.violations()
+
+    def memory_plan(self):
+        """The plan: ``allocations`` [(offset, size, alloc node)], ``footprint`` (bytes of the range in use),
+        ``lower_bound`` (a set of allocations that pairwise may be live together: no plan needs less),
+        ``ratio``, ``mapped`` (bytes mapped at launch), ``base``, ``output_bytes``, ``details`` (allocations())."""
+        plan = self._g.plan()
+        details = self._g.allocations()
+        plan["allocations"] = [(a["offset"], a["size"], a["alloc_node"]) for a in details]
+        plan["details"] = details
+        plan["ratio"] = plan["footprint"] / plan["lower_bound"] if plan["lower_bound"] else 1.0
+        return plan
+
+    def __repr__(self):
+        return f"<npualloc.Graph checked={self.checked}>"
+
+
+class GraphExec:
+    """An executable graph: ``launch(stream=None)``, ``memory_plan()``, ``destroy()`` (waits for its launches,
+    unmaps its memory; also done when collected)."""
+
+    def __init__(self, graph, cexec):
+        self.graph = graph
+        self._e = cexec
+
+    @property
+    def destroyed(self):
+        return self._e.destroyed
+
+    def launch(self, stream=None):
+        s = _as_stream(stream)
+        self._e.launch(s.npu_stream, s.device)
+
+    replay = launch
+
+    def memory_plan(self):
+        return self.graph.memory_plan()
+
+    def destroy(self):
+        self._e.destroy()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def __repr__(self):
+        return f"<npualloc.GraphExec of {self.graph!r}{' destroyed' if self.destroyed else ''}>"
+

@@ -1,0 +1,200 @@
+"""torch's private memory pools over npualloc's caching allocator: ``MemPool``, ``use_mem_pool``,
+``graph_pool_handle`` (``torch.cuda.MemPool`` / ``torch.cuda.use_mem_pool`` /
+``torch.cuda.graph_pool_handle``), plus per-pool statistics.
+
+Semantics (torch's, reference section 3.14):
+
+* ``MemPool()`` creates a pool on the current device with a user id ``(0, n)``; ``graph_pool_handle()``
+  draws from the same counter.  ``use_count()`` counts the references: the MemPool object, each active
+  ``use_mem_pool`` and each capture routed to it.
+* ``with use_mem_pool(pool, device=None):`` sends the calling thread's allocations on ``device`` to the
+  pool (torch's beginAllocateCurrentThreadToPool / endAllocateToPool + releasePool).  Uses nest: the
+  innermost pool wins; using the same pool again inside itself fails as in torch
+  ("beginAllocateToPool: already recording to mempool_id").
+* Memory of a pool goes back to the device only once nothing uses the pool and its blocks are free: when a
+  MemPool is collected, its reference is released and ``emptyCache(pool.id)`` runs (torch's ~MemPool);
+  ``empty_cache()`` releases the free memory of the pools nobody uses.  (As in torch_npu, i.e. torch
+  before ``emptyCache(mempool_id)`` learned to skip the default pools during captures, ``empty_cache()``
+  also releases the default pools while a ``use_mem_pool`` is active.)
+* ``memory_snapshot(mempool_id=pool.id)`` / ``pool.snapshot()`` list the pool's segments
+  (``segment_pool_id``).
+
+Per-pool statistics: the allocator keeps its counters per device, not per pool, so
+``mempool_stats(pool)`` derives the *current* values of torch's statistics (reserved, allocated,
+active, requested, inactive-split bytes; segment, allocation, active, inactive-split counts; each for
+all/large/small) from the pool's segments in a snapshot, and ``mempool_summary(pool)`` prints them as
+``memory_summary``'s table with its "Cur Usage" column only (no peaks or totals: those would need
+per-pool counters inside the allocator).
+"""
+import collections
+import contextlib
+
+from . import _C
+from . import memory as _memory
+
+_G = _C.graph
+_M = _C.memory
+
+__all__ = ["MemPool", "use_mem_pool", "graph_pool_handle", "mempool_stats", "mempool_summary"]
+
+
+def graph_pool_handle():
+    """A new pool id ``(0, n)``: torch's ``graph_pool_handle()`` (the MemPool counter)."""
+    return _G.mempool_id_new(True)
+
+
+def _pool_id(pool):
+    if isinstance(pool, MemPool):
+        return pool.id
+    if isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool):
+        return pool
+    raise TypeError(f"expected a MemPool or a (int, int) pool id, not {type(pool).__name__}")
+
+
+class MemPool:
+    """A private memory pool of the current device (torch's ``MemPool(allocator=None, use_on_oom=False)``).
+
+    Custom allocators and ``use_on_oom`` are not supported (NotImplementedError).
+    """
+
+    def __init__(self, allocator=None, use_on_oom=False):
+        if allocator is not None:
+            raise NotImplementedError("npualloc.MemPool: custom allocators are not supported")
+        if use_on_oom:
+            raise NotImplementedError("npualloc.MemPool: use_on_oom is not supported")
+        self._alive = False
+        self._device = _memory.current_device()
+        self._gen = _M._generation()
+        self._id = _G.mempool_id_new(True)
+        _G.pool_create(self._device, *self._id)
+        self._alive = True
+
+    @property
+    def id(self):
+        """The pool id, a tuple ``(0, n)``."""
+        return self._id
+
+    @property
+    def allocator(self):
+        return None
+
+    @property
+    def device(self):
+        return self._device
+
+    def _live(self):
+        return self._alive and self._gen == _M._generation()
+
+    def use_count(self):
+        """References held on the pool: this object, active use_mem_pool contexts, captures."""
+        return _G.pool_use_count(self._device, *self._id) if self._gen == _M._generation() else 0
+
+    def snapshot(self):
+        """``memory_snapshot(mempool_id=self.id)``: the pool's segments."""
+        return _memory.memory_snapshot(mempool_id=self._id)
+
+    def memory_stats(self):
+        """``mempool_stats(self)``."""
+        return mempool_stats(self, self._device)
+
+    def memory_summary(self):
+        """``mempool_summary(self)``."""
+        return mempool_summary(self, self._device)
+
+    def release(self):
+        """What collection does (torch's ~MemPool): releasePool, then emptyCache(self.id)."""
+        if not self._live():
+            self._alive = False
+            return
+        self._alive = False
+        _G.pool_release(self._device, *self._id)
+        _G.pool_empty(self._device, *self._id)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        return f"<npualloc.MemPool id={self._id} device=npu:{self._device}>"
+
+
+@contextlib.contextmanager
+def use_mem_pool(pool, device=None):
+    """Routes the calling thread's allocations on ``device`` (default: the current one) to ``pool``."""
+    device_index = _memory.current_device() if device is None else _memory._get_device_index(device)
+    pid = _pool_id(pool)
+    _G.pool_begin_thread(device_index, *pid)
+    try:
+        yield
+    finally:
+        _G.pool_end(device_index, *pid)  # (npualloc's endAllocateToPool also releases the reference)
+
+
+_METRICS = ("allocated_bytes", "active_bytes", "reserved_bytes", "requested_bytes", "inactive_split_bytes",
+            "allocation", "active", "segment", "inactive_split")
+_POOLS = ("all", "large_pool", "small_pool")
+
+
+def mempool_stats(pool, device=None):
+    """The current values of torch's statistics for one private pool, from a snapshot: an OrderedDict
+    ``{"<metric>.<all|large_pool|small_pool>.current": int}`` (``device`` None: every device)."""
+    pid = _pool_id(pool)
+    if device is not None:
+        device = _memory._get_device_index(device)
+    counts = {m: dict.fromkeys(_POOLS, 0) for m in _METRICS}
+
+    def add(metric, kind, n):
+        counts[metric]["all"] += n
+        counts[metric][kind] += n
+
+    for seg in _memory.memory_snapshot(mempool_id=pid):
+        if device is not None and seg["device"] != device:
+            continue
+        kind = "small_pool" if seg["segment_type"] == "small" else "large_pool"
+        add("reserved_bytes", kind, seg["total_size"])
+        add("segment", kind, 1)
+        blocks = seg["blocks"]
+        for b in blocks:
+            if b["state"] == "active_allocated":
+                add("allocation", kind, 1)
+                add("allocated_bytes", kind, b["size"])
+                add("requested_bytes", kind, b["requested_size"])
+            if b["state"] != "inactive":
+                add("active", kind, 1)
+                add("active_bytes", kind, b["size"])
+            elif len(blocks) > 1:
+                add("inactive_split", kind, 1)
+                add("inactive_split_bytes", kind, b["size"])
+    flat = [(f"{m}.{p}.current", v) for m, per in counts.items() for p, v in per.items()]
+    flat.sort()
+    return collections.OrderedDict(flat)
+
+
+def mempool_summary(pool, device=None, abbreviated=False):
+    """``memory_summary``'s table for one private pool, current usage only."""
+    pid = _pool_id(pool)
+    stats = mempool_stats(pid, device)
+    rows = [("allocated_bytes", "Allocated memory", _memory._format_size),
+            ("active_bytes", "Active memory", _memory._format_size),
+            ("requested_bytes", "Requested memory", _memory._format_size),
+            ("reserved_bytes", "NPU reserved memory", _memory._format_size),
+            ("inactive_split_bytes", "Non-releasable memory", _memory._format_size),
+            ("allocation", "Allocations", _memory._format_count),
+            ("active", "Active allocs", _memory._format_count),
+            ("segment", "NPU reserved segments", _memory._format_count),
+            ("inactive_split", "Non-releasable allocs", _memory._format_count)]
+    where = "all devices" if device is None else f"device ID {_memory._get_device_index(device)}"
+    title = f"private pool {pid} memory summary, {where}"
+    lines = ["=" * 75, f" {title:^73} ", "=" * 75, f" {'Metric':^21} | {'Cur Usage':^10} {'':39}"]
+    for key, name, fmt in rows:
+        lines.append("-" * 75)
+        subs = [("all", name)]
+        if not abbreviated:
+            subs += [("large_pool", "      from large pool"), ("small_pool", "      from small pool")]
+        pref = stats[f"{key}.all.current"]
+        for sub, label in subs:
+            lines.append(f" {label:<21} | {fmt(stats[f'{key}.{sub}.current'], pref)} {'':39}")
+    lines.append("=" * 75)
+    return "|" + "|\n|".join(lines) + "|\n"

@@ -1,0 +1,524 @@
+/* test_graph.c - captured graphs with planned memory (csrc/graph.c, npualloc_graph.h). */
+#include <pthread.h>
+
+#include "testutil.h"
+
+#include "npualloc_graph.h"
+
+static void start(void)
+{
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(2, 4 * GiB_, 4 * GiB_, 0, 0);
+}
+
+static aclrtStream new_stream(void)
+{
+    aclrtStream s;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    return s;
+}
+
+static aclrtEvent new_event(void)
+{
+    aclrtEvent e;
+    assert_int_equal(aclrtCreateEvent(&e), ACL_SUCCESS);
+    return e;
+}
+
+static uint64_t sh(aclrtStream s) { return (uint64_t)(uintptr_t)s; }
+
+static void *galloc_on(aclrtStream s, size_t n)
+{
+    void *p = NULL;
+    aclError rc = npualloc_cache_malloc(0, n, sh(s), &p);
+    if (rc != ACL_SUCCESS)
+        fail_msg("graph alloc failed: %d %s", rc, npualloc_last_error(NULL));
+    return p;
+}
+
+static npualloc_graph *new_graph(uint32_t flags)
+{
+    npualloc_graph *g;
+    assert_int_equal(npualloc_graph_create(flags, &g), ACL_SUCCESS);
+    return g;
+}
+
+static void begin(npualloc_graph *g, aclrtStream s)
+{
+    aclError rc = npualloc_graph_capture_begin(g, s, 0, NULL);
+    if (rc != ACL_SUCCESS)
+        fail_msg("capture_begin: %d %s", rc, npualloc_graph_last_error());
+}
+
+static void end(npualloc_graph *g)
+{
+    aclError rc = npualloc_graph_capture_end(g);
+    if (rc != ACL_SUCCESS)
+        fail_msg("capture_end: %d %s", rc, npualloc_graph_last_error());
+}
+
+/* s2 joins s1's capture (s2 waits for an event recorded on s1). */
+static void fork_to(aclrtStream from, aclrtStream to)
+{
+    aclrtEvent e = new_event();
+    assert_int_equal(aclrtRecordEvent(e, from), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamWaitEvent(to, e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+}
+
+static void test_chain_reuses_freed_address(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    bool cap = false;
+    assert_int_equal(npualloc_stream_capture_status(s, 0, &cap, NULL), ACL_SUCCESS);
+    assert_true(cap);
+    void *a = galloc_on(s, 1000);
+    assert_int_equal(npualloc_cache_free(a), ACL_SUCCESS);
+    void *b = galloc_on(s, 1000);
+    assert_ptr_equal(a, b); /* the FREE of a is an ancestor of b's ALLOC */
+    void *c = galloc_on(s, 1000);
+    assert_ptr_not_equal(b, c); /* b is live */
+    assert_int_equal(npualloc_cache_free(b), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(c), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(c), ACL_ERROR_INVALID_PARAM); /* double free */
+    end(g);
+    assert_int_equal(npualloc_stream_capture_status(s, 0, &cap, NULL), ACL_SUCCESS);
+    assert_false(cap);
+    npualloc_graph_plan p;
+    assert_int_equal(npualloc_graph_get_plan(g, &p), ACL_SUCCESS);
+    assert_int_equal(p.alloc_count, 3);
+    assert_int_equal(p.footprint, 2048);
+    assert_int_equal(p.lower_bound, 2048);
+    assert_int_equal(npualloc_graph_node_count(g), 6);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+}
+
+/* a -> (x on s1 | y on s2) -> z: x and y may run at once, z follows both frees. */
+static void test_diamond(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s1 = new_stream(), s2 = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s1);
+    void *a = galloc_on(s1, 4096);
+    assert_int_equal(aclrtMemsetAsync(a, 4096, 1, 4096, s1), ACL_SUCCESS);
+    fork_to(s1, s2);
+    void *x = galloc_on(s1, 8192);
+    assert_int_equal(aclrtMemcpyAsync(x, 8192, a, 4096, ACL_MEMCPY_DEVICE_TO_DEVICE, s1), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    void *y = galloc_on(s2, 8192);
+    assert_int_equal(aclrtMemcpyAsync(y, 8192, a, 4096, ACL_MEMCPY_DEVICE_TO_DEVICE, s2), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(y), ACL_SUCCESS);
+    /* x and y are on concurrent branches: y cannot take x's range although x was freed first */
+    assert_true((char *)y >= (char *)x + 8192 || (char *)y + 8192 <= (char *)x);
+    fork_to(s2, s1); /* join */
+    void *z = galloc_on(s1, 8192);
+    assert_true(z == x || z == y); /* after the join both ranges are free */
+    assert_int_equal(npualloc_cache_free(z), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(a), ACL_SUCCESS);
+    end(g);
+    npualloc_graph_plan p;
+    assert_int_equal(npualloc_graph_get_plan(g, &p), ACL_SUCCESS);
+    assert_int_equal(p.stream_count, 2);
+    assert_int_equal(p.footprint, 4096 + 8192 + 8192);
+    assert_int_equal(p.lower_bound, 4096 + 8192 + 8192); /* {a, x, y} pairwise conflict */
+    /* The dependencies: z's ALLOC follows both frees. */
+    npualloc_graph_alloc za;
+    assert_int_equal(npualloc_graph_get_alloc(g, 3, &za), ACL_SUCCESS);
+    npualloc_graph_node zn;
+    assert_int_equal(npualloc_graph_get_node(g, za.alloc_node, &zn), ACL_SUCCESS);
+    assert_int_equal(zn.kind, NPUALLOC_GRAPH_NODE_ALLOC);
+    assert_int_equal(zn.dep_count, 2);
+    /* Run it. */
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(npualloc_graph_launch(e, s1, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s1), ACL_SUCCESS);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+}
+
+static void test_unjoined_stream_fails_the_capture(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s1 = new_stream(), s2 = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s1);
+    fork_to(s1, s2);
+    void *p = galloc_on(s2, 100);
+    (void)p;
+    assert_int_equal(npualloc_graph_capture_end(g), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    bool cap = true;
+    assert_int_equal(npualloc_stream_capture_status(s2, 0, &cap, NULL), ACL_SUCCESS);
+    assert_false(cap);
+    npualloc_graph_exec *e;
+    assert_int_not_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    npualloc_graph_destroy(g);
+}
+
+/* Two graphs on one stream share pages: what one writes through its range, the other reads
+ * through its own (separate) range. */
+static void test_graphs_on_one_stream_alias(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream(), other = new_stream();
+    static char host_src[4096], host_dst[4096];
+    memset(host_src, 0x5a, sizeof host_src);
+    npualloc_graph *g1 = new_graph(0), *g2 = new_graph(0);
+    begin(g1, s);
+    void *x = galloc_on(s, 4096);
+    assert_int_equal(aclrtMemcpyAsync(x, 4096, host_src, 4096, ACL_MEMCPY_HOST_TO_DEVICE, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    end(g1);
+    begin(g2, s);
+    void *y = galloc_on(s, 4096);
+    assert_int_equal(aclrtMemcpyAsync(host_dst, 4096, y, 4096, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(y), ACL_SUCCESS);
+    end(g2);
+    assert_ptr_not_equal(x, y);
+    npualloc_graph_exec *e1, *e2;
+    assert_int_equal(npualloc_graph_instantiate(g1, &e1), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_instantiate(g2, &e2), ACL_SUCCESS);
+    npualloc_vmm_counts before;
+    npualloc_vmm_counts_get(&before);
+    assert_int_equal(npualloc_graph_launch(e1, s, 0), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e2, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal((unsigned char)host_dst[0], 0x5a);
+    assert_int_equal((unsigned char)host_dst[4095], 0x5a);
+    npualloc_vmm_counts after;
+    npualloc_vmm_counts_get(&after);
+    assert_int_equal(after.physical_handles - before.physical_handles, 1); /* one 2 MiB chunk for both */
+    assert_int_equal(after.mappings - before.mappings, 2);
+    /* The data changes between launches; the other graph sees it. */
+    memset(host_src, 0x33, sizeof host_src);
+    assert_int_equal(npualloc_graph_launch(e1, s, 0), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e2, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal((unsigned char)host_dst[100], 0x33);
+    /* On another stream, g2 gets other pages: it no longer sees g1's data. */
+    memset(host_dst, 0, sizeof host_dst);
+    assert_int_equal(npualloc_graph_launch(e2, other, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(other), ACL_SUCCESS);
+    assert_int_equal((unsigned char)host_dst[100], 0);
+    npualloc_graph_exec_destroy(e1);
+    npualloc_graph_exec_destroy(e2);
+    npualloc_vmm_counts_get(&after);
+    assert_int_equal(after.physical_handles, before.physical_handles);
+    assert_int_equal(after.mappings, before.mappings);
+    npualloc_graph_destroy(g1);
+    npualloc_graph_destroy(g2);
+}
+
+static void test_checked_graph_reports_use_after_free(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(NPUALLOC_GRAPH_CHECKED);
+    begin(g, s);
+    void *x = galloc_on(s, 4096);
+    assert_int_equal(aclrtMemsetAsync(x, 4096, 0, 4096, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(x, 4096, 0, 4096, s), ACL_ERROR_RT_PARAM_INVALID);
+    void *y = galloc_on(s, 4096);
+    assert_ptr_equal(x, y);
+    assert_int_equal(aclrtMemsetAsync(x, 4096, 0, 4096, s), ACL_SUCCESS); /* y lives there now */
+    end(g);
+    assert_int_equal(npualloc_graph_violation_count(g), 1);
+    char msg[512];
+    assert_true(npualloc_graph_violation(g, 0, msg, sizeof msg));
+    assert_non_null(strstr(msg, "after"));
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_ERROR_RT_PARAM_INVALID);
+    npualloc_graph_destroy(g);
+}
+
+static void test_checked_output_and_host_access_after_launch(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(NPUALLOC_GRAPH_CHECKED);
+    begin(g, s);
+    void *tmp = galloc_on(s, 4096);
+    assert_int_equal(aclrtMemsetAsync(tmp, 4096, 7, 4096, s), ACL_SUCCESS);
+    void *out = galloc_on(s, 4096);
+    assert_int_equal(aclrtMemcpyAsync(out, 4096, tmp, 4096, ACL_MEMCPY_DEVICE_TO_DEVICE, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(tmp), ACL_SUCCESS);
+    end(g);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    char buf[4096];
+    assert_int_equal(aclrtMemcpy(buf, sizeof buf, out, 4096, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(buf[0], 7);
+    assert_int_equal(aclrtMemcpy(buf, sizeof buf, tmp, 4096, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(npualloc_graph_violation_count(g), 1);
+    /* Freeing an output after the capture: the memory goes with the graph. */
+    assert_int_equal(npualloc_cache_free(out), ACL_SUCCESS);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+}
+
+static void test_access_is_frozen_at_capture(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    void *dev1 = NULL;
+    assert_int_equal(aclrtMalloc(&dev1, 4096, ACL_MEM_MALLOC_NORMAL_ONLY), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_set_mem_access(0, 0), ACL_SUCCESS);
+    npualloc_graph *g1 = new_graph(0), *g2 = new_graph(0);
+    begin(g1, s);
+    void *x = galloc_on(s, 4096);
+    /* inside the capture: device 1 has no access to x */
+    assert_int_equal(aclrtMemcpyAsync(dev1, 4096, x, 4096, ACL_MEMCPY_DEVICE_TO_DEVICE, s),
+                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    end(g1);
+    assert_int_equal(npualloc_graph_set_mem_access(0, 2), ACL_SUCCESS);
+    begin(g2, s);
+    void *y = galloc_on(s, 4096);
+    assert_int_equal(aclrtMemcpyAsync(dev1, 4096, y, 4096, ACL_MEMCPY_DEVICE_TO_DEVICE, s), ACL_SUCCESS);
+    end(g2);
+    npualloc_graph_alloc ax, ay;
+    assert_int_equal(npualloc_graph_get_alloc(g1, 0, &ax), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_get_alloc(g2, 0, &ay), ACL_SUCCESS);
+    assert_int_equal(ax.access_mask, 1);
+    assert_int_equal(ay.access_mask, 3);
+    npualloc_graph_exec *e1, *e2;
+    assert_int_equal(npualloc_graph_instantiate(g1, &e1), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_instantiate(g2, &e2), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e1, s, 0), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e2, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    /* x (an output of g1) stays device-0 only even with peer access enabled */
+    assert_int_equal(aclrtDeviceEnablePeerAccess(1, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(dev1, 4096, x, 4096, ACL_MEMCPY_DEVICE_TO_DEVICE), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(aclrtMemcpy(dev1, 4096, y, 4096, ACL_MEMCPY_DEVICE_TO_DEVICE), ACL_SUCCESS);
+    npualloc_graph_exec_destroy(e1);
+    npualloc_graph_exec_destroy(e2);
+    npualloc_graph_destroy(g1);
+    npualloc_graph_destroy(g2);
+    assert_int_equal(aclrtFree(dev1), ACL_SUCCESS);
+}
+
+static int host_runs;
+static int host_destroyed;
+static void host_fn(void *data) { host_runs += *(int *)data; }
+static void host_destroy(void *data)
+{
+    (void)data;
+    host_destroyed++;
+}
+
+static void test_host_and_delay_nodes_run_at_every_launch(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    static int one = 1;
+    host_runs = host_destroyed = 0;
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    assert_int_equal(npualloc_launch_host_func(s, host_fn, &one, host_destroy, ACL_CALLBACK_BLOCK), ACL_SUCCESS);
+    assert_int_equal(npualloc_sleep_async(s, 0.001), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(host_fn, &one, ACL_CALLBACK_BLOCK, s), ACL_SUCCESS);
+    end(g);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(host_runs, 0); /* captured, not run */
+    npualloc_graph_node n;
+    assert_int_equal(npualloc_graph_get_node(g, 1, &n), ACL_SUCCESS);
+    assert_int_equal(n.kind, NPUALLOC_GRAPH_NODE_DELAY);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(host_runs, 6);
+    npualloc_graph_exec_destroy(e);
+    assert_int_equal(host_destroyed, 0);
+    npualloc_graph_destroy(g);
+    assert_int_equal(host_destroyed, 1);
+    /* Outside a capture it runs once and releases its data. */
+    assert_int_equal(npualloc_launch_host_func(s, host_fn, &one, host_destroy, ACL_CALLBACK_BLOCK), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(host_runs, 7);
+    assert_int_equal(host_destroyed, 2);
+}
+
+static void test_pool_capture_uses_the_private_pool(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    npualloc_capture_params p = {.use_pool = true, .pool = id};
+    npualloc_graph *g = new_graph(0);
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, &p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 2); /* the graph and its route */
+    void *x = galloc_on(s, 1000);
+    assert_int_equal(aclrtMemsetAsync(x, 1000, 3, 1000, s), ACL_SUCCESS);
+    end(g);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
+    int32_t dev;
+    uint64_t stream;
+    size_t size;
+    assert_int_equal(npualloc_cache_block_info(x, &dev, &stream, &size), ACL_SUCCESS); /* a real block */
+    npualloc_graph_plan plan;
+    assert_int_equal(npualloc_graph_get_plan(g, &plan), ACL_SUCCESS);
+    assert_true(plan.pool_mode);
+    assert_int_equal(plan.alloc_count, 0);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    char b[4];
+    assert_int_equal(aclrtMemcpy(b, 4, x, 4, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(b[0], 3);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 0);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+}
+
+static void test_stale_graph_after_shutdown(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    void *x = galloc_on(s, 100);
+    (void)x;
+    end(g);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    npualloc_shutdown();
+    assert_int_not_equal(npualloc_graph_launch(e, NULL, 0), ACL_SUCCESS);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+}
+
+/* Captures, launches and ordinary work on several threads at once (locks, under ASAN/TSAN). */
+typedef struct worker_arg {
+    int id;
+    int errors;
+} worker_arg;
+
+static void *capture_worker(void *p)
+{
+    worker_arg *w = p;
+    if (aclrtSetDevice(0) != ACL_SUCCESS) {
+        w->errors++;
+        return NULL;
+    }
+    aclrtStream s;
+    if (aclrtCreateStream(&s) != ACL_SUCCESS) {
+        w->errors++;
+        return NULL;
+    }
+    static char src[8][256];
+    char dst[256];
+    for (int round = 0; round < 20; round++) {
+        memset(src[w->id], w->id + round, sizeof src[w->id]);
+        if (w->id % 2 == 0) { /* ordinary work on this thread's stream meanwhile */
+            void *p2 = NULL;
+            if (npualloc_cache_malloc(0, 256, sh(s), &p2) != ACL_SUCCESS ||
+                aclrtMemcpyAsync(p2, 256, src[w->id], 256, ACL_MEMCPY_HOST_TO_DEVICE, s) != ACL_SUCCESS ||
+                aclrtMemcpyAsync(dst, 256, p2, 256, ACL_MEMCPY_DEVICE_TO_HOST, s) != ACL_SUCCESS ||
+                aclrtSynchronizeStream(s) != ACL_SUCCESS || dst[7] != (char)(w->id + round) ||
+                npualloc_cache_free(p2) != ACL_SUCCESS)
+                w->errors++;
+        }
+        npualloc_graph *g;
+        if (npualloc_graph_create(round % 3 == 0 ? NPUALLOC_GRAPH_CHECKED : 0, &g) != ACL_SUCCESS) {
+            w->errors++;
+            continue;
+        }
+        void *x = NULL;
+        bool ok = npualloc_graph_capture_begin(g, s, 0, NULL) == ACL_SUCCESS &&
+                  npualloc_cache_malloc(0, 256, sh(s), &x) == ACL_SUCCESS &&
+                  aclrtMemcpyAsync(x, 256, src[w->id], 256, ACL_MEMCPY_HOST_TO_DEVICE, s) == ACL_SUCCESS &&
+                  aclrtMemcpyAsync(dst, 256, x, 256, ACL_MEMCPY_DEVICE_TO_HOST, s) == ACL_SUCCESS &&
+                  npualloc_cache_free(x) == ACL_SUCCESS && npualloc_graph_capture_end(g) == ACL_SUCCESS;
+        npualloc_graph_exec *e = NULL;
+        ok = ok && npualloc_graph_instantiate(g, &e) == ACL_SUCCESS && npualloc_graph_launch(e, s, 0) == ACL_SUCCESS &&
+             aclrtSynchronizeStream(s) == ACL_SUCCESS && dst[100] == (char)(w->id + round);
+        if (!ok)
+            w->errors++;
+        npualloc_graph_exec_destroy(e);
+        npualloc_graph_destroy(g);
+    }
+    if (aclrtDestroyStream(s) != ACL_SUCCESS)
+        w->errors++;
+    return NULL;
+}
+
+static void test_concurrent_captures(void **state)
+{
+    (void)state;
+    start();
+    pthread_t t[4];
+    worker_arg w[4];
+    for (int i = 0; i < 4; i++) {
+        w[i] = (worker_arg){.id = i};
+        pthread_create(&t[i], NULL, capture_worker, &w[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(t[i], NULL);
+        assert_int_equal(w[i].errors, 0);
+    }
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS); /* the ordinary work's cached segments */
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.mappings, 0); /* every graph's memory went with it */
+    assert_int_equal(c.physical_handles, 0);
+}
+
+static void test_access_setting_is_forgotten_on_restart(void **state)
+{
+    (void)state;
+    start();
+    assert_int_equal(npualloc_graph_set_mem_access(0, 2), ACL_SUCCESS);
+    uint64_t m = 0;
+    assert_int_equal(npualloc_graph_get_mem_access(0, &m), ACL_SUCCESS);
+    assert_int_equal(m, 3);
+    assert_int_equal(npualloc_graph_set_mem_access(0, 4), ACL_ERROR_RT_INVALID_DEVICEID); /* 2 devices */
+    start();
+    assert_int_equal(npualloc_graph_get_mem_access(0, &m), ACL_SUCCESS);
+    assert_int_equal(m, 1);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_chain_reuses_freed_address, stop_runtime),
+        cmocka_unit_test_teardown(test_diamond, stop_runtime),
+        cmocka_unit_test_teardown(test_unjoined_stream_fails_the_capture, stop_runtime),
+        cmocka_unit_test_teardown(test_graphs_on_one_stream_alias, stop_runtime),
+        cmocka_unit_test_teardown(test_checked_graph_reports_use_after_free, stop_runtime),
+        cmocka_unit_test_teardown(test_checked_output_and_host_access_after_launch, stop_runtime),
+        cmocka_unit_test_teardown(test_access_is_frozen_at_capture, stop_runtime),
+        cmocka_unit_test_teardown(test_host_and_delay_nodes_run_at_every_launch, stop_runtime),
+        cmocka_unit_test_teardown(test_pool_capture_uses_the_private_pool, stop_runtime),
+        cmocka_unit_test_teardown(test_stale_graph_after_shutdown, stop_runtime),
+        cmocka_unit_test_teardown(test_concurrent_captures, stop_runtime),
+        cmocka_unit_test_teardown(test_access_setting_is_forgotten_on_restart, stop_runtime),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,455 @@
+"""Captured graphs with planned memory (npualloc.Graph; seed 003): address reuse by dependencies, physical
+aliasing between graphs of one stream, access descriptors frozen at capture, checked mode."""
+import gc
+
+import numpy as np
+import pytest
+
+import npualloc
+from npualloc import acl
+from conftest_memory import MiB, mem  # noqa: F401
+
+rt = acl.rt
+alloc = npualloc.caching_allocator_alloc
+free = npualloc.caching_allocator_delete
+H2D, D2H, D2D = acl.ACL_MEMCPY_HOST_TO_DEVICE, acl.ACL_MEMCPY_DEVICE_TO_HOST, acl.ACL_MEMCPY_DEVICE_TO_DEVICE
+PARAM_INVALID, NOT_SUPPORTED = acl.ACL_ERROR_RT_PARAM_INVALID, acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+
+
+def host(n, value=0):
+    return np.full(n, value, dtype=np.uint8)
+
+
+def overlap(a, n, b, m):
+    return a < b + m and b < a + n
+
+
+def fork(src, dst):
+    """dst waits for the work queued so far on src (and joins src's capture)."""
+    dst.wait_stream(src)
+
+
+# ---- planning ----
+
+def test_chain_reuse_and_plan_report(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        assert npualloc.is_current_stream_capturing() and npualloc.current_stream() == s
+        a = alloc(1000)
+        free(a)
+        b = alloc(1000)  # a's FREE is an ancestor of b's ALLOC
+        c = alloc(5000)
+        free(b)
+        free(c)
+    assert not npualloc.is_current_stream_capturing()
+    assert a == b and c != b
+    exe = g.instantiate()
+    plan = exe.memory_plan()
+    assert plan["allocations"] == [(0, 1024, 0), (0, 1024, 2), (1024, 5120, 3)]
+    assert plan["footprint"] == 6144 and plan["lower_bound"] == 6144 and plan["ratio"] == 1.0
+    assert plan["base"] == a and plan["mapped"] == 2 * MiB and plan["output_bytes"] == 0
+    assert [n["kind"] for n in g.nodes()] == ["alloc", "free", "alloc", "alloc", "free", "free"]
+    assert g.nodes()[2]["deps"] == [1]
+    with pytest.raises(RuntimeError, match="one at a time"):
+        g.instantiate()
+
+
+def test_diamond_reuses_after_the_join_only(mem):
+    """a -> (x on s1 | y on s2) -> z: x and y may run at the same time, z after both frees."""
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s1):
+        a = alloc(4096)
+        assert rt.memset_async(a, 4096, 1, 4096, s1.npu_stream) == 0
+        fork(s1, s2)
+        x = alloc(8192)
+        assert rt.memcpy_async(x, 8192, a, 4096, D2D, s1.npu_stream) == 0
+        free(x)
+        y = alloc(8192, stream=s2)  # captured after x's FREE, but not after it in the graph
+        assert rt.memcpy_async(y, 8192, a, 4096, D2D, s2.npu_stream) == 0
+        free(y)
+        fork(s2, s1)  # join
+        z = alloc(8192)
+        free(z)
+        free(a)
+    assert not overlap(x, 8192, y, 8192)
+    assert z in (x, y)
+    assert len(g.streams()) == 2
+    nodes = g.nodes()
+    z_alloc = [n for n in nodes if n["kind"] == "alloc"][3]
+    assert len(z_alloc["deps"]) == 2  # the last nodes of both branches
+    plan = g.memory_plan()
+    assert plan["footprint"] == 4096 + 8192 + 8192
+    assert plan["lower_bound"] == plan["footprint"]  # {a, x, y} may all be live together
+    exe = g.instantiate()
+    exe.launch(s1)
+    s1.synchronize()
+
+
+def test_no_reuse_across_possibly_concurrent_branches(mem):
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s1):
+        fork(s1, s2)
+        ptrs = []
+        for i in range(4):  # alternate branches: each branch reuses its own frees only
+            p = alloc(64 * 1024, stream=s1 if i % 2 == 0 else s2)
+            free(p)
+            ptrs.append(p)
+        fork(s2, s1)
+        after = alloc(64 * 1024)
+        free(after)
+    assert ptrs[0] == ptrs[2] and ptrs[1] == ptrs[3] and ptrs[0] != ptrs[1]
+    assert after in (ptrs[0], ptrs[1])
+    plan = g.memory_plan()
+    assert plan["footprint"] == plan["lower_bound"] == 2 * 64 * 1024
+
+
+def test_event_edges_allow_reuse_across_streams(mem):
+    """A free on s2 that s1 waited for lets s1 reuse the range (dependencies, not streams)."""
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s1):
+        fork(s1, s2)
+        x = alloc(4096, stream=s2)
+        free(x)
+        fork(s2, s1)
+        y = alloc(4096)
+        free(y)
+    assert x == y
+
+
+def test_unjoined_stream_fails_the_capture(mem):
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    g = npualloc.Graph()
+    with pytest.raises(RuntimeError, match="not joined back"):
+        with g.capture(stream=s1):
+            fork(s1, s2)
+            assert rt.memset_async(alloc(100, stream=s2), 100, 0, 100, s2.npu_stream) == 0
+    assert not npualloc.streams.current_stream() == s1
+    with pytest.raises(RuntimeError, match="broken"):
+        g.instantiate()
+    # s2 left capture mode: it runs work again
+    assert npualloc._sleep(0, s2.npu_stream) == 0
+    s2.synchronize()
+
+
+def test_nodes_of_every_kind_and_relaunch(mem):
+    s = npualloc.Stream()
+    calls = []
+    src = host(256, 9)
+    dst = host(256)
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        p = alloc(256)
+        assert rt.memcpy_async(p, 256, src.ctypes.data, 256, H2D, s.npu_stream) == 0
+        assert npualloc._sleep(0.001, s.npu_stream) == 0
+        assert rt.launch_callback(calls.append, "ran", acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+        assert rt.memcpy_async(dst.ctypes.data, 256, p, 256, D2H, s.npu_stream) == 0
+        buf = npualloc.empty(512)  # npualloc.empty on the capturing stream: an ALLOC node too
+        assert rt.memset_async(buf.ptr, 512, 3, 512, s.npu_stream) == 0
+        buf.free()
+        free(p)
+    assert calls == [] and dst[0] == 0  # captured, not run
+    assert [n["kind"] for n in g.nodes()] == ["alloc", "memcpy", "delay", "host", "memcpy", "alloc", "memset",
+                                              "free", "free"]
+    exe = g.instantiate()
+    for _ in range(3):
+        exe.launch(s)
+    s.synchronize()
+    assert calls == ["ran"] * 3 and (dst == 9).all()
+    src[:] = 4
+    exe.launch(s)
+    s.synchronize()
+    assert (dst == 4).all() and len(calls) == 4
+    exe.destroy()
+    assert exe.destroyed
+    with pytest.raises(RuntimeError, match="destroyed"):
+        exe.launch(s)
+
+
+# ---- physical memory ----
+
+def test_graphs_on_one_stream_share_physical_pages(mem):
+    """Seed 003's example: graphs launched one after another on a stream map the same pages, each at its
+    own addresses: what g1 writes through its range, g2 reads through its range."""
+    s, other = npualloc.Stream(), npualloc.Stream()
+    src, dst = host(4096, 0x5A), host(4096)
+    g1, g2 = npualloc.Graph(), npualloc.Graph()
+    with g1.capture(stream=s):
+        x = alloc(4096)
+        assert rt.memcpy_async(x, 4096, src.ctypes.data, 4096, H2D, s.npu_stream) == 0
+        free(x)
+    with g2.capture(stream=s):
+        y = alloc(4096)
+        assert rt.memcpy_async(dst.ctypes.data, 4096, y, 4096, D2H, s.npu_stream) == 0  # never written by g2
+        free(y)
+    assert not overlap(x, 4096, y, 4096)  # separate virtual ranges
+    e1, e2 = g1.instantiate(), g2.instantiate()
+    before = npualloc._C.vmm_counts()
+    e1.launch(s)
+    e2.launch(s)
+    s.synchronize()
+    assert (dst == 0x5A).all()
+    after = npualloc._C.vmm_counts()
+    assert after["physical_handles"] - before["physical_handles"] == 1  # one 2 MiB chunk for both graphs
+    assert after["mappings"] - before["mappings"] == 2
+    # relaunch with new data: still visible through the other graph's range
+    src[:] = 0x33
+    e1.launch(s)
+    e2.launch(s)
+    s.synchronize()
+    assert (dst == 0x33).all()
+    # plain reads through either range see the same bytes (unchecked graphs)
+    a, b = host(16), host(16)
+    assert rt.memcpy(a.ctypes.data, 16, x, 16, D2H) == 0 and rt.memcpy(b.ctypes.data, 16, y, 16, D2H) == 0
+    assert (a == 0x33).all() and (b == 0x33).all()
+    # graphs that may run concurrently (another stream) get other pages
+    dst[:] = 1
+    e2.launch(other)  # moves g2 to other's pages (after its launches on s)
+    other.synchronize()
+    assert (dst == 0).all()
+    e1.destroy()
+    e2.destroy()
+    final = npualloc._C.vmm_counts()
+    assert final["physical_handles"] == before["physical_handles"] and final["mappings"] == before["mappings"]
+
+
+def test_outputs_keep_their_data_until_the_next_launch(mem):
+    s = npualloc.Stream()
+    g1, g2 = npualloc.Graph(), npualloc.Graph()
+    with g1.capture(stream=s):
+        out = alloc(1024)  # never freed in the graph: an output
+        assert rt.memset_async(out, 1024, 7, 1024, s.npu_stream) == 0
+    with g2.capture(stream=s):
+        t = alloc(1024)
+        assert rt.memset_async(t, 1024, 1, 1024, s.npu_stream) == 0  # same offset, shared pages
+        free(t)
+    plan = g1.memory_plan()
+    assert plan["output_bytes"] == 1024 and g1.allocations()[0]["free_node"] is None
+    e1, e2 = g1.instantiate(), g2.instantiate()
+    e1.launch(s)
+    e2.launch(s)
+    s.synchronize()
+    got = host(1024)
+    assert rt.memcpy(got.ctypes.data, 1024, out, 1024, D2H) == 0
+    assert (got == 7).all()  # g2 wrote its own pages, not the output's
+    free(out)  # after the capture: accepted, the memory goes with the graph
+    del e1, e2
+    gc.collect()
+
+
+def test_dropping_the_executable_graph_unmaps_its_memory(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        free(alloc(4096))
+    before = npualloc._C.vmm_counts()
+    exe = g.instantiate()
+    exe.launch(s)
+    assert npualloc._C.vmm_counts()["mappings"] == before["mappings"] + 1
+    del exe  # no cycle: refcounting alone waits for the launch and unmaps
+    assert npualloc._C.vmm_counts() == before
+    g.replay(s)  # torch-style: the graph instantiates one on first use and keeps it
+    g.replay(s)
+    s.synchronize()
+    assert npualloc._C.vmm_counts()["mappings"] == before["mappings"] + 1
+
+
+# ---- multi-device access ----
+
+def test_access_descriptors_are_frozen_at_capture(mem):
+    s = npualloc.Stream()
+    npualloc.set_device(1)
+    dev1 = alloc(4096, device=1)
+    npualloc.set_device(0)
+    npualloc.set_graph_mem_access(0, [])
+    g1, g2, g3 = npualloc.Graph(), npualloc.Graph(), npualloc.Graph()
+    with g1.capture(stream=s):
+        x = alloc(4096)
+        assert rt.memset_async(x, 4096, 1, 4096, s.npu_stream) == 0
+        # device 1 may not access x: refused at capture
+        assert rt.memcpy_async(dev1, 4096, x, 4096, D2D, s.npu_stream) == NOT_SUPPORTED
+    npualloc.set_graph_mem_access(0, [1])  # like cudaMemPoolSetAccess after the first capture
+    assert npualloc.get_graph_mem_access(0) == [0, 1]
+    with g2.capture(stream=s):
+        y = alloc(4096)
+        assert rt.memset_async(y, 4096, 2, 4096, s.npu_stream) == 0
+        assert rt.memcpy_async(dev1, 4096, y, 4096, D2D, s.npu_stream) == 0
+    with g3.capture(stream=s, access=[]):  # the capture's own descriptors win over the setting
+        w = alloc(4096)
+    npualloc.set_graph_mem_access(0, [])
+    assert g1.allocations()[0]["access"] == [0]
+    assert g2.allocations()[0]["access"] == [0, 1]
+    assert g3.allocations()[0]["access"] == [0]
+    execs = [g.instantiate() for g in (g1, g2, g3)]
+    for e in execs:
+        e.launch(s)
+    s.synchronize()
+    # graph memory ignores peer access: only the captured descriptors count
+    assert rt.device_enable_peer_access(1, 0) == 0
+    assert rt.memcpy(dev1, 4096, x, 4096, D2D) == NOT_SUPPORTED
+    assert rt.memcpy(dev1, 4096, w, 4096, D2D) == NOT_SUPPORTED
+    assert rt.memcpy(dev1, 4096, y, 4096, D2D) == 0
+    got = host(4096)
+    assert rt.memcpy(got.ctypes.data, 4096, dev1, 4096, D2H) == 0 and (got == 2).all()
+    for e in execs:
+        e.destroy()
+    free(dev1)
+
+
+def test_allocation_on_another_device_is_refused(mem):
+    s = npualloc.Stream()
+    s1 = npualloc.Stream(device=1)
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        fork(s, s1)  # a stream of device 1 joins (copies are fine) ...
+        with pytest.raises(RuntimeError, match="one device"):
+            alloc(100, device=1, stream=s1)  # ... but graph memory is device 0's
+        fork(s1, s)
+
+
+# ---- checked mode ----
+
+def test_checked_graph_detects_use_after_free_at_capture(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph(checked=True)
+    with g.capture(stream=s):
+        x = alloc(4096)
+        assert rt.memset_async(x, 4096, 0, 4096, s.npu_stream) == 0
+        free(x)
+        assert rt.memset_async(x, 4096, 0, 4096, s.npu_stream) == PARAM_INVALID
+        y = alloc(4096)  # reuses x's range: the same pointer is valid again (it is y now)
+        assert y == x and rt.memset_async(x, 4096, 0, 4096, s.npu_stream) == 0
+        free(y)
+    v = g.violations()
+    assert len(v) == 1 and "after (or concurrently with) its free" in v[0]
+    with pytest.raises(npualloc.GraphMemoryError, match="violation"):
+        g.instantiate()
+
+
+def test_checked_graph_detects_a_free_racing_with_a_use(mem):
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    for fix in (False, True):
+        g = npualloc.Graph(checked=True)
+        with g.capture(stream=s1):
+            x = alloc(4096)
+            fork(s1, s2)
+            assert rt.memset_async(x, 4096, 0, 4096, s2.npu_stream) == 0  # used on s2
+            if fix:
+                npualloc.record_stream(x, s2.npu_stream)  # the FREE waits for s2 too
+            free(x)  # on s1
+            fork(s2, s1)
+        if fix:
+            assert g.violations() == []
+            g.instantiate().launch(s1)
+        else:
+            assert len(g.violations()) == 1 and "may still run" in g.violations()[0]
+            with pytest.raises(npualloc.GraphMemoryError):
+                g.instantiate()
+    s1.synchronize()
+
+
+def test_checked_graph_detects_host_access_after_launch(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph(checked=True)
+    with g.capture(stream=s):
+        tmp = alloc(4096)
+        assert rt.memset_async(tmp, 4096, 7, 4096, s.npu_stream) == 0
+        out = alloc(4096)
+        assert rt.memcpy_async(out, 4096, tmp, 4096, D2D, s.npu_stream) == 0
+        free(tmp)
+    exe = g.instantiate()
+    exe.launch(s)
+    s.synchronize()
+    got = host(4096)
+    assert rt.memcpy(got.ctypes.data, 4096, out, 4096, D2H) == 0 and (got == 7).all()  # an output: fine
+    assert rt.memcpy(got.ctypes.data, 4096, tmp, 4096, D2H) == PARAM_INVALID  # past its lifetime
+    assert rt.memset(tmp, 4096, 0, 4096) == PARAM_INVALID
+    assert len(g.violations()) == 2 and "outside the lifetime" in g.violations()[0]
+    # an unchecked graph lets it through (the seed's warning: it may see another allocation's data)
+    g2 = npualloc.Graph()
+    with g2.capture(stream=s):
+        t2 = alloc(4096)
+        free(t2)
+    e2 = g2.instantiate()
+    e2.launch(s)
+    s.synchronize()
+    assert rt.memcpy(got.ctypes.data, 4096, t2, 4096, D2H) == 0
+
+
+def test_errors(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with pytest.raises(RuntimeError, match="never captured"):
+        g.instantiate()
+    g.capture_begin(s)
+    with pytest.raises(RuntimeError, match="already capturing|being captured"):
+        npualloc.Graph().capture_begin(s)
+    with pytest.raises(RuntimeError, match="still being captured"):
+        g.instantiate()
+    with pytest.raises(RuntimeError, match="freed twice|not a live allocation"):
+        p = alloc(10, stream=s)  # (capture_begin does not make s current; capture() does)
+        free(p)
+        free(p)
+    g.capture_end()
+    with pytest.raises(RuntimeError, match="captured once"):
+        g.capture_begin(s)
+    with pytest.raises(ValueError, match="pool capture"):
+        npualloc.Graph().capture_begin(s, access=[1], pool=npualloc.graph_pool_handle())
+    exe = g.instantiate()
+    with pytest.raises(RuntimeError, match="device"):
+        exe.launch(npualloc.Stream(device=1))
+    # a graph of a runtime that was shut down is dead
+    mem()
+    with pytest.raises(RuntimeError, match="shut down"):
+        exe.launch(npualloc.Stream())
+
+
+# ---- the planner on a real trace ----
+
+TRACE = "/work/shared/traces/cs336-ctx128-fullstep.pickle"
+
+
+def test_planner_footprint_vs_lower_bound_on_a_captured_trace(mem):
+    import os
+    if not os.path.exists(TRACE):
+        pytest.skip("trace not available")
+    from npualloc import replay
+    ev = replay.Trace.load(TRACE).device_events()
+    mem(device_count=1, device_memory=64 << 30)
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    live = {}
+    with g.capture(stream=s):
+        for action, addr, size in zip(ev.action, ev.addr, ev.size):
+            if action == 0:
+                live[addr] = alloc(size)
+            elif addr in live:
+                free(live.pop(addr))
+    plan = g.instantiate().memory_plan()
+    ratio = plan["footprint"] / plan["lower_bound"]
+    print(f"\ncs336 fullstep: {plan['alloc_count']} allocations, footprint {plan['footprint'] / 2**30:.2f} GiB, "
+          f"lower bound {plan['lower_bound'] / 2**30:.2f} GiB, ratio {ratio:.4f}")
+    assert plan["alloc_count"] == sum(1 for a in ev.action if a == 0)
+    assert plan["lower_bound"] <= plan["footprint"]
+    assert ratio < 1.05
+    # the plan is valid: allocations live at the same time (one stream: node order) never overlap
+    import bisect
+    events = []
+    for a in g.allocations():
+        events.append((a["alloc_node"], 1, a["offset"], a["size"]))
+        if a["free_node"] is not None:
+            events.append((a["free_node"], 0, a["offset"], a["size"]))
+    events.sort()
+    starts, ends = [], []
+    for _, is_alloc, off, size in events:
+        i = bisect.bisect_left(starts, off)
+        if is_alloc:
+            assert (i == 0 or ends[i - 1] <= off) and (i == len(starts) or off + size <= starts[i])
+            starts.insert(i, off)
+            ends.insert(i, off + size)
+        else:
+            assert starts[i] == off
+            del starts[i], ends[i]

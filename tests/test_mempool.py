@@ -1,0 +1,192 @@
+"""Private memory pools: MemPool, use_mem_pool, graph_pool_handle, per-pool snapshots and statistics
+(torch's semantics, reference section 3.14)."""
+import gc
+import threading
+
+import pytest
+
+import npualloc
+from conftest_memory import MiB, block_of, check_all, mem, segment_of  # noqa: F401
+
+alloc = npualloc.caching_allocator_alloc
+free = npualloc.caching_allocator_delete
+
+DEFAULT = (0, 0)
+
+
+def pool_of(ptr):
+    return segment_of(ptr)["segment_pool_id"]
+
+
+def test_ids_share_one_counter_with_graph_pool_handle(mem):
+    a = npualloc.MemPool()
+    h = npualloc.graph_pool_handle()
+    b = npualloc.MemPool()
+    assert a.id[0] == 0 and h[0] == 0 and b.id[0] == 0
+    assert h[1] == a.id[1] + 1 and b.id[1] == h[1] + 1
+    assert isinstance(a.id, tuple) and a.allocator is None and a.device == 0
+    with pytest.raises(NotImplementedError):
+        npualloc.MemPool(allocator=object())
+    with pytest.raises(NotImplementedError):
+        npualloc.MemPool(use_on_oom=True)
+
+
+def test_use_count_and_routing_of_this_thread_only(mem):
+    pool = npualloc.MemPool()
+    assert pool.use_count() == 1
+    other = {}
+
+    def elsewhere():
+        other["ptr"] = alloc(1000)
+
+    with npualloc.use_mem_pool(pool):
+        assert pool.use_count() == 2
+        small, large = alloc(1000), alloc(30 * MiB)
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+    assert pool.use_count() == 1
+    after = alloc(1000)
+    assert pool_of(small) == pool.id and pool_of(large) == pool.id
+    assert pool_of(other["ptr"]) == DEFAULT and pool_of(after) == DEFAULT
+    # snapshot() / memory_snapshot(mempool_id=) list the pool's segments only
+    segs = pool.snapshot()
+    assert {s["segment_pool_id"] for s in segs} == {pool.id}
+    assert sorted(s["segment_type"] for s in segs) == ["large", "small"]
+    assert segs == npualloc.memory_snapshot(mempool_id=pool.id)
+    assert all(s["segment_pool_id"] == DEFAULT for s in npualloc.memory_snapshot(mempool_id=DEFAULT))
+    for p in (small, large, other["ptr"], after):
+        free(p)
+    check_all()
+
+
+def test_nested_pools_innermost_wins(mem):
+    p1, p2 = npualloc.MemPool(), npualloc.MemPool()
+    with npualloc.use_mem_pool(p1):
+        a = alloc(1000)
+        with npualloc.use_mem_pool(p2):
+            b = alloc(1000)
+            assert p1.use_count() == 2 and p2.use_count() == 2
+        c = alloc(1000)
+    assert (pool_of(a), pool_of(b), pool_of(c)) == (p1.id, p2.id, p1.id)
+    # the same pool inside itself: torch's error
+    with npualloc.use_mem_pool(p1):
+        with pytest.raises(RuntimeError, match="already recording to mempool_id"):
+            with npualloc.use_mem_pool(p1):
+                pass
+    assert p1.use_count() == 1
+    for p in (a, b, c):
+        free(p)
+
+
+def test_use_mem_pool_on_another_device(mem):
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool, device=1):
+        x = alloc(1000, device=1)
+        y = alloc(1000, device=0)
+    assert pool_of(x) == pool.id and pool_of(y) == DEFAULT
+    free(x)
+    free(y)
+    npualloc.empty_cache()  # the device-1 pool had no holder left: it is gone
+    assert npualloc.memory_snapshot(mempool_id=pool.id) == []
+
+
+def test_memory_returns_when_the_pool_goes(mem):
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        x = alloc(30 * MiB)
+    y = alloc(30 * MiB)
+    free(x)
+    free(y)
+    in_pool = sum(seg["total_size"] for seg in pool.snapshot())
+    assert 0 < in_pool < npualloc.memory_reserved()
+    # empty_cache: the default pool's free segment goes, the live pool keeps its memory
+    npualloc.empty_cache()
+    assert npualloc.memory_reserved() == in_pool
+    assert len(pool.snapshot()) == 1
+    pid = pool.id
+    del pool
+    gc.collect()
+    # torch's ~MemPool: releasePool, then emptyCache(id)
+    assert npualloc.memory_snapshot(mempool_id=pid) == []
+    assert npualloc.memory_reserved() == 0
+    check_all()
+
+
+def test_a_released_pool_keeps_live_blocks_until_freed(mem):
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        x = alloc(4 * MiB)
+    pid = pool.id
+    pool.release()
+    assert npualloc.memory_snapshot(mempool_id=pid) != []  # x is still allocated
+    free(x)
+    assert npualloc.memory_snapshot(mempool_id=pid) != []  # freeable, but only empty_cache returns it
+    npualloc.empty_cache()
+    assert npualloc.memory_snapshot(mempool_id=pid) == []
+
+
+def test_pool_stats_and_summary(mem):
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        a = alloc(1000)             # small segment (2 MiB), split
+        b = alloc(3000)
+        c = alloc(30 * MiB)         # large segment of its own
+    free(b)
+    elsewhere = alloc(5 * MiB)      # default pool: not counted
+    st = npualloc.mempool_stats(pool)
+    assert st == pool.memory_stats()
+    assert st["segment.all.current"] == 2
+    assert st["segment.small_pool.current"] == 1 and st["segment.large_pool.current"] == 1
+    assert st["reserved_bytes.all.current"] == 2 * MiB + segment_of(c)["total_size"]
+    assert st["allocation.all.current"] == 2
+    a_size = block_of(a)["size"]  # (with the NPU's 32-byte pad, rounded to 512)
+    assert st["allocated_bytes.small_pool.current"] == a_size
+    assert st["allocated_bytes.large_pool.current"] == block_of(c)["size"]
+    assert st["requested_bytes.all.current"] == 1000 + 30 * MiB
+    assert st["inactive_split.small_pool.current"] == 1
+    assert st["inactive_split_bytes.small_pool.current"] == 2 * MiB - a_size
+    # the device-wide counters include the pool: the pool's share is what the table shows
+    dev = npualloc.memory_stats()
+    assert dev["reserved_bytes.all.current"] == st["reserved_bytes.all.current"] + segment_of(elsewhere)["total_size"]
+    text = pool.memory_summary()
+    lines = text.splitlines()
+    assert all(len(line) == 77 for line in lines)
+    assert f"private pool {pool.id} memory summary, device ID 0" in text
+    assert any(line.startswith("| NPU reserved segments ") and "      2" in line for line in lines)
+    for p in (a, c, elsewhere):
+        free(p)
+    empty = npualloc.mempool_stats(npualloc.graph_pool_handle())
+    assert set(empty.values()) == {0} and len(empty) == 27
+
+
+def test_pool_capture_shares_a_pool_between_graphs(mem):
+    """torch-style captures: allocations of the capturing stream come from the pool at real addresses."""
+    from npualloc import acl
+    pool = npualloc.MemPool()
+    s = npualloc.Stream()
+    g1, g2 = npualloc.Graph(), npualloc.Graph()
+    with g1.capture(stream=s, pool=pool):
+        assert pool.use_count() == 3  # the MemPool, the graph, the route
+        x = alloc(1000)
+        assert acl.rt.memset_async(x, 1000, 5, 1000, s.npu_stream) == 0
+    with g2.capture(stream=s, pool=pool.id):
+        y = alloc(1000)
+        assert acl.rt.memcpy_async(y, 1000, x, 1000, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s.npu_stream) == 0
+    assert pool.use_count() == 3  # the MemPool and both graphs
+    assert pool_of(x) == pool.id and pool_of(y) == pool.id
+    assert g1.memory_plan()["pool_mode"] and g1.allocations() == []
+    g1.launch(s)
+    g2.launch(s)
+    s.synchronize()
+    buf = bytearray(4)
+    import ctypes
+    view = (ctypes.c_char * 4).from_buffer(buf)
+    assert acl.rt.memcpy(ctypes.addressof(view), 4, y, 4, acl.ACL_MEMCPY_DEVICE_TO_HOST) == 0
+    assert bytes(buf) == b"\x05" * 4
+    del view
+    free(x)
+    free(y)
+    del g1, g2
+    gc.collect()
+    assert pool.use_count() == 1
