@@ -903,11 +903,9 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     if (rc == ACL_SUCCESS && !g->pool_mode) {
         size_t want = g->mapped ? (size_t)g->mapped : VMM_GRANULARITY;
         if (want < g->reserved) {
-            uintptr_t base = g->base;
             reg_resize(g, want);
-            void *va = NULL;
-            if (aclrtReleaseMemAddress((void *)base) != ACL_SUCCESS ||
-                vmm_reserve(g->device, want, (void *)base, &va) != ACL_SUCCESS) {
+            if (vmm_reserve_shrink((void *)g->base, want) != ACL_SUCCESS) {
+                (void)aclrtReleaseMemAddress((void *)g->base);
                 reg_remove(g);
                 pthread_mutex_lock(&graph_lock);
                 g->state = G_BROKEN;

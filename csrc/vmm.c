@@ -365,6 +365,23 @@ aclError vmm_reserve(int32_t device, size_t size, void *at, void **out)
     return ACL_SUCCESS;
 }
 
+aclError vmm_reserve_shrink(void *base, size_t size)
+{
+    uintptr_t at = (uintptr_t)base;
+    pthread_rwlock_wrlock(&vmm.lock);
+    avl_node *n = avl_find(&vmm.regions, &at, region_key_order);
+    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    if (!r || r->malloc_handle || r->mappings || size == 0 || size % VMM_GRANULARITY || size > r->size) {
+        pthread_rwlock_unlock(&vmm.lock);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
+    if (size < r->size)
+        va_free(r->base + size, r->size - size);
+    r->size = size;
+    pthread_rwlock_unlock(&vmm.lock);
+    return ACL_SUCCESS;
+}
+
 aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, void *expectPtr, uint64_t flags)
 {
     if (!virPtr || size == 0 || alignment != 0 || flags > 1)

@@ -44,6 +44,10 @@ aclError vmm_free_malloc(void *ptr);
 /* A reserved range in a device's address slice (aclrtReserveMemAddress with an explicit device;
  * `at` non-NULL asks for that exact address). */
 aclError vmm_reserve(int32_t device, size_t size, void *at, void **out);
+/* Shrinks a reservation with nothing mapped to its first `size` bytes (a multiple of
+ * VMM_GRANULARITY) and gives the rest back, in one step: no other thread can take the range
+ * in between, as it could between a release and a new reservation. */
+aclError vmm_reserve_shrink(void *base, size_t size);
 /* A physical handle of `kind` charged to `device` (aclrtMallocPhysical without the property
  * checks); it is a normal handle users could name. */
 aclError vmm_physical_create(int32_t device, mem_kind kind, size_t size, aclrtDrvMemHandle *out);
