@@ -93,6 +93,16 @@ void avl_insert(avl_tree *t, avl_node *n, avl_order order)
     avl_link(t, n, parent, link);
 }
 
+void avl_replace(avl_tree *t, avl_node *old, avl_node *n)
+{
+    *n = *old;
+    if (n->left)
+        n->left->parent = n;
+    if (n->right)
+        n->right->parent = n;
+    replace_child(t, n->parent, old, n);
+}
+
 void avl_remove(avl_tree *t, avl_node *n)
 {
     avl_node *start; /* lowest node whose height may have changed */

@@ -41,6 +41,9 @@ void avl_insert(avl_tree *t, avl_node *n, avl_order order);
  * callers that search with an inline comparison instead of a function pointer. */
 void avl_link(avl_tree *t, avl_node *n, avl_node *parent, avl_node **link);
 void avl_remove(avl_tree *t, avl_node *n);
+/* n takes old's place (links, height): for a node whose key is about to be set to old's
+ * position in the order, without a removal and an insertion. */
+void avl_replace(avl_tree *t, avl_node *old, avl_node *n);
 
 avl_node *avl_find(const avl_tree *t, const void *key, avl_key_order order);
 /* The last node at or before the key, or NULL. */

@@ -165,6 +165,7 @@ void block_pool_insert(block_pool *p, cache_block *b)
         link = before(b, entry(parent)) ? &parent->left : &parent->right;
     }
     avl_link(t, &b->pool_node, parent, link);
+    b->pool_bin = c;
     mark(sb, c);
     sb->count++;
     p->count++;
@@ -174,13 +175,39 @@ void block_pool_insert(block_pool *p, cache_block *b)
 void block_pool_remove(block_pool *p, cache_block *b)
 {
     stream_bins *sb = bins_of(p, b->stream);
-    unsigned c = size_class(b->size);
+    unsigned c = b->pool_bin;
     avl_remove(&sb->bins[c], &b->pool_node);
     if (!sb->bins[c].root)
         unmark(sb, c);
     sb->count--;
     p->count--;
     b->in_pool = false;
+}
+
+void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size)
+{
+    if (size_class(size) == b->pool_bin) {
+        const cache_block *lo = entry(avl_prev(&b->pool_node)), *hi = entry(avl_next(&b->pool_node));
+        if ((!lo || (lo->size != size ? lo->size < size : lo->ptr < ptr)) &&
+            (!hi || (size != hi->size ? size < hi->size : ptr < hi->ptr))) {
+            b->ptr = ptr;
+            b->size = size;
+            return;
+        }
+    }
+    block_pool_remove(p, b);
+    b->ptr = ptr;
+    b->size = size;
+    block_pool_insert(p, b);
+}
+
+void block_pool_transplant(block_pool *p, cache_block *old, cache_block *b)
+{
+    stream_bins *sb = bins_of(p, old->stream);
+    avl_replace(&sb->bins[old->pool_bin], &old->pool_node, &b->pool_node);
+    b->pool_bin = old->pool_bin;
+    b->in_pool = true;
+    old->in_pool = false;
 }
 
 /* The smallest (size, address) of a bin. */
@@ -236,7 +263,7 @@ cache_block *block_pool_next(const cache_block *b)
     if (n)
         return entry(n);
     size_t i = stream_index(p, b->stream);
-    cache_block *next = first_from(p->streams[i], size_class(b->size) + 1);
+    cache_block *next = first_from(p->streams[i], b->pool_bin + 1);
     return next ? next : first_of_streams(p, i + 1);
 }
 
@@ -247,7 +274,7 @@ cache_block *block_pool_prev(const cache_block *b)
     if (n)
         return entry(n);
     size_t i = stream_index(p, b->stream);
-    int c = prev_class(p->streams[i], (int)size_class(b->size) - 1);
+    int c = prev_class(p->streams[i], (int)b->pool_bin - 1);
     if (c >= 0)
         return bin_last(p->streams[i], (unsigned)c);
     while (i-- > 0) {

@@ -45,6 +45,13 @@ int block_pool_prepare(block_pool *p, uint64_t stream);
 
 void block_pool_insert(block_pool *p, cache_block *b);
 void block_pool_remove(block_pool *p, cache_block *b);
+/* Gives an indexed block a new (ptr, size), keeping its place when the order allows (a split
+ * or merge mostly leaves a block between the same neighbours), else moving it.  b's own key may
+ * be stale when this is called; every other block's must be current. */
+void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size);
+/* b (same stream, not indexed) takes old's place in the index and old leaves it: the first
+ * step of merging b with a free neighbour.  b's key is stale until block_pool_rekey. */
+void block_pool_transplant(block_pool *p, cache_block *old, cache_block *b);
 /* The first block ordered at or after (stream, size, 0), or NULL (any stream). */
 cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t size);
 /* Neighbours in the pool's order (any stream). */

@@ -376,7 +376,7 @@ static bool get_free_block(device_cache *dc, alloc_params *p)
     /* ...and serves a large request only if it is not much larger. */
     if (p->size >= max_split && b->size >= p->size + dc->settings->max_non_split_rounding_size)
         return false;
-    block_pool_remove(pool, b);
+    /* The block stays indexed: a split re-keys it in place (alloc_found_block). */
     b->gc_base = pool->search_count;
     p->block = b;
     return true;
@@ -673,8 +673,13 @@ static void align_block_start(device_cache *dc, alloc_params *p)
     if (b->next)
         b->next->prev = aligned;
     b->next = aligned;
-    b->size = offset;
-    cache_pool_insert(b);
+    if (b->in_pool) { /* found in the pool: the front keeps its place */
+        block_pool_rekey(b->pool, b, b->ptr, offset);
+        b->gc_base = b->pool->search_count;
+    } else {
+        b->size = offset;
+        cache_pool_insert(b);
+    }
     p->block = aligned;
 }
 
@@ -688,7 +693,8 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
     if ((split && !front) || ptr_map_reserve(&dc->allocated_blocks, 1) != 0) {
         if (front)
             cache_block_delete(dc, front);
-        cache_pool_insert(b);
+        if (!b->in_pool)
+            cache_pool_insert(b);
         cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for block metadata");
         return ACL_ERROR_BAD_ALLOC;
     }
@@ -708,9 +714,14 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
          * segment reports frames only until its first block is split off. */
         front->es = rest->es;
         front->oversize_segment = rest->oversize_segment; /* every block carries its segment's flag */
-        rest->ptr += p->size;
-        rest->size -= p->size;
-        cache_pool_insert(rest);
+        if (rest->in_pool) { /* found in the pool: mostly keeps its place there */
+            block_pool_rekey(pool, rest, rest->ptr + p->size, rest->size - p->size);
+            rest->gc_base = pool->search_count;
+        } else {
+            rest->ptr += p->size;
+            rest->size -= p->size;
+            cache_pool_insert(rest);
+        }
         b = front;
         if (b->es) {
             /* expandable segments keep no inactive-split stats */
@@ -720,9 +731,13 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
             cache_stat_inc(dc->stats.inactive_split_bytes, pool, (int64_t)rest->size);
             cache_stat_inc(dc->stats.inactive_split, pool, 1);
         }
-    } else if (already_split && !b->es) {
-        cache_stat_dec(dc->stats.inactive_split_bytes, pool, (int64_t)b->size);
-        cache_stat_dec(dc->stats.inactive_split, pool, 1);
+    } else {
+        if (b->in_pool)
+            block_pool_remove(pool, b);
+        if (already_split && !b->es) {
+            cache_stat_dec(dc->stats.inactive_split_bytes, pool, (int64_t)b->size);
+            cache_stat_dec(dc->stats.inactive_split, pool, 1);
+        }
     }
     ptr_map_put(&dc->allocated_blocks, b->ptr, b); /* cannot fail: capacity reserved above */
     b->allocated = true;
@@ -744,10 +759,14 @@ static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig
     return ACL_SUCCESS;
 }
 
-size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src)
+/* Merges src into dst when it can; with take_place, dst (not indexed) also takes src's place in
+ * the pool's index, saving a removal and an insertion (free_block re-keys it afterwards). */
+static size_t merge_into(device_cache *dc, cache_block *dst, cache_block *src, bool take_place)
 {
     if (!src || src->allocated || src->event_count > 0 || src->use_count > 0 || src->mapped != dst->mapped)
         return 0;
+    if (take_place && src->in_pool)
+        block_pool_transplant(src->pool, src, dst);
     if (dst->prev == src) {
         dst->ptr = src->ptr;
         dst->prev = src->prev;
@@ -763,13 +782,15 @@ size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src)
     }
     size_t subsumed = src->size;
     dst->size += subsumed;
-    if (src->mapped)
+    if (src->in_pool)
         block_pool_remove(src->pool, src);
-    else
+    else if (!src->mapped)
         block_pool_remove_unmapped(src->pool, src);
     cache_block_delete(dc, src);
     return subsumed;
 }
+
+size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src) { return merge_into(dc, dst, src, false); }
 
 /* Completes a free: merges with free neighbours and caches the result. */
 static void free_block(device_cache *dc, cache_block *b)
@@ -782,13 +803,18 @@ static void free_block(device_cache *dc, cache_block *b)
     b->ctx = NULL;
     cache_block *neighbours[2] = {b->prev, b->next};
     for (int i = 0; i < 2; i++) {
-        size_t subsumed = cache_try_merge(dc, b, neighbours[i]);
+        size_t subsumed = merge_into(dc, b, neighbours[i], !b->in_pool);
         if (subsumed) {
             net_splits--;
             net_split_bytes -= (int64_t)subsumed;
         }
     }
-    cache_pool_insert(b);
+    if (b->in_pool) { /* took a merged neighbour's place: mostly the right one already */
+        block_pool_rekey(pool, b, b->ptr, b->size);
+        b->gc_base = pool->search_count;
+    } else {
+        cache_pool_insert(b);
+    }
     if (block_is_split(b)) {
         net_splits++;
         net_split_bytes += (int64_t)b->size;
