@@ -2,8 +2,10 @@
  * bench_caching.c - the caching allocator's hot path: a cache-hit npualloc_cache_malloc +
  * npualloc_cache_free pair, and how it grows with the number of live blocks held.
  *
- * Prints ns per pair (median of 5 repetitions).  No targets here: issue "Performance" owns
- * them (make bench's summary table).
+ *   bench_caching [--json]
+ *
+ * Prints ns per pair (median of 5 repetitions); --json prints one JSON object per line instead.
+ * No targets here: benchmarks/run.py (make bench) compares them with the targets.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,8 +44,9 @@ static double pair_ns(size_t size, long pairs)
     return reps[2];
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    int json = argc > 1 && strcmp(argv[1], "--json") == 0;
     npualloc_config cfg = {1, (uint64_t)64 << 30, (uint64_t)64 << 30, 0, 0};
     char err[256];
     if (npualloc_configure(&cfg, err, sizeof err) != ACL_SUCCESS) {
@@ -53,12 +56,18 @@ int main(void)
     void *warm;
     npualloc_cache_malloc(0, 4096, 0, &warm);
     npualloc_cache_free(warm);
-    printf("%-44s %12s\n", "caching allocator (C)", "ns/pair");
+    if (!json)
+        printf("%-44s %12s\n", "caching allocator (C)", "ns/pair");
     static const size_t sizes[] = {512, 4096, 1 << 20, 8 << 20, 64 << 20};
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        double ns = pair_ns(sizes[i], 200000);
         char label[64];
         snprintf(label, sizeof label, "cache-hit pair, %zu bytes", sizes[i]);
-        printf("%-44s %12.1f\n", label, pair_ns(sizes[i], 200000));
+        if (json)
+            printf("{\"bench\":\"caching\",\"what\":\"cache-hit pair\",\"size\":%zu,\"ns_per_pair\":%.2f}\n",
+                   sizes[i], ns);
+        else
+            printf("%-44s %12.1f\n", label, ns);
     }
     /* Growth with live blocks: hold N small blocks, then time pairs of the same size. */
     static const long live_counts[] = {1000, 10000, 100000, 1000000};
@@ -73,7 +82,11 @@ int main(void)
             base = ns;
         char label[64];
         snprintf(label, sizeof label, "pair with %ld live blocks", live_counts[k]);
-        printf("%-44s %12.1f   (x%.2f of 1k)\n", label, ns, ns / base);
+        if (json)
+            printf("{\"bench\":\"caching\",\"what\":\"live blocks\",\"live\":%ld,\"ns_per_pair\":%.2f}\n",
+                   live_counts[k], ns);
+        else
+            printf("%-44s %12.1f   (x%.2f of 1k)\n", label, ns, ns / base);
     }
     for (long i = 0; i < held_n; i++)
         npualloc_cache_free(held[i]);

@@ -1,7 +1,7 @@
 /*
  * bench_hotpath.c - the caching allocator's hot path next to the host allocators.
  *
- *   bench_hotpath [EVENTS_FILE] [--json]
+ *   bench_hotpath [EVENTS_FILE] [--json] [--only ALLOCATOR]
  *
  * 1. Trace: the alloc/free stream of a recorded PyTorch run (EVENTS_FILE, written by
  *    `python -m npualloc replay TRACE --export-events FILE`), sizes and order kept, on one
@@ -11,7 +11,8 @@
  * Each workload runs through npualloc's C caching allocator and, in the same process and run,
  * through glibc malloc, jemalloc and mimalloc (loaded with dlopen when installed).  Nobody
  * touches the memory: this measures the allocators' bookkeeping only.  Prints ns per
- * alloc+free pair (median of 5 passes) and the ratio to each peer.
+ * alloc+free pair (median of 5 passes) and the ratio to each peer.  --only runs one allocator
+ * (npualloc, glibc, jemalloc or mimalloc), for profiling it alone.
  */
 #include <dlfcn.h>
 #include <stdint.h>
@@ -223,12 +224,14 @@ static int load_peer(allocator *a, const char *name, const char *lib, const char
 
 int main(int argc, char **argv)
 {
-    const char *events = NULL;
+    const char *events = NULL, *only = NULL;
     int json = 0;
     saved_argv = argv;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0)
             json = 1;
+        else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc)
+            only = argv[++i];
         else
             events = argv[i];
     }
@@ -242,10 +245,24 @@ int main(int argc, char **argv)
     int npeers = 0;
     peers[npeers++] = (allocator){"npualloc", npu_alloc, npu_free};
     peers[npeers++] = (allocator){"glibc", malloc, free};
-    if (load_peer(&peers[npeers], "jemalloc", "libjemalloc.so.2", "malloc", "free") == 0)
+    if ((!only || strcmp(only, "jemalloc") == 0) &&
+        load_peer(&peers[npeers], "jemalloc", "libjemalloc.so.2", "malloc", "free") == 0)
         npeers++;
-    if (load_peer(&peers[npeers], "mimalloc", "libmimalloc.so.2", "mi_malloc", "mi_free") == 0)
+    if ((!only || strcmp(only, "mimalloc") == 0) &&
+        load_peer(&peers[npeers], "mimalloc", "libmimalloc.so.2", "mi_malloc", "mi_free") == 0)
         npeers++;
+    if (only) {
+        int keep = -1;
+        for (int p = 0; p < npeers; p++)
+            if (strcmp(peers[p].name, only) == 0)
+                keep = p;
+        if (keep < 0) {
+            fprintf(stderr, "bench_hotpath: allocator %s is not available\n", only);
+            return 1;
+        }
+        peers[0] = peers[keep];
+        npeers = 1;
+    }
 
     workload loads[2];
     int nloads = 0;

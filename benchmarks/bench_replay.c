@@ -12,8 +12,10 @@
  * 300 ms have passed (and at least 5 times), and reports the median rate (session creation and
  * teardown excluded) plus what the replay reserved.  Target: >= 2 M events/s on the fullstep trace.
  *
+ * --json prints one JSON object per (input, setting) line instead of the table.
+ *
  * Build and run: `make bench`, or
- *   make build/release/bench/bench_replay && build/release/bench/bench_replay [FILE...]
+ *   make build/release/bench/bench_replay && build/release/bench/bench_replay [--json] [FILE...]
  */
 #include <dirent.h>
 #include <stdbool.h>
@@ -258,7 +260,18 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static void bench_one(const events *e, const setting *s)
+static void print_name(const char *s)
+{
+    putchar('"');
+    for (; *s; s++)
+        if (*s == '"' || *s == '\\')
+            printf("\\%c", *s);
+        else if ((unsigned char)*s >= 0x20)
+            putchar(*s);
+    putchar('"');
+}
+
+static void bench_one(const events *e, const setting *s, bool json)
 {
     npualloc_replay_config cfg;
     npualloc_replay_config_default(&cfg);
@@ -276,8 +289,9 @@ static void bench_one(const events *e, const setting *s)
         char err[512];
         npualloc_replay_status st = npualloc_replay_create(&cfg, &r, err, sizeof err);
         if (st != NPUALLOC_REPLAY_OK) {
-            printf("  %-32s %-26s %s\n", e->name, s->label,
-                   st == NPUALLOC_REPLAY_UNAVAILABLE ? "not available" : err);
+            if (!json)
+                printf("  %-32s %-26s %s\n", e->name, s->label,
+                       st == NPUALLOC_REPLAY_UNAVAILABLE ? "not available" : err);
             return;
         }
         npualloc_replay_events ev = {e->action, e->addr, e->size, e->stream, e->count};
@@ -289,6 +303,17 @@ static void bench_one(const events *e, const setting *s)
         rates[runs++] = dt > 0 ? (double)res.events / dt : 0;
     }
     qsort(rates, (size_t)runs, sizeof rates[0], cmp_double);
+    if (json) {
+        printf("{\"bench\":\"replay\",\"trace\":");
+        print_name(e->name);
+        printf(",\"setting\":");
+        print_name(s->label);
+        printf(",\"events\":%zu,\"runs\":%d,\"events_per_s\":%.0f,\"peak_reserved\":%llu,"
+               "\"peak_allocated\":%llu,\"fragmentation\":%.4f,\"ooms\":%llu}\n",
+               e->count, runs, rates[runs / 2], (unsigned long long)res.peak_reserved,
+               (unsigned long long)res.peak_allocated, res.fragmentation, (unsigned long long)res.ooms);
+        return;
+    }
     printf("  %-32s %-26s %9zu %5d %9.2f %12.2f %9.2f %6.1f%% %4llu\n", e->name, s->label, e->count, runs,
            rates[runs / 2] / 1e6, (double)res.peak_reserved / (double)GiB, (double)res.peak_allocated / (double)GiB,
            res.fragmentation * 100.0, (unsigned long long)res.ooms);
@@ -298,19 +323,27 @@ int main(int argc, char **argv)
 {
     events list[24];
     size_t n = 0;
+    int files = 0;
+    bool json = false;
     char tmpdir[] = "/tmp/npualloc-bench-XXXXXX";
-    for (int i = 1; i < argc && n < 20; i++)
+    for (int i = 1; i < argc && n < 20; i++) {
+        if (strcmp(argv[i], "--json") == 0) {
+            json = true;
+            continue;
+        }
+        files++;
         if (load_file(argv[i], &list[n]))
             n++;
+    }
     const char *env = getenv("NPUALLOC_REPLAY_EVENTS");
-    if (argc == 1 && env && *env) {
+    if (files == 0 && env && *env) {
         char *copy = strdup(env);
         for (char *tok = strtok(copy, ":"); tok && n < 20; tok = strtok(NULL, ":"))
             if (load_file(tok, &list[n]))
                 n++;
         free(copy);
     }
-    if (argc == 1 && n == 0 && mkdtemp(tmpdir)) {
+    if (files == 0 && n == 0 && mkdtemp(tmpdir)) {
         n += export_shared(list + n, 20 - n, tmpdir);
         rmdir(tmpdir);
     }
@@ -319,13 +352,15 @@ int main(int argc, char **argv)
         return 1;
     }
     n++;
-    printf("bench_replay: median replay rate per (trace, setting); 80 GiB simulated device; session set-up "
-           "excluded\n");
-    printf("  %-32s %-26s %9s %5s %9s %12s %9s %7s %4s\n", "trace", "setting", "events", "runs", "Mev/s",
-           "peak resv GiB", "alloc GiB", "frag", "OOMs");
+    if (!json) {
+        printf("bench_replay: median replay rate per (trace, setting); 80 GiB simulated device; session set-up "
+               "excluded\n");
+        printf("  %-32s %-26s %9s %5s %9s %12s %9s %7s %4s\n", "trace", "setting", "events", "runs", "Mev/s",
+               "peak resv GiB", "alloc GiB", "frag", "OOMs");
+    }
     for (size_t i = 0; i < n; i++) {
         for (size_t k = 0; k < sizeof SETTINGS / sizeof SETTINGS[0]; k++)
-            bench_one(&list[i], &SETTINGS[k]);
+            bench_one(&list[i], &SETTINGS[k], json);
         free_events(&list[i]);
     }
     return 0;
