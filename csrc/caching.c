@@ -964,22 +964,40 @@ static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, 
     oom->allowed = dc->allowed_memory_maximum;
 }
 
-aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out,
-                             npualloc_oom_info *oom)
+/* The first steps of every allocation: completed frees are taken in, the size rounded, the pool
+ * chosen and its index made ready for the stream.  False when the index cannot grow. */
+static bool begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
 {
     if (likely(dc->route_count == 0)) /* no events are processed while a capture is underway */
         process_events(dc);
-    alloc_params p = {0};
-    p.size = cache_round_size(dc->settings, dc->pad, orig_size);
-    p.stream = stream;
-    p.pool = get_pool(dc, p.size, stream);
-    if (unlikely(block_pool_prepare(p.pool, stream) != 0)) {
+    memset(p, 0, sizeof *p);
+    p->size = cache_round_size(dc->settings, dc->pad, orig_size);
+    p->stream = stream;
+    p->pool = get_pool(dc, p->size, stream);
+    if (unlikely(block_pool_prepare(p->pool, stream) != 0)) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
-        return ACL_ERROR_BAD_ALLOC;
+        return false;
     }
-    p.alloc_size = allocation_size(dc->settings, p.size, p.pool->is_small);
-    p.err = ACL_SUCCESS;
+    p->alloc_size = allocation_size(dc->settings, p->size, p->pool->is_small);
+    p->err = ACL_SUCCESS;
+    return true;
+}
 
+bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out)
+{
+    alloc_params p;
+    if (!begin_malloc(dc, orig_size, stream, &p) || !get_free_block(dc, &p))
+        return false;
+    align_block_start(dc, &p);
+    return alloc_found_block(dc, &p, orig_size, out) == ACL_SUCCESS;
+}
+
+aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out,
+                             npualloc_oom_info *oom)
+{
+    alloc_params p;
+    if (!begin_malloc(dc, orig_size, stream, &p))
+        return ACL_ERROR_BAD_ALLOC;
     bool found = get_free_block(dc, &p) || (trigger_free_memory_callbacks(dc) && get_free_block(dc, &p));
     if (!found) {
         if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)

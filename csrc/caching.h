@@ -286,6 +286,9 @@ void cache_device_forget(device_cache *dc);
 /* Lock held on entry and on return (it may be released inside). */
 aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out,
                              npualloc_oom_info *oom);
+/* Serves the allocation from the cache alone (the lock is never released); false, with the
+ * allocator as consistent as before, when cache_malloc_locked must be called. */
+bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out);
 void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);

@@ -482,6 +482,20 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
     return rc;
 }
 
+bool npualloc_cache_malloc_cached(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr)
+{
+    if (!ptr || size == 0 || size >= K_ONE_EB || unlikely(graph_capture_active()) || !device_valid(device))
+        return false;
+    device_cache *dc = &caches[device];
+    if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || pthread_mutex_trylock(&dc->lock) != 0)
+        return false;
+    dc->current_ctx = ctx;
+    bool served = cache_malloc_cached_locked(dc, size, stream, ptr);
+    dc->current_ctx = NULL;
+    pthread_mutex_unlock(&dc->lock);
+    return served;
+}
+
 aclError npualloc_cache_free(void *ptr) { return npualloc_cache_free_ctx(ptr, NULL); }
 
 aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx)

@@ -174,6 +174,11 @@ npualloc_record_context npualloc_cache_record_context(void);
 
 /* npualloc_cache_malloc / free with the caller's context (may be NULL; borrowed). */
 aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr);
+/* The same allocation when the cache can serve it at once: true with *ptr set, or false with
+ * nothing changed when it would need the device, a wait, a contended lock, or a started
+ * allocator (then call npualloc_cache_malloc_ctx).  Never blocks, so a binding can call it
+ * without giving up its interpreter lock. */
+bool npualloc_cache_malloc_cached(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr);
 aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx);
 /* npualloc_cache_empty with the caller's context (may be NULL; borrowed): at record level ALL its
  * segment_free trace entries keep it (torch's emptyCache gathers one). */

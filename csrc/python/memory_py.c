@@ -760,7 +760,12 @@ static PyObject *m_caching_allocator_alloc(PyObject *self, PyObject *const *args
     void *p = NULL;
     aclError rc;
     npualloc_context *ctx = GATHER(NPUALLOC_RECORD_STATE);
-    WAITING_CALL(rc = npualloc_cache_malloc_ctx(dev, (size_t)size, stream, ctx, &p));
+    /* A cache hit needs no wait: only a miss gives up the GIL (a device allocation may have to
+     * wait for streams whose callbacks need it). */
+    if (npualloc_cache_malloc_cached(dev, (size_t)size, stream, ctx, &p))
+        rc = ACL_SUCCESS;
+    else
+        WAITING_CALL(rc = npualloc_cache_malloc_ctx(dev, (size_t)size, stream, ctx, &p));
     npualloc_context_release(ctx);
     if (rc != ACL_SUCCESS)
         return raise_alloc_failure(rc);
@@ -1042,7 +1047,8 @@ static PyObject *m_empty(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     } else if (n > 0) {
         /* npualloc_allocate of cached memory is npualloc_cache_malloc: with the caller's stack */
         npualloc_context *ctx = GATHER(NPUALLOC_RECORD_STATE);
-        WAITING_CALL(rc = npualloc_cache_malloc_ctx(dev, (size_t)n, stream, ctx, &p));
+        if (!npualloc_cache_malloc_cached(dev, (size_t)n, stream, ctx, &p))
+            WAITING_CALL(rc = npualloc_cache_malloc_ctx(dev, (size_t)n, stream, ctx, &p));
         npualloc_context_release(ctx);
     }
     if (rc != ACL_SUCCESS) {

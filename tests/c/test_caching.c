@@ -151,6 +151,40 @@ static void test_free_merges_neighbours(void **state)
     assert_int_equal(stats().num_device_free, 1);
 }
 
+static void test_cached_only_allocation_serves_hits_and_leaves_misses(void **state)
+{
+    (void)state;
+    void *p = NULL;
+    assert_false(npualloc_cache_malloc_cached(0, 4096, 0, NULL, &p)); /* not started yet */
+    start_cache(GiB_, NULL);
+    assert_false(npualloc_cache_malloc_cached(0, 4096, 0, NULL, &p)); /* nothing cached */
+    assert_null(p);
+    npualloc_stats before = stats();
+    assert_int_equal(before.num_device_alloc, 0);
+    void *a = alloc(4096);
+    npualloc_cache_free(a);
+    before = stats();
+    assert_true(npualloc_cache_malloc_cached(0, 4096, 0, NULL, &p));
+    assert_ptr_equal(p, a); /* the same best fit as npualloc_cache_malloc */
+    npualloc_stats after = stats();
+    assert_int_equal(after.num_device_alloc, before.num_device_alloc);
+    assert_int_equal(after.allocation[SMALL].current, 1);
+    assert_int_equal(after.requested_bytes[ALL].current, 4096);
+    check();
+    /* a size the cache cannot serve: false, and nothing changed */
+    void *q = NULL;
+    before = stats();
+    assert_false(npualloc_cache_malloc_cached(0, 64 * MiB_, 0, NULL, &q));
+    assert_null(q);
+    after = stats();
+    assert_int_equal(after.num_device_alloc, before.num_device_alloc);
+    assert_int_equal(after.allocation[ALL].current, before.allocation[ALL].current);
+    assert_false(npualloc_cache_malloc_cached(0, 0, 0, NULL, &q));
+    assert_false(npualloc_cache_malloc_cached(7, 4096, 0, NULL, &q)); /* no such device */
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    check();
+}
+
 static void test_best_fit_prefers_smallest_then_lowest_address(void **state)
 {
     (void)state;
@@ -717,6 +751,7 @@ int main(void)
         cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
         cmocka_unit_test_teardown(test_history_keeps_contexts_by_level, stop_cache),
         cmocka_unit_test_teardown(test_settings_change_at_run_time, stop_cache),
+        cmocka_unit_test_teardown(test_cached_only_allocation_serves_hits_and_leaves_misses, stop_cache),
         cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_keep_every_invariant, stop_cache),
         cmocka_unit_test_teardown(test_eight_threads_never_share_a_live_block, stop_cache),
