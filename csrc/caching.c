@@ -1368,12 +1368,14 @@ static void check_pages(check_state *st, const cache_block *b)
     const expandable_segment *es = b->es;
     if (b->mapped) {
         size_t first = (b->ptr - es->base) / es->page_size, last = (b->ptr + b->size - es->base - 1) / es->page_size;
-        for (size_t i = first; i <= last && i < es->pages; i++)
-            CHECK(es->handles[i] != 0, "block %#lx is mapped but its page %zu is not", (unsigned long)b->ptr, i);
+        for (size_t i = first; i <= last; i++)
+            CHECK(i < es->handle_count && es->handles[i] != 0, "block %#lx is mapped but its page %zu is not",
+                  (unsigned long)b->ptr, i);
     } else {
         CHECK((b->ptr - es->base) % es->page_size == 0 && b->size % es->page_size == 0,
               "unmapped block %#lx does not cover whole pages", (unsigned long)b->ptr);
-        for (size_t i = (b->ptr - es->base) / es->page_size; i < (b->ptr + b->size - es->base) / es->page_size; i++)
+        size_t end = (b->ptr + b->size - es->base) / es->page_size;
+        for (size_t i = (b->ptr - es->base) / es->page_size; i < end && i < es->handle_count; i++)
             CHECK(es->handles[i] == 0, "block %#lx is unmapped but its page %zu is mapped", (unsigned long)b->ptr, i);
         CHECK(!b->allocated && b->event_count == 0 && !b->in_pool, "unmapped block %#lx is in use or cached",
               (unsigned long)b->ptr);

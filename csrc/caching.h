@@ -123,7 +123,8 @@ struct expandable_segment {
     uintptr_t base;
     size_t page_size;
     size_t pages;      /* the reserved range holds this many pages */
-    uint64_t *handles; /* per page: the backend's handle, 0 while unmapped */
+    uint64_t *handles; /* per page: the backend's handle, 0 while unmapped; grown on demand */
+    size_t handle_count; /* entries in handles: the pages from here on are unmapped */
     size_t mapped_pages;
 };
 

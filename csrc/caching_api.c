@@ -117,7 +117,7 @@ static aclError npu_segment_alloc(void *ctx, int32_t device, size_t size, bool h
 {
     (void)ctx;
     vmm_kind_choice choice = huge1g ? (vmm_kind_choice){{MEM_HUGE1G}, 1} : (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
-    return vmm_malloc(device, size, choice, ptr);
+    return vmm_malloc(device, size, choice, VMM_OWNER_ALLOCATOR, ptr);
 }
 
 static void npu_segment_free(void *ctx, int32_t device, void *ptr, size_t size)
@@ -125,7 +125,7 @@ static void npu_segment_free(void *ctx, int32_t device, void *ptr, size_t size)
     (void)ctx;
     (void)device;
     (void)size;
-    vmm_free_malloc(ptr);
+    vmm_free_malloc(ptr, VMM_OWNER_ALLOCATOR);
 }
 
 static void npu_mem_info(void *ctx, int32_t device, size_t *free_bytes, size_t *total_bytes)
@@ -632,7 +632,8 @@ aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **
     if (rc == ACL_SUCCESS && !device_valid(device))
         rc = ACL_ERROR_RT_INVALID_DEVICEID;
     if (rc == ACL_SUCCESS)
-        rc = vmm_malloc(device, size + K_PAD_SIZE, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, ptr);
+        rc = vmm_malloc(device, size + K_PAD_SIZE, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, VMM_OWNER_ALLOCATOR,
+                        ptr);
     if (rc != ACL_SUCCESS) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: aclrtMallocAlign32 of %zu bytes on device %d returned %d",
                         size + K_PAD_SIZE, (int)device, rc);
@@ -642,7 +643,7 @@ aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **
     int err = ptr_map_put(&uncached_blocks, (uintptr_t)*ptr, (void *)(uintptr_t)(device + 1));
     pthread_mutex_unlock(&uncached_lock);
     if (err) {
-        vmm_free_malloc(*ptr);
+        vmm_free_malloc(*ptr, VMM_OWNER_ALLOCATOR);
         *ptr = NULL;
         cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory");
         return ACL_ERROR_BAD_ALLOC;
@@ -661,7 +662,7 @@ aclError npualloc_deallocate(void *ptr)
         return npualloc_cache_free(ptr);
     /* torch_npu synchronizes the device before every uncached free. */
     (void)stream_synchronize_device((int32_t)dev1 - 1);
-    return vmm_free_malloc(ptr);
+    return vmm_free_malloc(ptr, VMM_OWNER_ALLOCATOR);
 }
 
 /* ---- private pools ---- */

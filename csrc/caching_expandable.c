@@ -42,11 +42,9 @@ static expandable_segment *segment_create(device_cache *dc, block_pool *pool, ui
     if (pages == 0)
         pages = 1;
     expandable_segment *es = calloc(1, sizeof *es);
-    uint64_t *handles = calloc(pages, sizeof *handles);
     uintptr_t base = 0;
-    if (!es || !handles || dc->backend->reserve(dc->backend_ctx, dc->device, pages * page, &base) != ACL_SUCCESS) {
+    if (!es || dc->backend->reserve(dc->backend_ctx, dc->device, pages * page, &base) != ACL_SUCCESS) {
         free(es);
-        free(handles);
         return NULL;
     }
     es->stream = stream;
@@ -54,7 +52,6 @@ static expandable_segment *segment_create(device_cache *dc, block_pool *pool, ui
     es->base = base;
     es->page_size = page;
     es->pages = pages;
-    es->handles = handles;
     es->next = dc->expandable_segments;
     dc->expandable_segments = es;
     return es;
@@ -127,12 +124,35 @@ static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t in
     return rc;
 }
 
+/* Makes the page table hold at least `count` entries.  It grows with use, as torch's does: the
+ * reserved range is sized for the whole device (for a simulated 1 EiB device too). */
+static bool ensure_handles(expandable_segment *es, size_t count)
+{
+    if (count <= es->handle_count)
+        return true;
+    size_t cap = es->handle_count * 2 > count ? es->handle_count * 2 : count;
+    if (cap < 16)
+        cap = 16;
+    if (cap > es->pages)
+        cap = es->pages;
+    uint64_t *grown = realloc(es->handles, cap * sizeof *grown);
+    if (!grown)
+        return false;
+    memset(grown + es->handle_count, 0, (cap - es->handle_count) * sizeof *grown);
+    es->handles = grown;
+    es->handle_count = cap;
+    return true;
+}
+
 /* Maps the pages covering [ptr, ptr + size); returns the bytes mapped (whole pages from ptr),
- * or 0 when the device ran out of memory (the pages mapped by this call are given back). */
+ * or 0 when the device (or the host, for the page table) ran out of memory (the pages mapped by
+ * this call are given back). */
 static size_t segment_map(device_cache *dc, expandable_segment *es, uintptr_t ptr, size_t size)
 {
     size_t first = (ptr - es->base) / es->page_size;
     size_t last = (ptr + size - es->base + es->page_size - 1) / es->page_size;
+    if (!ensure_handles(es, last))
+        return 0;
     for (size_t i = first; i < last; i++) {
         if (es->handles[i])
             continue;
@@ -359,7 +379,7 @@ void expandable_release_all(device_cache *dc, bool return_memory)
         expandable_segment *es = dc->expandable_segments;
         dc->expandable_segments = es->next;
         if (return_memory) {
-            for (size_t i = 0; i < es->pages; i++)
+            for (size_t i = 0; i < es->handle_count; i++)
                 if (es->handles[i])
                     dc->backend->unmap_page(dc->backend_ctx, dc->device, es->base + i * es->page_size,
                                             es->page_size, es->handles[i], false);

@@ -95,7 +95,7 @@ static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy p
     vmm_kind_choice choice;
     if ((rc = choose_kinds((uint32_t)policy, bytes, &choice)) != ACL_SUCCESS)
         return rc;
-    return vmm_malloc(dev, bytes, choice, devPtr);
+    return vmm_malloc(dev, bytes, choice, VMM_OWNER_USER, devPtr);
 }
 
 aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
@@ -120,7 +120,7 @@ aclError aclrtFree(void *devPtr)
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    return vmm_free_malloc(devPtr) == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_FREE;
+    return vmm_free_malloc(devPtr, VMM_OWNER_USER) == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_FREE;
 }
 
 /* ---- pinned host memory ---- */

@@ -38,6 +38,7 @@ typedef struct region {
     int32_t device;         /* device of the memory mapped here, -1 while none is */
     uint32_t mappings;
     phys_handle *malloc_handle; /* set when the region is aclrtMalloc memory */
+    vmm_owner owner;            /* who may free malloc memory */
 } region;
 
 typedef struct mapping {
@@ -517,7 +518,7 @@ aclError aclrtUnmapMem(void *virPtr)
 
 /* ---- aclrtMalloc memory ---- */
 
-aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, void **out)
+aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, void **out)
 {
     phys_handle *h = NULL;
     aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -552,6 +553,7 @@ aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, void **
         rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
     if (rc == ACL_SUCCESS) {
         r->malloc_handle = h;
+        r->owner = owner;
         r->device = device;
         r->mappings = 1;
         m->va = r->base;
@@ -574,13 +576,13 @@ aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, void **
     return ACL_SUCCESS;
 }
 
-aclError vmm_free_malloc(void *ptr)
+aclError vmm_free_malloc(void *ptr, vmm_owner owner)
 {
     uintptr_t base = (uintptr_t)ptr;
     pthread_rwlock_wrlock(&vmm.lock);
     avl_node *n = avl_find(&vmm.regions, &base, region_key_order);
     region *r = n ? AVL_ENTRY(n, region, node) : NULL;
-    if (!r || !r->malloc_handle) {
+    if (!r || !r->malloc_handle || r->owner != owner) {
         pthread_rwlock_unlock(&vmm.lock);
         return ACL_ERROR_INVALID_PARAM;
     }

@@ -36,10 +36,15 @@ typedef struct vmm_kind_choice {
     int count;
 } vmm_kind_choice;
 
+/* Who may free a vmm_malloc region: the user (aclrtFree) or the caching allocator (its segments
+ * and uncached blocks), so that aclrtFree of an allocator segment is refused instead of pulling
+ * the memory from under the allocator. */
+typedef enum vmm_owner { VMM_OWNER_USER, VMM_OWNER_ALLOCATOR } vmm_owner;
+
 /* Allocates `size` bytes of device memory as one mapped region (aclrtMalloc family). */
-aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, void **out);
-/* Frees memory from vmm_malloc; ACL_ERROR_INVALID_PARAM for any other pointer. */
-aclError vmm_free_malloc(void *ptr);
+aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, void **out);
+/* Frees memory from vmm_malloc by the same owner; ACL_ERROR_INVALID_PARAM for any other pointer. */
+aclError vmm_free_malloc(void *ptr, vmm_owner owner);
 
 /* A reserved range in a device's address slice (aclrtReserveMemAddress with an explicit device;
  * `at` non-NULL asks for that exact address). */

@@ -68,13 +68,19 @@ class _NoGlobalsUnpickler(pickle.Unpickler):
 
 def _unpickle(data, name):
     try:
+        # Opcodes first (in C, at memory speed): a memo index or a length far beyond the file would
+        # make the unpickler allocate for it before noticing (a few bytes can ask for gigabytes).
+        _C.replay.check_pickle(data)
+    except ValueError as e:
+        raise TraceError(f"{name}: not a readable pickle ({e})") from None
+    try:
         return _NoGlobalsUnpickler(io.BytesIO(data)).load()
     except UnsafeTraceError as e:
         raise UnsafeTraceError(f"{name}: {e}") from None
     except RecursionError:
         raise TraceError(f"{name}: not a memory snapshot (nested too deeply)") from None
     except MemoryError:
-        raise
+        raise TraceError(f"{name}: the pickle needs more memory than this machine has") from None
     except Exception as e:  # UnpicklingError, EOFError, ValueError, ... from a damaged or foreign file
         raise TraceError(f"{name}: not a readable pickle ({type(e).__name__}: {e})") from None
 
@@ -239,6 +245,9 @@ def _extract_device(name, device, entries, segments):
             addrs.append(addr)
             sizes.append(size)
             streams.append(stream)
+        elif not isinstance(act, str):
+            what = "missing 'action'" if act is None else f"'action' must be a str, not {type(act).__name__}"
+            _bad(name, f"device_traces[{device}][{i}]", what)
         elif act in _RESERVE_DELTA:
             size = _int_field(e, "size", name, f"device_traces[{device}][{i}]")
             reserve_deltas.append((len(actions), _RESERVE_DELTA[act] * size))
@@ -248,8 +257,6 @@ def _extract_device(name, device, entries, segments):
                 seg_frees += 1
         elif act == "oom":
             ooms += 1
-        elif not isinstance(act, str):
-            _bad(name, f"device_traces[{device}][{i}]", "missing 'action'")
     # Blocks alive in the final segments without a live allocation in the trace were allocated before it.
     final_reserved = final_allocated = 0
     pre_end = []

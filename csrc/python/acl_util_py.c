@@ -69,8 +69,25 @@ static int util_range(PyObject *const *args, const char *fn, void **ptr, Py_ssiz
     return 0;
 }
 
-/* ptr_to_bytes(ptr, size) -> bytes: a copy of size bytes at ptr, read through aclrtMemcpy so
- * that device memory is validated (ValueError when it is not mapped device memory). */
+/* 0 when [ptr, ptr + size) is mapped device memory or host memory (outside every reservation);
+ * else -1 with ValueError (or the start-up error) set. */
+static int check_range(const char *fn, void *ptr, Py_ssize_t size)
+{
+    aclError rc = runtime_ensure_init();
+    if (raise_init_error(rc))
+        return -1;
+    int32_t dev;
+    vmm_read_lock();
+    range_class cls = vmm_classify_locked(ptr, (size_t)size, &dev);
+    vmm_read_unlock();
+    if (cls != RANGE_INVALID)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s(): %zd bytes at %p are not mapped device memory", fn, size, ptr);
+    return -1;
+}
+
+/* ptr_to_bytes(ptr, size) -> bytes: a copy of size bytes at ptr, read through aclrtMemcpy
+ * (ValueError when it is not mapped device memory, checked before the copy is allocated). */
 static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -79,7 +96,7 @@ static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssi
         return NULL;
     void *ptr;
     Py_ssize_t size;
-    if (util_range(args, fn, &ptr, &size) != 0)
+    if (util_range(args, fn, &ptr, &size) != 0 || (size > 0 && check_range(fn, ptr, size) != 0))
         return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, size);
     if (!out || size == 0)
@@ -132,17 +149,8 @@ static PyObject *util_memory(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     if (size == 0)
         return PyMemoryView_FromMemory((char *)"", 0, PyBUF_WRITE);
-    aclError rc = runtime_ensure_init();
-    if (raise_init_error(rc))
+    if (check_range(fn, ptr, size) != 0)
         return NULL;
-    int32_t dev;
-    vmm_read_lock();
-    range_class rc_class = vmm_classify_locked(ptr, (size_t)size, &dev);
-    vmm_read_unlock();
-    if (rc_class == RANGE_INVALID) {
-        PyErr_Format(PyExc_ValueError, "%s(): %zd bytes at %p are not mapped device memory", fn, size, ptr);
-        return NULL;
-    }
     return PyMemoryView_FromMemory(ptr, size, PyBUF_WRITE);
 }
 

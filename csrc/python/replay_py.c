@@ -336,8 +336,14 @@ static PyTypeObject SessionType = {
     .tp_new = PyType_GenericNew,
 };
 
+static PyMethodDef replay_functions[] = {
+    {"check_pickle", pickle_check, METH_O,
+     "check_pickle(data): ValueError unless every opcode of the pickle stays within the data."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef replay_module_def = {
-    PyModuleDef_HEAD_INIT, "npualloc._C.replay", "Trace replay sessions (see npualloc.replay).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "npualloc._C.replay", "Trace replay sessions (see npualloc.replay).", -1, replay_functions,
     NULL, NULL, NULL, NULL,
 };
 

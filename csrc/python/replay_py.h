@@ -11,5 +11,8 @@
 /* Creates the submodule and adds it to `module` as `replay`.  Returns 0, or -1 with an
  * exception set. */
 int replay_py_attach(PyObject *module);
+/* replay.check_pickle(data): None when the pickle's opcodes stay within the data, else
+ * ValueError (pickle_scan.c). */
+PyObject *pickle_check(PyObject *self, PyObject *arg);
 
 #endif

@@ -185,6 +185,23 @@ static void test_cached_only_allocation_serves_hits_and_leaves_misses(void **sta
     check();
 }
 
+static void test_acl_free_refuses_the_allocators_segments(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    char *p = alloc(3000); /* the base of a 2 MiB segment */
+    assert_int_equal(aclrtFree(p), ACL_ERROR_RT_MEMORY_FREE);
+    memset(p, 0x5a, 3000); /* still mapped: the allocator owns it */
+    check();
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    npualloc_cache_empty();
+    assert_int_equal(stats().reserved_bytes[ALL].current, 0);
+    void *user = NULL; /* and aclrtMalloc memory is still the user's to free */
+    assert_int_equal(aclrtMalloc(&user, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(user), ACL_SUCCESS);
+}
+
 static void test_best_fit_prefers_smallest_then_lowest_address(void **state)
 {
     (void)state;
@@ -752,6 +769,7 @@ int main(void)
         cmocka_unit_test_teardown(test_history_keeps_contexts_by_level, stop_cache),
         cmocka_unit_test_teardown(test_settings_change_at_run_time, stop_cache),
         cmocka_unit_test_teardown(test_cached_only_allocation_serves_hits_and_leaves_misses, stop_cache),
+        cmocka_unit_test_teardown(test_acl_free_refuses_the_allocators_segments, stop_cache),
         cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_keep_every_invariant, stop_cache),
         cmocka_unit_test_teardown(test_eight_threads_never_share_a_live_block, stop_cache),
