@@ -22,6 +22,7 @@ ASAN_TESTS := $(TEST_SRC:tests/c/%.c=$(BUILD)/asan/tests/%)
 BENCHES    := $(BENCH_SRC:benchmarks/%.c=$(BUILD)/release/bench/%)
 
 .PHONY: all deps lib ctest ctest-asan ext pytest test demo bench clean
+.PHONY: fuzz fuzz-ci fuzzers stress valgrind pytest-asan
 
 all: lib ext
 
@@ -71,7 +72,9 @@ ext: deps
 pytest: ext
 	$(PYTHON) -m pytest -q tests
 
-test: ctest ctest-asan pytest
+# The C tests (release, ASan+UBSan, valgrind memcheck), the Python suite, the fuzzers for a few seconds
+# each (when clang is there), and the Python suite once more with the extension built with ASan+UBSan.
+test: ctest ctest-asan valgrind pytest fuzz-ci pytest-asan
 
 demo: ext
 	$(PYTHON) -m npualloc demo
@@ -81,3 +84,69 @@ bench: deps $(BENCHES) ext
 
 clean:
 	rm -rf $(BUILD) npualloc/_C*.so *.egg-info
+
+# ---- reliability: fuzzing, stress, valgrind, the Python suite under ASan (docs/reliability.md) ----
+
+FUZZ_CC         ?= clang
+FUZZ_SECONDS    ?= 60
+FUZZ_CI_SECONDS ?= 10
+FUZZ_JOBS       ?= 1
+FUZZ_NAMES      := conf ops replay
+FUZZ_BASE       := $(filter-out -Werror,$(BASE))  # a clang-only warning in new code must not stop the fuzzers
+FUZZ_FLAGS      := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+FUZZ_OBJ        := $(CORE_SRC:csrc/%.c=$(BUILD)/fuzz/obj/%.o)
+FUZZERS         := $(FUZZ_NAMES:%=$(BUILD)/fuzz/fuzz_%)
+STRESS_THREADS  ?= 8
+STRESS_OPS      ?= 1000000
+# Left out of `make valgrind` by default: too slow under memcheck (test_caching: ~8 min, test_expandable:
+# > 20 min), a test that writes unmapped memory on purpose (test_vmm: memcheck reports that write), and the
+# cross-process tests (three of test_ipc fail under valgrind).  VALGRIND_SKIP= runs them all.
+VALGRIND_SKIP   ?= test_caching test_expandable test_vmm test_ipc
+
+# the regression test compiles the fuzz harnesses in
+$(BUILD)/release/tests/test_fuzz_regressions $(BUILD)/asan/tests/test_fuzz_regressions: $(wildcard fuzz/*.c fuzz/*.h)
+
+$(BUILD)/fuzz/obj/%.o: csrc/%.c $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_BASE) $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
+
+$(BUILD)/fuzz/libnpualloc.a: $(FUZZ_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+$(BUILD)/fuzz/fuzz_%: fuzz/fuzz_%.c fuzz/fuzz_common.h $(BUILD)/fuzz/libnpualloc.a $(HEADERS)
+	$(FUZZ_CC) $(FUZZ_BASE) $(FUZZ_FLAGS) -Ifuzz -fsanitize=fuzzer $< $(BUILD)/fuzz/libnpualloc.a -lm -o $@
+
+fuzzers: $(FUZZERS)
+
+# Each libFuzzer harness for FUZZ_SECONDS (clang is installed when missing).
+fuzz: deps
+	@FUZZ_CC=$(FUZZ_CC) bash tools/run-fuzz.sh --install
+	@$(MAKE) --no-print-directory fuzzers
+	@FUZZ_JOBS=$(FUZZ_JOBS) bash tools/run-fuzz.sh $(FUZZ_SECONDS) $(BUILD)/fuzz $(FUZZ_NAMES)
+
+# The short run of `make test`: skipped (and said so) when clang cannot build libFuzzer binaries.
+fuzz-ci: deps
+	@if FUZZ_CC=$(FUZZ_CC) bash tools/run-fuzz.sh --check; then \
+	  $(MAKE) --no-print-directory -s fuzzers && \
+	  bash tools/run-fuzz.sh $(FUZZ_CI_SECONDS) $(BUILD)/fuzz $(FUZZ_NAMES); \
+	else echo "fuzzing SKIPPED: $(FUZZ_CC) with libFuzzer is not installed (make fuzz installs it)"; fi
+
+# 8 threads x 1M operations, plain and expandable segments (the C tests run a short version).
+stress: deps $(BUILD)/release/tests/test_stress
+	$(BUILD)/release/tests/test_stress --threads $(STRESS_THREADS) --ops $(STRESS_OPS)
+	$(BUILD)/release/tests/test_stress --threads $(STRESS_THREADS) --ops $(STRESS_OPS) --conf expandable_segments:True
+
+$(BUILD)/valgrind/libvgshim.so: tools/valgrind-shim.c
+	@mkdir -p $(dir $@)
+	$(CC) -shared -fPIC -O2 $(WARN) $< -o $@
+
+# The C tests under valgrind memcheck (errors and definite leaks fail); VALGRIND_SKIP="test_x ..." leaves some out.
+valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
+	@command -v valgrind >/dev/null || { SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq valgrind >/dev/null; }
+	@VALGRIND_SKIP="$(VALGRIND_SKIP)" bash tools/run-valgrind.sh $(abspath $(BUILD))/valgrind/libvgshim.so $(REL_TESTS)
+
+# The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
+pytest-asan: deps
+	@CC=$(CC) PYTHON=$(PYTHON) bash tools/run-pytest-asan.sh $(BUILD)/pytest-asan -q tests
