@@ -5,7 +5,7 @@
  *
  * Each thread runs cache-hit alloc+free pairs (mixed small sizes) for a fixed time.  Prints
  * pairs/s for 1, 2 and 4 threads: all on one stream of one device, on different streams of one
- * device, and on different devices (one lock each).
+ * device, and on different devices (one lock each); speed-ups are medians of per-round ratios.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -16,7 +16,8 @@
 
 #include "npualloc.h"
 
-#define RUN_NS 400000000.0 /* 0.4 s per measurement */
+#define RUN_NS 200000000.0 /* 0.2 s per measurement */
+#define ROUNDS 5
 
 typedef struct worker {
     pthread_t thread;
@@ -32,6 +33,18 @@ static double now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return v[n / 2];
 }
 
 static void *run(void *arg)
@@ -95,19 +108,28 @@ int main(int argc, char **argv)
     for (int i = 0; i < 4; i++)
         aclrtCreateStream(&streams[i]);
     static const char *places[] = {"same stream", "different streams", "different devices"};
-    double base = measure(1, 0, streams); /* warm-up too */
-    base = measure(1, 0, streams);
+    (void)measure(4, 2, streams); /* warm-up: every device's cache and every stream's worker */
+    (void)measure(4, 1, streams);
     if (!json)
         printf("%-20s %8s %14s %10s\n", "placement", "threads", "pairs/s", "x 1 thread");
     for (int place = 0; place < 3; place++) {
-        for (int threads = 1; threads <= 4; threads *= 2) {
-            double rate = threads == 1 ? base : measure(threads, place, streams);
+        /* Rounds alternate 1, 2 and 4 threads so that a noisy moment of the machine hits all of
+         * them; each figure is the median of its rounds, each ratio the median of per-round ratios. */
+        double rate[3][ROUNDS], ratio[3][ROUNDS];
+        for (int r = 0; r < ROUNDS; r++) {
+            for (int k = 0; k < 3; k++)
+                rate[k][r] = measure(1 << k, place, streams);
+            for (int k = 0; k < 3; k++)
+                ratio[k][r] = rate[k][r] / rate[0][r];
+        }
+        for (int k = 0; k < 3; k++) {
+            double pairs = median(rate[k], ROUNDS), speedup = median(ratio[k], ROUNDS);
             if (json)
                 printf("{\"bench\":\"threads\",\"placement\":\"%s\",\"threads\":%d,\"pairs_per_s\":%.0f,"
                        "\"speedup\":%.3f}\n",
-                       places[place], threads, rate, rate / base);
+                       places[place], 1 << k, pairs, speedup);
             else
-                printf("%-20s %8d %14.0f %10.2f\n", places[place], threads, rate, rate / base);
+                printf("%-20s %8d %14.0f %10.2f\n", places[place], 1 << k, pairs, speedup);
         }
     }
     for (int i = 0; i < 4; i++)
