@@ -79,8 +79,11 @@ test: ctest ctest-asan valgrind pytest fuzz-ci pytest-asan
 demo: ext
 	$(PYTHON) -m npualloc demo
 
+# Every benchmark, then one table of the performance targets with PASS/MISS (details to
+# build/bench-results.json); the peers jemalloc and mimalloc are installed when missing.
 bench: deps $(BENCHES) ext
-	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
+	@bash tools/ensure-deps.sh bench
+	$(PYTHON) benchmarks/run.py --bin $(BUILD)/release/bench --json $(BUILD)/bench-results.json
 
 clean:
 	rm -rf $(BUILD) npualloc/_C*.so *.egg-info

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Installs what the build and the tests need, only when it is missing.
 set -eu
+# `ensure-deps.sh bench` also installs the allocators the benchmarks compare with.
+want=(libcmocka-dev python3-dev gcc make)
+[ "${1:-}" = bench ] && want+=(libjemalloc-dev libmimalloc-dev)
 debs=()
-for pkg in libcmocka-dev python3-dev gcc make; do
+for pkg in "${want[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || debs+=("$pkg")
 done
 if [ ${#debs[@]} -gt 0 ]; then
