@@ -284,15 +284,17 @@ static int as_u64(PyObject *o, const char *fn, const char *arg, uint64_t *out)
         PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be int, not %.80s", fn, arg, Py_TYPE(o)->tp_name);
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    /* PyLong_AsUnsignedLong: a digit loop, where 3.11's ...LongLong goes through a byte array */
+    _Static_assert(sizeof(unsigned long) == sizeof(uint64_t), "an LP64 platform");
+    unsigned long v = PyLong_AsUnsignedLong(o);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError))
             return -1;
         PyErr_Clear();
-        long long s = PyLong_AsLongLong(o);
+        long s = PyLong_AsLong(o);
         if (s == -1 && PyErr_Occurred())
             return -1;
-        v = (unsigned long long)s;
+        v = (unsigned long)s;
     }
     *out = v;
     return 0;
