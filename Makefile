@@ -101,10 +101,8 @@ FUZZ_OBJ        := $(CORE_SRC:csrc/%.c=$(BUILD)/fuzz/obj/%.o)
 FUZZERS         := $(FUZZ_NAMES:%=$(BUILD)/fuzz/fuzz_%)
 STRESS_THREADS  ?= 8
 STRESS_OPS      ?= 1000000
-# Left out of `make valgrind` by default: too slow under memcheck (test_caching: ~8 min, test_expandable:
-# > 20 min), a test that writes unmapped memory on purpose (test_vmm: memcheck reports that write), and the
-# cross-process tests (three of test_ipc fail under valgrind).  VALGRIND_SKIP= runs them all.
-VALGRIND_SKIP   ?= test_caching test_expandable test_vmm test_ipc
+# VALGRIND_SKIP="test_x ..." leaves binaries out of `make valgrind` (none by default).
+VALGRIND_SKIP   ?=
 
 # the regression test compiles the fuzz harnesses in
 $(BUILD)/release/tests/test_fuzz_regressions $(BUILD)/asan/tests/test_fuzz_regressions: $(wildcard fuzz/*.c fuzz/*.h)

@@ -612,11 +612,6 @@ static void test_bad_environment_fails_every_allocation(void **state)
 
 /* ---- randomized sequence ---- */
 
-#if defined(__SANITIZE_ADDRESS__)
-#define RANDOM_STEPS 20000
-#else
-#define RANDOM_STEPS 100000
-#endif
 
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
 static uint64_t rng(void)
@@ -640,7 +635,8 @@ static void test_random_operations_keep_every_invariant(void **state)
     static size_t sizes[SLOTS];
     memset(live, 0, sizeof live);
     size_t ooms = 0;
-    for (int step = 0; step < RANDOM_STEPS; step++) {
+    const int steps = random_steps(100000, 20000, 4000);
+    for (int step = 0; step < steps; step++) {
         uint64_t r = rng();
         int slot = (int)(r % SLOTS);
         int op = (int)((r >> 16) % 100);
@@ -687,7 +683,7 @@ static void test_random_operations_keep_every_invariant(void **state)
     npualloc_stats s = stats();
     assert_int_equal(s.allocated_bytes[ALL].current, 0);
     assert_int_equal(s.reserved_bytes[ALL].current, 0);
-    print_message("random sequence: %d steps, %zu OOMs, %lld retries\n", RANDOM_STEPS, ooms,
+    print_message("random sequence: %d steps, %zu OOMs, %lld retries\n", steps, ooms,
                   (long long)s.num_alloc_retries);
     aclrtDestroyStream(streams[0]);
     aclrtDestroyStream(streams[1]);

@@ -19,6 +19,21 @@
 #define GiB_ ((size_t)1 << 30)
 
 /* Starts a fresh runtime with the given configuration and device 0 current. */
+/* Steps for a randomized test: full in the release build, fewer under ASan and far fewer under
+ * valgrind memcheck (tools/run-valgrind.sh sets NPUALLOC_VALGRIND=1), which runs ~50x slower. */
+static inline int random_steps(int release, int asan, int valgrind)
+{
+    if (getenv("NPUALLOC_VALGRIND"))
+        return valgrind;
+#if defined(__SANITIZE_ADDRESS__)
+    (void)release;
+    return asan;
+#else
+    (void)asan;
+    return release;
+#endif
+}
+
 static inline void start_runtime(int count, uint64_t hbm, uint64_t huge, uint64_t huge1g, uint64_t ddr)
 {
     npualloc_shutdown();
