@@ -6,8 +6,9 @@
                               [--on-oom continue|stop] [--device N]
                               [--json FILE] [--plot FILE.png] [--progress] [--export-events FILE]
 
-``replay`` prints one row per configuration (peak allocated, peak reserved, fragmentation, device allocations,
-retries, OOMs, replay speed) under a row with the recorded run's own reservations.  A missing, unreadable or
+``replay`` prints one row per configuration (peak requested, allocated, active and reserved, fragmentation,
+device allocations and frees, retries, OOMs, wall time, replay speed) under a row with the recorded run's own
+reservations, and where the first OOM of each configuration happened (position in ``device_traces``).  A missing, unreadable or
 malformed trace is reported on one line (exit status 2).
 
 ``demo`` (what ``make demo`` runs) generates a transformer training trace with npualloc's workload model,
@@ -343,8 +344,9 @@ def main(argv=None):
 
     r = sub.add_parser("replay", help="replay memory-snapshot traces under allocator settings")
     r.add_argument("trace", nargs="+", help="snapshot pickle (torch/npualloc _dump_snapshot output)")
-    r.add_argument("--conf", action="append", metavar="SETTINGS",
-                   help="a PYTORCH_NPU_ALLOC_CONF to compare (repeatable; '' or 'default' = the defaults)")
+    r.add_argument("--conf", action="extend", nargs="+", metavar="SETTINGS",
+                   help="PYTORCH_NPU_ALLOC_CONF settings to compare, one row each (--conf A B or --conf A "
+                        "--conf B; '' or 'default' = the defaults)")
     r.add_argument("--device-memory", default="80GiB", help="simulated device capacity (default 80GiB)")
     r.add_argument("--rounding", default="npu", choices=["npu", "cuda"],
                    help="npu: torch_npu's +32-byte pad; cuda: torch's CUDA rounding (default npu)")

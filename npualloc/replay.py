@@ -173,7 +173,8 @@ class _DeviceEvents:
     """The events of one device, ready for C: parallel arrays, the reconstructed allocations first."""
 
     __slots__ = ("device", "action", "addr", "size", "stream", "prefix", "reconstructed_from_frees",
-                 "reconstructed_from_segments", "reconstructed_bytes", "recorded", "streams")
+                 "reconstructed_from_segments", "reconstructed_bytes", "recorded", "streams", "trace_index",
+                 "time_us")
 
     def __len__(self):
         return len(self.action)
@@ -204,6 +205,7 @@ def _extract_device(name, device, entries, segments):
     """Builds the replay events of one device (see the module docstring for the reconstruction)."""
     actions = bytearray()
     addrs, sizes, streams = [], [], []
+    trace_index, times = array("Q"), array("q")  # per replayed trace event: where it is in device_traces
     live = {}  # address -> True for allocations made in the trace and still alive
     pre = []  # (address, size, stream) alive before recording began
     reserve_deltas = []  # (replay event index without prefix, delta)
@@ -245,6 +247,9 @@ def _extract_device(name, device, entries, segments):
             addrs.append(addr)
             sizes.append(size)
             streams.append(stream)
+            trace_index.append(i)
+            t = e.get("time_us")
+            times.append(t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1)
         elif not isinstance(act, str):
             what = "missing 'action'" if act is None else f"'action' must be a str, not {type(act).__name__}"
             _bad(name, f"device_traces[{device}][{i}]", what)
@@ -263,7 +268,8 @@ def _extract_device(name, device, entries, segments):
     for si, seg in enumerate(segments):
         where = f"segments[{si}]"
         final_reserved += _int_field(seg, "total_size", name, where)
-        final_allocated += int(seg.get("allocated_size", 0) or 0)
+        if seg.get("allocated_size") is not None:
+            final_allocated += _int_field(seg, "allocated_size", name, where)
         seg_stream = seg.get("stream", 0)
         seg_stream = seg_stream & _U64 if isinstance(seg_stream, int) else 0
         blocks = seg.get("blocks", [])
@@ -295,6 +301,8 @@ def _extract_device(name, device, entries, segments):
     ev.stream = array("Q", [p[2] for p in pre_all])
     ev.stream.extend(streams)
     ev.prefix = n_pre
+    ev.trace_index = trace_index
+    ev.time_us = times
     ev.reconstructed_from_frees = (len(pre), sum(p[1] for p in pre))
     ev.reconstructed_from_segments = (len(pre_end), sum(p[1] for p in pre_end))
     pre_bytes = ev.reconstructed_from_frees[1] + ev.reconstructed_from_segments[1]
@@ -521,6 +529,10 @@ class ReplayResult:
             f"{format_size(self.reconstructed_bytes)}; {self.unknown_frees} unknown frees) in "
             f"{self.wall_seconds * 1e3:.2f} ms, {self.events_per_second / 1e6:.2f} M events/s",
         ]
+        for oom in self.oom_events[:3]:
+            lines.append("  " + describe_oom(self, oom))
+        if len(self.oom_events) > 3:
+            lines.append(f"  ... {len(self.oom_events) - 3} more OOMs")
         if self.recorded is not None:
             lines.append(f"  recorded run: peak reserved {format_size(self.recorded.peak_reserved)}, final "
                          f"{format_size(self.recorded.final_reserved)}")
@@ -567,9 +579,31 @@ def _run(events, trace_name, setting, rounding, device_memory, on_oom, timeline_
     for k, v in session.result().items():
         setattr(res, k, v)
     res.timeline = session.timeline()
-    res.oom_events = session.ooms()
+    res.oom_events = [_locate(o, events) for o in session.ooms()]
     res.warnings = session.warnings()
     return res
+
+
+def _locate(oom, events):
+    """Adds where an OOM happened in the trace: ``trace_index`` (position in ``device_traces[device]``) and
+    ``time_us``, or ``reconstructed`` True for an allocation alive before recording began."""
+    i = oom["event"] - events.prefix
+    oom["reconstructed"] = i < 0
+    oom["trace_index"] = events.trace_index[i] if i >= 0 else None
+    oom["time_us"] = events.time_us[i] if i >= 0 and events.time_us[i] >= 0 else None
+    return oom
+
+
+def describe_oom(result, oom):
+    """One line saying where a replay ran out of memory, e.g. for a report."""
+    if oom["reconstructed"]:
+        where = "an allocation alive before recording began (reconstructed)"
+    else:
+        where = f"device_traces[{result.device}][{oom['trace_index']}]"
+        if oom["time_us"] is not None:
+            where += f" (time_us {oom['time_us']})"
+    return (f"{result.trace} [{result.label}]: OOM at {where}: {format_size(oom['size'])} on stream "
+            f"{oom['stream']:#x}")
 
 
 def _check_common(device_memory, on_oom, rounding):
@@ -666,8 +700,8 @@ def _fmt_gib(n):
 
 def format_table(results):
     """A plain-text table: one row per configuration, the recorded run's reservations first per trace."""
-    cols = ["setting", "round", "peak alloc GiB", "peak resv GiB", "final resv GiB", "frag", "dev allocs",
-            "retries", "OOMs", "Mev/s"]
+    cols = ["setting", "round", "peak req", "peak alloc", "peak active", "peak resv", "final resv", "frag",
+            "dev allocs", "dev frees", "retries", "OOMs", "wall ms", "Mev/s"]
     rows = []
     notes = []
     groups = []
@@ -679,23 +713,30 @@ def format_table(results):
     lines = []
     for (trace, device), rs in groups:
         rows = []
+        oom_lines = []
         rec = rs[0].recorded
         if rec is not None:
-            rows.append(["(recorded run)", "", "-", _fmt_gib(rec.peak_reserved), _fmt_gib(rec.final_reserved), "-",
-                         str(rec.segment_allocs), "-", str(rec.ooms), "-"])
+            rows.append(["(recorded run)", "", _fmt_gib(rec.peak_requested), "-", "-", _fmt_gib(rec.peak_reserved),
+                         _fmt_gib(rec.final_reserved), "-", str(rec.segment_allocs), str(rec.segment_frees), "-",
+                         str(rec.ooms), "-", "-"])
         for r in rs:
             if not r.available:
                 rows.append([r.label, r.rounding, "not available"] + [""] * (len(cols) - 3))
                 notes.append(f"{r.label}: {r.error}")
                 continue
             ooms = str(r.ooms) + (" stop" if r.stopped else "")
-            rows.append([r.label, r.rounding, _fmt_gib(r.peak_allocated), _fmt_gib(r.peak_reserved),
-                         _fmt_gib(r.final_reserved), f"{r.fragmentation:.1%}", str(r.device_allocs), str(r.retries),
-                         ooms, f"{r.events_per_second / 1e6:.1f}"])
+            rows.append([r.label, r.rounding, _fmt_gib(r.peak_requested), _fmt_gib(r.peak_allocated),
+                         _fmt_gib(r.peak_active), _fmt_gib(r.peak_reserved), _fmt_gib(r.final_reserved),
+                         f"{r.fragmentation:.1%}", str(r.device_allocs), str(r.device_frees), str(r.retries), ooms,
+                         f"{r.wall_seconds * 1e3:.1f}", f"{r.events_per_second / 1e6:.1f}"])
+            if r.oom_events:
+                more = len(r.oom_events) - 1
+                oom_lines.append("first " + describe_oom(r, r.oom_events[0]) + (f" ({more} more)" if more else ""))
         r0 = rs[0]
         lines.append(f"{trace} (device {device}): {r0.trace_events} events, reconstructed "
                      f"{r0.reconstructed_count} allocations alive before recording "
-                     f"({format_size(r0.reconstructed_bytes)}); device memory {format_size(r0.device_memory)}")
+                     f"({format_size(r0.reconstructed_bytes)}); device memory {format_size(r0.device_memory)}; "
+                     "sizes in GiB")
         widths = [max(len(cols[i]), *(len(row[i]) for row in rows)) for i in range(len(cols))]
         if any(row[2] == "not available" for row in rows):
             widths[2] = max(widths[2], len("not available"))
@@ -705,6 +746,7 @@ def format_table(results):
         lines.append(fmt_row(cols))
         lines.append("  ".join("-" * w for w in widths))
         lines.extend(fmt_row(row) for row in rows)
+        lines.extend(oom_lines)
         lines.append("")
     for n in dict.fromkeys(notes):
         lines.append(f"note: {n}")

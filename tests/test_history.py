@@ -489,3 +489,15 @@ def test_history_off_keeps_no_frames(hist):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_expandable_segments_record_segment_map_and_unmap(hist):
+    hist(alloc_conf="expandable_segments:True")
+    memory._record_memory_history("all")
+    a = npualloc.caching_allocator_alloc(30 * MiB)  # two 20 MiB pages of the large pool's range
+    npualloc.caching_allocator_delete(a)
+    npualloc.empty_cache()
+    acts = [(e["action"], e["size"]) for e in entries(memory._snapshot())]
+    # entries carry the requested size, as torch's; the 32 MiB block needs two 20 MiB pages
+    assert acts == [("segment_map", 40 * MiB), ("alloc", 30 * MiB), ("free_requested", 30 * MiB),
+                    ("free_completed", 30 * MiB), ("segment_unmap", 40 * MiB)]

@@ -293,6 +293,29 @@ def test_oom_continue_and_stop():
     assert "stop" in replay.format_table([stop])
 
 
+def test_oom_events_say_where_in_the_trace():
+    ev = [entry("alloc", 0x1000, 60 * MiB, t=5)] + [entry("annotate", 0, 0)] + [entry("alloc", 0x2000, 60 * MiB, t=9)]
+    res = replay.replay(snapshot(ev), device_memory="100MiB")
+    (oom,) = res.oom_events
+    assert oom["trace_index"] == 2 and oom["time_us"] == 9 and not oom["reconstructed"]
+    assert "OOM at device_traces[0][2] (time_us 9): 60.00 MiB" in repr(res)
+    assert "first <snapshot> [default]: OOM at device_traces[0][2] (time_us 9)" in replay.format_table([res])
+    # an allocation alive before recording (freed in the trace, never allocated in it) that does not fit
+    ev = free(0x1000, 60 * MiB) + free(0x2000, 60 * MiB)
+    res = replay.replay(snapshot(ev), device_memory="100MiB")
+    assert [o["reconstructed"] for o in res.oom_events] == [True]
+    assert res.oom_events[0]["trace_index"] is None and "reconstructed" in repr(res)
+
+
+def test_device_frees_count_released_segments():
+    # the cached 62 MiB segment cannot serve 70 MiB and both do not fit: it is released, then the retry works
+    ev = alloc(0x1000, 60 * MiB) + free(0x1000, 60 * MiB) + alloc(0x2000, 70 * MiB) + free(0x2000, 70 * MiB)
+    res = replay.replay(snapshot(ev), device_memory="100MiB")
+    assert (res.device_allocs, res.device_frees, res.retries, res.ooms) == (2, 1, 1, 0)
+    assert res.peak_reserved == 72 * MiB and res.final_reserved == 72 * MiB  # 70 MiB + 32, to 2 MiB
+    assert res.wall_seconds > 0 and res.events_per_second == pytest.approx(res.events / res.wall_seconds)
+
+
 def test_results_are_plain_objects():
     r = replay.replay(small_trace())
     d = r.to_dict()

@@ -49,7 +49,8 @@ def test_replay_prints_a_row_per_setting_next_to_the_recorded_run(tiny_trace, tm
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("setting"))
-    for col in ("peak alloc", "peak resv", "frag", "dev allocs", "retries", "OOMs", "Mev/s"):
+    for col in ("peak req", "peak alloc", "peak active", "peak resv", "frag", "dev allocs", "dev frees", "retries",
+                "OOMs", "wall ms", "Mev/s"):
         assert col in lines[header]
     assert lines[header + 2].startswith("(recorded run)")
     assert lines[header + 3].startswith("default ")
@@ -91,12 +92,24 @@ def test_a_directory_is_not_a_trace(tmp_path):
 
 
 def test_unreadable_file(tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root reads everything")
     path = tmp_path / "locked.pickle"
     path.write_bytes(pickle.dumps({}))
     path.chmod(0)
-    assert_one_line_error(cli("replay", path), "permission denied")
+    if os.geteuid() != 0:
+        assert_one_line_error(cli("replay", path), "permission denied")
+        return
+    # root reads every file: run the CLI as nobody, with the trace in a directory nobody may enter
+    tmp_path.chmod(0o755)
+    if not os.access(PKG_PARENT, os.R_OK | os.X_OK, effective_ids=False) or \
+            subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                            "import npualloc"], env=dict(os.environ, PYTHONPATH=PKG_PARENT),
+                           capture_output=True).returncode != 0:
+        pytest.skip("user nobody cannot import this checkout")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUALLOC_", "PYTORCH_"))}
+    env["PYTHONPATH"] = PKG_PARENT
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                        "npualloc", "replay", str(path)], env=env, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(p, "permission denied")
 
 
 @pytest.mark.parametrize("obj, needle", [
@@ -105,6 +118,10 @@ def test_unreadable_file(tmp_path):
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": -5}]]}, "'size' is negative"),
     ([1, 2, 3], "list of segments"),
     ("a string", "holds a str"),
+    ({"segments": [{"total_size": 10, "allocated_size": "x", "blocks": []}],
+      "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]}, "'allocated_size' must be an int"),
+    ({"segments": [{"total_size": 10, "allocated_size": [1], "blocks": []}],
+      "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]}, "segments[0]: 'allocated_size'"),
 ])
 def test_malformed_snapshot(tmp_path, obj, needle):
     path = tmp_path / "bad.pickle"
@@ -128,6 +145,27 @@ def test_malicious_pickle_is_refused_without_running(tmp_path):
     path.write_bytes(payload)
     assert_one_line_error(cli("replay", path), "refused to load", "posix.system")
     assert not marker.exists()
+
+
+def test_conf_takes_several_settings_at_once(tiny_trace):
+    p = cli("replay", tiny_trace, "--conf", "", "max_split_size_mb:128", "--conf", "expandable_segments:True",
+            "--device-memory", "2GiB")
+    assert p.returncode == 0, p.stderr
+    rows = [line.split()[0] for line in p.stdout.splitlines()[4:7]]  # after the recorded run
+    assert rows == ["default", "max_split_size_mb:128", "expandable_segments:True"], p.stdout
+
+
+def test_on_oom_stop_and_where(tmp_path):
+    path = tmp_path / "oom.pickle"
+    ev = [{"action": "alloc", "addr": a, "size": 60 << 20, "stream": 0, "time_us": t}
+          for a, t in ((0x1000, 100), (0x2000, 200), (0x3000, 300))]
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [ev]}))
+    p = cli("replay", path, "--device-memory", "100MiB", "--on-oom", "stop")
+    assert p.returncode == 0, p.stderr
+    assert "1 stop" in p.stdout
+    assert "first oom.pickle [default]: OOM at device_traces[0][1] (time_us 200): 60.00 MiB" in p.stdout
+    p = cli("replay", path, "--device-memory", "100MiB")
+    assert "OOM at device_traces[0][1] (time_us 200): 60.00 MiB on stream 0x0 (1 more)" in p.stdout
 
 
 def test_bad_conf_and_options(tiny_trace):
