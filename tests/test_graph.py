@@ -299,6 +299,33 @@ def test_access_descriptors_are_frozen_at_capture(mem):
     free(dev1)
 
 
+def test_access_setting_changed_mid_capture_applies_per_allocation(mem):
+    """Without capture(access=), each allocation takes the setting in effect when it is captured: changing
+    set_graph_mem_access between two allocations of one capture gives them different descriptors."""
+    mem(device_count=3)
+    s = npualloc.Stream()
+    dev2 = alloc(4096, device=2)
+    npualloc.set_graph_mem_access(0, [])
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        x = alloc(4096)
+        assert rt.memset_async(x, 4096, 1, 4096, s.npu_stream) == 0
+        npualloc.set_graph_mem_access(0, [2])
+        y = alloc(4096)
+        assert rt.memset_async(y, 4096, 2, 4096, s.npu_stream) == 0
+        assert rt.memcpy_async(dev2, 4096, x, 4096, D2D, s.npu_stream) == NOT_SUPPORTED
+        assert rt.memcpy_async(dev2, 4096, y, 4096, D2D, s.npu_stream) == 0
+    npualloc.set_graph_mem_access(0, [1])  # later changes touch neither
+    assert [a["access"] for a in g.allocations()] == [[0], [0, 2]]
+    with g.instantiate() as exe:
+        exe.launch(s)
+        s.synchronize()
+        assert rt.memcpy(dev2, 4096, x, 4096, D2D) == NOT_SUPPORTED
+        got = host(4096)
+        assert rt.memcpy(got.ctypes.data, 4096, dev2, 4096, D2H) == 0 and (got == 2).all()
+    free(dev2)
+
+
 def test_allocation_on_another_device_is_refused(mem):
     s = npualloc.Stream()
     s1 = npualloc.Stream(device=1)
