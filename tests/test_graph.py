@@ -1,12 +1,14 @@
 """Captured graphs with planned memory (npualloc.Graph; seed 003): address reuse by dependencies, physical
 aliasing between graphs of one stream, access descriptors frozen at capture, checked mode."""
 import gc
+import re
 
 import numpy as np
 import pytest
 
 import npualloc
 from npualloc import acl
+from conftest import ROOT, run_python
 from conftest_memory import MiB, mem  # noqa: F401
 
 rt = acl.rt
@@ -432,6 +434,15 @@ def test_errors(mem):
     mem()
     with pytest.raises(RuntimeError, match="shut down"):
         exe.launch(npualloc.Stream())
+
+
+def test_readme_graph_example_runs_as_written():
+    readme = (ROOT / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "g.capture(" in b)
+    expected = re.search(r"print\(.*\)\s+# (.*)", example).group(1).strip()
+    proc = run_python(example)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected == "True 1024"
 
 
 # ---- the planner on a real trace ----
