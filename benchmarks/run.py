@@ -2,7 +2,8 @@
 
     python3 benchmarks/run.py [--bin DIR] [--json FILE] [--traces DIR] [--skip NAME ...]
 
-Runs the C benchmarks (built by `make bench` into build/release/bench), the Python one, and the
+Runs the C benchmarks (built by `make bench` into build/release/bench), the Python ones (bench_python,
+bench_graph: the graph planner's footprint against its lower bound on each trace), and the
 fragmentation comparison of the allocator lab, then prints the targets of issue "Performance" with
 PASS or MISS.  Every figure goes to the JSON file (default build/bench-results.json) with the
 machine's load average before and after, because this machine is shared and its timings are noisy:
@@ -27,7 +28,7 @@ FRAGMENTATION_SETTINGS = (
     ("max_split_size_mb:128", "max_split_size_mb:128", None),
     ("gc:0.8 + fraction 0.9", "garbage_collection_threshold:0.8", 0.9),
 )
-SECTIONS = ("runtime", "hotpath", "caching", "python", "threads", "replay", "fragmentation", "ipc")
+SECTIONS = ("runtime", "hotpath", "caching", "python", "threads", "replay", "fragmentation", "graph", "ipc")
 
 
 def log(msg):
@@ -198,6 +199,15 @@ def main(argv=None):
                        lambda r: (f"{r['trace']:<28} {r['setting']:<26} {gib(r['peak_reserved']):>11} / "
                                   f"{gib(r['peak_allocated']):>10} = {r['ratio']:.3f}   recorded run "
                                   f"{gib(r['recorded_peak_reserved'])} = {r['recorded_ratio']:.3f}"))
+        if "graph" not in args.skip:
+            traces = [os.path.join(args.traces, n) for n in sorted(os.listdir(args.traces))
+                      if n.endswith(".pickle")] if os.path.isdir(args.traces) else []
+            res["graph"] = run_json([sys.executable, os.path.join(HERE, "bench_graph.py"), "--json", *traces],
+                                    dict(env, PYTHONPATH=ROOT)) if traces else []
+            print_rows("graph planner: footprint / lower bound (one stream, every allocation of the trace)",
+                       res["graph"],
+                       lambda r: (f"{r['trace']:<28} {r['allocations']:>6} allocations {gib(r['footprint']):>11} / "
+                                  f"{gib(r['lower_bound']):>10} = {r['ratio']:.4f}"))
         if "ipc" not in args.skip:
             res["ipc"] = run_json([binary("bench_ipc"), "--json"], env)
             print_rows("sharing", res["ipc"], lambda r: f"{r['what']:<24} {r['value']:10.2f} {r['unit']}")

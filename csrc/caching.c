@@ -1081,15 +1081,9 @@ aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id)
     return ACL_SUCCESS;
 }
 
-aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
-                                 uint64_t value)
+/* Appends a route to the pool, taking a reference for it. */
+static aclError add_route(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter, uint64_t value)
 {
-    for (size_t i = 0; i < dc->route_count; i++) {
-        if (same_id(dc->routes[i].id, id) && dc->routes[i].filter == filter && dc->routes[i].filter_value == value) {
-            cache_set_error(NPUALLOC_ERR_RUNTIME, "beginAllocateToPool: already recording to mempool_id");
-            return ACL_ERROR_INVALID_PARAM;
-        }
-    }
     if (dc->route_count == dc->route_capacity) {
         size_t cap = dc->route_capacity ? dc->route_capacity * 2 : 4;
         pool_route *grown = realloc(dc->routes, cap * sizeof *grown);
@@ -1105,6 +1099,29 @@ aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npual
         return rc;
     dc->routes[dc->route_count++] = (pool_route){id, cache_pool_find(dc, id), filter, value};
     return ACL_SUCCESS;
+}
+
+aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
+                                 uint64_t value)
+{
+    /* torch: one recording per pool at a time, whatever its filter.  (torch takes the pool's
+     * reference before this check and keeps it on failure; here a refused begin changes nothing.) */
+    for (size_t i = 0; i < dc->route_count; i++) {
+        if (same_id(dc->routes[i].id, id)) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "beginAllocateToPool: already recording to mempool_id");
+            return ACL_ERROR_INVALID_PARAM;
+        }
+    }
+    return add_route(dc, id, filter, value);
+}
+
+aclError cache_pool_join_locked(device_cache *dc, npualloc_mempool_id id, uint64_t stream)
+{
+    for (size_t i = 0; i < dc->route_count; i++)
+        if (same_id(dc->routes[i].id, id) && dc->routes[i].filter == NPUALLOC_POOL_FILTER_STREAM)
+            return add_route(dc, id, NPUALLOC_POOL_FILTER_STREAM, stream);
+    cache_set_error(NPUALLOC_ERR_RUNTIME, "joinAllocateToPool: no capture is recording to mempool_id");
+    return ACL_ERROR_INVALID_PARAM;
 }
 
 aclError cache_pool_end_locked(device_cache *dc, npualloc_mempool_id id)

@@ -298,6 +298,7 @@ aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id);
 aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id);
 aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
                                  uint64_t value);
+aclError cache_pool_join_locked(device_cache *dc, npualloc_mempool_id id, uint64_t stream);
 aclError cache_pool_end_locked(device_cache *dc, npualloc_mempool_id id);
 private_pool *cache_pool_find(device_cache *dc, npualloc_mempool_id id);
 /* emptyCache(mempool_id): that pool's freeable memory only. */

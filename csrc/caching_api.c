@@ -703,6 +703,11 @@ aclError npualloc_cache_pool_begin(int32_t device, npualloc_mempool_id id, npual
     WITH_DEVICE(device, cache_pool_begin_locked(dc_, id, filter, value));
 }
 
+aclError npualloc_cache_pool_join(int32_t device, npualloc_mempool_id id, uint64_t stream)
+{
+    WITH_DEVICE(device, cache_pool_join_locked(dc_, id, stream));
+}
+
 aclError npualloc_cache_pool_end(int32_t device, npualloc_mempool_id id)
 {
     WITH_DEVICE(device, cache_pool_end_locked(dc_, id));

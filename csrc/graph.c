@@ -1051,7 +1051,7 @@ bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
     int si = stream_index(g, s);
     *rc = frontier_merge(g, &g->streams[si].f, &e->f) ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
     pthread_mutex_unlock(&graph_lock);
-    if (route && npualloc_cache_pool_begin(dev, pool, NPUALLOC_POOL_FILTER_STREAM, stream_id(s)) != ACL_SUCCESS) {
+    if (route && npualloc_cache_pool_join(dev, pool, stream_id(s)) != ACL_SUCCESS) {
         pthread_mutex_lock(&graph_lock);
         int k = stream_index(g, s);
         if (k >= 0)

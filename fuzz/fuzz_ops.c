@@ -516,9 +516,17 @@ static void op_pool(ops_state *st)
             return;
         bool by_stream = what & 8;
         uint64_t value = by_stream ? pick_stream(st, dev) : (uint64_t)pthread_self();
+        bool recording = false; /* torch: one recording per pool, whatever the filter */
+        for (int k = 0; k < st->route_count; k++)
+            recording |= st->routes[k].device == dev && st->routes[k].id.first == id.first &&
+                         st->routes[k].id.second == id.second;
+        int uses = npualloc_cache_pool_use_count(dev, id);
         rc = npualloc_cache_pool_begin(dev, id, by_stream ? NPUALLOC_POOL_FILTER_STREAM : NPUALLOC_POOL_FILTER_THREAD,
                                        value);
-        FUZZ_CHECK(rc == ACL_SUCCESS || rc == ACL_ERROR_INVALID_PARAM, "pool_begin: %d", rc);
+        FUZZ_CHECK(rc == (recording ? ACL_ERROR_INVALID_PARAM : ACL_SUCCESS), "pool_begin (recording %d): %d",
+                   (int)recording, rc);
+        if (recording)
+            FUZZ_CHECK(npualloc_cache_pool_use_count(dev, id) == uses, "a refused pool_begin took a reference");
         if (rc == ACL_SUCCESS)
             st->routes[st->route_count++] = (route){id, dev};
         break;

@@ -29,7 +29,10 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   Changing the setting later does not change captured allocations.  Peer access enablement does not
   apply to graph memory.
 * ``capture(pool=MemPool or graph_pool_handle())``: torch-style capture instead, allocations come from the
-  private pool at real addresses (no plan); several captures may share a pool.
+  private pool at real addresses (no plan); several captures may share a pool one after another, but
+  as in torch only one may record into it at a time (a second ``capture(pool=)`` or ``use_mem_pool``
+  on that pool meanwhile raises RuntimeError "...already recording to mempool_id"); streams that join
+  the capture allocate from its pool.
 """
 import contextlib
 import weakref

@@ -9,8 +9,9 @@ Semantics (torch's, reference section 3.14):
   ``use_mem_pool`` and each capture routed to it.
 * ``with use_mem_pool(pool, device=None):`` sends the calling thread's allocations on ``device`` to the
   pool (torch's beginAllocateCurrentThreadToPool / endAllocateToPool + releasePool).  Uses nest: the
-  innermost pool wins; using the same pool again inside itself fails as in torch
-  ("beginAllocateToPool: already recording to mempool_id").
+  innermost pool wins.  As in torch, one recording per pool at a time: using a pool while it is
+  already in use by any thread or capture fails with RuntimeError ("beginAllocateToPool: already
+  recording to mempool_id") and leaves ``use_count()`` unchanged.
 * Memory of a pool goes back to the device only once nothing uses the pool and its blocks are free: when a
   MemPool is collected, its reference is released and ``emptyCache(pool.id)`` runs (torch's ~MemPool);
   ``empty_cache()`` releases the free memory of the pools nobody uses.  (As in torch_npu, i.e. torch

@@ -1,12 +1,14 @@
 """Captured graphs with planned memory (npualloc.Graph; seed 003): address reuse by dependencies, physical
 aliasing between graphs of one stream, access descriptors frozen at capture, checked mode."""
 import gc
+import re
 
 import numpy as np
 import pytest
 
 import npualloc
 from npualloc import acl
+from conftest import ROOT, run_python
 from conftest_memory import MiB, mem  # noqa: F401
 
 rt = acl.rt
@@ -299,6 +301,33 @@ def test_access_descriptors_are_frozen_at_capture(mem):
     free(dev1)
 
 
+def test_access_setting_changed_mid_capture_applies_per_allocation(mem):
+    """Without capture(access=), each allocation takes the setting in effect when it is captured: changing
+    set_graph_mem_access between two allocations of one capture gives them different descriptors."""
+    mem(device_count=3)
+    s = npualloc.Stream()
+    dev2 = alloc(4096, device=2)
+    npualloc.set_graph_mem_access(0, [])
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        x = alloc(4096)
+        assert rt.memset_async(x, 4096, 1, 4096, s.npu_stream) == 0
+        npualloc.set_graph_mem_access(0, [2])
+        y = alloc(4096)
+        assert rt.memset_async(y, 4096, 2, 4096, s.npu_stream) == 0
+        assert rt.memcpy_async(dev2, 4096, x, 4096, D2D, s.npu_stream) == NOT_SUPPORTED
+        assert rt.memcpy_async(dev2, 4096, y, 4096, D2D, s.npu_stream) == 0
+    npualloc.set_graph_mem_access(0, [1])  # later changes touch neither
+    assert [a["access"] for a in g.allocations()] == [[0], [0, 2]]
+    with g.instantiate() as exe:
+        exe.launch(s)
+        s.synchronize()
+        assert rt.memcpy(dev2, 4096, x, 4096, D2D) == NOT_SUPPORTED
+        got = host(4096)
+        assert rt.memcpy(got.ctypes.data, 4096, dev2, 4096, D2H) == 0 and (got == 2).all()
+    free(dev2)
+
+
 def test_allocation_on_another_device_is_refused(mem):
     s = npualloc.Stream()
     s1 = npualloc.Stream(device=1)
@@ -407,6 +436,15 @@ def test_errors(mem):
         exe.launch(npualloc.Stream())
 
 
+def test_readme_graph_example_runs_as_written():
+    readme = (ROOT / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "g.capture(" in b)
+    expected = re.search(r"print\(.*\)\s+# (.*)", example).group(1).strip()
+    proc = run_python(example)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected == "True 1024"
+
+
 # ---- the planner on a real trace ----
 
 TRACE = "/work/shared/traces/cs336-ctx128-fullstep.pickle"
@@ -453,3 +491,119 @@ def test_planner_footprint_vs_lower_bound_on_a_captured_trace(mem):
         else:
             assert starts[i] == off
             del starts[i], ends[i]
+
+
+# ---- torch-style pool captures: torch's test_graph_memory_stats_and_use_result_after_destroy_graph ----
+
+KSMALL_SIZE, KSMALL_BUFFER, KLARGE_BUFFER, KMIN_LARGE_ALLOC, KROUND_LARGE = MiB, 2 * MiB, 20 * MiB, 10 * MiB, 2 * MiB
+NPU_PAD = 32  # torch_npu adds 32 bytes to every request before rounding it to 512
+
+
+def _round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+def _pool_capture_expectations(nbytes):
+    """torch's rules with the NPU pad: (pool, block size, segment size, segments post-capture).  The captured
+    chain keeps at most three blocks live at once (the old result, its clone, the new result)."""
+    block = max(512, _round_up(nbytes + NPU_PAD, 512))
+    if block <= KSMALL_SIZE:
+        pool, seg = "small_pool", KSMALL_BUFFER
+    elif block < KMIN_LARGE_ALLOC:
+        pool, seg = "large_pool", KLARGE_BUFFER
+    else:
+        pool, seg = "large_pool", _round_up(block, KROUND_LARGE)
+    per_segment = seg // block
+    return pool, block, seg, -(-3 // per_segment)
+
+
+# (request, the torch case it stands for).  torch's table, its expected (segments, reserved) post-capture and
+# after deleting the graph: 512 B (1, 2 MiB)/(1, 2 MiB); 1 MiB (2, 4 MiB)/(1, 2 MiB); 1 MiB+512 (1, 20 MiB)/
+# (1, 20 MiB); 10 MiB-512 (2, 40 MiB)/(1, 20 MiB); 10 MiB+512 (3, 36 MiB)/(1, 12 MiB).  The 32-byte pad moves:
+# * 1 MiB itself into the large pool (1 MiB+32 rounds to 1 MiB+512 > kSmallSize: one 20 MiB buffer), so the
+#   small-pool row uses 1 MiB-32, which pads to exactly 1 MiB: two per 2 MiB buffer, (2, 4 MiB)/(1, 2 MiB);
+# * 10 MiB-512 out of the 20 MiB buffers: it pads and rounds to 10 MiB, no longer < kMinLargeAlloc, so each
+#   block gets its own 10 MiB segment: (3, 30 MiB)/(1, 10 MiB) instead of torch's (2, 40 MiB)/(1, 20 MiB).
+# 512 B (1024-byte blocks), 1 MiB+512 and 10 MiB+512 (10 MiB+1024, 12 MiB segments) keep torch's numbers.
+POOL_CAPTURE_CASES = [
+    (512, "512 B"),
+    (KSMALL_SIZE - NPU_PAD, "kSmallSize, minus the pad to stay small"),
+    (KSMALL_SIZE, "kSmallSize: large pool on the NPU"),
+    (KSMALL_SIZE + 512, "kSmallSize+512"),
+    (KMIN_LARGE_ALLOC - 512, "kMinLargeAlloc-512: own segments on the NPU"),
+    (KMIN_LARGE_ALLOC + 512, "kMinLargeAlloc+512"),
+]
+
+
+def test_pool_capture_rules_give_torchs_table_with_the_pad():
+    """The expectations the next test checks, in the units of torch's table (the pad's moves spelled out)."""
+    table = {}
+    for nbytes, _ in POOL_CAPTURE_CASES:
+        pool, block, seg, segments = _pool_capture_expectations(nbytes)
+        table[nbytes] = (pool, segments, segments * seg, seg)
+    assert table == {
+        512: ("small_pool", 1, 2 * MiB, 2 * MiB),
+        MiB - 32: ("small_pool", 2, 4 * MiB, 2 * MiB),
+        MiB: ("large_pool", 1, 20 * MiB, 20 * MiB),
+        MiB + 512: ("large_pool", 1, 20 * MiB, 20 * MiB),
+        10 * MiB - 512: ("large_pool", 3, 30 * MiB, 10 * MiB),
+        10 * MiB + 512: ("large_pool", 3, 36 * MiB, 12 * MiB),
+    }
+
+
+def _read_byte(ptr, offset):
+    out = host(1)
+    assert rt.memcpy(out.ctypes.data, 1, ptr + offset, 1, D2H) == 0
+    return int(out[0])
+
+
+@pytest.mark.parametrize("nbytes,case", POOL_CAPTURE_CASES, ids=[c for _, c in POOL_CAPTURE_CASES])
+def test_graph_memory_stats_and_use_result_after_destroy_graph(mem, nbytes, case):
+    """torch's test: segment / reserved / active / active_bytes deltas of the capture's private pool after the
+    capture, after a replay and empty_cache, and after deleting the graph while its result stays alive.  (No
+    RNG seed/offset holders here: torch's small-pool rows count two extra 512-byte blocks that npualloc's
+    graphs do not allocate.)"""
+    pool, block, seg, segments = _pool_capture_expectations(nbytes)
+    other = "large_pool" if pool == "small_pool" else "small_pool"
+    stats_to_check = ("segment", "reserved_bytes", "active", "active_bytes")
+    s = npualloc.Stream()
+    a = alloc(nbytes, stream=s)  # the input, on the capture stream, outside the pool
+    assert rt.memset(a, nbytes, 7, nbytes) == 0
+    pre = npualloc.memory_stats()
+    g = npualloc.Graph()
+    with g.capture(stream=s, pool=npualloc.graph_pool_handle()):
+        b = alloc(nbytes)                                   # b = a.clone()
+        assert rt.memcpy_async(b, nbytes, a, nbytes, D2D, s.npu_stream) == 0
+        for _ in range(5):                                  # b = b.clone() + 1
+            t = alloc(nbytes)
+            assert rt.memcpy_async(t, nbytes, b, nbytes, D2D, s.npu_stream) == 0
+            r = alloc(nbytes)
+            assert rt.memcpy_async(r, nbytes, t, nbytes, D2D, s.npu_stream) == 0
+            free(t)
+            free(b)
+            b = r
+
+    def deltas(expected_here):
+        post = npualloc.memory_stats()
+        for name, want in zip(stats_to_check, expected_here):
+            assert post[f"{name}.{pool}.current"] - pre[f"{name}.{pool}.current"] == want, (name, case)
+            assert post[f"{name}.{other}.current"] == pre[f"{name}.{other}.current"], (name, case)
+
+    for value in (9, 11):  # torch checks twice: before a replay, and after it plus empty_cache
+        deltas((segments, segments * seg, 1, block))
+        assert rt.memset(a, nbytes, value, nbytes) == 0
+        g.replay(s)
+        s.synchronize()
+        assert (_read_byte(b, 0), _read_byte(b, nbytes - 1)) == (value, value)
+        npualloc.empty_cache()
+    del g
+    gc.collect()
+    npualloc.empty_cache()
+    # b, the graph's result, is the pool's only live block; the rest of the pool went back to the device
+    deltas((1, seg, 1, block))
+    assert (_read_byte(b, 0), _read_byte(b, nbytes - 1)) == (11, 11)
+    free(a)
+    free(b)
+    npualloc.synchronize()
+    npualloc.empty_cache()
+    assert npualloc.memory_reserved() == 0

@@ -79,6 +79,47 @@ def test_nested_pools_innermost_wins(mem):
         free(p)
 
 
+def test_one_thread_at_a_time_records_into_a_pool(mem):
+    """torch's beginAllocateToPool refuses a second recording into a pool whatever its filter: the
+    second thread's use_mem_pool raises, and the use count stays as it was."""
+    pool = npualloc.MemPool()
+    entered, release = threading.Event(), threading.Event()
+    result = {}
+
+    def first():
+        with npualloc.use_mem_pool(pool):
+            result["ptr"] = alloc(1000)
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert entered.wait(10)
+    try:
+        assert pool.use_count() == 2
+        with pytest.raises(RuntimeError, match="beginAllocateToPool: already recording to mempool_id"):
+            with npualloc.use_mem_pool(pool):
+                pass
+        assert pool.use_count() == 2
+        # nor may a capture record into it meanwhile
+        g = npualloc.Graph()
+        with pytest.raises(RuntimeError, match="already recording to mempool_id"):
+            g.capture_begin(npualloc.Stream(), pool=pool)
+        assert pool.use_count() == 2
+        mine = alloc(1000)  # this thread was not routed
+        assert pool_of(mine) == DEFAULT
+    finally:
+        release.set()
+        t.join()
+    assert pool_of(result["ptr"]) == pool.id and pool.use_count() == 1
+    with npualloc.use_mem_pool(pool):  # free again once the other thread is done
+        again = alloc(1000)
+    assert pool_of(again) == pool.id
+    for p in (mine, result["ptr"], again):
+        free(p)
+    check_all()
+
+
 def test_use_mem_pool_on_another_device(mem):
     pool = npualloc.MemPool()
     with npualloc.use_mem_pool(pool, device=1):
@@ -174,6 +215,14 @@ def test_pool_capture_shares_a_pool_between_graphs(mem):
         y = alloc(1000)
         assert acl.rt.memcpy_async(y, 1000, x, 1000, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s.npu_stream) == 0
     assert pool.use_count() == 3  # the MemPool and both graphs
+    # one capture records into the pool at a time (torch): a second one on another stream is refused
+    g3, g4 = npualloc.Graph(), npualloc.Graph()
+    with g3.capture(stream=npualloc.Stream(), pool=pool):
+        with pytest.raises(RuntimeError, match="beginAllocateToPool: already recording to mempool_id"):
+            g4.capture_begin(npualloc.Stream(), pool=pool)
+        assert pool.use_count() == 5  # the MemPool, g1, g2, g3 and g3's route; not g4
+    assert pool.use_count() == 4
+    del g3, g4
     assert pool_of(x) == pool.id and pool_of(y) == pool.id
     assert g1.memory_plan()["pool_mode"] and g1.allocations() == []
     g1.launch(s)

@@ -265,9 +265,15 @@ typedef enum npualloc_pool_filter {
 } npualloc_pool_filter;
 
 /* Routes matching allocations to the pool until npualloc_cache_pool_end (torch's
- * beginAllocateToPool / endAllocateToPool); takes a reference while routing. */
+ * beginAllocateToPool / endAllocateToPool); takes a reference while routing.  One recording per
+ * pool at a time, as torch: fails ("beginAllocateToPool: already recording to mempool_id") while
+ * any route to the pool is active, whatever its filter, and then takes no reference. */
 aclError npualloc_cache_pool_begin(int32_t device, npualloc_mempool_id id, npualloc_pool_filter filter,
                                    uint64_t value);
+/* A stream joining a capture that records to the pool (begun with a stream filter): its
+ * allocations go to the pool as part of that recording (torch's capture filter matches every
+ * stream of the capture).  Takes a reference; ended by npualloc_cache_pool_end like a begin. */
+aclError npualloc_cache_pool_join(int32_t device, npualloc_mempool_id id, uint64_t stream);
 aclError npualloc_cache_pool_end(int32_t device, npualloc_mempool_id id);
 /* Releases what a pool no longer uses (torch's emptyCache(mempool_id)). */
 aclError npualloc_cache_pool_empty(int32_t device, npualloc_mempool_id id);

@@ -395,6 +395,47 @@ static void test_pool_capture_uses_the_private_pool(void **state)
     assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
 }
 
+/* Pool captures: a stream joining the capture allocates from its pool; a second capture into
+ * the same pool while the first records is refused (torch) and leaves the use count alone. */
+static void test_pool_capture_joined_stream_and_no_second_recording(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s1 = new_stream(), s2 = new_stream(), s3 = new_stream();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    npualloc_capture_params p = {.use_pool = true, .pool = id};
+    npualloc_graph *g = new_graph(0), *g2 = new_graph(0);
+    assert_int_equal(npualloc_graph_capture_begin(g, s1, 0, &p), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_begin(g2, s3, 0, &p), ACL_ERROR_INVALID_PARAM);
+    assert_string_equal(npualloc_graph_last_error(),
+                        "capture_begin: beginAllocateToPool: already recording to mempool_id");
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 2); /* g and its route only */
+    fork_to(s1, s2);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 3); /* s2's route joined */
+    void *x = galloc_on(s2, 1000);
+    fork_to(s2, s1);
+    end(g);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    bool in_pool = false;
+    for (size_t i = 0; i < snap->segment_count; i++) {
+        const npualloc_segment_info *seg = &snap->segments[i];
+        if ((uintptr_t)x >= seg->address && (uintptr_t)x < seg->address + seg->total_size)
+            in_pool = seg->pool_id[0] == id.first && seg->pool_id[1] == id.second;
+    }
+    npualloc_snapshot_free(snap);
+    assert_true(in_pool);
+    /* The recording ended: the next capture shares the pool. */
+    assert_int_equal(npualloc_graph_capture_begin(g2, s3, 0, &p), ACL_SUCCESS);
+    end(g2);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 2);
+    npualloc_graph_destroy(g);
+    npualloc_graph_destroy(g2);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 0);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+}
+
 static void test_stale_graph_after_shutdown(void **state)
 {
     (void)state;
@@ -516,6 +557,7 @@ int main(void)
         cmocka_unit_test_teardown(test_access_is_frozen_at_capture, stop_runtime),
         cmocka_unit_test_teardown(test_host_and_delay_nodes_run_at_every_launch, stop_runtime),
         cmocka_unit_test_teardown(test_pool_capture_uses_the_private_pool, stop_runtime),
+        cmocka_unit_test_teardown(test_pool_capture_joined_stream_and_no_second_recording, stop_runtime),
         cmocka_unit_test_teardown(test_stale_graph_after_shutdown, stop_runtime),
         cmocka_unit_test_teardown(test_concurrent_captures, stop_runtime),
         cmocka_unit_test_teardown(test_access_setting_is_forgotten_on_restart, stop_runtime),

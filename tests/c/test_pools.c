@@ -101,32 +101,70 @@ static void test_thread_route_sends_only_this_threads_allocations_to_the_pool(vo
     check();
 }
 
-static void test_stream_route_and_sharing_a_pool_between_captures(void **state)
+static bool is_pool(npualloc_mempool_id got, npualloc_mempool_id want)
+{
+    return got.first == want.first && got.second == want.second;
+}
+
+/* torch's beginAllocateToPool: one recording per pool at a time, whatever the filter; a
+ * refused begin leaves the use count alone.  A stream joining the recording shares it. */
+static void test_one_recording_per_pool_and_streams_joining_it(void **state)
 {
     (void)state;
     start_cache();
-    aclrtStream s1, s2;
+    aclrtStream s1, s2, s3;
     assert_int_equal(aclrtCreateStream(&s1), ACL_SUCCESS);
     assert_int_equal(aclrtCreateStream(&s2), ACL_SUCCESS);
-    npualloc_mempool_id id = npualloc_mempool_id_new(false);
-    uint64_t h1 = (uint64_t)(uintptr_t)s1, h2 = (uint64_t)(uintptr_t)s2;
+    assert_int_equal(aclrtCreateStream(&s3), ACL_SUCCESS);
+    npualloc_mempool_id id = npualloc_mempool_id_new(false), other = npualloc_mempool_id_new(false);
+    uint64_t h1 = (uint64_t)(uintptr_t)s1, h2 = (uint64_t)(uintptr_t)s2, h3 = (uint64_t)(uintptr_t)s3;
+    assert_int_equal(npualloc_cache_pool_join(0, id, h2), ACL_ERROR_INVALID_PARAM); /* nothing to join */
+    assert_string_equal(npualloc_last_error(NULL), "joinAllocateToPool: no capture is recording to mempool_id");
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 0);
     assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, h1), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, h1), ACL_ERROR_INVALID_PARAM);
-    assert_string_equal(npualloc_last_error(NULL), "beginAllocateToPool: already recording to mempool_id");
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, h2), ACL_SUCCESS);
-    void *a = alloc_on(1000, h1), *b = alloc_on(1000, h2), *c = alloc_on(1000, 0);
-    npualloc_mempool_id pa = pool_of(a), pb = pool_of(b), pc = pool_of(c);
-    assert_true(pa.first == id.first && pb.first == id.first && pc.first == 0);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
+    const struct {
+        npualloc_pool_filter filter;
+        uint64_t value;
+    } refused[] = {{NPUALLOC_POOL_FILTER_STREAM, h1},
+                   {NPUALLOC_POOL_FILTER_STREAM, h2},
+                   {NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()}};
+    for (size_t i = 0; i < sizeof refused / sizeof *refused; i++) {
+        assert_int_equal(npualloc_cache_pool_begin(0, id, refused[i].filter, refused[i].value),
+                         ACL_ERROR_INVALID_PARAM);
+        assert_string_equal(npualloc_last_error(NULL), "beginAllocateToPool: already recording to mempool_id");
+        assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
+    }
+    /* Another pool records at the same time. */
+    assert_int_equal(npualloc_cache_pool_begin(0, other, NPUALLOC_POOL_FILTER_STREAM, h3), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_join(0, id, h2), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 2);
+    void *a = alloc_on(1000, h1), *b = alloc_on(1000, h2), *c = alloc_on(1000, h3), *d = alloc_on(1000, 0);
+    assert_true(is_pool(pool_of(a), id));
+    assert_true(is_pool(pool_of(b), id));
+    assert_true(is_pool(pool_of(c), other));
+    assert_true(is_pool(pool_of(d), (npualloc_mempool_id){0, 0}));
     assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
     assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
     assert_int_equal(npualloc_cache_pool_end(0, id), ACL_ERROR_INVALID_PARAM);
     assert_string_equal(npualloc_last_error(NULL), "endAllocatePool: not currently recording to mempool_id");
+    assert_int_equal(npualloc_cache_pool_end(0, other), ACL_SUCCESS);
+    /* Once the recording ended, the pool can be shared by the next capture. */
+    assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS); /* a holder, so the pool survives */
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, h2), ACL_SUCCESS);
+    void *e = alloc_on(1000, h2);
+    assert_true(is_pool(pool_of(e), id));
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
     npualloc_cache_free(a);
     npualloc_cache_free(b);
     npualloc_cache_free(c);
+    npualloc_cache_free(d);
+    npualloc_cache_free(e);
     check();
     aclrtDestroyStream(s1);
     aclrtDestroyStream(s2);
+    aclrtDestroyStream(s3);
 }
 
 static void test_pool_memory_returns_only_when_released_and_free(void **state)
@@ -214,7 +252,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pool_ids_follow_torch_counters),
         cmocka_unit_test_teardown(test_thread_route_sends_only_this_threads_allocations_to_the_pool, stop_runtime),
-        cmocka_unit_test_teardown(test_stream_route_and_sharing_a_pool_between_captures, stop_runtime),
+        cmocka_unit_test_teardown(test_one_recording_per_pool_and_streams_joining_it, stop_runtime),
         cmocka_unit_test_teardown(test_pool_memory_returns_only_when_released_and_free, stop_runtime),
         cmocka_unit_test_teardown(test_pool_empty_releases_that_pool_only_when_freeable, stop_runtime),
         cmocka_unit_test_teardown(test_frees_with_stream_uses_wait_for_the_capture_to_end, stop_runtime),
