@@ -133,7 +133,7 @@ typedef struct client {
     int fd;
     int32_t pid;   /* SO_PEERCRED: the kernel's word, fixed at connect time */
     uint32_t uid;
-    uint64_t start; /* its start time, read when a whitelist is checked (0: not yet) */
+    uint64_t start; /* its start time, read at accept (0: unknown, no whitelist admits it) */
     bool uid_ok;
     uint32_t failures;
     client_pin *pins;
@@ -416,10 +416,8 @@ static aclError export_create(const vmm_share_ref *ref, const vmm_share_info *in
     return ACL_SUCCESS;
 }
 
-static bool whitelisted(const export_entry *e, client *c)
+static bool whitelisted(const export_entry *e, const client *c)
 {
-    if (c->start == 0)
-        c->start = proc_start(c->pid); /* read once, when first needed */
     if (c->start == 0)
         return false;
     for (size_t i = 0; i < e->pid_count; i++)
@@ -761,6 +759,9 @@ static void accept_clients(int lfd)
         clients[nclients++] = (client){.fd = fd,
                                        .pid = cr.pid,
                                        .uid = cr.uid,
+                                       /* now, while the connecting process surely lives: read
+                                        * later, its pid could name a newer process by then */
+                                       .start = proc_start(cr.pid),
                                        .uid_ok = uid_ok};
         atomic_store(&ipc.client_count, nclients);
         /* The request usually follows the connect at once: serve it without another poll round. */
