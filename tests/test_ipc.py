@@ -208,9 +208,7 @@ def test_a_process_cannot_lie_about_its_pid(dev0, workers):
     listed, liar = workers(2)
     handle, va, value = exported()
     assert rt.mem_set_pid_to_shareable_handle(value, [listed.pid]) == 0
-    pid, secret = value & 0x3FFFFF, (value >> 22) & 0x3FF
-    name = _C.ipc.server_name(pid, secret)
-    assert _C.ipc.counts()["secret"] == secret
+    name = _C.ipc.server_name(os.getpid(), _C.ipc.counts()["secret"])
     liar_code = """
 import socket, struct, errno
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -243,20 +241,20 @@ ret = (status, len(anc), creds)
 def test_forged_and_unknown_values(dev0, workers):
     (w,) = workers()
     handle, va, value = exported(flags=acl.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
-    low = value & ((1 << 40) - 1)
+    device = value & (0xFF << 32)
     rng = random.Random(7)
-    forged = [low | (rng.getrandbits(24) << 40) for _ in range(5)]  # right exporter, guessed token
+    forged = [device | (rng.getrandbits(64) & ~(0xFF << 32)) for _ in range(5)]  # guessed random bits
+    forged += [value ^ (1 << bit) for bit in (0, 21, 22, 31, 40, 63)]  # one bit off
     forged += [value ^ (1 << 32),  # another device
-               (value & ~0x3FFFFF) | 1,  # another process (pid 1, no server)
-               value ^ (1 << 22),  # the right pid, the wrong server secret
-               0, 2**64 - 1]
+               device, 0, 2**64 - 1]
     got = w.call("ret = [rt.mem_import_from_shareable_handle(v, 0)[1] for v in forged]", forged=forged)
     assert got == [NO_SUCH_HANDLE] * len(forged)
     assert import_map(w, value)[1] == 0  # the real one still works
     release(handle, va)
 
 
-def test_errors_of_the_exporter_side(dev0):
+def test_errors_of_the_exporter_side(dev0, workers):
+    (w,) = workers()
     handle, va, value = exported()
     # one shareable handle per handle
     assert rt.mem_export_to_shareable_handle(handle, 0, 0) == (0, NOT_PERMITTED)
@@ -278,7 +276,13 @@ def test_errors_of_the_exporter_side(dev0):
         rt.mem_set_pid_to_shareable_handle("x", [1])
     assert rt.mem_set_pid_to_shareable_handle(value, []) == acl.ACL_ERROR_INVALID_PARAM
     assert rt.mem_set_pid_to_shareable_handle(value, [2**40]) == acl.ACL_ERROR_INVALID_PARAM
-    assert rt.mem_set_pid_to_shareable_handle((value & ~0x3FFFFF) | 1, [5]) == NOT_PERMITTED
+    theirs = w.call("""
+h, r = rt.malloc_physical(size, prop, 0)
+ret, r = rt.mem_export_to_shareable_handle(h, 0, 0)
+assert r == 0
+""", size=G2, prop=PROP)
+    assert rt.mem_set_pid_to_shareable_handle(theirs, [5]) == NOT_PERMITTED  # another process's value
+    assert rt.mem_set_pid_to_shareable_handle(theirs ^ (1 << 63), [5]) == NO_SUCH_HANDLE  # nobody's
     assert rt.device_get_bare_tgid() == (os.getpid(), 0)
     with pytest.raises(TypeError):
         rt.device_get_bare_tgid(1)
