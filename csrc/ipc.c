@@ -1877,6 +1877,23 @@ static void unmap_open(void *base, size_t count, size_t page, const uint64_t *ha
             aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handles[i]);
 }
 
+/* Leaves accessible only the host pages of [base, base + total) that cover the block at
+ * [offset, offset + size): the rest of the segment or pages, other blocks of the owner, turns
+ * back into reserved, inaccessible memory.  (The vmm still counts the whole handles mapped,
+ * and unmapping them later covers the range again.) */
+static aclError confine_to_block(void *base, size_t total, uint64_t offset, uint64_t size)
+{
+    long ps = sysconf(_SC_PAGESIZE);
+    uint64_t hp = ps > 0 ? (uint64_t)ps : 4096;
+    uint64_t lo = offset / hp * hp, hi = (offset + size + hp - 1) / hp * hp;
+    if (hi > total)
+        hi = total;
+    if ((lo > 0 && host_unmap(base, (size_t)lo) != 0) ||
+        (hi < total && host_unmap((char *)base + hi, (size_t)(total - hi)) != 0))
+        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    return ACL_SUCCESS;
+}
+
 aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **ptr)
 {
     share_desc d;
@@ -1939,6 +1956,8 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
         if ((rc = aclrtMapMem((char *)base + mapped * page, page, 0, (aclrtDrvMemHandle)(uintptr_t)handles[mapped],
                               0)) != ACL_SUCCESS)
             break;
+    if (rc == ACL_SUCCESS)
+        rc = confine_to_block(base, count * page, d.offset, d.size);
     if (rc != ACL_SUCCESS) {
         if (handles)
             unmap_open(base, count, page, handles, mapped);
