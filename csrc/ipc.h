@@ -119,7 +119,9 @@
  * value per physical page it spans ('e').  The descriptor is a small byte string.
  * open_shared(desc) keeps one connection per exporter (a session), sends OPEN (the exporter
  * pins the block: cache_block.share_pins), imports the pages over that same connection and maps
- * them into a fresh reserved range.  The exporter serves share-created exports only to
+ * them into a fresh reserved range, then puts inaccessible memory back over everything but the
+ * host pages covering the block (the opener's process still holds the descriptors of the whole
+ * segment or pages: a file descriptor cannot be narrowed; docs/sharing.md).  The exporter serves share-created exports only to
  * connections that hold a pin on a share that contains them.  close_shared(ptr) unmaps and sends
  * CLOSE; a process that dies closes its session, and the exporter's server, seeing the hang-up,
  * drops every pin of that connection.  A block freed by its owner while pinned stays out of the
