@@ -35,6 +35,9 @@
 #define MAX_CLIENTS 4096
 #define MAX_FOREIGN_CLIENTS 64 /* connections of users not accepted (they only get refusals) */
 #define MAX_CLIENT_FAILURES 16
+#define RATE_SLOTS 64             /* peer processes whose failed lookups are counted */
+#define RATE_FAILURES_PER_S 1000  /* answered failed lookups per peer process and second */
+#define KNOWN_SERVERS 8           /* servers that answered this process (tried first) */
 #define MAX_SHARE_PAGES (1u << 20)
 #define SEALS (F_SEAL_SHRINK | F_SEAL_GROW)
 
@@ -133,7 +136,7 @@ typedef struct client {
     int fd;
     int32_t pid;   /* SO_PEERCRED: the kernel's word, fixed at connect time */
     uint32_t uid;
-    uint64_t start; /* its start time, read when a whitelist is checked (0: not yet) */
+    uint64_t start; /* its start time, read at accept (0: unknown, no whitelist admits it) */
     bool uid_ok;
     uint32_t failures;
     client_pin *pins;
@@ -160,6 +163,23 @@ static struct {
 /* Server-thread state (and ipc_shutdown's, after the thread is joined). */
 static client *clients;
 static size_t nclients, clients_cap;
+
+/* Failed lookups per peer process in the current one-second window (server thread only). */
+typedef struct rate_slot {
+    int32_t pid;
+    uint64_t window_start; /* ns */
+    uint32_t failures;
+} rate_slot;
+static rate_slot rates[RATE_SLOTS];
+static _Atomic uint64_t lookups_failed, lookups_refused;
+
+/* A server this process asked for a value (importer side). */
+typedef struct server_id {
+    int32_t pid;
+    uint32_t secret;
+} server_id;
+static server_id known[KNOWN_SERVERS]; /* answered before, most recent first (ipc.lock) */
+static size_t nknown;
 
 /* ---- helpers ---- */
 
@@ -261,10 +281,21 @@ static socklen_t make_addr(int32_t pid, uint32_t secret, struct sockaddr_un *a)
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)n);
 }
 
-static uint64_t make_value(int32_t pid, uint32_t secret, int32_t device, uint32_t token24)
+/* A value: 56 random bits around the device's 8. */
+static uint64_t make_value(int32_t device)
 {
-    return (uint64_t)(uint32_t)pid | ((uint64_t)secret << IPC_VALUE_SECRET_SHIFT) |
-           ((uint64_t)(uint8_t)device << IPC_VALUE_DEVICE_SHIFT) | ((uint64_t)token24 << IPC_VALUE_TOKEN_SHIFT);
+    uint64_t r = 0;
+    random_bytes(&r, sizeof r);
+    return (r & ~IPC_VALUE_DEVICE_MASK) | ((uint64_t)(uint8_t)device << IPC_VALUE_DEVICE_SHIFT);
+}
+
+/* Token comparison whose time does not depend on where the tokens differ. */
+static bool same_token(const uint8_t a[16], const uint8_t b[16])
+{
+    uint8_t diff = 0;
+    for (int i = 0; i < 16; i++)
+        diff |= (uint8_t)(a[i] ^ b[i]);
+    return diff == 0;
 }
 
 static void hex16(const uint8_t t[16], char out[33])
@@ -308,12 +339,12 @@ static bool parse_key(const char *key, int32_t *pid, uint32_t *secret, int32_t *
     char *end;
     errno = 0;
     long v = strtol(p, &end, 10);
-    if (end == p || *end != '-' || v <= 0 || v >= (1L << IPC_VALUE_PID_BITS) || errno)
+    if (end == p || *end != '-' || v <= 0 || v >= (1L << IPC_PID_BITS) || errno)
         return false;
     *pid = (int32_t)v;
     p = end + 1;
     unsigned long s = strtoul(p, &end, 16);
-    if (end != p + 3 || *end != '-' || s >= (1u << IPC_VALUE_SECRET_BITS))
+    if (end != p + 3 || *end != '-' || s >= (1u << IPC_SECRET_BITS))
         return false;
     *secret = (uint32_t)s;
     p = end + 1;
@@ -350,7 +381,7 @@ static export_entry *export_by_value(uint64_t value)
 static export_entry *export_by_token(const uint8_t token[16], int32_t device)
 {
     for (export_entry *e = ipc.exports; e; e = e->next)
-        if (e->is_key && memcmp(e->token, token, 16) == 0 && e->info.device == device)
+        if (e->is_key && same_token(e->token, token) && e->info.device == device)
             return e;
     return NULL;
 }
@@ -398,11 +429,9 @@ static aclError export_create(const vmm_share_ref *ref, const vmm_share_info *in
         while (export_by_token(e->token, info->device));
         make_key(self_pid(), ipc.secret, info->device, e->token, e->key);
     } else {
-        do {
-            uint32_t t = 0;
-            random_bytes(&t, 3);
-            e->value = make_value(self_pid(), ipc.secret, info->device, t & 0xFFFFFF);
-        } while (e->value >> IPC_VALUE_TOKEN_SHIFT == 0 || export_by_value(e->value));
+        do
+            e->value = make_value(info->device);
+        while ((e->value & ~IPC_VALUE_DEVICE_MASK) == 0 || export_by_value(e->value));
     }
     e->next = ipc.exports;
     ipc.exports = e;
@@ -416,10 +445,8 @@ static aclError export_create(const vmm_share_ref *ref, const vmm_share_info *in
     return ACL_SUCCESS;
 }
 
-static bool whitelisted(const export_entry *e, client *c)
+static bool whitelisted(const export_entry *e, const client *c)
 {
-    if (c->start == 0)
-        c->start = proc_start(c->pid); /* read once, when first needed */
     if (c->start == 0)
         return false;
     for (size_t i = 0; i < e->pid_count; i++)
@@ -515,7 +542,7 @@ __attribute__((constructor)) static void install_hooks(void)
 static share_record *share_by_token(const uint8_t token[16])
 {
     for (share_record *r = ipc.shares; r; r = r->next)
-        if (memcmp(r->token, token, 16) == 0)
+        if (same_token(r->token, token))
             return r;
     return NULL;
 }
@@ -532,17 +559,26 @@ static bool client_pins_entry(const client *c, const export_entry *e)
     return false;
 }
 
+/* A user's live export of a value (ipc.lock held). */
+static bool value_exported(uint64_t value)
+{
+    const export_entry *e = export_by_value(value);
+    return e && e->user && !e->gone;
+}
+
 static aclError serve_import(client *c, const ipc_request *rq, ipc_reply *rp, int *fd)
 {
-    if (!c->uid_ok)
-        return ACL_ERROR_RT_DRV_INTERNAL_ERROR;
     pthread_mutex_lock(&ipc.lock);
     export_entry *e = rq->op == IPC_OP_IMPORT ? export_by_value(rq->value)
                                               : export_by_token(rq->token, (int32_t)rq->value);
     aclError rc = ACL_SUCCESS;
     vmm_share_ref ref;
+    /* Not ours: 107017 to anybody (importers search the servers; see ipc.h).  Ours, to a
+     * user we do not accept: 507899 (they had to know the value to learn that much). */
     if (!e || e->gone)
         rc = ACL_ERROR_RT_INVALID_HANDLE;
+    else if (!c->uid_ok)
+        rc = ACL_ERROR_RT_DRV_INTERNAL_ERROR;
     else if (!client_pins_entry(c, e) &&
              !(e->user && ((e->flags & ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION) || whitelisted(e, c))))
         rc = ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* "Current process not add in pid list" */
@@ -673,21 +709,38 @@ static bool send_reply(int sock, const ipc_reply *rp, int fd)
     return sendmsg(sock, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == (ssize_t)sizeof *rp;
 }
 
-/* Failed lookups: at most 1000 are answered per second (so guessing values takes days). */
-static void penalise_failure(void)
+static aclError serve_probe(uint64_t value)
 {
-    static uint64_t window_start;
-    static unsigned in_window;
+    pthread_mutex_lock(&ipc.lock);
+    bool live = value_exported(value);
+    pthread_mutex_unlock(&ipc.lock);
+    return live ? ACL_SUCCESS : ACL_ERROR_RT_INVALID_HANDLE;
+}
+
+/* The failed-lookup count of a peer process in its current second.  A peer not in the table
+ * takes a free slot, one whose second is over, or else the one whose second began first. */
+static rate_slot *rate_of(int32_t pid)
+{
     uint64_t now = host_now_ns();
-    if (now - window_start >= 1000000000u) {
-        window_start = now;
-        in_window = 0;
+    rate_slot *r = NULL, *spare = NULL, *oldest = &rates[0];
+    for (size_t i = 0; i < RATE_SLOTS && !r; i++) {
+        rate_slot *s = &rates[i];
+        bool over = now - s->window_start >= 1000000000u;
+        if (s->pid == pid)
+            r = s;
+        else if (!spare && (s->pid == 0 || over))
+            spare = s;
+        else if (s->window_start < oldest->window_start)
+            oldest = s;
     }
-    if (++in_window > 1000) { /* the rest of this second answers nobody's guesses */
-        host_sleep_ns(window_start + 1000000000u - now);
-        window_start = host_now_ns();
-        in_window = 1;
+    if (!r) {
+        r = spare ? spare : oldest;
+        *r = (rate_slot){pid, now, 0};
+    } else if (now - r->window_start >= 1000000000u) {
+        r->window_start = now;
+        r->failures = 0;
     }
+    return r;
 }
 
 /* Handles one message of a client; false when the client is to be dropped. */
@@ -701,25 +754,37 @@ static bool serve_client(size_t index)
     if (n != (ssize_t)sizeof rq || rq.magic != IPC_MAGIC || rq.version != IPC_VERSION)
         return false; /* hang-up, error, or not our protocol */
     /* rq.claimed_pid is deliberately not read: who the client is comes from SO_PEERCRED. */
+    if (rq.op < IPC_OP_IMPORT || rq.op > IPC_OP_PROBE)
+        return false;
     ipc_reply rp = {IPC_MAGIC, 0, -1, 0, 0};
     int fd = -1;
-    switch (rq.op) {
-    case IPC_OP_IMPORT:
-    case IPC_OP_IMPORT_KEY:
-        rp.status = serve_import(c, &rq, &rp, &fd);
-        break;
-    case IPC_OP_OPEN:
-        rp.status = serve_open(c, rq.token);
-        break;
-    case IPC_OP_CLOSE:
-        rp.status = serve_close(c, rq.token);
-        break;
-    default:
-        return false;
-    }
-    if (rp.status != ACL_SUCCESS && rq.op != IPC_OP_CLOSE) {
+    /* Lookups of a peer over its budget are refused unanswered; the thread never waits. */
+    rate_slot *rate = rq.op != IPC_OP_CLOSE ? rate_of(c->pid) : NULL;
+    if (rate && rate->failures >= RATE_FAILURES_PER_S) {
+        rp.status = ACL_ERROR_RT_IPC_ERROR;
+        atomic_fetch_add(&lookups_refused, 1);
         c->failures++;
-        penalise_failure();
+    } else {
+        switch (rq.op) {
+        case IPC_OP_IMPORT:
+        case IPC_OP_IMPORT_KEY:
+            rp.status = serve_import(c, &rq, &rp, &fd);
+            break;
+        case IPC_OP_OPEN:
+            rp.status = serve_open(c, rq.token);
+            break;
+        case IPC_OP_CLOSE:
+            rp.status = serve_close(c, rq.token);
+            break;
+        default:
+            rp.status = serve_probe(rq.value);
+            break;
+        }
+        if (rate && rp.status != ACL_SUCCESS) {
+            rate->failures++;
+            atomic_fetch_add(&lookups_failed, 1);
+            c->failures++;
+        }
     }
     bool ok = send_reply(c->fd, &rp, fd);
     if (fd >= 0)
@@ -761,6 +826,9 @@ static void accept_clients(int lfd)
         clients[nclients++] = (client){.fd = fd,
                                        .pid = cr.pid,
                                        .uid = cr.uid,
+                                       /* now, while the connecting process surely lives: read
+                                        * later, its pid could name a newer process by then */
+                                       .start = proc_start(cr.pid),
                                        .uid_ok = uid_ok};
         atomic_store(&ipc.client_count, nclients);
         /* The request usually follows the connect at once: serve it without another poll round. */
@@ -827,7 +895,7 @@ static aclError ensure_server_locked(void)
     uint32_t secret = 0;
     for (int attempt = 0; attempt < 64 && lfd < 0; attempt++) {
         random_bytes(&secret, sizeof secret);
-        secret &= (1u << IPC_VALUE_SECRET_BITS) - 1;
+        secret &= (1u << IPC_SECRET_BITS) - 1;
         lfd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         if (lfd < 0)
             return ACL_ERROR_RT_IPC_ERROR;
@@ -871,10 +939,12 @@ static aclError ensure_server_locked(void)
 
 /* ---- the importing side ---- */
 
-/* Connects to an exporter's server and checks that it is that process, of an accepted user. */
-static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
+/* Connects to an exporter's server and checks that it is that process, of an accepted user.
+ * `no_wait`: a listener whose queue is full counts as absent (the search for a value's
+ * exporter must not be stalled by a socket that never accepts). */
+static aclError connect_exporter(int32_t pid, uint32_t secret, bool no_wait, int *out)
 {
-    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (no_wait ? SOCK_NONBLOCK : 0), 0);
     if (fd < 0)
         return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
     int ms = timeout_ms();
@@ -887,6 +957,8 @@ static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
     do
         rc = connect(fd, (struct sockaddr *)&a, alen);
     while (rc != 0 && errno == EINTR);
+    if (rc == 0 && no_wait && fcntl(fd, F_SETFL, 0) != 0)
+        rc = -1; /* the request and reply wait (with the timeouts above) */
     if (rc != 0) {
         int err = errno;
         close(fd);
@@ -966,6 +1038,139 @@ static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *
     return ACL_SUCCESS;
 }
 
+/* ---- finding the server that exported a value (see ipc.h) ---- */
+
+static void known_remember(server_id id)
+{
+    pthread_mutex_lock(&ipc.lock);
+    size_t i = 0;
+    while (i < nknown && !(known[i].pid == id.pid && known[i].secret == id.secret))
+        i++;
+    if (i == nknown && nknown < KNOWN_SERVERS)
+        nknown++;
+    if (i == KNOWN_SERVERS)
+        i--; /* forget the least recent */
+    memmove(&known[1], &known[0], i * sizeof known[0]);
+    known[0] = id;
+    pthread_mutex_unlock(&ipc.lock);
+}
+
+static void known_forget(server_id id)
+{
+    pthread_mutex_lock(&ipc.lock);
+    for (size_t i = 0; i < nknown; i++) {
+        if (known[i].pid == id.pid && known[i].secret == id.secret) {
+            memmove(&known[i], &known[i + 1], (--nknown - i) * sizeof known[0]);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ipc.lock);
+}
+
+/* The listening npualloc servers of this network namespace, other than this process's
+ * (a malloc'ed array, NULL when there are none or /proc/net/unix cannot be read). */
+static server_id *list_servers(size_t *count)
+{
+    *count = 0;
+    FILE *f = fopen("/proc/net/unix", "re");
+    if (!f)
+        return NULL;
+    server_id *out = NULL;
+    size_t cap = 0;
+    char line[512], path[256], canon[64];
+    while (fgets(line, sizeof line, f)) {
+        unsigned flags = 0;
+        /* Num RefCount Protocol Flags Type St Inode Path; __SO_ACCEPTCON (0x10000): listening */
+        if (sscanf(line, "%*s %*s %*s %x %*s %*s %*s %255s", &flags, path) != 2 || !(flags & 0x10000) ||
+            strncmp(path, "@npualloc-ipc-", 14) != 0)
+            continue;
+        int pid = 0;
+        unsigned secret = 0;
+        if (sscanf(path + 14, "%d-%x", &pid, &secret) != 2 || pid <= 0 || pid >= (1 << IPC_PID_BITS) ||
+            secret >= (1u << IPC_SECRET_BITS) || pid == self_pid())
+            continue;
+        ipc_server_name(pid, secret, canon, sizeof canon);
+        if (strcmp(canon, path + 1) != 0)
+            continue;
+        if (*count == cap) {
+            size_t ncap = cap ? cap * 2 : 16;
+            server_id *grown = realloc(out, ncap * sizeof *grown);
+            if (!grown)
+                break;
+            out = grown;
+            cap = ncap;
+        }
+        out[(*count)++] = (server_id){pid, secret};
+    }
+    fclose(f);
+    return out;
+}
+
+typedef enum { ASK_ANSWER, ASK_MISS, ASK_BUSY, ASK_DENIED, ASK_GONE } ask_result;
+
+static ask_result ask_one(server_id id, uint16_t op, uint64_t value, ipc_reply *rp, int *fd)
+{
+    int sock;
+    aclError rc = connect_exporter(id.pid, id.secret, true, &sock);
+    if (rc != ACL_SUCCESS) /* not an accepted user (the value is never sent), or nobody there */
+        return rc == ACL_ERROR_RT_DRV_INTERNAL_ERROR ? ASK_DENIED : ASK_GONE;
+    rc = roundtrip(sock, op, value, NULL, rp, fd);
+    close(sock);
+    if (rc != ACL_SUCCESS)
+        return rc == ACL_ERROR_RT_IPC_ERROR ? ASK_BUSY : ASK_GONE;
+    if (rp->status == ACL_SUCCESS)
+        return ASK_ANSWER;
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+    return rp->status == ACL_ERROR_RT_INVALID_HANDLE ? ASK_MISS
+           : rp->status == ACL_ERROR_RT_IPC_ERROR    ? ASK_BUSY
+                                                     : ASK_ANSWER;
+}
+
+/* Asks the servers this process may reach, known ones first, until one knows the value: its
+ * reply (status 0 or the exporter's refusal), or the error of nobody knowing it. */
+static aclError ask_servers(uint16_t op, uint64_t value, ipc_reply *rp, int *fd)
+{
+    server_id first[KNOWN_SERVERS];
+    pthread_mutex_lock(&ipc.lock);
+    size_t nfirst = nknown;
+    memcpy(first, known, nknown * sizeof known[0]);
+    pthread_mutex_unlock(&ipc.lock);
+    bool busy = false, denied = false;
+    size_t nlisted = 0;
+    server_id *listed = NULL;
+    aclError rc = ACL_ERROR_RT_INVALID_HANDLE;
+    for (size_t i = 0;; i++) {
+        if (i == nfirst) /* the cache did not know it: every server then */
+            listed = list_servers(&nlisted);
+        if (i >= nfirst + nlisted)
+            break;
+        server_id id = i < nfirst ? first[i] : listed[i - nfirst];
+        bool tried = false;
+        for (size_t j = 0; j < nfirst && i >= nfirst && !tried; j++)
+            tried = first[j].pid == id.pid && first[j].secret == id.secret;
+        if (tried)
+            continue;
+        *fd = -1;
+        ask_result r = ask_one(id, op, value, rp, fd);
+        if (r == ASK_ANSWER) {
+            known_remember(id);
+            rc = ACL_SUCCESS;
+            break;
+        }
+        if (r == ASK_GONE && i < nfirst)
+            known_forget(id);
+        busy |= r == ASK_BUSY;
+        denied |= r == ASK_DENIED;
+    }
+    free(listed);
+    if (rc != ACL_SUCCESS)
+        rc = busy ? ACL_ERROR_RT_IPC_ERROR : denied ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
+    return rc;
+}
+
 typedef struct import_spec {
     bool is_key;
     uint64_t value;    /* values */
@@ -1036,15 +1241,20 @@ static aclError import_handle(const import_spec *sp, uint64_t *handle_out, size_
 
     int sock = sp->conn;
     aclError rc = ACL_SUCCESS;
-    if (sock < 0)
-        rc = connect_exporter(sp->exporter, sp->secret, &sock);
     ipc_reply rp;
     int fd = -1;
-    if (rc == ACL_SUCCESS)
-        rc = roundtrip(sock, sp->is_key ? IPC_OP_IMPORT_KEY : IPC_OP_IMPORT,
-                       sp->is_key ? (uint64_t)sp->key_device : sp->value, sp->is_key ? sp->token : NULL, &rp, &fd);
-    if (sp->conn < 0 && sock >= 0)
-        close(sock);
+    if (sock < 0 && !sp->is_key) {
+        rc = ask_servers(IPC_OP_IMPORT, sp->value, &rp, &fd); /* nothing in a value names its exporter */
+    } else {
+        if (sock < 0)
+            rc = connect_exporter(sp->exporter, sp->secret, false, &sock);
+        if (rc == ACL_SUCCESS)
+            rc = roundtrip(sock, sp->is_key ? IPC_OP_IMPORT_KEY : IPC_OP_IMPORT,
+                           sp->is_key ? (uint64_t)sp->key_device : sp->value, sp->is_key ? sp->token : NULL, &rp,
+                           &fd);
+        if (sp->conn < 0 && sock >= 0)
+            close(sock);
+    }
     if (rc == ACL_SUCCESS && rp.status != ACL_SUCCESS)
         rc = rp.status;
     if (rc == ACL_SUCCESS && (fd < 0 || rp.kind >= MEM_KIND_COUNT || rp.size == 0))
@@ -1147,8 +1357,16 @@ aclError aclrtMemSetPidToShareableHandle(uint64_t shareableHandle, int32_t *pid,
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    bool own = ipc_value_pid(shareableHandle) == self_pid();
-    return set_pids(find_value_of, &shareableHandle, own, pid, pidNum);
+    pthread_mutex_lock(&ipc.lock);
+    bool own = export_by_value(shareableHandle) != NULL;
+    pthread_mutex_unlock(&ipc.lock);
+    if (!own) { /* a value of another process (only its exporter may set pids), or nobody's */
+        ipc_reply rp;
+        int fd = -1;
+        rc = ask_servers(IPC_OP_PROBE, shareableHandle, &rp, &fd);
+        return rc == ACL_SUCCESS ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    return set_pids(find_value_of, &shareableHandle, true, pid, pidNum);
 }
 
 aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t deviceId, aclrtDrvMemHandle *handle)
@@ -1160,21 +1378,14 @@ aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t dev
         return rc;
     if (!device_valid(deviceId))
         return ACL_ERROR_RT_INVALID_DEVICEID;
-    if (ipc_value_pid(shareableHandle) == self_pid()) {
-        pthread_mutex_lock(&ipc.lock);
-        bool mine = export_by_value(shareableHandle) != NULL;
-        pthread_mutex_unlock(&ipc.lock);
-        /* "Export process can not import" */
-        return mine ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
-    }
-    if (ipc_value_pid(shareableHandle) == 0)
-        return ACL_ERROR_RT_INVALID_HANDLE;
-    import_spec sp = {.is_key = false,
-                      .value = shareableHandle,
-                      .exporter = ipc_value_pid(shareableHandle),
-                      .secret = ipc_value_secret(shareableHandle),
-                      .device = deviceId,
-                      .conn = -1};
+    pthread_mutex_lock(&ipc.lock);
+    bool mine = export_by_value(shareableHandle) != NULL;
+    pthread_mutex_unlock(&ipc.lock);
+    if (mine)
+        return ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* "Export process can not import" */
+    if ((shareableHandle & ~IPC_VALUE_DEVICE_MASK) == 0)
+        return ACL_ERROR_RT_INVALID_HANDLE; /* never a value */
+    import_spec sp = {.is_key = false, .value = shareableHandle, .device = deviceId, .conn = -1};
     uint64_t h = 0;
     size_t size = 0;
     if ((rc = import_handle(&sp, &h, &size)) == ACL_SUCCESS)
@@ -1556,7 +1767,7 @@ static aclError parse_desc(const void *desc, size_t len, share_desc *d)
         return ACL_ERROR_INVALID_PARAM;
     memcpy(d, desc, sizeof *d);
     if (memcmp(d->magic, "NPUS", 4) != 0 || d->version != 1 || (d->kind != 'c' && d->kind != 'e') ||
-        d->pid <= 0 || d->pid >= (1 << IPC_VALUE_PID_BITS) || d->secret >= (1u << IPC_VALUE_SECRET_BITS))
+        d->pid <= 0 || d->pid >= (1 << IPC_PID_BITS) || d->secret >= (1u << IPC_SECRET_BITS))
         return ACL_ERROR_INVALID_PARAM;
     if (d->kind == 'e' ? (d->count == 0 || d->count > MAX_SHARE_PAGES || d->page_size == 0 ||
                           d->page_size % VMM_GRANULARITY != 0 || d->page_size > ((uint64_t)1 << 40) ||
@@ -1594,7 +1805,7 @@ static aclError session_get(int32_t pid, uint32_t secret, session **out)
     }
     pthread_mutex_unlock(&ipc.lock);
     int fd;
-    aclError rc = connect_exporter(pid, secret, &fd);
+    aclError rc = connect_exporter(pid, secret, false, &fd);
     if (rc != ACL_SUCCESS)
         return rc;
     session *s = calloc(1, sizeof *s);
@@ -1666,6 +1877,23 @@ static void unmap_open(void *base, size_t count, size_t page, const uint64_t *ha
             aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handles[i]);
 }
 
+/* Leaves accessible only the host pages of [base, base + total) that cover the block at
+ * [offset, offset + size): the rest of the segment or pages, other blocks of the owner, turns
+ * back into reserved, inaccessible memory.  (The vmm still counts the whole handles mapped,
+ * and unmapping them later covers the range again.) */
+static aclError confine_to_block(void *base, size_t total, uint64_t offset, uint64_t size)
+{
+    long ps = sysconf(_SC_PAGESIZE);
+    uint64_t hp = ps > 0 ? (uint64_t)ps : 4096;
+    uint64_t lo = offset / hp * hp, hi = (offset + size + hp - 1) / hp * hp;
+    if (hi > total)
+        hi = total;
+    if ((lo > 0 && host_unmap(base, (size_t)lo) != 0) ||
+        (hi < total && host_unmap((char *)base + hi, (size_t)(total - hi)) != 0))
+        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    return ACL_SUCCESS;
+}
+
 aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **ptr)
 {
     share_desc d;
@@ -1728,6 +1956,8 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
         if ((rc = aclrtMapMem((char *)base + mapped * page, page, 0, (aclrtDrvMemHandle)(uintptr_t)handles[mapped],
                               0)) != ACL_SUCCESS)
             break;
+    if (rc == ACL_SUCCESS)
+        rc = confine_to_block(base, count * page, d.offset, d.size);
     if (rc != ACL_SUCCESS) {
         if (handles)
             unmap_open(base, count, page, handles, mapped);
@@ -1804,6 +2034,8 @@ void ipc_get_counts(ipc_counts *out)
     out->secret = ipc.secret;
     pthread_mutex_unlock(&ipc.lock);
     out->clients = atomic_load(&ipc.client_count);
+    out->failed = atomic_load(&lookups_failed);
+    out->refused = atomic_load(&lookups_refused);
     out->pins = atomic_load(&ipc.pin_count);
 }
 
@@ -1812,6 +2044,7 @@ void ipc_get_counts(ipc_counts *out)
 /* Frees every table entry; `in_child`: after fork (nothing to give back). */
 static void forget_all(void)
 {
+    nknown = 0;
     while (ipc.exports)
         export_remove(ipc.exports);
     while (ipc.imports) {
@@ -1870,6 +2103,9 @@ void ipc_atfork_child(void)
     forget_all();
     atomic_store(&ipc.client_count, 0);
     atomic_store(&ipc.pin_count, 0);
+    memset(rates, 0, sizeof rates);
+    atomic_store(&lookups_failed, 0);
+    atomic_store(&lookups_refused, 0);
     ipc.secret = 0;
 }
 
@@ -1894,6 +2130,7 @@ void ipc_shutdown(void)
     free(clients);
     clients = NULL;
     clients_cap = 0;
+    memset(rates, 0, sizeof rates);
     /* Live shares: their blocks stop being shared. */
     for (;;) {
         pthread_mutex_lock(&ipc.lock);

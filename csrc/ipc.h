@@ -15,28 +15,59 @@
  * others (which would fault them).
  *
  * ---- Shareable handle value (uint64) ----
- *   bits 63..40  token: 24 random bits (getrandom), drawn per export, unique in the process
+ *   bits 63..40  24 random bits  \  56 random bits (getrandom), drawn per export, unique
  *   bits 39..32  the exporting device id (CANN's layout: share_devid << 32)
- *   bits 31..22  server secret: 10 random bits drawn when the exporter's server starts
- *   bits 21..0   the exporter's pid (pid_max is at most 2^22)
- * The pid and secret locate the exporter's server; 34 random bits make a value unguessable
- * (the server answers at most 1000 failed lookups a second, so finding one live value takes
- * months, hours for someone holding another value of the same exporter; and only processes of
- * users the exporter accepts may even ask).
+ *   bits 31..0   32 random bits  /  in the process (and 0 is never a value)
+ * Nothing in a value says which process exported it: the only secret a guesser has to find
+ * is the whole 56 bits (2^55 guesses on average per live value; at the 1000 failed lookups a
+ * second that each exporter answers a peer process, and even at the ~10^5 a second one core
+ * could ask without any limit, that is millennia).  An earlier layout put the exporter's pid
+ * and its server's name secret in the low 32 bits; both are public (/proc/net/unix lists the
+ * socket names), which left 24 secret bits: found by brute force within hours.
+ *
+ * ---- Finding the exporter of a value ----
+ * The importer asks the npualloc servers it can reach, in turn, until one knows the value:
+ * first the servers that answered this process before (a small cache, most recent first), then
+ * every other listening socket named "npualloc-ipc-*" in /proc/net/unix (abstract sockets
+ * live in the network namespace, and /proc/net/unix lists exactly those of the importer's
+ * namespace: the ones it can connect to).  Each server is checked before the value is sent:
+ * SO_PEERCRED must name the pid in the socket's name and a user the importer accepts (so a
+ * value is only ever shown to processes of accepted users, which could read this process's
+ * memory anyway); connects are non-blocking (a listener that never accepts cannot stall the
+ * search).  A server that does not know the value answers 107017 and the search goes on; the
+ * first other answer is final.  No server knows it: 107017 (507899 when servers of users not
+ * accepted were skipped: the value may be theirs; 507022 when a server refused as busy).
+ * The cost is one connect and one round trip per server asked; the cache makes the usual
+ * case (several imports from one exporter) a single round trip.
+ *
+ * ---- Refusing guessers ----
+ * A server counts the failed lookups of every peer process (by SO_PEERCRED pid, in a table of
+ * RATE_SLOTS processes) and answers at most 1000 of them a second per process: beyond that,
+ * lookups of that process are refused unanswered (507022) until its second is over.  The
+ * server thread never sleeps, so a flood from one process delays the requests of others by
+ * at most the time to refuse the requests queued before them (microseconds each).  A
+ * connection is also dropped after 16 failed lookups.  Lookups compare 64-bit values, and
+ * 128-bit tokens in constant time; the time a lookup takes does not depend on how close a
+ * guess is.  (An attacker with many processes gets 1000 a second for each: the limiter is a
+ * second line; the 56 bits are the first.)
  *
  * ---- IPC key (string, at most 64 characters + NUL) ----
  *   "npualloc-k1-<pid>-<secret, 3 hex>-<device>-<token, 32 hex>"   (128-bit random token)
+ * A key names its exporter's server directly (pid and name secret, both public); its 128-bit
+ * token is the secret.
  *
  * ---- Transport ----
  * The exporter runs one server thread, started on its first export, listening on the
  * abstract-namespace Unix socket "\0npualloc-ipc-<pid>-<secret, 3 hex>" (SOCK_SEQPACKET; no
- * file on disk).  An importer connects and checks, with SO_PEERCRED, that the listener really
+ * file on disk; the 10-bit name secret only lets a new server step around a squatted name).
+ * An importer connects and checks, with SO_PEERCRED, that the listener really
  * is process <pid> of an accepted user (nobody else can impersonate the exporter).  The
  * exporter reads the importer's pid and uid from SO_PEERCRED, which the kernel fills in at
- * connect time: the importer never states who it is (the request's `claimed_pid` field is only
- * informational and is never read), so it cannot be talked around.  It then checks:
- *   - the uid: the exporter's own, or one listed in NPUALLOC_IPC_ALLOW_UIDS ("1001,1002");
+ * connect time, and the importer's start time from /proc when it accepts the connection: the
+ * importer never states who it is (the request's `claimed_pid` field is only informational
+ * and is never read), so it cannot be talked around.  It then checks:
  *   - the value: it must name a live export of this process (its owner has not freed it);
+ *   - the uid: the exporter's own, or one listed in NPUALLOC_IPC_ALLOW_UIDS ("1001,1002");
  *   - the pid whitelist (unless exported with DISABLE_PID_VALIDATION): the pid must have been
  *     set, and the process must be the one that had that pid when it was set (its start time
  *     is compared, so a recycled pid does not inherit the permission, like CANN's time check);
@@ -48,7 +79,10 @@
  *   reply    { u32 magic; i32 status (aclError); i32 device; u32 kind; u64 size }  24 bytes,
  *              plus one descriptor when status is 0 and the op imports
  *   ops: 1 IMPORT (value = shareable handle), 2 IMPORT_KEY (token = key token, value = its
- *        device), 3 OPEN (token = share token: pin), 4 CLOSE (token: unpin)
+ *        device), 3 OPEN (token = share token: pin), 4 CLOSE (token: unpin), 5 PROBE (value:
+ *        status 0 if it is a live exported value of this process; set-pid uses it to tell a
+ *        value of another process, 507899, from an unknown one, 107017)
+ *   status 507022 on a lookup: refused unanswered (the peer's failed lookups are over budget)
  * A connection that sends anything else is dropped, as is one with 16 failed lookups.
  *
  * ---- Error codes (CANN's, from the driver paths noted in npu-acl-runtime.md B3) ----
@@ -85,7 +119,9 @@
  * value per physical page it spans ('e').  The descriptor is a small byte string.
  * open_shared(desc) keeps one connection per exporter (a session), sends OPEN (the exporter
  * pins the block: cache_block.share_pins), imports the pages over that same connection and maps
- * them into a fresh reserved range.  The exporter serves share-created exports only to
+ * them into a fresh reserved range, then puts inaccessible memory back over everything but the
+ * host pages covering the block (the opener's process still holds the descriptors of the whole
+ * segment or pages: a file descriptor cannot be narrowed; docs/sharing.md).  The exporter serves share-created exports only to
  * connections that hold a pin on a share that contains them.  close_shared(ptr) unmaps and sends
  * CLOSE; a process that dies closes its session, and the exporter's server, seeing the hang-up,
  * drops every pin of that connection.  A block freed by its owner while pinned stays out of the
@@ -108,24 +144,19 @@
 
 #define IPC_KEY_LEN 65 /* CANN's key buffer: 64 characters and the NUL */
 
-/* Shareable-handle value layout. */
-#define IPC_VALUE_PID_BITS 22
-#define IPC_VALUE_SECRET_SHIFT 22
-#define IPC_VALUE_SECRET_BITS 10
+/* Shareable-handle value layout: the device in bits 39..32, the other 56 bits random. */
 #define IPC_VALUE_DEVICE_SHIFT 32
-#define IPC_VALUE_TOKEN_SHIFT 40
+#define IPC_VALUE_DEVICE_MASK ((uint64_t)0xFF << IPC_VALUE_DEVICE_SHIFT)
+/* Server names and keys: the exporter's pid (pid_max is at most 2^22) and a 10-bit name secret. */
+#define IPC_PID_BITS 22
+#define IPC_SECRET_BITS 10
 
-static inline int32_t ipc_value_pid(uint64_t v) { return (int32_t)(v & ((1u << IPC_VALUE_PID_BITS) - 1)); }
-static inline uint32_t ipc_value_secret(uint64_t v)
-{
-    return (uint32_t)((v >> IPC_VALUE_SECRET_SHIFT) & ((1u << IPC_VALUE_SECRET_BITS) - 1));
-}
 static inline int32_t ipc_value_device(uint64_t v) { return (int32_t)((v >> IPC_VALUE_DEVICE_SHIFT) & 0xFF); }
 
 /* Wire format (see above). */
 #define IPC_MAGIC 0x4955504eu /* "NPUI" */
 #define IPC_VERSION 1
-enum { IPC_OP_IMPORT = 1, IPC_OP_IMPORT_KEY = 2, IPC_OP_OPEN = 3, IPC_OP_CLOSE = 4 };
+enum { IPC_OP_IMPORT = 1, IPC_OP_IMPORT_KEY = 2, IPC_OP_OPEN = 3, IPC_OP_CLOSE = 4, IPC_OP_PROBE = 5 };
 
 typedef struct ipc_request {
     uint32_t magic;
@@ -171,6 +202,8 @@ typedef struct ipc_counts {
     size_t sessions;     /* connections to exporters kept for opens */
     size_t clients;      /* connections the server holds */
     size_t pins;         /* pins held by the server's clients */
+    uint64_t failed;     /* lookups the server answered with a failure (since the runtime started) */
+    uint64_t refused;    /* lookups it refused unanswered: the peer was over its budget */
     bool server_running;
     uint32_t secret;     /* the running server's secret */
 } ipc_counts;

@@ -208,9 +208,7 @@ def test_a_process_cannot_lie_about_its_pid(dev0, workers):
     listed, liar = workers(2)
     handle, va, value = exported()
     assert rt.mem_set_pid_to_shareable_handle(value, [listed.pid]) == 0
-    pid, secret = value & 0x3FFFFF, (value >> 22) & 0x3FF
-    name = _C.ipc.server_name(pid, secret)
-    assert _C.ipc.counts()["secret"] == secret
+    name = _C.ipc.server_name(os.getpid(), _C.ipc.counts()["secret"])
     liar_code = """
 import socket, struct, errno
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -243,20 +241,20 @@ ret = (status, len(anc), creds)
 def test_forged_and_unknown_values(dev0, workers):
     (w,) = workers()
     handle, va, value = exported(flags=acl.ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
-    low = value & ((1 << 40) - 1)
+    device = value & (0xFF << 32)
     rng = random.Random(7)
-    forged = [low | (rng.getrandbits(24) << 40) for _ in range(5)]  # right exporter, guessed token
+    forged = [device | (rng.getrandbits(64) & ~(0xFF << 32)) for _ in range(5)]  # guessed random bits
+    forged += [value ^ (1 << bit) for bit in (0, 21, 22, 31, 40, 63)]  # one bit off
     forged += [value ^ (1 << 32),  # another device
-               (value & ~0x3FFFFF) | 1,  # another process (pid 1, no server)
-               value ^ (1 << 22),  # the right pid, the wrong server secret
-               0, 2**64 - 1]
+               device, 0, 2**64 - 1]
     got = w.call("ret = [rt.mem_import_from_shareable_handle(v, 0)[1] for v in forged]", forged=forged)
     assert got == [NO_SUCH_HANDLE] * len(forged)
     assert import_map(w, value)[1] == 0  # the real one still works
     release(handle, va)
 
 
-def test_errors_of_the_exporter_side(dev0):
+def test_errors_of_the_exporter_side(dev0, workers):
+    (w,) = workers()
     handle, va, value = exported()
     # one shareable handle per handle
     assert rt.mem_export_to_shareable_handle(handle, 0, 0) == (0, NOT_PERMITTED)
@@ -278,7 +276,13 @@ def test_errors_of_the_exporter_side(dev0):
         rt.mem_set_pid_to_shareable_handle("x", [1])
     assert rt.mem_set_pid_to_shareable_handle(value, []) == acl.ACL_ERROR_INVALID_PARAM
     assert rt.mem_set_pid_to_shareable_handle(value, [2**40]) == acl.ACL_ERROR_INVALID_PARAM
-    assert rt.mem_set_pid_to_shareable_handle((value & ~0x3FFFFF) | 1, [5]) == NOT_PERMITTED
+    theirs = w.call("""
+h, r = rt.malloc_physical(size, prop, 0)
+ret, r = rt.mem_export_to_shareable_handle(h, 0, 0)
+assert r == 0
+""", size=G2, prop=PROP)
+    assert rt.mem_set_pid_to_shareable_handle(theirs, [5]) == NOT_PERMITTED  # another process's value
+    assert rt.mem_set_pid_to_shareable_handle(theirs ^ (1 << 63), [5]) == NO_SUCH_HANDLE  # nobody's
     assert rt.device_get_bare_tgid() == (os.getpid(), 0)
     with pytest.raises(TypeError):
         rt.device_get_bare_tgid(1)
@@ -591,3 +595,155 @@ def test_only_the_same_user_by_default(dev0, workers, monkeypatch):
     assert import_map(w, v2)[1] == NOT_PERMITTED
     release(handle, va)
     release(h2, va2)
+
+
+# ---- IPC keys: the same guarantees as shareable handles ----
+
+KEY_EXPORT = """
+assert rt.set_device(0) == 0
+ptr, r = rt.malloc(size, 0)
+assert r == 0
+ctypes.memset(ptr, fill, size)
+key, r = rt.ipc_mem_get_export_key(ptr, size, 65, flags)
+assert r == 0
+ret = (ptr, key)
+"""
+
+KEY_IMPORT = """
+p, r = rt.ipc_mem_import_by_key(key, 0)
+ret = (p, r, ctypes.string_at(p, 4) if r == 0 else None)
+"""
+
+RAW_REQUEST = """
+import socket, struct
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect("\\0" + name)
+req = struct.pack("<IHHiIQ16s", 0x4955504e, 1, op, claimed, 0, value, token)
+s.send(req)
+msg, anc, flags, addr = s.recvmsg(64, socket.CMSG_SPACE(16))
+fds = []
+for level, kind, data in anc:
+    fds += list(struct.unpack("%di" % (len(data) // 4), data[:len(data) - len(data) % 4]))
+for f in fds:
+    os.close(f)
+s.close()
+ret = (struct.unpack("<IiiIQ", msg)[1], len(fds))
+"""
+
+
+def key_parts(key):
+    """(server name, device, token bytes) of a key "npualloc-k1-<pid>-<secret>-<device>-<token>"."""
+    _, _, pid, secret, device, token = key.split("-")
+    return _C.ipc.server_name(int(pid), int(secret, 16)), int(device), bytes.fromhex(token)
+
+
+def test_key_exporter_frees_and_exits_while_imported(dev0, workers):
+    exporter, importer, late = workers(3)
+    ptr, key = exporter.call(KEY_EXPORT, size=3 * MiB, fill=0x4A,
+                             flags=acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+    p, r, head = importer.call(KEY_IMPORT, key=key)
+    assert r == 0 and head == b"JJJJ"
+    # the exporter frees its allocation: the importer's mapping and bytes stay
+    assert exporter.call("ret = rt.free(ptr)", ptr=ptr) == 0
+    assert importer.call("ret = ctypes.string_at(p + 3 * 2**20 - 4, 4)", p=p) == b"JJJJ"
+    # a key of freed memory imports no more (107017, as CANN's "Share handle doesn't exist")
+    assert late.call(KEY_IMPORT, key=key)[1] == NO_SUCH_HANDLE
+    # the exporter exits: still intact, still writable, and the key still names nothing
+    exporter.close()
+    importer.call("ctypes.memset(p, 0x6a, 2)", p=p)
+    assert importer.call("ret = ctypes.string_at(p, 3)", p=p) == b"jjJ"
+    assert late.call(KEY_IMPORT, key=key)[1] == NO_SUCH_HANDLE
+    assert importer.call("ret = rt.ipc_mem_close(key)", key=key) == 0
+    assert importer.call("ret = (_C.vmm_counts()['mappings'], _C.ipc.counts()['key_imports'])") == (0, 0)
+
+
+def test_key_importer_crash_affects_nobody(dev0, workers):
+    victim, survivor = workers(2)
+    ptr, ret = rt.malloc(MiB, 0)
+    ctypes.memset(ptr, 0x4B, MiB)
+    key, ret = rt.ipc_mem_get_export_key(ptr, MiB, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+    assert ret == 0
+    vp, r, _ = victim.call(KEY_IMPORT, key=key)
+    sp, r2, _ = survivor.call(KEY_IMPORT, key=key)
+    assert r == 0 and r2 == 0
+    victim.call("ctypes.memset(p, 0x56, 4)", p=vp)
+    victim.kill()
+    assert ctypes.string_at(ptr, 5) == b"VVVVK"  # its writes stay; the memory stays
+    ctypes.memset(ptr, 0x45, 4)
+    assert survivor.call("ret = ctypes.string_at(p, 4)", p=sp) == b"EEEE"
+    assert survivor.call("ret = [rt.ipc_mem_close(key), rt.ipc_mem_import_by_key(key, 0)[1]]", key=key) == [0, 0]
+    for _ in range(100):  # the dead importer's connection goes
+        if _C.ipc.counts()["clients"] == 0:
+            break
+        time.sleep(0.01)
+    assert _C.ipc.counts()["clients"] == 0
+    assert rt.free(ptr) == 0
+
+
+def test_eight_key_importers_at_once(dev0, workers):
+    ws = workers(8)
+    ptr, ret = rt.malloc(2 * MiB, 0)
+    ctypes.memset(ptr, 0x50, 2 * MiB)
+    key, ret = rt.ipc_mem_get_export_key(ptr, 2 * MiB, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT)
+    assert rt.ipc_mem_set_import_pid(key, [w.pid for w in ws]) == 0
+    code = KEY_IMPORT + "\nif r == 0: ctypes.memset(p + 4096 * (index + 1), 0x61 + index, 4096)"
+    for i, w in enumerate(ws):
+        w.send(code, key=key, index=i)
+    results = [w.recv() for w in ws]
+    assert [r[1:] for r in results] == [(0, b"PPPP")] * 8
+    for i in range(8):
+        assert ctypes.string_at(ptr + 4096 * (i + 1), 4096) == bytes([0x61 + i]) * 4096
+    assert ws[3].call("ret = ctypes.string_at(p + 4096 * 8, 2)", p=results[3][0]) == b"hh"
+    assert rt.free(ptr) == 0
+
+
+def test_a_key_importer_cannot_lie_about_its_pid(dev0, workers):
+    listed, liar = workers(2)
+    ptr, ret = rt.malloc(MiB, 0)
+    key, ret = rt.ipc_mem_get_export_key(ptr, MiB, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT)
+    assert rt.ipc_mem_set_import_pid(key, [listed.pid]) == 0
+    name, device, token = key_parts(key)
+    raw = dict(name=name, op=2, value=device, token=token)  # IMPORT_KEY
+    # a raw request claiming the listed pid: refused, no descriptor (the pid comes from SO_PEERCRED)
+    assert liar.call(RAW_REQUEST, claimed=listed.pid, **raw) == (NOT_PERMITTED, 0)
+    assert liar.call(KEY_IMPORT, key=key)[1] == NOT_PERMITTED
+    # the listed process gets the descriptor whatever pid it claims
+    assert listed.call(RAW_REQUEST, claimed=liar.pid, **raw) == (0, 1)
+    assert listed.call(KEY_IMPORT, key=key)[1] == 0
+    assert rt.free(ptr) == 0
+
+
+# ---- refused and forged imports leave nothing behind ----
+
+
+def test_refused_and_forged_imports_leak_nothing(dev0, workers):
+    (w,) = workers()
+    handle, va, value = exported()  # whitelist left empty: the worker is refused
+    ptr, ret = rt.malloc(MiB, 0)
+    key, ret = rt.ipc_mem_get_export_key(ptr, MiB, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT)
+    w_fds, my_fds = fd_count(w), fd_count()
+    failed0 = _C.ipc.counts()["failed"]
+    forged_key = key[:-4] + ("0000" if not key.endswith("0000") else "1111")
+    code = """
+ret = []
+for _ in range(10):
+    ret.append(rt.mem_import_from_shareable_handle(value, 0)[1])           # not on the whitelist
+    ret.append(rt.mem_import_from_shareable_handle(value ^ (1 << 63), 0)[1])  # forged value
+    ret.append(rt.ipc_mem_import_by_key(key, 0)[1])                        # key, not whitelisted
+    ret.append(rt.ipc_mem_import_by_key(forged, 0)[1])                     # forged key
+"""
+    got = w.call(code, value=value, key=key, forged=forged_key)
+    assert got == [NOT_PERMITTED, NO_SUCH_HANDLE, NOT_PERMITTED, NO_SUCH_HANDLE] * 10
+    assert _C.ipc.counts()["failed"] - failed0 == 40  # every one reached this server and failed
+    # the importer: no descriptor, handle, mapping or import entry; the exporter: no connection
+    assert fd_count(w) == w_fds
+    assert w.call("ret = (_C.ipc.counts()['imports'], _C.ipc.counts()['key_imports'], _C.vmm_counts())") == \
+        (0, 0, {"physical_handles": 0, "reservations": 0, "mappings": 0, "fds_kept": 0})
+    for _ in range(100):
+        if _C.ipc.counts()["clients"] == 0 and fd_count() == my_fds:
+            break
+        time.sleep(0.01)
+    assert (_C.ipc.counts()["clients"], fd_count()) == (0, my_fds)
+    assert _C.ipc.counts()["exports"] == 2  # and the exports are as they were
+    release(handle, va)
+    assert rt.free(ptr) == 0

@@ -3,6 +3,7 @@ segments) opened by other processes, and the sharing pin that keeps the owner fr
 block while someone still has it open."""
 import ctypes
 import pickle
+import signal
 import time
 
 import pytest
@@ -179,3 +180,31 @@ def test_share_errors(dev0):
     with pytest.raises(RuntimeError, match="not a live block"):
         npualloc.share(ptr)
     assert counts()["shares"] == 0
+
+
+def test_opener_cannot_touch_neighbouring_blocks(segments, workers):  # noqa: F811
+    """open_shared maps only the host pages covering the block: the owner's neighbouring blocks
+    of the same segment (or expandable page) fault in the opener beyond those pages."""
+    size = 256 * 1024
+    lo, mid, hi = sorted(npualloc.caching_allocator_alloc(size, 0) for _ in range(3))
+    assert mid - lo < 2 * size and hi - mid < 2 * size  # three neighbours in one segment
+    for p, fill in ((lo, 0x4C), (mid, 0x4D), (hi, 0x48)):
+        ctypes.memset(p, fill, size)
+    handle = npualloc.share(mid)
+    blob = pickle.dumps(handle)
+    below = -(mid % 4096) - 1  # the last byte before the first page of the block: lo's
+    above = -(-(mid + handle.size) // 4096) * 4096 - mid  # the first byte past its last page
+    assert lo <= mid + below < mid and mid + handle.size <= mid + above < hi + size
+    probe = "import pickle\np = npualloc.open_shared(pickle.loads(blob))\nret = ctypes.string_at(p + off, 1)"
+    ws = workers(3)
+    # the block itself, first and last byte: readable
+    assert ws[0].call(probe, blob=blob, off=0) == b"M"
+    assert ws[0].call("ret = ctypes.string_at(p + size - 1, 1)", size=size) == b"M"
+    # the bytes just outside its pages belong to other blocks -> SIGSEGV in the opener
+    for w, off in ((ws[1], below), (ws[2], above)):
+        w.send(probe, blob=blob, off=off)
+        assert w.proc.wait(timeout=20) == -signal.SIGSEGV
+    ws[0].close()
+    for p in (lo, mid, hi):
+        npualloc.caching_allocator_delete(p)
+    assert wait_for(lambda: counts()["shares"] == 0 and counts()["pins"] == 0)

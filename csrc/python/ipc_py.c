@@ -353,10 +353,12 @@ static PyObject *py_counts(PyObject *self, PyObject *unused)
     (void)unused;
     ipc_counts c;
     ipc_get_counts(&c);
-    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:O,s:I}", "exports", (Py_ssize_t)c.exports, "imports",
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:n,s:K,s:K,s:O,s:I}", "exports", (Py_ssize_t)c.exports,
+                         "imports",
                          (Py_ssize_t)c.imports, "key_imports", (Py_ssize_t)c.key_imports, "shares",
                          (Py_ssize_t)c.shares, "opens", (Py_ssize_t)c.opens, "sessions", (Py_ssize_t)c.sessions,
-                         "clients", (Py_ssize_t)c.clients, "pins", (Py_ssize_t)c.pins, "server_running",
+                         "clients", (Py_ssize_t)c.clients, "pins", (Py_ssize_t)c.pins, "failed",
+                         (unsigned long long)c.failed, "refused", (unsigned long long)c.refused, "server_running",
                          c.server_running ? Py_True : Py_False, "secret", (unsigned)c.secret);
 }
 

@@ -6,9 +6,12 @@
 #include <setjmp.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "host.h"
 #include "ipc.h"
 #include "testutil.h"
 
@@ -108,30 +111,55 @@ static uint64_t get64(int fd)
 /* in a child: same, without cmocka */
 static int cput64(int fd, uint64_t v) { return write(fd, &v, sizeof v) == sizeof v ? 0 : 1; }
 
+/* Child: exports 'X' memory with DISABLE_PID_VALIDATION, sends the value, waits, exits. */
+static int child_export(int in, int out, void *arg)
+{
+    (void)arg;
+    aclrtDrvMemHandle h = NULL;
+    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    if (aclrtMallocPhysical(&h, G2, &p, 0))
+        return 1;
+    void *va = NULL;
+    if (aclrtReserveMemAddress(&va, G2, 0, NULL, 0) || aclrtMapMem(va, G2, 0, h, 0))
+        return 2;
+    memset(va, 'X', G2);
+    uint64_t v = 0;
+    if (aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v))
+        return 3;
+    if (cput64(out, v))
+        return 4;
+    (void)get64(in); /* until told to go */
+    return 0;
+}
+
 /* ---- the value layout and export errors ---- */
 
+/* CANN's device bits; every other bit random: nothing shared by the values of one exporter. */
 static void test_value_layout(void **state)
 {
     (void)state;
     setup_runtime();
-    aclrtDrvMemHandle h0 = phys_on(0, G2), h1 = phys_on(1, G2), h2 = phys_on(0, G2);
-    uint64_t v0 = 0, v1 = 0, v2 = 0;
-    assert_int_equal(aclrtMemExportToShareableHandle(h0, ACL_MEM_HANDLE_TYPE_NONE, 0, &v0), ACL_SUCCESS);
-    assert_int_equal(aclrtMemExportToShareableHandle(h1, ACL_MEM_HANDLE_TYPE_NONE, 1, &v1), ACL_SUCCESS);
-    assert_int_equal(aclrtMemExportToShareableHandle(h2, ACL_MEM_HANDLE_TYPE_NONE, 0, &v2), ACL_SUCCESS);
+    enum { N = 64 };
+    aclrtDrvMemHandle h[N];
+    uint64_t v[N], varying = 0;
+    for (int i = 0; i < N; i++) {
+        h[i] = phys_on(i % 2, G2);
+        assert_int_equal(aclrtMemExportToShareableHandle(h[i], ACL_MEM_HANDLE_TYPE_NONE, (uint64_t)(i % 3 == 0), &v[i]),
+                         ACL_SUCCESS);
+        assert_int_equal(ipc_value_device(v[i]), i % 2); /* CANN: the exporting device in bits 32-39 */
+        for (int k = 0; k < i; k++)
+            assert_true(v[k] != v[i]);
+        varying |= v[i] ^ v[0];
+    }
+    /* each of the 56 other bits differs between some two values: no pid, no server secret, no
+     * counter in them (a fixed bit would stay 0 here; a random one does with chance 2^-63) */
+    assert_true((varying | IPC_VALUE_DEVICE_MASK) == UINT64_MAX);
     ipc_counts c;
     ipc_get_counts(&c);
     assert_true(c.server_running);
-    assert_int_equal(c.exports, 3);
-    assert_int_equal(ipc_value_pid(v0), getpid());
-    assert_int_equal(ipc_value_device(v0), 0);
-    assert_int_equal(ipc_value_device(v1), 1); /* CANN: the exporting device in bits 32-39 */
-    assert_int_equal(ipc_value_secret(v0), c.secret);
-    assert_int_equal(ipc_value_secret(v1), c.secret);
-    assert_true(v0 >> 40 != 0 && v0 != v2); /* random token bits */
-    assert_int_equal(aclrtFreePhysical(h0), ACL_SUCCESS);
-    assert_int_equal(aclrtFreePhysical(h1), ACL_SUCCESS);
-    assert_int_equal(aclrtFreePhysical(h2), ACL_SUCCESS);
+    assert_int_equal(c.exports, N);
+    for (int i = 0; i < N; i++)
+        assert_int_equal(aclrtFreePhysical(h[i]), ACL_SUCCESS);
     ipc_get_counts(&c);
     assert_int_equal(c.exports, 0); /* freeing withdraws the export */
 }
@@ -179,9 +207,12 @@ static void test_set_pid_errors(void **state)
     assert_int_equal(aclrtMemSetPidToShareableHandle(v, pids, 2), ACL_SUCCESS); /* repeats are fine */
     assert_int_equal(aclrtMemSetPidToShareableHandle(vd, pids, 1), ACL_ERROR_RT_NO_PERMISSION);
     /* a value of another process: only its exporter may set pids */
-    uint64_t foreign = (v & ~(uint64_t)0x3FFFFF) | 1u;
+    child ch = spawn(child_export, NULL);
+    uint64_t foreign = get64(ch.from_child);
     assert_int_equal(aclrtMemSetPidToShareableHandle(foreign, pids, 1), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
-    /* a value of this process that it never exported */
+    put64(ch.to_child, 1);
+    assert_int_equal(finish(&ch), 0);
+    /* a value nobody exported */
     uint64_t unknown = v ^ ((uint64_t)0x5A5A5A << 40);
     assert_int_equal(aclrtMemSetPidToShareableHandle(unknown, pids, 1), ACL_ERROR_RT_INVALID_HANDLE);
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
@@ -205,12 +236,156 @@ static void test_import_errors_in_one_process(void **state)
     assert_int_equal(aclrtMemImportFromShareableHandle(v, -1, &out), ACL_ERROR_RT_INVALID_DEVICEID);
     /* the exporter importing its own value */
     assert_int_equal(aclrtMemImportFromShareableHandle(v, 0, &out), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
-    /* forged values: unknown token here, a process with no server (pid 1), pid 0 */
+    /* forged values: one bit off (high, low), the device bits alone, zero */
     assert_int_equal(aclrtMemImportFromShareableHandle(v ^ ((uint64_t)1 << 63), 0, &out), ACL_ERROR_RT_INVALID_HANDLE);
-    assert_int_equal(aclrtMemImportFromShareableHandle((v & ~(uint64_t)0x3FFFFF) | 1u, 0, &out),
+    assert_int_equal(aclrtMemImportFromShareableHandle(v ^ 1u, 0, &out), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemImportFromShareableHandle(v & IPC_VALUE_DEVICE_MASK, 0, &out),
                      ACL_ERROR_RT_INVALID_HANDLE);
-    assert_int_equal(aclrtMemImportFromShareableHandle(v & ~(uint64_t)0x3FFFFF, 0, &out), ACL_ERROR_RT_INVALID_HANDLE);
     assert_int_equal(aclrtMemImportFromShareableHandle(0, 0, &out), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
+/* ---- guessing ---- */
+
+/* Child: imports forged variants of the value (each bit of the 56 flipped in turn), then the
+ * real one; exit 0 when every forgery got 107017, the real one worked, and the child kept no
+ * descriptor and no import of the forgeries. */
+static int child_import_forged(int in, int out, void *arg)
+{
+    (void)arg;
+    (void)out;
+    uint64_t v = get64(in);
+    aclrtDrvMemHandle h = NULL;
+    int fds = open_fds();
+    for (int bit = 0; bit < 64; bit++) {
+        if (bit >= 32 && bit < 40)
+            continue; /* the device bits: another device's value space */
+        if (aclrtMemImportFromShareableHandle(v ^ ((uint64_t)1 << bit), 0, &h) != ACL_ERROR_RT_INVALID_HANDLE)
+            return 1 + bit;
+    }
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    if (open_fds() != fds || ic.imports != 0)
+        return 70;
+    if (aclrtMemImportFromShareableHandle(v, 0, &h) != ACL_SUCCESS || aclrtFreePhysical(h) != ACL_SUCCESS)
+        return 71;
+    return 0;
+}
+
+static void test_forged_values_are_refused_and_leak_nothing(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h = phys_on(0, G2);
+    uint64_t v = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v),
+                     ACL_SUCCESS);
+    int fds = open_fds(); /* with the server's two */
+    ipc_counts before;
+    ipc_get_counts(&before);
+    child c = spawn(child_import_forged, NULL);
+    put64(c.to_child, v);
+    assert_int_equal(finish(&c), 0);
+    ipc_counts after;
+    ipc_get_counts(&after);
+    assert_int_equal(after.failed - before.failed, 56); /* each forgery was a failed lookup here */
+    assert_int_equal(open_fds_settled(fds), fds);      /* the server kept no connection */
+    for (int i = 0; i < 500 && after.clients; i++) {
+        usleep(10000);
+        ipc_get_counts(&after);
+    }
+    assert_int_equal(after.clients, 0);
+    assert_int_equal(after.exports, 1);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
+typedef struct flood_args {
+    char name[64];   /* the exporter's socket name */
+    uint64_t run_ns; /* how long to flood */
+} flood_args;
+
+/* Child: sends lookups of random values to the exporter's server as fast as it answers,
+ * reconnecting whenever it is dropped; reports how many were answered (107017) and refused
+ * (507022). */
+static int child_flood(int in, int out, void *arg)
+{
+    (void)in;
+    const flood_args *a = arg;
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    size_t n = strlen(a->name);
+    memcpy(sa.sun_path + 1, a->name, n);
+    socklen_t len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+    uint64_t answered = 0, refused = 0, end = host_now_ns() + a->run_ns, rnd = 88172645463325252ull;
+    int s = -1;
+    while (host_now_ns() < end) {
+        if (s < 0) {
+            s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+            if (s < 0 || connect(s, (struct sockaddr *)&sa, len) != 0)
+                return 1;
+        }
+        rnd ^= rnd << 13, rnd ^= rnd >> 7, rnd ^= rnd << 17;
+        ipc_request rq = {.magic = IPC_MAGIC, .version = IPC_VERSION, .op = IPC_OP_IMPORT, .value = rnd};
+        ipc_reply rp;
+        if (send(s, &rq, sizeof rq, MSG_NOSIGNAL) != (ssize_t)sizeof rq ||
+            recv(s, &rp, sizeof rp, 0) != (ssize_t)sizeof rp) {
+            close(s); /* dropped after its failures: come back */
+            s = -1;
+            continue;
+        }
+        answered += rp.status == ACL_ERROR_RT_INVALID_HANDLE;
+        refused += rp.status == ACL_ERROR_RT_IPC_ERROR;
+    }
+    if (s >= 0)
+        close(s);
+    return cput64(out, answered) || cput64(out, refused) ? 2 : 0;
+}
+
+/* Child: imports the value once the parent says so; reports the code and how long it took. */
+static int child_timed_import(int in, int out, void *arg)
+{
+    (void)arg;
+    uint64_t v = get64(in);
+    aclrtDrvMemHandle h = NULL;
+    uint64_t t0 = host_now_ns();
+    aclError rc = aclrtMemImportFromShareableHandle(v, 0, &h);
+    uint64_t took = host_now_ns() - t0;
+    if (rc == ACL_SUCCESS && aclrtFreePhysical(h) != ACL_SUCCESS)
+        return 1;
+    return cput64(out, (uint64_t)rc) || cput64(out, took) ? 2 : 0;
+}
+
+/* A process guessing values as fast as it can is refused beyond its budget, and the server
+ * never waits on its account: another process's import during the flood is prompt. */
+static void test_a_flood_of_guesses_does_not_delay_imports(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h = phys_on(0, G2);
+    uint64_t v = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v),
+                     ACL_SUCCESS);
+    ipc_counts c0;
+    ipc_get_counts(&c0);
+    flood_args fa = {.run_ns = 1500000000u};
+    ipc_server_name((int32_t)getpid(), c0.secret, fa.name, sizeof fa.name);
+    child flood = spawn(child_flood, &fa);
+    usleep(1100000); /* past its first second: over budget by now */
+    child imp = spawn(child_timed_import, NULL);
+    put64(imp.to_child, v);
+    aclError rc = (aclError)get64(imp.from_child);
+    uint64_t took = get64(imp.from_child);
+    assert_int_equal(finish(&imp), 0);
+    uint64_t answered = get64(flood.from_child), refused = get64(flood.from_child);
+    assert_int_equal(finish(&flood), 0);
+    print_message("flood: %llu answered, %llu refused; import during it: %.2f ms\n", (unsigned long long)answered,
+                  (unsigned long long)refused, (double)took / 1e6);
+    assert_int_equal(rc, ACL_SUCCESS);
+    assert_true(took < 100000000u); /* 100 ms: the old server slept up to 1 s under a flood */
+    /* the budget: 1000 answered failures a second (the flood spans at most two seconds) */
+    assert_true(refused > 0);
+    assert_true(answered <= 2 * 1000);
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
@@ -342,27 +517,6 @@ static void test_cross_device_import_needs_peer_access(void **state)
     assert_int_equal(export_and_run(ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, false, false, &a, &status, &first),
                      ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
     assert_int_equal(status, 0);
-}
-
-/* Child: exports 'X' memory with DISABLE_PID_VALIDATION, sends the value, waits, exits. */
-static int child_export(int in, int out, void *arg)
-{
-    (void)arg;
-    aclrtDrvMemHandle h = NULL;
-    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE, 0);
-    if (aclrtMallocPhysical(&h, G2, &p, 0))
-        return 1;
-    void *va = NULL;
-    if (aclrtReserveMemAddress(&va, G2, 0, NULL, 0) || aclrtMapMem(va, G2, 0, h, 0))
-        return 2;
-    memset(va, 'X', G2);
-    uint64_t v = 0;
-    if (aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v))
-        return 3;
-    if (cput64(out, v))
-        return 4;
-    (void)get64(in); /* until told to go */
-    return 0;
 }
 
 static void test_exporter_exits_before_importer_unmaps(void **state)
@@ -756,6 +910,8 @@ int main(void)
         cmocka_unit_test_teardown(test_export_errors, stop_runtime),
         cmocka_unit_test_teardown(test_set_pid_errors, stop_runtime),
         cmocka_unit_test_teardown(test_import_errors_in_one_process, stop_runtime),
+        cmocka_unit_test_teardown(test_forged_values_are_refused_and_leak_nothing, stop_runtime),
+        cmocka_unit_test_teardown(test_a_flood_of_guesses_does_not_delay_imports, stop_runtime),
         cmocka_unit_test_teardown(test_child_imports_with_whitelist, stop_runtime),
         cmocka_unit_test_teardown(test_child_not_on_whitelist_is_refused, stop_runtime),
         cmocka_unit_test_teardown(test_import_after_exporter_freed, stop_runtime),
