@@ -277,6 +277,23 @@ aclError npualloc_cache_set_settings(const char *text);
 /* The settings text in effect (what PYTORCH_NPU_ALLOC_CONF or the last change said). */
 const char *npualloc_cache_settings_text(void);
 
+/* torch's FreeMemoryCallback registry (FreeNPUMemoryCallbacksRegistry): callbacks that can give
+ * memory back to the allocator, e.g. by dropping tensors an extension still holds.
+ *
+ * When a malloc on any device finds no cached block that fits, it runs every registered callback,
+ * in registration order, before it asks the device for memory (and so before garbage
+ * collection, releasing cached segments or the retry).  If any callback returns true ("I freed
+ * something") the cache is searched once more, so a block the callback freed with
+ * npualloc_cache_free serves the request.
+ *
+ * A callback runs on the allocating thread with no npualloc lock held (the device's allocator
+ * lock is released around it), so it may call any npualloc function, npualloc_cache_free in
+ * particular; another thread may use the allocator meanwhile.  It must be thread-safe and must
+ * not assume it is called once per malloc.  At most 8 callbacks; they cannot be removed.
+ * Returns ACL_ERROR_INVALID_PARAM for NULL or when 8 are registered. */
+typedef bool (*npualloc_free_memory_callback)(void);
+aclError npualloc_cache_add_free_memory_callback(npualloc_free_memory_callback fn);
+
 /* Checks every invariant of a device's allocator: blocks tile their segments, live blocks
  * never overlap, free neighbours are merged, the pools hold exactly the free blocks, and the
  * stats equal what the blocks imply.  Returns ACL_SUCCESS or ACL_ERROR_INTERNAL_ERROR with the
