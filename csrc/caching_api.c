@@ -232,15 +232,16 @@ const cache_backend cache_npu_backend = {npu_segment_alloc, npu_segment_free, np
 
 /* ---- settings ---- */
 
-/* torch_npu's start-up probe: can 512 bytes of address space be reserved? */
-static bool expandable_probe(void *ctx)
+/* torch_npu's start-up probe: can 512 bytes of address space be reserved?  Its status decides
+ * (alloc_conf.h): FEATURE_NOT_SUPPORT turns expandable segments off, any other error is fatal. */
+static int expandable_probe(void *ctx)
 {
     (void)ctx;
     void *p = NULL;
-    if (aclrtReserveMemAddress(&p, 512, 0, NULL, 1) != ACL_SUCCESS)
-        return false;
-    aclrtReleaseMemAddress(p);
-    return true;
+    aclError rc = aclrtReserveMemAddress(&p, 512, 0, NULL, 1);
+    if (rc == ACL_SUCCESS)
+        aclrtReleaseMemAddress(p);
+    return rc;
 }
 
 static npualloc_error_kind conf_kind(conf_status st)

@@ -305,10 +305,12 @@ typedef enum npualloc_fault_kind {
     NPUALLOC_FAULT_DEVICE_ALLOC = 0, /* charging device capacity: fails as out of memory (207001) */
     NPUALLOC_FAULT_MAP = 1,          /* mapping memory into a range: fails as ENOMEM (207005) */
     NPUALLOC_FAULT_MEMFILE = 2,      /* creating a memory file: fails as EMFILE (207005) */
-    NPUALLOC_FAULT_KINDS = 3
+    NPUALLOC_FAULT_RESERVE = 3,      /* reserving an address range: fails as a runtime without virtual
+                                        memory management does (ACL_ERROR_RT_FEATURE_NOT_SUPPORT, 207000) */
+    NPUALLOC_FAULT_KINDS = 4
 } npualloc_fault_kind;
 /* Makes the nth operation of `kind` from now fail once (0 disarms).  NPUALLOC_FAULT=
- * "device_alloc:N,map:N,memfile:N" arms the same when the runtime starts. */
+ * "device_alloc:N,map:N,memfile:N,reserve:N" arms the same when the runtime starts. */
 aclError npualloc_fault_set(npualloc_fault_kind kind, uint64_t nth);
 /* Operations of `kind` seen since it was armed, and failures injected so far. */
 void npualloc_fault_counts(npualloc_fault_kind kind, uint64_t *seen, uint64_t *injected);
