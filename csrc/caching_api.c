@@ -767,6 +767,13 @@ aclError npualloc_cache_empty_ctx(npualloc_context *ctx)
     return ACL_SUCCESS;
 }
 
+/* torch_npu: emptyVirtAddrCache() is emptyCacheImpl(check_error, free_physical = false), i.e. the
+ * same emptyCache(device, check_error, free_physical) -> release_cached_blocks(..., free_physical)
+ * path as empty_cache with one flag changed: unmapped expandable pages keep their handles in the
+ * pool's free_physical_handles_.  That path also releases whole free plain segments (release_block
+ * does not look at the flag) and freeable private pools, so this does too; only the expandable
+ * pages' physical memory is kept.  torch_npu documents the call as requiring
+ * expandable_segments:True ("otherwise a runtime error"). */
 aclError npualloc_cache_empty_virt_addr_cache(void)
 {
     if (runtime_ensure_init() != ACL_SUCCESS)

@@ -131,7 +131,9 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream);
 /* Synchronizes the devices in use and returns every unused cached segment to them. */
 aclError npualloc_cache_empty(void);
 /* torch_npu's empty_virt_addr_cache: like empty_cache, but the physical pages of expandable
- * segments are kept for the next mapping (only with expandable_segments:True). */
+ * segments are kept (unmapped) for the next mapping instead of being freed; whole free plain
+ * segments and freeable private pools are still released, as in torch_npu.  Fails with
+ * ACL_ERROR_INVALID_PARAM unless expandable_segments:True. */
 aclError npualloc_cache_empty_virt_addr_cache(void);
 aclError npualloc_cache_set_fraction(int32_t device, double fraction);
 aclError npualloc_cache_get_fraction(int32_t device, double *fraction);
