@@ -61,6 +61,7 @@
 #define MSG_FRACTION "per_process_memory_fraction is invalid, set it in [0.0, 1.0]"
 #define MSG_PAGE_FORMAT "page_size requires format 'page_size:1g'"
 
+#define MSG_PROBE_ERROR "NPU function error: aclrtReserveMemAddress, error code is %d"
 #define WARN_EXPANDABLE_FAIL "expandable_segments setting failure, now change to `False`."
 #define WARN_SEGMENT_DEPRECATED "`segment_size_mb` is deprecated, please use `large_segment_size_mb` instead."
 #define WARN_PINNED_REGISTER                                                                               \
@@ -616,8 +617,13 @@ static bool expandable_check(parser *p, conf_expandable_probe probe, void *probe
         return true;
     if (!(w->max_split_size == SIZE_MAX && w->garbage_collection_threshold == 0))
         return fail(p, CONF_RUNTIME_ERROR, CONF_SUB_OPS, CONF_ERR_PARAM, MSG_EXPANDABLE_CONFLICT);
-    if (probe == NULL || probe(probe_ctx))
+    int status = probe == NULL ? 0 : probe(probe_ctx);
+    if (status == 0)
         return true;
+    /* NPU_CHECK_ERROR(status): fatal, unless the feature is not supported (torch_npu then prints
+       "[WARN]... Feature is not supportted ..." to stdout, which is not reproduced here). */
+    if (status != CONF_PROBE_FEATURE_NOT_SUPPORT)
+        return fail(p, CONF_RUNTIME_ERROR, CONF_SUB_NONE, CONF_ERR_NONE, MSG_PROBE_ERROR, status);
     warn(p->r, WARN_EXPANDABLE_FAIL);
     /* accAllocConfIns.parseArgs("expandable_segments:False") */
     static const tok reparse[] = {{"expandable_segments", 19}, {":", 1}, {"False", 5}};

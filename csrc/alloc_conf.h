@@ -61,8 +61,11 @@ typedef struct conf_result {
     char warnings[ALLOC_CONF_MAX_WARNINGS][ALLOC_CONF_MSG_LEN];
 } conf_result;
 
-/* The 512-byte aclrtReserveMemAddress probe: true = expandable segments are supported. */
-typedef bool (*conf_expandable_probe)(void *ctx);
+/* The 512-byte aclrtReserveMemAddress probe: returns its status, 0 when expandable segments are supported.
+   As torch_npu's NPU_CHECK_ERROR: CONF_PROBE_FEATURE_NOT_SUPPORT (ACL_ERROR_RT_FEATURE_NOT_SUPPORT) only warns
+   and turns expandable segments off; any other error fails the parse (a RuntimeError). */
+#define CONF_PROBE_FEATURE_NOT_SUPPORT 207000
+typedef int (*conf_expandable_probe)(void *ctx);
 
 void alloc_settings_default(alloc_settings *s);
 

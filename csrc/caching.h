@@ -329,11 +329,6 @@ void caching_atfork_parent(void);
 /* The child has none of the parent's device memory: every cache starts empty. */
 void caching_atfork_child(void);
 
-/* ---- free-memory callbacks (torch's FreeMemoryCallbacksRegistry) ---- */
-typedef bool (*cache_free_callback)(void);
-void cache_add_free_callback(cache_free_callback fn);
-bool cache_run_free_callbacks(void);
-
 /* ---- errors (caching_api.c) ---- */
 void cache_set_error(npualloc_error_kind kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void cache_push_warning(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -88,25 +88,39 @@ bool npualloc_pop_warning(char *buf, size_t len)
     return any;
 }
 
-/* ---- free-memory callbacks ---- */
+/* ---- free-memory callbacks (npualloc_cache_add_free_memory_callback) ---- */
 
 #define MAX_FREE_CALLBACKS 8
-static cache_free_callback free_callbacks[MAX_FREE_CALLBACKS];
-static _Atomic int free_callback_count;
+static pthread_mutex_t free_callback_lock = PTHREAD_MUTEX_INITIALIZER;
+static npualloc_free_memory_callback free_callbacks[MAX_FREE_CALLBACKS];
+static _Atomic int free_callback_count; /* entries below it are written before it is raised */
 
-void cache_add_free_callback(cache_free_callback fn)
+aclError npualloc_cache_add_free_memory_callback(npualloc_free_memory_callback fn)
 {
+    if (!fn) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_cache_add_free_memory_callback: fn must not be NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&free_callback_lock);
     int n = free_callback_count;
     if (n < MAX_FREE_CALLBACKS) {
         free_callbacks[n] = fn;
         free_callback_count = n + 1;
     }
+    pthread_mutex_unlock(&free_callback_lock);
+    if (n == MAX_FREE_CALLBACKS) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "at most %d free-memory callbacks can be registered", MAX_FREE_CALLBACKS);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return ACL_SUCCESS;
 }
 
-bool cache_run_free_callbacks(void)
+/* Runs every callback (no lock held): true when one of them freed something. */
+static bool run_free_callbacks(void)
 {
     bool freed = false;
-    for (int i = 0; i < free_callback_count; i++)
+    int n = free_callback_count;
+    for (int i = 0; i < n; i++)
         freed |= free_callbacks[i]();
     return freed;
 }
@@ -209,7 +223,7 @@ static void npu_free_page(void *ctx, int32_t device, uint64_t handle)
 static bool npu_free_memory(void *ctx)
 {
     (void)ctx;
-    return cache_run_free_callbacks();
+    return run_free_callbacks();
 }
 
 const cache_backend cache_npu_backend = {npu_segment_alloc, npu_segment_free, npu_mem_info,   npu_synchronize,
@@ -218,15 +232,16 @@ const cache_backend cache_npu_backend = {npu_segment_alloc, npu_segment_free, np
 
 /* ---- settings ---- */
 
-/* torch_npu's start-up probe: can 512 bytes of address space be reserved? */
-static bool expandable_probe(void *ctx)
+/* torch_npu's start-up probe: can 512 bytes of address space be reserved?  Its status decides
+ * (alloc_conf.h): FEATURE_NOT_SUPPORT turns expandable segments off, any other error is fatal. */
+static int expandable_probe(void *ctx)
 {
     (void)ctx;
     void *p = NULL;
-    if (aclrtReserveMemAddress(&p, 512, 0, NULL, 1) != ACL_SUCCESS)
-        return false;
-    aclrtReleaseMemAddress(p);
-    return true;
+    aclError rc = aclrtReserveMemAddress(&p, 512, 0, NULL, 1);
+    if (rc == ACL_SUCCESS)
+        aclrtReleaseMemAddress(p);
+    return rc;
 }
 
 static npualloc_error_kind conf_kind(conf_status st)
@@ -757,6 +772,13 @@ aclError npualloc_cache_empty_ctx(npualloc_context *ctx)
     return ACL_SUCCESS;
 }
 
+/* torch_npu: emptyVirtAddrCache() is emptyCacheImpl(check_error, free_physical = false), i.e. the
+ * same emptyCache(device, check_error, free_physical) -> release_cached_blocks(..., free_physical)
+ * path as empty_cache with one flag changed: unmapped expandable pages keep their handles in the
+ * pool's free_physical_handles_.  That path also releases whole free plain segments (release_block
+ * does not look at the flag) and freeable private pools, so this does too; only the expandable
+ * pages' physical memory is kept.  torch_npu documents the call as requiring
+ * expandable_segments:True ("otherwise a runtime error"). */
 aclError npualloc_cache_empty_virt_addr_cache(void)
 {
     if (runtime_ensure_init() != ACL_SUCCESS)

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const kind_names[NPUALLOC_FAULT_KINDS] = {"device_alloc", "map", "memfile"};
+static const char *const kind_names[NPUALLOC_FAULT_KINDS] = {"device_alloc", "map", "memfile", "reserve"};
 
 static struct {
     _Atomic uint64_t nth;      /* 0: disarmed */
@@ -68,7 +68,7 @@ bool fault_arm_from_env(char *err, size_t errlen)
         unsigned long long v = kind >= 0 ? strtoull(p, &end, 10) : 0;
         if (kind < 0 || end == p || (*end && *end != ',')) {
             snprintf(err, errlen,
-                     "NPUALLOC_FAULT='%s' is malformed: use kind:N[,kind:N] with kinds device_alloc, map, memfile",
+                     "NPUALLOC_FAULT='%s' is malformed: use kind:N[,kind:N] with kinds device_alloc, map, memfile, reserve",
                      text);
             return false;
         }

@@ -1,8 +1,8 @@
 /*
- * fault.h - fault injection for tests: make the Nth device allocation, mapping or memory-file
- * creation fail, to prove every failure surfaces as a documented error and loses nothing.
+ * fault.h - fault injection for tests: make the Nth device allocation, mapping, memory-file
+ * creation or address reservation fail, to prove every failure surfaces as a documented error and loses nothing.
  *
- * Armed with npualloc_fault_set() or NPUALLOC_FAULT="device_alloc:N,map:N,memfile:N" (read
+ * Armed with npualloc_fault_set() or NPUALLOC_FAULT="device_alloc:N,map:N,memfile:N,reserve:N" (read
  * when the runtime starts).  Each kind counts its operations from the moment it is armed; the
  * Nth fails once, then the kind is disarmed.  Disarmed, a check is one relaxed atomic load.
  */

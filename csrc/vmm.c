@@ -12,6 +12,7 @@
 
 #include "avl.h"
 #include "common.h"
+#include "fault.h"
 #include "handle_table.h"
 #include "host.h"
 #include "va_space.h"
@@ -348,6 +349,8 @@ aclError vmm_reserve(int32_t device, size_t size, void *at, void **out)
 {
     if (size > ((size_t)1 << 50))
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    if (fault_fires(NPUALLOC_FAULT_RESERVE))
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     size = round_up(size, VMM_GRANULARITY);
     size_t align = size >= VMM_GRANULARITY_1G ? VMM_GRANULARITY_1G : VMM_GRANULARITY;
     uintptr_t start;

@@ -29,7 +29,7 @@
 #include "alloc_conf.h"
 #include "fuzz_common.h"
 
-static bool conf_probe(void *ctx) { return *(const bool *)ctx; }
+static int conf_probe(void *ctx) { return *(const bool *)ctx ? 0 : CONF_PROBE_FEATURE_NOT_SUPPORT; }
 
 static bool same_double(double a, double b) { return memcmp(&a, &b, sizeof a) == 0; }
 

@@ -1,15 +1,16 @@
-"""Fault injection for tests: make the Nth device allocation, mapping or memory-file creation fail.
+"""Fault injection for tests: make the Nth device allocation, mapping, memory-file creation or address
+reservation fail (a reservation fails with 207000, as on a runtime without virtual memory management).
 
     with npualloc.faults.inject("device_alloc", 3):
         ...   # the third device allocation from here fails once (as out of memory)
 
-The same is armed for a whole process with NPUALLOC_FAULT="device_alloc:N,map:N,memfile:N".
+The same is armed for a whole process with NPUALLOC_FAULT="device_alloc:N,map:N,memfile:N,reserve:N".
 """
 import contextlib
 
 from . import _C
 
-KINDS = {"device_alloc": 0, "map": 1, "memfile": 2}
+KINDS = {"device_alloc": 0, "map": 1, "memfile": 2, "reserve": 3}
 
 
 def _kind(name):

@@ -38,6 +38,7 @@ __all__ = [
     "set_per_process_memory_fraction",
     "get_per_process_memory_fraction",
     "empty_cache",
+    "empty_virt_addr_cache",
     "memory_stats",
     "memory_stats_as_nested_dict",
     "reset_accumulated_memory_stats",
@@ -216,6 +217,15 @@ def empty_cache():
     """Returns every unused cached segment to the devices (after synchronising them)."""
     if is_initialized():
         _M._empty_cache()
+
+
+def empty_virt_addr_cache():
+    """torch_npu's lighter empty_cache: after synchronising, unmaps the free pages of expandable segments
+    but keeps their physical memory for the next mapping (so other processes do not get it back; call
+    empty_cache() for that).  Unused plain segments are returned, as by empty_cache.  Raises RuntimeError
+    unless expandable_segments:True is in effect."""
+    if is_initialized():
+        _M._empty_virt_addr_cache()
 
 
 def memory_stats(device=None):

@@ -7,6 +7,7 @@ import warnings
 import pytest
 
 import npualloc
+from npualloc import _C
 from conftest_memory import GiB, MiB, block_of, check_all, layout, mem, oom_message, segment_of, segments  # noqa: F401
 
 alloc = npualloc.caching_allocator_alloc
@@ -470,3 +471,53 @@ def test_devices_and_backend(mem):
         npualloc.set_device(5)
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index or an integer"):
         npualloc.mem_get_info(1.5)
+
+
+# ---- empty_virt_addr_cache (torch_npu.npu.empty_virt_addr_cache) ----
+
+def _hbm_free():
+    from npualloc import acl
+    acl.rt.set_device(0)
+    free_bytes, _total, ret = acl.rt.get_mem_info(acl.ACL_HBM_MEM)
+    assert ret == 0
+    return free_bytes
+
+
+def test_empty_virt_addr_cache_unmaps_but_keeps_physical_pages(mem):
+    mem(alloc_conf="expandable_segments:True")
+    assert npualloc.memory.empty_virt_addr_cache is npualloc.empty_virt_addr_cache
+    p = alloc(40 * MiB - 32)                    # two 20 MiB pages
+    free(p)
+    hbm_free = _hbm_free()
+    npualloc.empty_virt_addr_cache()
+    assert npualloc.memory_reserved() == 0 and stat("num_device_free") == 1
+    counts = _C.vmm_counts()
+    assert counts["physical_handles"] == 2 and counts["mappings"] == 0   # unmapped, handles kept
+    assert _hbm_free() == hbm_free                                       # the device did not get them back
+    assert segments() == []
+    q = alloc(40 * MiB - 32)                    # the next growth maps the kept pages again
+    assert npualloc.memory_reserved() == 40 * MiB and stat("num_device_alloc") == 2
+    assert _C.vmm_counts()["physical_handles"] == 2 and _hbm_free() == hbm_free
+    free(q)
+    npualloc.empty_cache()                      # empty_cache frees the physical memory
+    assert _C.vmm_counts()["physical_handles"] == 0 and _hbm_free() == hbm_free + 40 * MiB
+    check_all()
+
+
+def test_empty_virt_addr_cache_releases_plain_segments_like_torch_npu(mem):
+    p = alloc(5 * MiB)                          # a plain 20 MiB segment, made before expandable was on
+    free(p)
+    npualloc.memory._set_allocator_settings("expandable_segments:True")
+    npualloc.empty_virt_addr_cache()
+    assert npualloc.memory_reserved() == 0 and _C.vmm_counts()["physical_handles"] == 0
+    check_all()
+
+
+def test_empty_virt_addr_cache_needs_expandable_segments(mem):
+    npualloc.empty_virt_addr_cache()            # before initialisation: nothing to do
+    p = alloc(5 * MiB)
+    free(p)
+    with pytest.raises(RuntimeError, match="Unsupported config for empty_virt_addr_cache, please enable "
+                                           "expandable_segments."):
+        npualloc.empty_virt_addr_cache()
+    assert npualloc.memory_reserved() == 20 * MiB   # nothing released

@@ -131,7 +131,9 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream);
 /* Synchronizes the devices in use and returns every unused cached segment to them. */
 aclError npualloc_cache_empty(void);
 /* torch_npu's empty_virt_addr_cache: like empty_cache, but the physical pages of expandable
- * segments are kept for the next mapping (only with expandable_segments:True). */
+ * segments are kept (unmapped) for the next mapping instead of being freed; whole free plain
+ * segments and freeable private pools are still released, as in torch_npu.  Fails with
+ * ACL_ERROR_INVALID_PARAM unless expandable_segments:True. */
 aclError npualloc_cache_empty_virt_addr_cache(void);
 aclError npualloc_cache_set_fraction(int32_t device, double fraction);
 aclError npualloc_cache_get_fraction(int32_t device, double *fraction);
@@ -283,6 +285,23 @@ aclError npualloc_cache_set_settings(const char *text);
 /* The settings text in effect (what PYTORCH_NPU_ALLOC_CONF or the last change said). */
 const char *npualloc_cache_settings_text(void);
 
+/* torch's FreeMemoryCallback registry (FreeNPUMemoryCallbacksRegistry): callbacks that can give
+ * memory back to the allocator, e.g. by dropping tensors an extension still holds.
+ *
+ * When a malloc on any device finds no cached block that fits, it runs every registered callback,
+ * in registration order, before it asks the device for memory (and so before garbage
+ * collection, releasing cached segments or the retry).  If any callback returns true ("I freed
+ * something") the cache is searched once more, so a block the callback freed with
+ * npualloc_cache_free serves the request.
+ *
+ * A callback runs on the allocating thread with no npualloc lock held (the device's allocator
+ * lock is released around it), so it may call any npualloc function, npualloc_cache_free in
+ * particular; another thread may use the allocator meanwhile.  It must be thread-safe and must
+ * not assume it is called once per malloc.  At most 8 callbacks; they cannot be removed.
+ * Returns ACL_ERROR_INVALID_PARAM for NULL or when 8 are registered. */
+typedef bool (*npualloc_free_memory_callback)(void);
+aclError npualloc_cache_add_free_memory_callback(npualloc_free_memory_callback fn);
+
 /* Checks every invariant of a device's allocator: blocks tile their segments, live blocks
  * never overlap, free neighbours are merged, the pools hold exactly the free blocks, and the
  * stats equal what the blocks imply.  Returns ACL_SUCCESS or ACL_ERROR_INTERNAL_ERROR with the
@@ -294,10 +313,12 @@ typedef enum npualloc_fault_kind {
     NPUALLOC_FAULT_DEVICE_ALLOC = 0, /* charging device capacity: fails as out of memory (207001) */
     NPUALLOC_FAULT_MAP = 1,          /* mapping memory into a range: fails as ENOMEM (207005) */
     NPUALLOC_FAULT_MEMFILE = 2,      /* creating a memory file: fails as EMFILE (207005) */
-    NPUALLOC_FAULT_KINDS = 3
+    NPUALLOC_FAULT_RESERVE = 3,      /* reserving an address range: fails as a runtime without virtual
+                                        memory management does (ACL_ERROR_RT_FEATURE_NOT_SUPPORT, 207000) */
+    NPUALLOC_FAULT_KINDS = 4
 } npualloc_fault_kind;
 /* Makes the nth operation of `kind` from now fail once (0 disarms).  NPUALLOC_FAULT=
- * "device_alloc:N,map:N,memfile:N" arms the same when the runtime starts. */
+ * "device_alloc:N,map:N,memfile:N,reserve:N" arms the same when the runtime starts. */
 aclError npualloc_fault_set(npualloc_fault_kind kind, uint64_t nth);
 /* Operations of `kind` seen since it was armed, and failures injected so far. */
 void npualloc_fault_counts(npualloc_fault_kind kind, uint64_t *seen, uint64_t *injected);

@@ -1085,6 +1085,19 @@ static PyObject *m_empty_cache(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *m_empty_virt_addr_cache(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    aclError rc;
+    WAITING_CALL(rc = npualloc_cache_empty_virt_addr_cache());
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    if (drain_warnings() < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *stat_dict(const npualloc_stat *s)
 {
     return Py_BuildValue("{s:L,s:L,s:L,s:L}", "current", (long long)s->current, "peak", (long long)s->peak,
@@ -1891,6 +1904,7 @@ static PyMethodDef memory_methods[] = {
     {"caching_allocator_delete", m_caching_allocator_delete, METH_O, "caching_allocator_delete(mem_ptr)"},
     {"empty", FAST(m_empty), METH_FASTCALL | METH_KEYWORDS, "empty(nbytes, device=None, stream=None) -> Buffer"},
     {"_empty_cache", m_empty_cache, METH_NOARGS, NULL},
+    {"_empty_virt_addr_cache", m_empty_virt_addr_cache, METH_NOARGS, NULL},
     {"_stats", m_stats, METH_O, "_stats(device) -> nested dict"},
     {"_reset_peak", m_reset_peak, METH_O, NULL},
     {"_reset_accumulated", m_reset_accumulated, METH_O, NULL},

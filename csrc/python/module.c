@@ -135,8 +135,8 @@ static PyObject *py_sleep(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return ret_or_init_error(rc);
 }
 
-/* fault_set(kind, nth) -> None: the nth device allocation (0), map (1) or memory-file creation
- * (2) from now fails once; nth 0 disarms.  fault_counts(kind) -> (seen, injected). */
+/* fault_set(kind, nth) -> None: the nth device allocation (0), map (1), memory-file creation (2)
+ * or address reservation (3) from now fails once; nth 0 disarms.  fault_counts(kind) -> (seen, injected). */
 static PyObject *py_fault_set(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -145,7 +145,7 @@ static PyObject *py_fault_set(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iK:fault_set", &kind, &nth))
         return NULL;
     if (npualloc_fault_set((npualloc_fault_kind)kind, nth) != ACL_SUCCESS) {
-        PyErr_Format(PyExc_ValueError, "fault_set(): unknown fault kind %d (0 device_alloc, 1 map, 2 memfile)", kind);
+        PyErr_Format(PyExc_ValueError, "fault_set(): unknown fault kind %d (0 device_alloc, 1 map, 2 memfile, 3 reserve)", kind);
         return NULL;
     }
     Py_RETURN_NONE;

@@ -47,18 +47,27 @@ static void assert_settings_eq(const alloc_settings *a, const alloc_settings *b)
     assert_true(a->pinned_reserve_segment_size == b->pinned_reserve_segment_size);
 }
 
-static bool probe_ok(void *ctx)
+static int probe_ok(void *ctx)
 {
     if (ctx)
         ++*(int *)ctx;
-    return true;
+    return 0;
 }
 
-static bool probe_fail(void *ctx)
+/* The runtime has no virtual memory management: a warning, expandable segments off. */
+static int probe_fail(void *ctx)
 {
     if (ctx)
         ++*(int *)ctx;
-    return false;
+    return CONF_PROBE_FEATURE_NOT_SUPPORT;
+}
+
+/* Any other failure of the reserve is fatal (NPU_CHECK_ERROR). */
+static int probe_error(void *ctx)
+{
+    if (ctx)
+        ++*(int *)ctx;
+    return 207001;
 }
 
 static void assert_msg_terminated(const conf_result *r)
@@ -671,6 +680,20 @@ static void test_probe(void **state)
     assert_true(s.base_addr_aligned_size == 0);
     assert_int_equal(r.warning_count, 1);
     assert_string_equal(r.warnings[0], W_EXP);
+    /* any other failure of the reserve: NPU_CHECK_ERROR raises, nothing changes, no warning */
+    calls = 0;
+    alloc_settings_default(&s);
+    alloc_settings before = s;
+    assert_int_equal(alloc_conf_parse("expandable_segments:True,large_segment_size_mb:32", &s, probe_error, &calls, &r),
+                     CONF_RUNTIME_ERROR);
+    assert_int_equal(calls, 1);
+    assert_string_equal(r.message, "NPU function error: aclrtReserveMemAddress, error code is 207001");
+    assert_int_equal(r.warning_count, 0);
+    assert_settings_eq(&s, &before);
+    assert_int_equal(alloc_conf_parse_runtime("expandable_segments:True", &s, probe_error, &calls, &r),
+                     CONF_RUNTIME_ERROR);
+    assert_int_equal(calls, 2);
+    assert_settings_eq(&s, &before);
 }
 
 /* ---------------------------------------------------------------------------------------------------------

@@ -261,6 +261,194 @@ static void test_max_split_size_oversize_rules(void **state)
     check();
 }
 
+static void test_large_segment_size_mb_sets_the_segment_for_mid_requests(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "large_segment_size_mb:32");
+    char *p[6];
+    for (int i = 0; i < 6; i++) /* 5 MiB + 512 each: six fit one 32 MiB segment (three fit 20 MiB) */
+        p[i] = alloc(5 * MiB_);
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_device_alloc, 1);
+    assert_int_equal(s.segment[LARGE].current, 1);
+    assert_int_equal(s.reserved_bytes[LARGE].current, 32 * MiB_);
+    for (int i = 1; i < 6; i++)
+        assert_ptr_equal(p[i], p[i - 1] + 5 * MiB_ + 512);
+    alloc(12 * MiB_); /* 10 MiB or more: rounded to 2 MiB as always (14 MiB), not 32 */
+    assert_int_equal(stats().reserved_bytes[LARGE].current, 32 * MiB_ + 14 * MiB_);
+    alloc(MiB_ - 32); /* the small pool keeps its 2 MiB segments */
+    assert_int_equal(stats().reserved_bytes[SMALL].current, 2 * MiB_);
+    check();
+    /* the default: a 20 MiB segment for the same request */
+    start_cache(GiB_, NULL);
+    alloc(5 * MiB_);
+    assert_int_equal(stats().reserved_bytes[LARGE].current, 20 * MiB_);
+}
+
+/* An 80 MiB oversize block cached, then 45 MiB asked for (max_split 40 MiB): torch's get_free_block
+ * accepts the block only if it is smaller than request + max_non_split_rounding_size. */
+static void max_non_split_case(const char *conf, bool reused)
+{
+    start_cache(GiB_, conf);
+    char *big = alloc(80 * MiB_ - 32);
+    npualloc_cache_free(big);
+    char *p = alloc(45 * MiB_ - 32);
+    npualloc_stats s = stats();
+    if (reused) { /* 80 < 45 + 40: served whole (an oversize block is never split) */
+        assert_ptr_equal(p, big);
+        assert_int_equal(s.num_device_alloc, 1);
+        assert_int_equal(s.allocated_bytes[LARGE].current, 80 * MiB_);
+    } else { /* 80 >= 45 + 20: a new 46 MiB segment */
+        assert_ptr_not_equal(p, big);
+        assert_int_equal(s.num_device_alloc, 2);
+        assert_int_equal(s.allocated_bytes[LARGE].current, 46 * MiB_);
+    }
+    check();
+}
+
+static void test_max_non_split_rounding_mb_widens_oversize_reuse(void **state)
+{
+    (void)state;
+    max_non_split_case("max_split_size_mb:40,max_non_split_rounding_mb:40", true);
+    assert_int_equal(cache_settings.max_non_split_rounding_size, 40 * MiB_);
+    max_non_split_case("max_split_size_mb:40", false);
+    assert_int_equal(cache_settings.max_non_split_rounding_size, 20 * MiB_);
+}
+
+/* ---- free-memory callbacks ---- */
+
+static void *callback_frees;      /* the block the callback gives back, or NULL */
+static bool callback_armed;
+static int callback_calls;
+static npualloc_stats callback_saw; /* the stats while the callback ran */
+
+static bool free_some_memory(void)
+{
+    if (!callback_armed)
+        return false;
+    callback_calls++;
+    /* No allocator lock is held: the allocator can be used from here. */
+    assert_int_equal(npualloc_cache_get_stats(0, &callback_saw), ACL_SUCCESS);
+    if (!callback_frees)
+        return false;
+    assert_int_equal(npualloc_cache_free(callback_frees), ACL_SUCCESS);
+    callback_frees = NULL;
+    return true;
+}
+
+static bool frees_nothing(void) { return false; }
+
+static void test_free_memory_callbacks_run_before_the_device_is_asked(void **state)
+{
+    (void)state;
+    start_cache(64 * MiB_, NULL);
+    assert_int_equal(npualloc_cache_add_free_memory_callback(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_add_free_memory_callback(free_some_memory), ACL_SUCCESS);
+    char *held = alloc(40 * MiB_ - 32); /* the memory an extension still holds */
+    callback_armed = true;
+    callback_calls = 0;
+    /* A cache hit never runs the callbacks. */
+    npualloc_cache_free(alloc(MiB_ / 2));
+    void *small = alloc(MiB_ / 2);
+    assert_int_equal(callback_calls, 1); /* only the first (a miss) ran them */
+    npualloc_cache_free(small);
+    /* 40 MiB more does not fit the 64 MiB device: the callback frees `held`, the cache is
+     * searched again and serves the request, before any device allocation, release or retry. */
+    callback_calls = 0;
+    callback_frees = held;
+    void *again = alloc(40 * MiB_ - 32);
+    assert_ptr_equal(again, held);
+    assert_int_equal(callback_calls, 1);
+    assert_int_equal(callback_saw.num_device_alloc, 2); /* 40 MiB + the small pool's 2 MiB so far */
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_device_alloc, 2);
+    assert_int_equal(s.num_alloc_retries, 0);
+    assert_int_equal(s.num_ooms, 0);
+    assert_int_equal(s.reserved_bytes[LARGE].current, 40 * MiB_);
+    /* A callback that frees nothing: the allocator goes on to the device (and to an OOM here,
+     * after its retry), the callback having run first. */
+    callback_calls = 0;
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 40 * MiB_ - 32, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(callback_calls, 1);
+    assert_int_equal(callback_saw.num_alloc_retries, 0);
+    assert_int_equal(callback_saw.num_ooms, 0);
+    assert_int_equal(stats().num_ooms, 1);
+    callback_armed = false;
+    check();
+    /* At most 8 callbacks. */
+    for (int i = 1; i < 8; i++)
+        assert_int_equal(npualloc_cache_add_free_memory_callback(frees_nothing), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_add_free_memory_callback(frees_nothing), ACL_ERROR_INVALID_PARAM);
+}
+
+/* ---- the checker itself ---- */
+
+static void expect_check_failure(device_cache *dc, const char *want)
+{
+    char why[512] = "";
+    assert_int_equal(cache_check_locked(dc, why, sizeof why), ACL_ERROR_INTERNAL_ERROR);
+    if (!strstr(why, want))
+        fail_msg("checker said \"%s\", expected \"%s\"", why, want);
+}
+
+static void test_checker_reports_broken_invariants(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    char *a = alloc(5 * MiB_), *b = alloc(5 * MiB_); /* one 20 MiB segment: a, b, free rest */
+    assert_ptr_equal(b, a + 5 * MiB_ + 512);
+    device_cache *dc = cache_device(0);
+    assert_non_null(dc);
+    pthread_mutex_lock(&dc->lock);
+    cache_block *ba = ptr_map_get(&dc->allocated_blocks, (uintptr_t)a);
+    cache_block *bb = ptr_map_get(&dc->allocated_blocks, (uintptr_t)b);
+    cache_block *rest = bb->next;
+    assert_non_null(ba);
+    assert_ptr_equal(ba->next, bb);
+    assert_non_null(rest);
+    char why[512] = "";
+    assert_int_equal(cache_check_locked(dc, why, sizeof why), ACL_SUCCESS);
+
+    /* a stat that disagrees with the blocks */
+    dc->stats.allocated_bytes[NPUALLOC_STAT_ALL].current += 512;
+    expect_check_failure(dc, "stat allocated_bytes[0].current");
+    dc->stats.allocated_bytes[NPUALLOC_STAT_ALL].current -= 512;
+
+    /* a broken link */
+    rest->prev = NULL;
+    expect_check_failure(dc, "next/prev links disagree");
+    rest->prev = bb;
+
+    /* broken tiling: a block that does not start where its predecessor ends */
+    bb->ptr += 512;
+    expect_check_failure(dc, "does not start where its predecessor ends");
+    bb->ptr -= 512;
+
+    /* two free neighbours left unmerged: b looks free (and pooled) next to the free rest */
+    bb->allocated = false;
+    bb->in_pool = true;
+    expect_check_failure(dc, "were not merged");
+    bb->allocated = true;
+    bb->in_pool = false;
+
+    /* a free block missing from its pool */
+    rest->in_pool = false;
+    expect_check_failure(dc, "in pool 0 but free 1");
+    rest->in_pool = true;
+
+    /* the reserved total */
+    dc->total_allocated_memory += 2 * MiB_;
+    expect_check_failure(dc, "reserved memory");
+    dc->total_allocated_memory -= 2 * MiB_;
+
+    assert_int_equal(cache_check_locked(dc, why, sizeof why), ACL_SUCCESS); /* restored */
+    pthread_mutex_unlock(&dc->lock);
+    npualloc_cache_free(a);
+    npualloc_cache_free(b);
+    check();
+}
+
 static void test_release_available_releases_one_large_enough_oversize_block(void **state)
 {
     (void)state;
@@ -752,6 +940,10 @@ int main(void)
         cmocka_unit_test_teardown(test_best_fit_prefers_smallest_then_lowest_address, stop_cache),
         cmocka_unit_test_teardown(test_streams_do_not_share_cached_blocks, stop_cache),
         cmocka_unit_test_teardown(test_max_split_size_oversize_rules, stop_cache),
+        cmocka_unit_test_teardown(test_large_segment_size_mb_sets_the_segment_for_mid_requests, stop_cache),
+        cmocka_unit_test_teardown(test_max_non_split_rounding_mb_widens_oversize_reuse, stop_cache),
+        cmocka_unit_test_teardown(test_free_memory_callbacks_run_before_the_device_is_asked, stop_cache),
+        cmocka_unit_test_teardown(test_checker_reports_broken_invariants, stop_cache),
         cmocka_unit_test_teardown(test_release_available_releases_one_large_enough_oversize_block, stop_cache),
         cmocka_unit_test_teardown(test_release_available_walks_largest_first, stop_cache),
         cmocka_unit_test_teardown(test_last_resort_releases_everything_and_counts_a_retry, stop_cache),

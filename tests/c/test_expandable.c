@@ -1,5 +1,6 @@
 /* test_expandable.c - expandable segments, base_addr_aligned_kb and page_size:1g. */
 #include <stdio.h>
+#include <time.h>
 
 #include "caching.h"
 #include "testutil.h"
@@ -63,6 +64,7 @@ static size_t snapshot_segments(bool expandable, size_t *total)
 }
 
 #define PAGE (20 * MiB_)
+#define ARRAY_LEN_(a) (sizeof(a) / sizeof((a)[0]))
 
 static void test_one_segment_grows_page_by_page(void **state)
 {
@@ -76,7 +78,11 @@ static void test_one_segment_grows_page_by_page(void **state)
         size_t want_pages = ((size_t)(i + 1) * 15 + 19) / 20;
         npualloc_stats s = stats();
         assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, want_pages * PAGE);
-        assert_int_equal(s.num_device_alloc, i + 1 < 10 ? s.num_device_alloc : s.num_device_alloc);
+        /* One map call per growth, and each growth here needs at most one new 20 MiB page, so the
+         * maps so far equal the pages: ceil(15 * (i + 1) / 20) = 1,2,3,3,4,5,6,6,7,8 (the 4th and 8th
+         * requests fit in the free tail of the mapped pages: 60 and 120 MiB are whole pages). */
+        static const int64_t want_maps[10] = {1, 2, 3, 3, 4, 5, 6, 6, 7, 8};
+        assert_int_equal(s.num_device_alloc, want_maps[i]);
         assert_int_equal(s.segment[NPUALLOC_STAT_ALL].current, 0); /* mapping does not add segments */
         check();
     }
@@ -395,6 +401,162 @@ static void test_random_operations_with_expandable_segments(void **state)
     aclrtDestroyStream(side);
 }
 
+/* ---- the expandable_segments probe against the real runtime ---- */
+
+static void test_probe_feature_not_supported_warns_and_turns_expandable_off(void **state)
+{
+    (void)state;
+    /* at start-up: the 512-byte reserve fails as on a runtime without VMM */
+    start_cache(GiB_, 0, "expandable_segments:True");
+    assert_int_equal(npualloc_fault_set(NPUALLOC_FAULT_RESERVE, 1), ACL_SUCCESS);
+    alloc(15 * MiB_); /* loads the settings: the probe runs */
+    uint64_t seen, injected;
+    npualloc_fault_counts(NPUALLOC_FAULT_RESERVE, &seen, &injected);
+    assert_int_equal(seen, 1);
+    assert_true(pop_warning_containing("expandable_segments setting failure, now change to `False`."));
+    npualloc_allocator_settings st;
+    assert_int_equal(npualloc_cache_get_settings(&st), ACL_SUCCESS);
+    assert_false(st.expandable_segments);
+    size_t total;
+    assert_int_equal(snapshot_segments(false, &total), 1); /* a plain segment (15 MiB rounded to 2 MiB) */
+    assert_int_equal(total, 16 * MiB_);
+    /* at run time (_set_allocator_settings) */
+    assert_int_equal(npualloc_fault_set(NPUALLOC_FAULT_RESERVE, 1), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:True"), ACL_SUCCESS);
+    assert_true(pop_warning_containing("expandable_segments setting failure"));
+    assert_int_equal(npualloc_cache_get_settings(&st), ACL_SUCCESS);
+    assert_false(st.expandable_segments);
+    /* supported: the probe passes */
+    assert_int_equal(npualloc_cache_set_settings("expandable_segments:True"), ACL_SUCCESS);
+    assert_false(npualloc_has_warnings());
+    assert_int_equal(npualloc_cache_get_settings(&st), ACL_SUCCESS);
+    assert_true(st.expandable_segments);
+}
+
+/* Takes device 0's whole address space; returns the number of ranges held in `held`. */
+static size_t exhaust_address_space(void **held, size_t cap)
+{
+    size_t n = 0;
+    for (size_t size = (size_t)1 << 46; size >= 2 * MiB_; size /= 2)
+        while (n < cap && aclrtReserveMemAddress(&held[n], size, 0, NULL, 0) == ACL_SUCCESS)
+            n++;
+    void *p;
+    assert_int_equal(aclrtReserveMemAddress(&p, 512, 0, NULL, 1), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    return n;
+}
+
+static void test_probe_other_errors_are_raised(void **state)
+{
+    (void)state;
+    void *held[256];
+    /* at run time: the error reaches the caller, the settings stay */
+    start_cache(GiB_, 0, NULL);
+    alloc(1);
+    size_t n = exhaust_address_space(held, 256);
+    assert_int_not_equal(npualloc_cache_set_settings("expandable_segments:True"), ACL_SUCCESS);
+    assert_string_equal(npualloc_last_error(NULL), "NPU function error: aclrtReserveMemAddress, error code is 207001");
+    assert_false(npualloc_has_warnings());
+    npualloc_allocator_settings st;
+    assert_int_equal(npualloc_cache_get_settings(&st), ACL_SUCCESS);
+    assert_false(st.expandable_segments);
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(aclrtReleaseMemAddress(held[i]), ACL_SUCCESS);
+    /* at start-up: every use of the allocator fails with it */
+    start_cache(GiB_, 0, "expandable_segments:True");
+    n = exhaust_address_space(held, 256);
+    void *p = NULL;
+    assert_int_not_equal(npualloc_cache_malloc(0, 100, 0, &p), ACL_SUCCESS);
+    assert_string_equal(npualloc_last_error(NULL), "NPU function error: aclrtReserveMemAddress, error code is 207001");
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(aclrtReleaseMemAddress(held[i]), ACL_SUCCESS);
+}
+
+/* ---- sizes of expandable segments ---- */
+
+static expandable_segment *only_segment(void)
+{
+    device_cache *dc = cache_device(0);
+    assert_non_null(dc);
+    assert_non_null(dc->expandable_segments);
+    assert_null(dc->expandable_segments->next);
+    return dc->expandable_segments;
+}
+
+static void test_reserved_range_is_nine_eighths_of_the_device(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    alloc(15 * MiB_);
+    expandable_segment *es = only_segment();
+    /* ceil((1 GiB + 1 GiB / 8) / 20 MiB) = ceil(1152 / 20) = 58 pages of 20 MiB */
+    assert_int_equal(es->page_size, 20 * MiB_);
+    assert_int_equal(es->pages, 58);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.reservations, 1);
+    start_cache(GiB_, 0, "expandable_segments:True");
+    alloc(1000); /* the small pool: 1152 MiB / 2 MiB = 576 pages */
+    es = only_segment();
+    assert_int_equal(es->page_size, 2 * MiB_);
+    assert_int_equal(es->pages, 576);
+}
+
+static void test_segment_sizes_set_the_large_page(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *conf;
+        size_t page;
+    } cases[] = {{"expandable_segments:True", 20 * MiB_},
+                 {"expandable_segments:True,large_segment_size_mb:32", 32 * MiB_},
+                 {"expandable_segments:True,segment_size_mb:64", 64 * MiB_}};
+    for (size_t i = 0; i < ARRAY_LEN_(cases); i++) {
+        start_cache(GiB_, 0, cases[i].conf);
+        alloc(15 * MiB_ - 32);
+        assert_int_equal(only_segment()->page_size, cases[i].page);
+        assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, cases[i].page); /* one page */
+        alloc(MiB_ / 2);
+        assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_SMALL_POOL].current, 2 * MiB_); /* small: 2 MiB */
+        check();
+    }
+}
+
+static void test_page_size_1g_overrides_segment_sizes(void **state)
+{
+    (void)state;
+    start_cache(8 * GiB_, 2 * GiB_, "expandable_segments:True,page_size:1g,large_segment_size_mb:32");
+    alloc(15 * MiB_); /* loads the settings */
+    assert_true(pop_warning_containing("`page_size:1g` is set, which will override"));
+    assert_int_equal(only_segment()->page_size, GiB_);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, GiB_);
+    check();
+    /* plain segments too: a 5 MiB request gets a 1 GiB segment, not 32 MiB */
+    start_cache(8 * GiB_, 2 * GiB_, "page_size:1g,large_segment_size_mb:32");
+    alloc(5 * MiB_);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_LARGE_POOL].current, GiB_);
+    check();
+}
+
+static void test_empty_cache_waits_for_stream_work_before_unmapping(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    char *p = alloc(15 * MiB_);
+    /* Work still queued on the stream writes the block after it is freed. */
+    assert_int_equal(npualloc_sleep_async(NULL, 0.3), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(p, 15 * MiB_, 0x5A, 15 * MiB_, NULL), ACL_SUCCESS);
+    npualloc_cache_free(p);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    npualloc_cache_empty();
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double waited = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+    assert_true(waited >= 0.25); /* it synchronized... */
+    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_SUCCESS); /* ...so the memset ran on mapped memory */
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0); /* and then unmapped */
+    check();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -412,6 +574,12 @@ int main(void)
         cmocka_unit_test_teardown(test_garbage_collection_skips_expandable_blocks, stop_cache),
         cmocka_unit_test_teardown(test_turning_expandable_off_skips_expandable_blocks, stop_cache),
         cmocka_unit_test_teardown(test_history_records_map_and_unmap, stop_cache),
+        cmocka_unit_test_teardown(test_probe_feature_not_supported_warns_and_turns_expandable_off, stop_cache),
+        cmocka_unit_test_teardown(test_probe_other_errors_are_raised, stop_cache),
+        cmocka_unit_test_teardown(test_reserved_range_is_nine_eighths_of_the_device, stop_cache),
+        cmocka_unit_test_teardown(test_segment_sizes_set_the_large_page, stop_cache),
+        cmocka_unit_test_teardown(test_page_size_1g_overrides_segment_sizes, stop_cache),
+        cmocka_unit_test_teardown(test_empty_cache_waits_for_stream_work_before_unmapping, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_with_expandable_segments, stop_cache),
     };
     return cmocka_run_group_tests_name("expandable", tests, NULL, NULL);
