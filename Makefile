@@ -11,7 +11,7 @@ RELEASE := -O2 -g
 ASAN    := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
 
 CORE_SRC := $(sort $(wildcard csrc/*.c))
-HEADERS  := $(wildcard csrc/*.h csrc/include/*.h tests/c/*.h)
+HEADERS  := $(wildcard csrc/*.h csrc/include/*.h csrc/include/acl/*.h tests/c/*.h)
 TEST_SRC := $(sort $(wildcard tests/c/test_*.c))
 BENCH_SRC:= $(sort $(wildcard benchmarks/bench_*.c))
 

@@ -159,14 +159,19 @@ typedef struct copy_ctx {
     void *dev;
     void *host;
     size_t size;
+    bool to_host; /* device-to-host instead of host-to-device */
 } copy_ctx;
 
-static uint64_t run_memcpy_h2d(void *ctx, size_t n)
+static uint64_t run_memcpy(void *ctx, size_t n)
 {
     copy_ctx *c = ctx;
     uint64_t t0 = now_ns();
-    for (size_t i = 0; i < n; i++)
-        CHECK(aclrtMemcpy(c->dev, c->size, c->host, c->size, ACL_MEMCPY_HOST_TO_DEVICE));
+    for (size_t i = 0; i < n; i++) {
+        if (c->to_host)
+            CHECK(aclrtMemcpy(c->host, c->size, c->dev, c->size, ACL_MEMCPY_DEVICE_TO_HOST));
+        else
+            CHECK(aclrtMemcpy(c->dev, c->size, c->host, c->size, ACL_MEMCPY_HOST_TO_DEVICE));
+    }
     return now_ns() - t0;
 }
 
@@ -264,31 +269,54 @@ int main(void)
         CHECK(aclrtReleaseMemAddress(m.va));
     }
 
-    {
-        copy_ctx c = {.size = 64 * MiB};
+    /* aclrtMemcpy between device memory and plain (malloc) host memory, both directions, large
+     * and small, and with aclrtMallocHost memory. */
+    static const struct {
+        const char *name;
+        size_t size;
+        bool to_host, pinned;
+    } copies[] = {{"aclrtMemcpy 64 MiB host-to-device", 64 * MiB, false, false},
+                  {"aclrtMemcpy 64 MiB device-to-host", 64 * MiB, true, false},
+                  {"aclrtMemcpy 4 KiB host-to-device", 4 * KiB, false, false},
+                  {"aclrtMemcpy 4 KiB device-to-host", 4 * KiB, true, false},
+                  {"aclrtMemcpy 64 MiB aclrtMallocHost-to-device", 64 * MiB, false, true},
+                  {"aclrtMemcpy 4 KiB aclrtMallocHost-to-device", 4 * KiB, false, true}};
+    for (size_t i = 0; i < sizeof copies / sizeof copies[0]; i++) {
+        copy_ctx c = {.size = copies[i].size, .to_host = copies[i].to_host};
         CHECK(aclrtMalloc(&c.dev, c.size, ACL_MEM_MALLOC_HUGE_FIRST));
-        c.host = malloc(c.size);
-        if (!c.host) {
+        if (copies[i].pinned)
+            CHECK(aclrtMallocHost(&c.host, c.size));
+        else if (!(c.host = malloc(c.size))) {
             fprintf(stderr, "out of host memory\n");
             return 1;
         }
         memset(c.host, 0x5a, c.size); /* touch every page first: no page faults while timing */
         CHECK(aclrtMemcpy(c.dev, c.size, c.host, c.size, ACL_MEMCPY_HOST_TO_DEVICE));
-        result r = measure(run_memcpy_h2d, &c);
+        result r = measure(run_memcpy, &c);
         char extra[64];
         snprintf(extra, sizeof extra, "%.2f GB/s", (double)c.size / r.ns_op);
-        print_line("aclrtMemcpy 64 MiB host-to-device", r, extra);
-        /* Reference: the same bytes with libc memcpy, host to host. */
-        copy_ctx h = {.size = c.size, .host = c.host, .dev = malloc(c.size)};
-        if (h.dev) {
-            memset(h.dev, 0, h.size);
-            r = measure(run_libc_memcpy, &h);
-            snprintf(extra, sizeof extra, "%.2f GB/s", (double)h.size / r.ns_op);
-            print_line("  reference: libc memcpy 64 MiB host-to-host", r, extra);
-            free(h.dev);
-        }
-        free(c.host);
+        print_line(copies[i].name, r, extra);
+        if (copies[i].pinned)
+            CHECK(aclrtFreeHost(c.host));
+        else
+            free(c.host);
         CHECK(aclrtFree(c.dev));
+    }
+    {
+        /* Reference: the same bytes with libc memcpy, host to host. */
+        copy_ctx h = {.size = 64 * MiB, .host = malloc(64 * MiB), .dev = malloc(64 * MiB)};
+        if (!h.host || !h.dev) {
+            fprintf(stderr, "out of host memory\n");
+            return 1;
+        }
+        memset(h.host, 0x5a, h.size);
+        memset(h.dev, 0, h.size);
+        result r = measure(run_libc_memcpy, &h);
+        char extra[64];
+        snprintf(extra, sizeof extra, "%.2f GB/s", (double)h.size / r.ns_op);
+        print_line("  reference: libc memcpy 64 MiB host-to-host", r, extra);
+        free(h.dev);
+        free(h.host);
     }
 
     {

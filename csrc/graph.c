@@ -28,6 +28,7 @@
 #include "caching.h"
 #include "common.h"
 #include "device.h"
+#include "mem.h"
 #include "npualloc.h"
 #include "npualloc_graph.h"
 #include "va_space.h"
@@ -1840,12 +1841,8 @@ static aclError run_mem_node(void *arg)
     else if (rc == ACL_SUCCESS && n->src && dc == RANGE_DEVICE && sc == RANGE_DEVICE && dd >= 0 && sd >= 0 &&
              !device_peer_enabled(dd, sd))
         rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
-    if (rc == ACL_SUCCESS) {
-        if (n->src)
-            memmove(n->dst, n->src, n->count);
-        else
-            memset(n->dst, n->value, n->count);
-    }
+    if (rc == ACL_SUCCESS) /* (a bad host address is an error here too: mem.h) */
+        rc = n->src ? mem_move_locked(n->dst, dc, n->src, sc, n->count) : mem_set_locked(n->dst, dc, n->value, n->count);
     vmm_read_unlock();
     return rc == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_DEVICE_MEM_ERROR;
 }

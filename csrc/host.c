@@ -10,8 +10,10 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -270,6 +272,103 @@ int host_alloc_pinned(size_t size, void **out)
 }
 
 void host_free_pinned(void *p, size_t size) { munmap(p, round_to_page(size)); }
+
+/* ---- checked copies ---- */
+
+#define BOUNCE_BYTES 4096 /* staging buffer for overlapping moves and memset patterns */
+#define SET_IOVECS 64     /* pattern iovecs per process_vm_writev: 256 KiB per call */
+
+/* Set when process_vm_readv/writev are refused: then memory is accessed directly. */
+static atomic_bool kernel_copy_refused;
+
+/* One kernel copy of `n` bytes from `src` to `dst`, both in this process; neither may overlap
+ * the other.  `local` is the side described by the local iovecs (several, all of `local_len`
+ * bytes at `local_base`, when `nlocal` > 1: a memset pattern).  `write`: local to remote,
+ * else remote to local.  Returns 0, EFAULT or another errno; a partial transfer continues
+ * where it stopped. */
+static int kernel_copy(bool write, char *local_base, size_t local_len, size_t nlocal, char *remote, size_t n)
+{
+    struct iovec iov[SET_IOVECS];
+    while (n) {
+        size_t cnt = 0, bytes = 0;
+        for (; cnt < nlocal && bytes < n; cnt++) {
+            size_t len = n - bytes < local_len ? n - bytes : local_len;
+            iov[cnt] = (struct iovec){.iov_base = nlocal > 1 ? local_base : local_base + bytes, .iov_len = len};
+            bytes += len;
+        }
+        struct iovec rem = {.iov_base = remote, .iov_len = bytes};
+        pid_t self = gettid(); /* a live thread of this process, unlike a leader that may have exited */
+        ssize_t done = write ? process_vm_writev(self, iov, cnt, &rem, 1, 0) : process_vm_readv(self, iov, cnt, &rem, 1, 0);
+        if (done < 0 && errno == EINTR)
+            continue;
+        if (done < 0)
+            return errno;
+        if (done == 0)
+            return EFAULT;
+        remote += done;
+        n -= (size_t)done;
+        if (nlocal == 1) /* (a memset pattern is the same byte throughout: any offset continues it) */
+            local_base += done;
+    }
+    return 0;
+}
+
+static bool refused(int err)
+{
+    if (err != ENOSYS && err != EPERM)
+        return false;
+    atomic_store(&kernel_copy_refused, true);
+    return true;
+}
+
+int host_move_checked(void *dst, const void *src, size_t n)
+{
+    char *d = dst;
+    const char *s = src;
+    if (atomic_load_explicit(&kernel_copy_refused, memory_order_relaxed)) {
+        memmove(d, s, n);
+        return 0;
+    }
+    if ((uintptr_t)d - (uintptr_t)s >= n && (uintptr_t)s - (uintptr_t)d >= n) { /* disjoint */
+        int err = kernel_copy(false, d, n, 1, (char *)s, n);
+        if (refused(err))
+            return host_move_checked(dst, src, n);
+        return err;
+    }
+    /* Overlapping: through a staging buffer, chunk by chunk, in the order memmove needs (a
+     * chunk's destination only overwrites source bytes already staged). */
+    char bounce[BOUNCE_BYTES];
+    bool backward = d > s;
+    for (size_t done = 0; done < n;) {
+        size_t c = n - done < sizeof bounce ? n - done : sizeof bounce;
+        size_t off = backward ? n - done - c : done;
+        int err = kernel_copy(false, bounce, c, 1, (char *)s + off, c);
+        if (!err)
+            err = kernel_copy(true, bounce, c, 1, d + off, c);
+        if (err && done == 0 && refused(err)) {
+            memmove(d, s, n);
+            return 0;
+        }
+        if (err)
+            return err;
+        done += c;
+    }
+    return 0;
+}
+
+int host_set_checked(void *dst, int value, size_t n)
+{
+    if (atomic_load_explicit(&kernel_copy_refused, memory_order_relaxed)) {
+        memset(dst, value, n);
+        return 0;
+    }
+    char pattern[BOUNCE_BYTES];
+    memset(pattern, value, sizeof pattern);
+    int err = kernel_copy(true, pattern, sizeof pattern, SET_IOVECS, dst, n);
+    if (refused(err))
+        return host_set_checked(dst, value, n);
+    return err;
+}
 
 uint64_t host_now_ns(void)
 {

@@ -55,6 +55,14 @@ int host_unmap(void *va, size_t size);
 int host_alloc_pinned(size_t size, void **out);
 void host_free_pinned(void *p, size_t size);
 
+/* Copies (memmove semantics) or sets host memory that may be anything the caller passed: the
+ * kernel does the access (process_vm_readv / process_vm_writev on this process), so an address
+ * that is not mapped readable (source) or writable (destination) is EFAULT, not a fault.  On
+ * EFAULT some bytes may have been written.  Where those system calls are refused (ENOSYS,
+ * EPERM: a seccomp filter), the memory is accessed directly, unchecked. */
+int host_move_checked(void *dst, const void *src, size_t n);
+int host_set_checked(void *dst, int value, size_t n);
+
 size_t host_page_size(void);
 uint64_t host_now_ns(void); /* CLOCK_MONOTONIC */
 int64_t host_epoch_us(void); /* microseconds since the Unix epoch (trace timestamps, as torch) */

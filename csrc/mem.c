@@ -4,7 +4,9 @@
  *
  * Device pointers are validated against the address registry (vmm.h) and touched only while
  * the registry's read lock is held, so an invalid or freed pointer is an error code, never a
- * fault.  Host pointers cannot be validated (as with a real NPU); they must be valid.
+ * fault.  Pinned host memory is looked up in this module's own set and touched while its lock
+ * is held; any other host memory is copied by the kernel (host_move_checked), so a bad host
+ * address is an error code too.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -131,8 +133,9 @@ typedef struct host_block {
     size_t size;
 } host_block;
 
-/* Owned by this module: guards the set of live pinned host blocks. */
-static pthread_mutex_t host_lock = PTHREAD_MUTEX_INITIALIZER;
+/* Owned by this module: guards the set of live pinned host blocks (read-held while a copy
+ * touches one). */
+static pthread_rwlock_t host_lock = PTHREAD_RWLOCK_INITIALIZER;
 static avl_tree host_blocks;
 
 static int host_block_key_order(const void *key, const avl_node *n)
@@ -163,9 +166,9 @@ aclError aclrtMallocHost(void **hostPtr, size_t size)
     }
     b->addr = (uintptr_t)p;
     b->size = size;
-    pthread_mutex_lock(&host_lock);
+    pthread_rwlock_wrlock(&host_lock);
     avl_insert(&host_blocks, &b->node, host_block_order);
-    pthread_mutex_unlock(&host_lock);
+    pthread_rwlock_unlock(&host_lock);
     *hostPtr = p;
     return ACL_SUCCESS;
 }
@@ -175,11 +178,11 @@ aclError aclrtFreeHost(void *hostPtr)
     if (!hostPtr)
         return ACL_ERROR_INVALID_PARAM;
     uintptr_t key = (uintptr_t)hostPtr;
-    pthread_mutex_lock(&host_lock);
+    pthread_rwlock_wrlock(&host_lock);
     avl_node *n = avl_find(&host_blocks, &key, host_block_key_order);
     if (n)
         avl_remove(&host_blocks, n);
-    pthread_mutex_unlock(&host_lock);
+    pthread_rwlock_unlock(&host_lock);
     if (!n)
         return ACL_ERROR_RT_MEMORY_FREE;
     host_block *b = AVL_ENTRY(n, host_block, node);
@@ -190,21 +193,78 @@ aclError aclrtFreeHost(void *hostPtr)
 
 size_t mem_host_blocks_live(void)
 {
-    pthread_mutex_lock(&host_lock);
+    pthread_rwlock_rdlock(&host_lock);
     size_t n = host_blocks.count;
-    pthread_mutex_unlock(&host_lock);
+    pthread_rwlock_unlock(&host_lock);
     return n;
+}
+
+/* With host_lock held: does [p, p + n) lie inside one pinned block? */
+static bool pinned_locked(const void *p, size_t n)
+{
+    uintptr_t key = (uintptr_t)p;
+    avl_node *f = avl_floor(&host_blocks, &key, host_block_key_order);
+    if (!f)
+        return false;
+    const host_block *b = AVL_ENTRY(f, host_block, node);
+    return key - b->addr < b->size && n <= b->size - (key - b->addr);
+}
+
+static aclError checked_error(int err)
+{
+    switch (err) {
+    case 0:
+        return ACL_SUCCESS;
+    case EFAULT: /* not mapped readable / writable: a bad address */
+        return ACL_ERROR_RT_PARAM_INVALID;
+    case ENOMEM:
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    default:
+        return ACL_ERROR_RT_INTERNAL_ERROR;
+    }
+}
+
+aclError mem_move_locked(void *dst, range_class dc, const void *src, range_class sc, size_t count)
+{
+    if (likely(dc != RANGE_HOST && sc != RANGE_HOST)) { /* device memory on both sides */
+        memmove(dst, src, count);
+        return ACL_SUCCESS;
+    }
+    pthread_rwlock_rdlock(&host_lock);
+    int err = 0;
+    if ((dc != RANGE_HOST || pinned_locked(dst, count)) && (sc != RANGE_HOST || pinned_locked(src, count)))
+        memmove(dst, src, count);
+    else
+        err = host_move_checked(dst, src, count);
+    pthread_rwlock_unlock(&host_lock);
+    return checked_error(err);
+}
+
+aclError mem_set_locked(void *dst, range_class dc, int value, size_t count)
+{
+    if (likely(dc != RANGE_HOST)) {
+        memset(dst, value, count);
+        return ACL_SUCCESS;
+    }
+    pthread_rwlock_rdlock(&host_lock);
+    int err = 0;
+    if (pinned_locked(dst, count))
+        memset(dst, value, count);
+    else
+        err = host_set_checked(dst, value, count);
+    pthread_rwlock_unlock(&host_lock);
+    return checked_error(err);
 }
 
 /* ---- memset / memcpy ---- */
 
 /* With the registry read lock held: checks the ranges of a copy and whether its devices may
- * exchange data.  `dst_dev`/`src_dev` are -1 for host memory. */
-static aclError check_copy_locked(void *dst, const void *src, size_t count)
+ * exchange data; `*dc`/`*sc` receive the ranges' classes. */
+static aclError check_copy_locked(void *dst, const void *src, size_t count, range_class *dcp, range_class *scp)
 {
     int32_t dd = -1, sd = -1;
-    range_class dc = vmm_classify_locked(dst, count, &dd);
-    range_class sc = vmm_classify_locked(src, count, &sd);
+    range_class dc = *dcp = vmm_classify_locked(dst, count, &dd);
+    range_class sc = *scp = vmm_classify_locked(src, count, &sd);
     if (dc == RANGE_INVALID || sc == RANGE_INVALID)
         return ACL_ERROR_RT_PARAM_INVALID;
     if (unlikely(graph_ranges_active())) /* graph memory (graph.c): its access masks, checked lifetimes */
@@ -214,10 +274,10 @@ static aclError check_copy_locked(void *dst, const void *src, size_t count)
     return ACL_SUCCESS;
 }
 
-static aclError check_memset_locked(void *dst, size_t count)
+static aclError check_memset_locked(void *dst, size_t count, range_class *cp)
 {
     int32_t dev = -1;
-    range_class c = vmm_classify_locked(dst, count, &dev);
+    range_class c = *cp = vmm_classify_locked(dst, count, &dev);
     if (c == RANGE_INVALID)
         return ACL_ERROR_RT_PARAM_INVALID;
     if (unlikely(graph_ranges_active())) /* graph memory (graph.c): checked lifetimes */
@@ -243,10 +303,11 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
+    range_class dc, sc;
     vmm_read_lock();
-    rc = check_copy_locked(dst, src, count);
+    rc = check_copy_locked(dst, src, count, &dc, &sc);
     if (rc == ACL_SUCCESS)
-        memmove(dst, src, count);
+        rc = mem_move_locked(dst, dc, src, sc, count);
     vmm_read_unlock();
     return rc;
 }
@@ -262,16 +323,18 @@ aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
+    range_class c;
     vmm_read_lock();
-    rc = check_memset_locked(devPtr, count);
+    rc = check_memset_locked(devPtr, count, &c);
     if (rc == ACL_SUCCESS)
-        memset(devPtr, value, count);
+        rc = mem_set_locked(devPtr, c, value, count);
     vmm_read_unlock();
     return rc;
 }
 
 /* An asynchronous copy or memset: validated when queued and again when it runs, because
- * the memory may be freed in between (then the stream gets a sticky error, not a fault). */
+ * the memory may be freed in between; a bad host address shows only when it runs.  Either
+ * way the stream gets a sticky error, not a fault. */
 typedef struct mem_task {
     void *dst;
     const void *src; /* NULL for memset */
@@ -282,14 +345,12 @@ typedef struct mem_task {
 static aclError run_mem_task(void *arg)
 {
     mem_task *t = arg;
+    range_class dc, sc;
     vmm_read_lock();
-    aclError rc = t->src ? check_copy_locked(t->dst, t->src, t->count) : check_memset_locked(t->dst, t->count);
-    if (rc == ACL_SUCCESS) {
-        if (t->src)
-            memmove(t->dst, t->src, t->count);
-        else
-            memset(t->dst, t->value, t->count);
-    }
+    aclError rc = t->src ? check_copy_locked(t->dst, t->src, t->count, &dc, &sc)
+                         : check_memset_locked(t->dst, t->count, &dc);
+    if (rc == ACL_SUCCESS)
+        rc = t->src ? mem_move_locked(t->dst, dc, t->src, sc, t->count) : mem_set_locked(t->dst, dc, t->value, t->count);
     vmm_read_unlock();
     return rc == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_DEVICE_MEM_ERROR;
 }
@@ -326,8 +387,9 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
     /* graph capture (graph.c): on a capturing stream the copy becomes a MEMCPY node */
     if (unlikely(graph_capture_active()) && graph_capture_memop(stream, dst, src, count, 0, true, &rc))
         return rc;
+    range_class dc, sc;
     vmm_read_lock();
-    rc = check_copy_locked(dst, src, count);
+    rc = check_copy_locked(dst, src, count, &dc, &sc);
     vmm_read_unlock();
     if (rc != ACL_SUCCESS)
         return rc;
@@ -348,8 +410,9 @@ aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t c
     /* graph capture (graph.c): on a capturing stream the memset becomes a MEMSET node */
     if (unlikely(graph_capture_active()) && graph_capture_memop(stream, devPtr, NULL, count, value, false, &rc))
         return rc;
+    range_class c;
     vmm_read_lock();
-    rc = check_memset_locked(devPtr, count);
+    rc = check_memset_locked(devPtr, count, &c);
     vmm_read_unlock();
     if (rc != ACL_SUCCESS)
         return rc;
@@ -372,18 +435,18 @@ aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *total_by
 
 /* ---- lifetime ---- */
 
-void mem_atfork_prepare(void) { pthread_mutex_lock(&host_lock); }
-void mem_atfork_parent(void) { pthread_mutex_unlock(&host_lock); }
-void mem_atfork_child(void) { pthread_mutex_init(&host_lock, NULL); }
+void mem_atfork_prepare(void) { pthread_rwlock_wrlock(&host_lock); }
+void mem_atfork_parent(void) { pthread_rwlock_unlock(&host_lock); }
+void mem_atfork_child(void) { pthread_rwlock_init(&host_lock, NULL); }
 
 void mem_shutdown(void)
 {
-    pthread_mutex_lock(&host_lock);
+    pthread_rwlock_wrlock(&host_lock);
     while (host_blocks.root) {
         host_block *b = AVL_ENTRY(host_blocks.root, host_block, node);
         avl_remove(&host_blocks, &b->node);
         host_free_pinned((void *)b->addr, b->size);
         free(b);
     }
-    pthread_mutex_unlock(&host_lock);
+    pthread_rwlock_unlock(&host_lock);
 }

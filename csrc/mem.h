@@ -8,6 +8,16 @@
 
 #include <stddef.h>
 
+#include "acl_rt.h"
+#include "vmm.h"
+
+/* With the registry read lock held, after the ranges were checked (`dc`/`sc`: their classes):
+ * copies (memmove semantics) or sets the bytes.  Device and pinned host memory are accessed
+ * directly; other host memory through the kernel, so a bad host address is
+ * ACL_ERROR_RT_PARAM_INVALID rather than a fault. */
+aclError mem_move_locked(void *dst, range_class dc, const void *src, range_class sc, size_t count);
+aclError mem_set_locked(void *dst, range_class dc, int value, size_t count);
+
 /* Live aclrtMallocHost blocks (for tests and leak checks). */
 size_t mem_host_blocks_live(void);
 

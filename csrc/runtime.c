@@ -24,16 +24,16 @@ static void atfork_prepare(void)
     caching_atfork_prepare();
     ipc_atfork_prepare(); /* sharing: after the caches (its server takes a cache lock first) */
     stream_atfork_prepare();
-    mem_atfork_prepare();
     vmm_atfork_prepare();
+    mem_atfork_prepare(); /* after the registry: copies take its read lock, then the pinned-host lock */
     va_atfork_prepare();
 }
 
 static void atfork_parent(void)
 {
     va_atfork_parent();
-    vmm_atfork_parent();
     mem_atfork_parent();
+    vmm_atfork_parent();
     stream_atfork_parent();
     ipc_atfork_parent();
     caching_atfork_parent();

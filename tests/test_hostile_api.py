@@ -5,8 +5,8 @@ wrong type, an ACL code for any int; torch-style API: TypeError / ValueError / R
 OutOfMemoryError, or OverflowError for ints beyond 64 bits), never a crash; and afterwards the allocator
 still passes its invariant checker on every device and every device reports the memory it had before.
 
-Host pointers given to memcpy/memset are not checked (as on a real NPU: docs/runtime.md), so those
-arguments get only hostile *device* addresses here (freed, reserved-but-unmapped, out of range).
+memcpy/memset data arguments get hostile device addresses (freed, reserved-but-unmapped, out of range)
+and host addresses nothing is mapped at (the kernel checks host memory: docs/runtime.md).
 """
 import math
 
@@ -27,6 +27,15 @@ ACL_CODES = {v for k, v in vars(acl).items() if k.startswith("ACL_ERROR") or k =
 INTS = [-1, -(2**31), -(2**63), -(2**63) - 1, 2**31, 2**32 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**100, 12345]
 NON_INTS = ["1", 1.5, None, [1], b"\x01", object(), {"a": 1}, 1j, float("nan")]
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 4, "location": {"id": 0, "type": 1}, "reserve": 0}
+
+
+def unmapped_host_addresses():
+    """Host addresses with nothing mapped at them (12345 is below mmap_min_addr; the others are checked
+    against /proc/self/maps, so a hostile write can never land in live memory)."""
+    with open("/proc/self/maps") as f:
+        spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f]
+    candidates = [0x7FFF00000000, 0x10000]
+    return [12345] + [a for a in candidates if not any(lo < a + 4096 and a < hi for lo, hi in spans)]
 
 
 class World:
@@ -65,8 +74,8 @@ class World:
                 2**64 - 1]
 
     def device_pointers(self):
-        """Hostile pointers for memcpy/memset data arguments: device addresses only."""
-        return [self.freed, self.va, self.va + MiB, self.buf + 2**40, 0]
+        """Hostile pointers for memcpy/memset data arguments: bad device and host addresses."""
+        return [self.freed, self.va, self.va + MiB, self.buf + 2**40, 0] + unmapped_host_addresses()
 
     def handles(self):
         return [self.dead_stream, self.dead_event, 12345, 2**40]
@@ -298,6 +307,47 @@ def test_acl_rt_dead_handles_are_refused(world):
         assert rt.free_physical(h) == acl.ACL_ERROR_RT_INVALID_HANDLE
         assert rt.map_mem(w.va, 2 * MiB, 0, h, 0) != 0
     assert_consistent(w, "dead handles")
+
+
+def test_acl_rt_bad_host_addresses_are_codes_not_crashes(world):
+    """Each of these killed the process with SIGSEGV when host memory was touched unchecked."""
+    w = world
+    bad = unmapped_host_addresses()
+    assert 12345 in bad and len(bad) >= 2
+    for p in bad:
+        assert rt.memset(p, 16, 0, 16) == acl.ACL_ERROR_RT_PARAM_INVALID
+        assert rt.memcpy(p, 16, w.buf, 16, acl.ACL_MEMCPY_DEVICE_TO_HOST) == acl.ACL_ERROR_RT_PARAM_INVALID
+        assert rt.memcpy(w.buf, 16, p, 16, acl.ACL_MEMCPY_HOST_TO_DEVICE) == acl.ACL_ERROR_RT_PARAM_INVALID
+        assert rt.memcpy(p, 16, w.foreign, 16, acl.ACL_MEMCPY_HOST_TO_HOST) == acl.ACL_ERROR_RT_PARAM_INVALID
+        with pytest.raises(ValueError, match="cannot read 4 bytes"):
+            acl.util.ptr_to_bytes(p, 4)
+        # on a stream: queued, then the stream's synchronize reports the failed task
+        assert rt.memset_async(p, 16, 0, 16, w.stream) == 0
+        assert rt.synchronize_stream(w.stream) == acl.ACL_ERROR_RT_DEVICE_MEM_ERROR
+        assert rt.memcpy_async(p, 16, w.buf, 16, acl.ACL_MEMCPY_DEVICE_TO_HOST, w.stream) == 0
+        assert rt.synchronize_stream(w.stream) == acl.ACL_ERROR_RT_DEVICE_MEM_ERROR
+    assert rt.synchronize_stream(w.stream) == 0
+
+    # Host memory stays usable: numpy buffers, malloc_host memory, bytes objects.
+    arr = np.arange(16, dtype=np.uint8)
+    ptr = acl.util.numpy_to_ptr(arr)
+    assert rt.memcpy(w.buf, 4096, ptr, 16, acl.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    out = np.zeros(16, dtype=np.uint8)
+    assert rt.memcpy(acl.util.numpy_to_ptr(out), 16, w.buf, 16, acl.ACL_MEMCPY_DEVICE_TO_HOST) == 0
+    assert (out == arr).all()
+    assert rt.memset(ptr, 16, 7, 16) == 0 and (arr == 7).all()
+    assert rt.memset_async(ptr, 16, 9, 8, w.stream) == 0 and rt.synchronize_stream(w.stream) == 0
+    assert list(arr) == [9] * 8 + [7] * 8
+    h, ret = rt.malloc_host(64)
+    assert ret == 0
+    assert rt.memset(h, 64, 3, 64) == 0
+    assert rt.memcpy(w.buf, 4096, h, 64, acl.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    assert acl.util.ptr_to_bytes(w.buf, 64) == b"\x03" * 64
+    assert rt.free_host(h) == 0
+    data = b"0123456789abcdef"
+    assert rt.memcpy(w.buf, 4096, acl.util.bytes_to_ptr(data), 16, acl.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    assert acl.util.ptr_to_bytes(w.buf, 16) == data
+    assert_consistent(w, "bad host addresses")
 
 
 def test_acl_util_hostile_arguments(world):

@@ -4,7 +4,7 @@
  *
  * acl.util has no C counterpart in CANN; here it is defined so that a bad device pointer is a
  * Python exception, never a crash: device ranges are checked against the address registry
- * before they are read (host pointers cannot be checked, as with a real NPU).
+ * before they are read (host addresses are checked by the copy itself: mem.h).
  */
 #include "acl_rt.h"
 #include "binding.h"
@@ -87,7 +87,8 @@ static int check_range(const char *fn, void *ptr, Py_ssize_t size)
 }
 
 /* ptr_to_bytes(ptr, size) -> bytes: a copy of size bytes at ptr, read through aclrtMemcpy
- * (ValueError when it is not mapped device memory, checked before the copy is allocated). */
+ * (ValueError when it is not mapped device memory, checked before the copy is allocated, or
+ * when the copy finds a host address unreadable). */
 static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -108,8 +109,8 @@ static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssi
     if (rc != ACL_SUCCESS) {
         Py_DECREF(out);
         if (!raise_init_error(rc))
-            PyErr_Format(PyExc_ValueError, "%s(): cannot read %zd bytes at %p: not mapped device memory (ret %d)", fn,
-                         size, ptr, rc);
+            PyErr_Format(PyExc_ValueError, "%s(): cannot read %zd bytes at %p: not mapped readable memory (ret %d)",
+                         fn, size, ptr, rc);
         return NULL;
     }
     return out;

@@ -1,5 +1,15 @@
 /* test_memory.c - aclrtMalloc policies and capacity accounting, memcpy, memset, host memory. */
+#include <errno.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <pthread.h>
+#include <stddef.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -225,6 +235,129 @@ static void test_host_memory(void **state)
     assert_int_equal(aclrtFreeHost(NULL), ACL_ERROR_INVALID_PARAM);
 }
 
+/* Host addresses nobody allocated or that were unmapped, and read-only memory: memcpy and memset
+ * return ACL_ERROR_RT_PARAM_INVALID instead of faulting, synchronously and on a stream. */
+static void test_bad_host_addresses_are_error_codes(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    long page = sysconf(_SC_PAGESIZE);
+    char *gone = mmap(NULL, 2 * (size_t)page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char *ro = mmap(NULL, (size_t)page, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    assert_true(gone != MAP_FAILED && ro != MAP_FAILED);
+    assert_int_equal(munmap(gone + page, (size_t)page), 0); /* the first page stays, the second is gone */
+    void *d;
+    char buf[64] = {0};
+    assert_int_equal(aclrtMalloc(&d, 4096, 0), ACL_SUCCESS);
+    void *low = (void *)(uintptr_t)12345; /* below mmap_min_addr: never mapped */
+    assert_int_equal(aclrtMemset(low, 16, 0, 16), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemset(gone + page, 16, 0, 16), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemset(ro, 16, 0, 16), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemset(gone + page - 8, 16, 0, 16), ACL_ERROR_RT_PARAM_INVALID); /* runs off the end */
+    assert_int_equal(aclrtMemcpy(low, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(ro, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(d, 16, low, 16, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(d, 16, gone + page, 16, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(buf, 16, low, 16, ACL_MEMCPY_HOST_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(low, 16, buf, 16, ACL_MEMCPY_HOST_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    /* Readable memory is still a good source, and the good first page a good destination. */
+    assert_int_equal(aclrtMemcpy(d, 16, ro, 16, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(gone, 16, 0x33, 16), ACL_SUCCESS);
+    assert_int_equal(gone[15], 0x33);
+
+    /* On a stream: queued (the host side is not probed then), reported by the synchronize as the
+     * stream's error, and the stream keeps working. */
+    aclrtStream s;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync((void *)(uintptr_t)0x10000, 16, 0, 16, s), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_ERROR_RT_DEVICE_MEM_ERROR);
+    assert_int_equal(aclrtMemcpyAsync(low, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_ERROR_RT_DEVICE_MEM_ERROR);
+    assert_int_equal(aclrtMemsetAsync(d, 16, 0x44, 16, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(buf, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(buf[0], 0x44);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    munmap(gone, (size_t)page);
+    munmap(ro, (size_t)page);
+}
+
+/* Plain host memory on both sides goes through the kernel: overlapping moves (both directions,
+ * longer than the staging buffer) give memmove's result, and a long memset sets every byte. */
+static void test_host_to_host_moves_and_long_memsets(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    enum { N = 3 * 4096 + 123, SHIFT = 1000 };
+    static unsigned char got[N], want[N];
+    for (int dir = 0; dir < 2; dir++) {
+        for (int i = 0; i < N; i++)
+            got[i] = want[i] = (unsigned char)(i * 7 + 3);
+        unsigned char *dst = dir ? got : got + SHIFT, *src = dir ? got + SHIFT : got;
+        memmove(dir ? want : want + SHIFT, dir ? want + SHIFT : want, N - SHIFT);
+        assert_int_equal(aclrtMemcpy(dst, N - SHIFT, src, N - SHIFT, ACL_MEMCPY_HOST_TO_HOST), ACL_SUCCESS);
+        assert_memory_equal(got, want, N);
+    }
+    size_t big = 600 * KiB_ + 5; /* more than one system call's worth of pattern */
+    unsigned char *h = malloc(big + 2);
+    assert_non_null(h);
+    memset(h, 1, big + 2);
+    assert_int_equal(aclrtMemset(h + 1, big, 0xA7, big), ACL_SUCCESS);
+    assert_int_equal(h[0], 1);
+    assert_int_equal(h[big + 1], 1);
+    for (size_t i = 1; i <= big; i++)
+        if (h[i] != 0xA7)
+            fail_msg("byte %zu is %#x", i, h[i]);
+    free(h);
+}
+
+#if defined(__x86_64__)
+#define TEST_AUDIT_ARCH AUDIT_ARCH_X86_64
+#elif defined(__aarch64__)
+#define TEST_AUDIT_ARCH AUDIT_ARCH_AARCH64
+#endif
+
+#ifdef TEST_AUDIT_ARCH
+/* Where a seccomp filter refuses process_vm_readv/writev (ENOSYS), host copies and memsets still
+ * work: the memory is then accessed directly.  Runs in a child, which the filter binds. */
+static void test_host_copies_work_where_the_kernel_copy_is_refused(void **state)
+{
+    (void)state;
+    if (getenv("NPUALLOC_VALGRIND"))
+        skip(); /* valgrind runs its own system calls under the filter */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        struct sock_filter f[] = {
+            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TEST_AUDIT_ARCH, 1, 0),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_readv, 2, 0),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_writev, 1, 0),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        };
+        struct sock_fprog prog = {.len = sizeof f / sizeof f[0], .filter = f};
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog))
+            _exit(2);
+        start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+        char a[64], b[64];
+        memset(a, 9, sizeof a);
+        void *d;
+        int bad = aclrtMalloc(&d, 64, 0) != ACL_SUCCESS || aclrtMemcpy(d, 64, a, 64, ACL_MEMCPY_HOST_TO_DEVICE) ||
+                  aclrtMemset(a, 64, 0, 64) || a[0] != 0 || aclrtMemcpy(b, 64, d, 64, ACL_MEMCPY_DEVICE_TO_HOST) ||
+                  b[63] != 9 || aclrtMemcpy(a + 1, 63, a, 63, ACL_MEMCPY_HOST_TO_HOST) || a[1] != 0;
+        _exit(bad ? 3 : 0);
+    }
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+}
+#endif
+
 static void *mem_info_without_device(void *arg)
 {
     size_t f, t;
@@ -307,6 +440,11 @@ int main(void)
         cmocka_unit_test_teardown(test_memcpy_all_kinds_and_checks, stop_runtime),
         cmocka_unit_test_teardown(test_memset_writes_and_checks, stop_runtime),
         cmocka_unit_test_teardown(test_host_memory, stop_runtime),
+        cmocka_unit_test_teardown(test_bad_host_addresses_are_error_codes, stop_runtime),
+        cmocka_unit_test_teardown(test_host_to_host_moves_and_long_memsets, stop_runtime),
+#ifdef TEST_AUDIT_ARCH
+        cmocka_unit_test_teardown(test_host_copies_work_where_the_kernel_copy_is_refused, stop_runtime),
+#endif
         cmocka_unit_test_teardown(test_mem_info_needs_a_current_device, stop_runtime),
         cmocka_unit_test_teardown(test_eight_threads_hammer_malloc_and_free, stop_runtime),
     };

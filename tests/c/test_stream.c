@@ -184,6 +184,43 @@ static void test_event_behind_sleep_is_not_ready_until_synchronized(void **state
     assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
+/* aclrtMemsetAsync / aclrtMemcpyAsync run in stream order behind queued work: nothing lands while
+ * a sleep holds the queue, and each copy sees the memset queued before it, not the one after. */
+static void test_memset_and_memcpy_async_run_in_order_behind_queued_work(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    aclrtEvent e = new_event();
+    void *d;
+    static unsigned char first[4096], second[4096], src[4096];
+    memset(first, 0, sizeof first);
+    memset(second, 0, sizeof second);
+    memset(src, 0x33, sizeof src);
+    assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(d, 4096, 0, 4096), ACL_SUCCESS);
+    assert_int_equal(npualloc_sleep_async(st, 0.1), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(d, 4096, 0x11, 4096, st), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(first, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(d, 4096, src, 2048, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(second, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
+    assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
+    /* behind the sleep: nothing ran yet */
+    unsigned char now[4096];
+    assert_int_equal(aclrtMemcpy(now, sizeof now, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(now[0], 0);
+    assert_int_equal(first[0], 0);
+    assert_int_equal(query(e), ACL_EVENT_STATUS_NOT_READY);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    for (size_t i = 0; i < 4096; i++) {
+        assert_int_equal(first[i], 0x11);
+        assert_int_equal(second[i], i < 2048 ? 0x33 : 0x11);
+    }
+    assert_int_equal(query(e), ACL_EVENT_STATUS_COMPLETE);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
 static void test_never_recorded_event_is_complete_but_not_recorded(void **state)
 {
     (void)state;
@@ -1676,6 +1713,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_tasks_run_in_fifo_order_with_increasing_positions, setup, teardown),
         cmocka_unit_test_setup_teardown(test_created_stream_id_is_its_handle, setup, teardown),
         cmocka_unit_test_setup_teardown(test_event_behind_sleep_is_not_ready_until_synchronized, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_memset_and_memcpy_async_run_in_order_behind_queued_work, setup, teardown),
         cmocka_unit_test_setup_teardown(test_never_recorded_event_is_complete_but_not_recorded, setup, teardown),
         cmocka_unit_test_setup_teardown(test_elapsed_time_spans_sleep_and_may_be_negative, setup, teardown),
         cmocka_unit_test_setup_teardown(test_elapsed_time_rejects_unrecorded_and_incomplete_events, setup, teardown),

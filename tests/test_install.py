@@ -1,0 +1,62 @@
+"""`pip install .` and `pip install -e .` work: each into a throwaway venv (with the system's site
+packages, so no network: --no-deps --no-build-isolation) from a copy of the tracked files, then a fresh
+interpreter outside the checkout imports npualloc from the install and makes a few acl calls.
+Marked `install` (about a minute: the extension is compiled twice); `-m 'not install'` deselects it."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = r'''
+import sys
+import npualloc
+from npualloc import acl
+assert acl.rt.set_device(0) == acl.ACL_SUCCESS
+p, ret = acl.rt.malloc(1024, acl.ACL_MEM_MALLOC_HUGE_FIRST)
+assert ret == acl.ACL_SUCCESS and acl.rt.memset(p, 1024, 7, 1024) == 0 and acl.rt.free(p) == 0
+print(npualloc.__file__)
+'''
+
+
+def tracked_files():
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"not a git checkout (git ls-files: {e})")
+    return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+
+
+def run(cmd, cwd, env):
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.install
+def test_pip_install_and_editable_install_work(tmp_path):
+    src = tmp_path / "src"
+    for f in tracked_files():
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, src / f)
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME") and not k.startswith("NPUALLOC_")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    run([sys.executable, "-m", "venv", "--system-site-packages", venv], tmp_path, env)
+    py = venv / "bin" / "python"
+    away = tmp_path / "elsewhere"  # not the copy: `import npualloc` must find the installed package
+    away.mkdir()
+    pip = [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+
+    run(pip + [src], tmp_path, env)
+    where = Path(run([py, "-c", SCRIPT], away, env).strip().splitlines()[-1])
+    assert venv in where.parents, f"npualloc imported from {where}, not from the venv"
+
+    run([py, "-m", "pip", "uninstall", "-q", "-y", "npualloc"], tmp_path, env)
+    run(pip + ["-e", src], tmp_path, env)
+    where = Path(run([py, "-c", SCRIPT], away, env).strip().splitlines()[-1])
+    assert src in where.parents, f"editable install imported npualloc from {where}, not from {src}"
