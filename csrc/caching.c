@@ -387,9 +387,9 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
     if (!dc->backend->free_memory)
         return false;
     npualloc_context *ctx = dc->current_ctx;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     bool freed = dc->backend->free_memory(dc->backend_ctx);
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
     return freed;
 }
@@ -399,9 +399,9 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
 static void synchronize_device_unlocked(device_cache *dc)
 {
     npualloc_context *ctx = dc->current_ctx;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     dc->backend->synchronize(dc->backend_ctx, dc->device);
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
 }
 
@@ -1325,7 +1325,7 @@ static void release_everything(device_cache *dc, bool return_memory)
     for (size_t i = 0; i < dc->history_count; i++)
         npualloc_context_release(dc->history[i].ctx);
     free(dc->history);
-    pthread_mutex_t lock = dc->lock;
+    cache_lock lock = dc->lock;
     memset(dc, 0, sizeof *dc);
     dc->lock = lock;
 }

@@ -27,6 +27,7 @@
 
 #include "alloc_conf.h"
 #include "block_pool.h"
+#include "cache_lock.h"
 #include "npualloc.h"
 #include "ptr_map.h"
 #include "stream.h"
@@ -180,7 +181,7 @@ typedef struct cache_backend {
 } cache_backend;
 
 typedef struct device_cache {
-    pthread_mutex_t lock;
+    cache_lock lock;
     int32_t device;
     bool started;
     const alloc_settings *settings;

@@ -259,7 +259,7 @@ static void init_caches(void)
     if (caches_ready)
         return;
     for (int i = 0; i < NPU_MAX_DEVICES; i++)
-        pthread_mutex_init(&caches[i].lock, NULL);
+        cache_lock_init(&caches[i].lock);
     caches_ready = true;
 }
 
@@ -287,12 +287,12 @@ static device_cache *cache_get(int32_t device)
         cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
         return NULL;
     }
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     if (!dc->started) {
         cache_device_init(dc, device, &cache_settings, &cache_npu_backend, NULL, K_PAD_SIZE);
         __atomic_store_n(&dc->started, true, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     pthread_mutex_unlock(&api_lock);
     return dc;
 }
@@ -318,7 +318,7 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
     init_caches();
     load_settings();
     /* Settings change with every device lock held: holding one is enough to read them. */
-    pthread_mutex_lock(&caches[0].lock);
+    cache_lock_acquire(&caches[0].lock);
     const alloc_settings *s = &cache_settings;
     out->max_split_size = s->max_split_size;
     out->max_non_split_rounding_size = s->max_non_split_rounding_size;
@@ -332,7 +332,7 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
     out->release_lock_on_npumalloc = s->release_lock_on_npumalloc;
     out->throw_on_npumalloc_oom = s->throw_on_npumalloc_oom;
     out->multi_stream_lazy_reclaim = s->multi_stream_lazy_reclaim;
-    pthread_mutex_unlock(&caches[0].lock);
+    cache_lock_release(&caches[0].lock);
     pthread_mutex_unlock(&api_lock);
     return ACL_SUCCESS;
 }
@@ -377,7 +377,7 @@ aclError npualloc_cache_set_settings(const char *text)
         if (caches[d].started)
             (void)stream_synchronize_device(d);
     for (int d = 0; d < NPU_MAX_DEVICES; d++)
-        pthread_mutex_lock(&caches[d].lock);
+        cache_lock_acquire(&caches[d].lock);
     cache_settings = next;
     if (next.per_process_memory_fraction_set)
         for (int d = 0; d < NPU_MAX_DEVICES; d++)
@@ -385,7 +385,7 @@ aclError npualloc_cache_set_settings(const char *text)
                 cache_set_fraction_locked(&caches[d], next.per_process_memory_fraction);
     snprintf(settings_text, sizeof settings_text, "%s", text);
     for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
-        pthread_mutex_unlock(&caches[d].lock);
+        cache_lock_release(&caches[d].lock);
     pthread_mutex_unlock(&api_lock);
     return ACL_SUCCESS;
 }
@@ -472,11 +472,11 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
     npualloc_oom_info oom;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx;
     aclError rc = cache_malloc_locked(dc, size, stream, ptr, &oom);
     dc->current_ctx = NULL;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
         return report_oom(&oom);
     return rc;
@@ -487,12 +487,12 @@ bool npualloc_cache_malloc_cached(int32_t device, size_t size, uint64_t stream, 
     if (!ptr || size == 0 || size >= K_ONE_EB || unlikely(graph_capture_active()) || !device_valid(device))
         return false;
     device_cache *dc = &caches[device];
-    if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || pthread_mutex_trylock(&dc->lock) != 0)
+    if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || !cache_lock_try(&dc->lock))
         return false;
     dc->current_ctx = ctx;
     bool served = cache_malloc_cached_locked(dc, size, stream, ptr);
     dc->current_ctx = NULL;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return served;
 }
 
@@ -504,16 +504,16 @@ aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx)
         return ACL_SUCCESS;
     device_cache *dc = cache_of_ptr(ptr);
     if (dc) {
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
         if (b) {
             dc->current_ctx = ctx;
             cache_free_locked(dc, b);
             dc->current_ctx = NULL;
-            pthread_mutex_unlock(&dc->lock);
+            cache_lock_release(&dc->lock);
             return ACL_SUCCESS;
         }
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     /* graph capture hook (graph.c): graph memory is freed by a FREE node (or with its graph) */
     aclError grc;
@@ -528,13 +528,13 @@ static cache_block *locked_block(void *ptr, device_cache **out)
 {
     device_cache *dc = ptr ? cache_of_ptr(ptr) : NULL;
     if (dc) {
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
         if (b) {
             *out = dc;
             return b;
         }
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid device pointer: %p", ptr);
     return NULL;
@@ -552,7 +552,7 @@ aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream,
         *stream = b->stream;
     if (size)
         *size = b->size;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -580,7 +580,7 @@ aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
     if (!b)
         return unlikely(graph_capture_active()) && graph_record_stream(ptr, stream, &grc) ? grc : ACL_ERROR_INVALID_PARAM;
     aclError rc = cache_record_stream_locked(dc, b, stream);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     if (rc != ACL_SUCCESS)
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: out of host memory");
     return rc;
@@ -593,7 +593,7 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
     if (!b)
         return ACL_ERROR_INVALID_PARAM;
     cache_erase_stream_locked(dc, b, stream);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -681,7 +681,7 @@ npualloc_mempool_id npualloc_mempool_id_new(bool user_created)
 }
 
 /* Runs a pool operation on a started device under its lock. */
-#define WITH_DEVICE(device, expr)                                                                                      do {                                                                                                                   device_cache *dc_ = cache_get(device);                                                                             if (!dc_)                                                                                                              return ACL_ERROR_INVALID_PARAM;                                                                                pthread_mutex_lock(&dc_->lock);                                                                                    aclError rc_ = (expr);                                                                                             pthread_mutex_unlock(&dc_->lock);                                                                                  return rc_;                                                                                                    } while (0)
+#define WITH_DEVICE(device, expr)                                                                                      do {                                                                                                                   device_cache *dc_ = cache_get(device);                                                                             if (!dc_)                                                                                                              return ACL_ERROR_INVALID_PARAM;                                                                                cache_lock_acquire(&dc_->lock);                                                                                  aclError rc_ = (expr);                                                                                             cache_lock_release(&dc_->lock);                                                                                    return rc_;                                                                                                    } while (0)
 
 aclError npualloc_cache_pool_create(int32_t device, npualloc_mempool_id id)
 {
@@ -729,10 +729,10 @@ int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id)
     device_cache *dc = cache_get(device);
     if (!dc)
         return 0;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     private_pool *pp = cache_pool_find(dc, id);
     int n = pp ? pp->use_count : 0;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return n;
 }
 
@@ -748,11 +748,11 @@ aclError npualloc_cache_empty_ctx(npualloc_context *ctx)
         device_cache *dc = &caches[d];
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         dc->current_ctx = ctx;
         cache_empty_locked(dc, false);
         dc->current_ctx = NULL;
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     return ACL_SUCCESS;
 }
@@ -774,9 +774,9 @@ aclError npualloc_cache_empty_virt_addr_cache(void)
         device_cache *dc = &caches[d];
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         cache_empty_locked(dc, true);
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     return ACL_SUCCESS;
 }
@@ -790,9 +790,9 @@ aclError npualloc_cache_set_fraction(int32_t device, double fraction)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     cache_set_fraction_locked(dc, fraction);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -801,9 +801,9 @@ aclError npualloc_cache_get_fraction(int32_t device, double *fraction)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     *fraction = dc->set_fraction ? dc->fraction : 1.0;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -812,9 +812,9 @@ aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     *out = dc->stats;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -839,9 +839,9 @@ aclError npualloc_cache_reset_peak(int32_t device)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     each_stat(&dc->stats, reset_peak_stat);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -850,7 +850,7 @@ aclError npualloc_cache_reset_accumulated(int32_t device)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     each_stat(&dc->stats, reset_accumulated_stat);
     dc->stats.num_alloc_retries = 0;
     dc->stats.num_ooms = 0;
@@ -858,7 +858,7 @@ aclError npualloc_cache_reset_accumulated(int32_t device)
     dc->stats.num_device_alloc = 0;
     dc->stats.num_device_free = 0;
     dc->stats.num_oom_rejections = 0;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -869,9 +869,9 @@ aclError npualloc_cache_check(int32_t device, char *why, size_t len)
         snprintf(why, len, "%s", last_message);
         return ACL_ERROR_INVALID_PARAM;
     }
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     aclError rc = cache_check_locked(dc, why, len);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return rc;
 }
 
@@ -998,13 +998,13 @@ aclError npualloc_cache_snapshot(npualloc_snapshot **out)
         device_cache *dc = &caches[d];
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         sb.device = d;
         if (!snap_traces(&sb, dc, &trace_cap))
             sb.failed = true;
         cache_each_segment(dc, snap_segment, &sb);
         cache_history_record(dc, TRACE_SNAPSHOT, 0, (size_t)dc->stats.active_bytes[NPUALLOC_STAT_ALL].current, 0);
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     if (sb.failed) {
         npualloc_snapshot_free(s);
@@ -1045,7 +1045,7 @@ aclError npualloc_cache_record_history(bool enabled, npualloc_record_context whe
         device_cache *dc = cache_get(d);
         if (!dc)
             return ACL_ERROR_INVALID_PARAM;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         for (size_t i = 0; i < dc->history_count; i++)
             npualloc_context_release(dc->history[i].ctx);
         free(dc->history);
@@ -1055,7 +1055,7 @@ aclError npualloc_cache_record_history(bool enabled, npualloc_record_context whe
         dc->history_enabled = enabled;
         dc->history_max = enabled ? max_entries : 0;
         dc->history_count = dc->history_next = 0;
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     return ACL_SUCCESS;
 }
@@ -1069,10 +1069,10 @@ void caching_shutdown(void)
         device_cache *dc = &caches[d];
         if (!caches_ready)
             break;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         if (dc->started)
             cache_device_release_all(dc);
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     pthread_mutex_lock(&uncached_lock);
     ptr_map_free(&uncached_blocks);
@@ -1088,7 +1088,7 @@ void caching_atfork_prepare(void)
     pthread_mutex_lock(&api_lock);
     if (caches_ready)
         for (int d = 0; d < NPU_MAX_DEVICES; d++)
-            pthread_mutex_lock(&caches[d].lock);
+            cache_lock_acquire(&caches[d].lock);
     pthread_mutex_lock(&uncached_lock);
 }
 
@@ -1097,7 +1097,7 @@ void caching_atfork_parent(void)
     pthread_mutex_unlock(&uncached_lock);
     if (caches_ready)
         for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
-            pthread_mutex_unlock(&caches[d].lock);
+            cache_lock_release(&caches[d].lock);
     pthread_mutex_unlock(&api_lock);
 }
 
@@ -1110,7 +1110,7 @@ void caching_atfork_child(void)
     ptr_map_free(&uncached_blocks);
     for (int d = 0; d < NPU_MAX_DEVICES && caches_ready; d++) {
         device_cache *dc = &caches[d];
-        pthread_mutex_init(&dc->lock, NULL);
+        cache_lock_init(&dc->lock);
         if (dc->started)
             cache_device_forget(dc);
     }
