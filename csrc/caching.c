@@ -51,10 +51,11 @@ cache_block *cache_block_new(device_cache *dc)
 
 void cache_block_delete(device_cache *dc, cache_block *b)
 {
-    free(b->uses);
+    if (b->uses) /* rarely: only blocks used with record_stream have a list */
+        free(b->uses);
     b->uses = NULL;
-    npualloc_context_release(b->ctx);
-    npualloc_context_release(b->segment_ctx);
+    cache_context_drop(b->ctx);
+    cache_context_drop(b->segment_ctx);
     b->free_link = dc->spare_blocks;
     dc->spare_blocks = b;
 }
@@ -141,18 +142,9 @@ const void *npualloc_context_data(const npualloc_context *c, size_t *len)
 
 /* ---- memory history ---- */
 
-void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream)
+void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
+                       npualloc_context *fallback)
 {
-    cache_history_record_ctx(dc, action, addr, size, stream, NULL);
-}
-
-/* torch's record_trace(..., context ? context : fallback): the call's context, else `fallback`
- * (a free: the block's allocation context; a segment free: the segment's). */
-void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
-                              npualloc_context *fallback)
-{
-    if (!dc->history_enabled || !dc->history_max)
-        return;
     npualloc_context *ctx = dc->current_ctx ? dc->current_ctx : fallback;
     if (dc->record_context < NPUALLOC_RECORD_ALLOC)
         ctx = NULL;
@@ -772,7 +764,7 @@ static size_t merge_into(device_cache *dc, cache_block *dst, cache_block *src, b
         dst->prev = src->prev;
         if (dst->prev)
             dst->prev->next = dst;
-        npualloc_context_release(dst->segment_ctx); /* torch: dst takes src's (moved) */
+        cache_context_drop(dst->segment_ctx); /* torch: dst takes src's (moved) */
         dst->segment_ctx = src->segment_ctx;
         src->segment_ctx = NULL;
     } else {
@@ -799,7 +791,7 @@ static void free_block(device_cache *dc, cache_block *b)
     size_t original_size = b->size, requested = b->requested_size;
     block_pool *pool = b->pool;
     int64_t net_splits = 0, net_split_bytes = 0;
-    npualloc_context_release(b->ctx); /* a cached block has no allocation context */
+    cache_context_drop(b->ctx); /* a cached block has no allocation context */
     b->ctx = NULL;
     cache_block *neighbours[2] = {b->prev, b->next};
     for (int i = 0; i < 2; i++) {

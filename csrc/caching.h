@@ -308,9 +308,31 @@ void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id);
  * `keep_pages` (empty_virt_addr_cache) unmaps expandable pages but keeps their memory. */
 void cache_empty_locked(device_cache *dc, bool keep_pages);
 void cache_set_fraction_locked(device_cache *dc, double fraction);
-void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream);
-void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
-                              npualloc_context *fallback);
+/* Appends to the history ring (cache_history_record_ctx checks that it is on). */
+void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
+                       npualloc_context *fallback);
+/* torch's record_trace(..., context ? context : fallback): the call's context, else `fallback`
+ * (a free: the block's allocation context; a segment free: the segment's).  Inline: every
+ * allocation and free records up to two entries, and the history is nearly always off. */
+static inline void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size,
+                                            uint64_t stream, npualloc_context *fallback)
+{
+    if (__builtin_expect(dc->history_enabled && dc->history_max, 0))
+        cache_history_add(dc, action, addr, size, stream, fallback);
+}
+
+static inline void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size,
+                                        uint64_t stream)
+{
+    cache_history_record_ctx(dc, action, addr, size, stream, NULL);
+}
+
+/* npualloc_context_release without the call for the common NULL (no context recorded). */
+static inline void cache_context_drop(npualloc_context *c)
+{
+    if (c)
+        npualloc_context_release(c);
+}
 /* Calls fn on every block of every segment (segments in address order, blocks in order). */
 void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx);
 aclError cache_check_locked(device_cache *dc, char *why, size_t len);

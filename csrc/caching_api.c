@@ -266,6 +266,10 @@ static void init_caches(void)
 /* Starts the runtime, the settings and the device's cache; NULL (error set) on failure. */
 static device_cache *cache_get(int32_t device)
 {
+    /* A started cache implies a running runtime and a valid device: shutdown resets the caches
+     * before it stops the runtime.  So the hot path checks that flag alone. */
+    if (likely(device >= 0 && device < NPU_MAX_DEVICES && __atomic_load_n(&caches[device].started, __ATOMIC_ACQUIRE)))
+        return &caches[device];
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS) {
         const char *why = npualloc_init_error();
@@ -277,8 +281,6 @@ static device_cache *cache_get(int32_t device)
         return NULL;
     }
     device_cache *dc = &caches[device];
-    if (likely(__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE)))
-        return dc;
     pthread_mutex_lock(&api_lock);
     init_caches();
     load_settings();
