@@ -841,7 +841,6 @@ void cache_share_unpin_locked(device_cache *dc, cache_block *b)
 
 void cache_free_locked(device_cache *dc, cache_block *b)
 {
-    ptr_map_remove(&dc->allocated_blocks, b->ptr);
     b->allocated = false;
     if (unlikely(b->shared)) { /* sharing pin: no reuse while another process has it open */
         b->shared = false;

@@ -291,6 +291,8 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
 /* Serves the allocation from the cache alone (the lock is never released); false, with the
  * allocator as consistent as before, when cache_malloc_locked must be called. */
 bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out);
+/* Frees an allocated block the caller has just taken out of allocated_blocks (ptr_map_remove
+ * finds and removes it in one probe sequence). */
 void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);

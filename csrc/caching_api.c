@@ -507,7 +507,7 @@ aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx)
     device_cache *dc = cache_of_ptr(ptr);
     if (dc) {
         cache_lock_acquire(&dc->lock);
-        cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
+        cache_block *b = ptr_map_remove(&dc->allocated_blocks, (uintptr_t)ptr);
         if (b) {
             dc->current_ctx = ctx;
             cache_free_locked(dc, b);

@@ -422,7 +422,7 @@ static void record_oom(npualloc_replay *r, uint64_t event, uint64_t size, uint64
 /* Frees the session block at `ptr` (an allocated block of the session). */
 static inline void replay_free_ptr(npualloc_replay *r, void *ptr)
 {
-    cache_block *b = ptr_map_get(&r->dc.allocated_blocks, (uintptr_t)ptr);
+    cache_block *b = ptr_map_remove(&r->dc.allocated_blocks, (uintptr_t)ptr);
     if (likely(b != NULL))
         cache_free_locked(&r->dc, b);
     r->res.frees++;
