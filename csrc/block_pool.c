@@ -154,9 +154,8 @@ void block_pool_destroy(block_pool *p)
 
 /* ---- the free-block index ---- */
 
-void block_pool_insert(block_pool *p, cache_block *b)
+static void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
 {
-    stream_bins *sb = bins_of(p, b->stream); /* prepared by the allocation that made the block */
     unsigned c = size_class(b->size);
     avl_tree *t = &sb->bins[c];
     avl_node *parent = NULL, **link = &t->root;
@@ -166,15 +165,21 @@ void block_pool_insert(block_pool *p, cache_block *b)
     }
     avl_link(t, &b->pool_node, parent, link);
     b->pool_bin = c;
+    b->pool_bins = sb;
     mark(sb, c);
     sb->count++;
     p->count++;
     b->in_pool = true;
 }
 
+void block_pool_insert(block_pool *p, cache_block *b)
+{
+    insert_into(p, bins_of(p, b->stream), b); /* prepared by the allocation that made the block */
+}
+
 void block_pool_remove(block_pool *p, cache_block *b)
 {
-    stream_bins *sb = bins_of(p, b->stream);
+    stream_bins *sb = b->pool_bins;
     unsigned c = b->pool_bin;
     avl_remove(&sb->bins[c], &b->pool_node);
     if (!sb->bins[c].root)
@@ -198,14 +203,14 @@ void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size)
     block_pool_remove(p, b);
     b->ptr = ptr;
     b->size = size;
-    block_pool_insert(p, b);
+    insert_into(p, b->pool_bins, b); /* same stream: no lookup */
 }
 
-void block_pool_transplant(block_pool *p, cache_block *old, cache_block *b)
+void block_pool_transplant(cache_block *old, cache_block *b)
 {
-    stream_bins *sb = bins_of(p, old->stream);
-    avl_replace(&sb->bins[old->pool_bin], &old->pool_node, &b->pool_node);
+    avl_replace(&old->pool_bins->bins[old->pool_bin], &old->pool_node, &b->pool_node);
     b->pool_bin = old->pool_bin;
+    b->pool_bins = old->pool_bins;
     b->in_pool = true;
     old->in_pool = false;
 }

@@ -758,7 +758,7 @@ static size_t merge_into(device_cache *dc, cache_block *dst, cache_block *src, b
     if (!src || src->allocated || src->event_count > 0 || src->use_count > 0 || src->mapped != dst->mapped)
         return 0;
     if (take_place && src->in_pool)
-        block_pool_transplant(src->pool, src, dst);
+        block_pool_transplant(src, dst);
     if (dst->prev == src) {
         dst->ptr = src->ptr;
         dst->prev = src->prev;
