@@ -633,11 +633,11 @@ static bool should_split(const device_cache *dc, const cache_block *b, size_t si
 
 /* torch_npu's base_addr_aligned_kb: with expandable segments, a block of 2 MiB or more starts on
  * that alignment; the unaligned front goes back to the pool (no stats change). */
-static void align_block_start(device_cache *dc, alloc_params *p)
+static void align_block_start_slow(device_cache *dc, alloc_params *p)
 {
     size_t align = dc->settings->base_addr_aligned_size;
     cache_block *b = p->block;
-    if (p->size < K_ROUND_LARGE || !dc->settings->expandable_segments || !align || b->ptr % align == 0)
+    if (!align || b->ptr % align == 0)
         return;
     size_t offset = align - b->ptr % align;
     if (offset + p->size > b->size)
@@ -673,6 +673,13 @@ static void align_block_start(device_cache *dc, alloc_params *p)
         cache_pool_insert(b);
     }
     p->block = aligned;
+}
+
+/* The test inline: out of line, the function saved six registers to find nothing to do. */
+static inline void align_block_start(device_cache *dc, alloc_params *p)
+{
+    if (unlikely(p->size >= K_ROUND_LARGE && dc->settings->expandable_segments))
+        align_block_start_slow(dc, p);
 }
 
 static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig_size, void **out)
