@@ -963,8 +963,8 @@ static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, 
 }
 
 /* The first steps of every allocation: completed frees are taken in, the size rounded, the pool
- * chosen and its index made ready for the stream.  False when the index cannot grow. */
-static bool begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
+ * chosen. */
+static void begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
 {
     if (likely(dc->route_count == 0)) /* no events are processed while a capture is underway */
         process_events(dc);
@@ -972,19 +972,15 @@ static bool begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, al
     p->size = cache_round_size(dc->settings, dc->pad, orig_size);
     p->stream = stream;
     p->pool = get_pool(dc, p->size, stream);
-    if (unlikely(block_pool_prepare(p->pool, stream) != 0)) {
-        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
-        return false;
-    }
     p->alloc_size = allocation_size(dc->settings, p->size, p->pool->is_small);
     p->err = ACL_SUCCESS;
-    return true;
 }
 
 bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out)
 {
     alloc_params p;
-    if (!begin_malloc(dc, orig_size, stream, &p) || !get_free_block(dc, &p))
+    begin_malloc(dc, orig_size, stream, &p);
+    if (!get_free_block(dc, &p))
         return false;
     align_block_start(dc, &p);
     return alloc_found_block(dc, &p, orig_size, out) == ACL_SUCCESS;
@@ -994,9 +990,18 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
                              npualloc_oom_info *oom)
 {
     alloc_params p;
-    if (!begin_malloc(dc, orig_size, stream, &p))
-        return ACL_ERROR_BAD_ALLOC;
-    bool found = get_free_block(dc, &p) || (trigger_free_memory_callbacks(dc) && get_free_block(dc, &p));
+    begin_malloc(dc, orig_size, stream, &p);
+    bool found = get_free_block(dc, &p);
+    if (!found) {
+        /* A new block of the stream is about to be made: its index must be ready, so that putting
+         * the block in the pool later cannot fail.  A hit needs no check: the block found proves
+         * the stream's index exists. */
+        if (unlikely(block_pool_prepare(p.pool, stream) != 0)) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
+            return ACL_ERROR_BAD_ALLOC;
+        }
+        found = trigger_free_memory_callbacks(dc) && get_free_block(dc, &p);
+    }
     if (!found) {
         if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)
             garbage_collect_cached_blocks(dc);
