@@ -18,6 +18,32 @@
 
 /* ---- stats: see caching.h (inline, they run several times per allocation) ---- */
 
+/* The nine arrays of a stats struct. */
+#define STAT_ARRAYS(s)                                                                                   \
+    {(s)->allocation,      (s)->segment,        (s)->active,       (s)->inactive_split,                     \
+     (s)->allocated_bytes, (s)->reserved_bytes, (s)->active_bytes, (s)->inactive_split_bytes,               \
+     (s)->requested_bytes}
+
+void cache_stats_read(const npualloc_stats *stats, npualloc_stats *out)
+{
+    *out = *stats;
+    npualloc_stat *arrays[] = STAT_ARRAYS(out);
+    for (size_t i = 0; i < ARRAY_LEN(arrays); i++)
+        arrays[i][NPUALLOC_STAT_ALL] = cache_stat_all(arrays[i]);
+}
+
+void cache_stats_reset_peak(npualloc_stats *stats)
+{
+    npualloc_stat *arrays[] = STAT_ARRAYS(stats);
+    for (size_t i = 0; i < ARRAY_LEN(arrays); i++) {
+        arrays[i][NPUALLOC_STAT_SMALL_POOL].peak = arrays[i][NPUALLOC_STAT_SMALL_POOL].current;
+        arrays[i][NPUALLOC_STAT_LARGE_POOL].peak = arrays[i][NPUALLOC_STAT_LARGE_POOL].current;
+        arrays[i][NPUALLOC_STAT_ALL].peak = cache_stat_all(arrays[i]).current;
+    }
+    stats->oversize_allocations.peak = stats->oversize_allocations.current;
+    stats->oversize_segments.peak = stats->oversize_segments.current;
+}
+
 /* ---- block structs ---- */
 
 #define BLOCKS_PER_CHUNK 64
@@ -955,9 +981,9 @@ static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, 
     oom->alloc_size = p->alloc_size;
     oom->device_total = device_total;
     oom->device_free = device_free;
-    oom->allocated = (size_t)dc->stats.allocated_bytes[NPUALLOC_STAT_ALL].current;
-    oom->active = (size_t)dc->stats.active_bytes[NPUALLOC_STAT_ALL].current;
-    oom->reserved = (size_t)dc->stats.reserved_bytes[NPUALLOC_STAT_ALL].current;
+    oom->allocated = (size_t)cache_stat_all(dc->stats.allocated_bytes).current;
+    oom->active = (size_t)cache_stat_all(dc->stats.active_bytes).current;
+    oom->reserved = (size_t)cache_stat_all(dc->stats.reserved_bytes).current;
     oom->fraction_set = dc->set_fraction;
     oom->allowed = dc->allowed_memory_maximum;
 }
@@ -1477,9 +1503,9 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
     cache_each_segment(dc, check_segment, st);
     static const char *names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
                                   "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"};
-    const npualloc_stat *have[] = {dc->stats.allocation, dc->stats.segment, dc->stats.active,
-                                   dc->stats.inactive_split, dc->stats.allocated_bytes, dc->stats.reserved_bytes,
-                                   dc->stats.active_bytes, dc->stats.inactive_split_bytes, dc->stats.requested_bytes};
+    npualloc_stats stats;
+    cache_stats_read(&dc->stats, &stats);
+    const npualloc_stat *have[] = STAT_ARRAYS(&stats);
     const npualloc_stat *want[] = {st->expect.allocation, st->expect.segment, st->expect.active,
                                    st->expect.inactive_split, st->expect.allocated_bytes, st->expect.reserved_bytes,
                                    st->expect.active_bytes, st->expect.inactive_split_bytes,
@@ -1496,9 +1522,9 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
           (long long)st->oversize_segments);
     CHECK(st->reserved_total == dc->total_allocated_memory, "reserved memory %zu differs from the segments' %zu",
           dc->total_allocated_memory, st->reserved_total);
-    CHECK(dc->allocated_blocks.count == (size_t)dc->stats.allocation[NPUALLOC_STAT_ALL].current,
+    CHECK(dc->allocated_blocks.count == (size_t)stats.allocation[NPUALLOC_STAT_ALL].current,
           "the allocated-block table holds %zu blocks for %lld allocations", dc->allocated_blocks.count,
-          (long long)dc->stats.allocation[NPUALLOC_STAT_ALL].current);
+          (long long)stats.allocation[NPUALLOC_STAT_ALL].current);
     size_t pooled = block_pool_count(&dc->large) + block_pool_count(&dc->small);
     for (const private_pool *pp = dc->private_pools; pp; pp = pp->next)
         pooled += block_pool_count(&pp->large) + block_pool_count(&pp->small);

@@ -815,7 +815,7 @@ aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out)
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
     cache_lock_acquire(&dc->lock);
-    *out = dc->stats;
+    cache_stats_read(&dc->stats, out);
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
@@ -833,7 +833,6 @@ static void each_stat(npualloc_stats *s, void (*fn)(npualloc_stat *))
     fn(&s->oversize_segments);
 }
 
-static void reset_peak_stat(npualloc_stat *s) { s->peak = s->current; }
 static void reset_accumulated_stat(npualloc_stat *s) { s->allocated = s->freed = 0; }
 
 aclError npualloc_cache_reset_peak(int32_t device)
@@ -842,7 +841,7 @@ aclError npualloc_cache_reset_peak(int32_t device)
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
     cache_lock_acquire(&dc->lock);
-    each_stat(&dc->stats, reset_peak_stat);
+    cache_stats_reset_peak(&dc->stats);
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
@@ -1005,7 +1004,7 @@ aclError npualloc_cache_snapshot(npualloc_snapshot **out)
         if (!snap_traces(&sb, dc, &trace_cap))
             sb.failed = true;
         cache_each_segment(dc, snap_segment, &sb);
-        cache_history_record(dc, TRACE_SNAPSHOT, 0, (size_t)dc->stats.active_bytes[NPUALLOC_STAT_ALL].current, 0);
+        cache_history_record(dc, TRACE_SNAPSHOT, 0, (size_t)cache_stat_all(dc->stats.active_bytes).current, 0);
         cache_lock_release(&dc->lock);
     }
     if (sb.failed) {

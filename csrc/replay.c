@@ -439,8 +439,6 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
     }
     npualloc_replay_status st = NPUALLOC_REPLAY_OK;
     device_cache *dc = &r->dc;
-    const npualloc_stat *allocated = &dc->stats.allocated_bytes[NPUALLOC_STAT_ALL];
-    const npualloc_stat *reserved = &dc->stats.reserved_bytes[NPUALLOC_STAT_ALL];
     double t0 = now_seconds();
     size_t i;
     for (i = 0; i < ev->count; i++) {
@@ -489,7 +487,8 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
                     r->halted = true;
                     st = NPUALLOC_REPLAY_STOPPED;
                     r->res.events++; /* the failing allocation was replayed */
-                    timeline_sample(&r->timeline, index, (uint64_t)allocated->current, (uint64_t)reserved->current);
+                    timeline_sample(&r->timeline, index, (uint64_t)cache_stat_all(dc->stats.allocated_bytes).current,
+                                    (uint64_t)cache_stat_all(dc->stats.reserved_bytes).current);
                     break;
                 }
                 slot->value = REPLAY_SKIPPED;
@@ -510,7 +509,8 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
         }
     sample:
         r->res.events++;
-        timeline_sample(&r->timeline, index, (uint64_t)allocated->current, (uint64_t)reserved->current);
+        timeline_sample(&r->timeline, index, (uint64_t)cache_stat_all(dc->stats.allocated_bytes).current,
+                        (uint64_t)cache_stat_all(dc->stats.reserved_bytes).current);
     }
     r->res.wall_seconds += now_seconds() - t0;
     cache_lock_release(&r->dc.lock);
@@ -520,7 +520,9 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
 void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
 {
     cache_lock_acquire(&r->dc.lock);
-    const npualloc_stats *s = &r->dc.stats;
+    npualloc_stats all;
+    cache_stats_read(&r->dc.stats, &all);
+    const npualloc_stats *s = &all;
     *out = r->res;
     out->peak_requested = (uint64_t)s->requested_bytes[NPUALLOC_STAT_ALL].peak;
     out->peak_allocated = (uint64_t)s->allocated_bytes[NPUALLOC_STAT_ALL].peak;
@@ -543,7 +545,7 @@ void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
 void npualloc_replay_get_stats(npualloc_replay *r, npualloc_stats *out)
 {
     cache_lock_acquire(&r->dc.lock);
-    *out = r->dc.stats;
+    cache_stats_read(&r->dc.stats, out);
     cache_lock_release(&r->dc.lock);
 }
 
