@@ -7,8 +7,14 @@
 #include "caching.h"
 #include "common.h"
 
-/* Size classes over sizes in 512-byte units u: exact for u < 64 (below 32 KiB), then 16 per
- * power of two.  Classes grow with size, so scanning classes upward visits sizes upward. */
+/* Size classes over u = (size - 1) / 512: exact for u < 64 (up to 32 KiB), then 16 per power of
+ * two.  Classes grow with size, so scanning classes upward visits sizes upward.
+ *
+ * Why size - 1: each class then ends at a power-of-two multiple (2 MiB, 20 MiB, ...) instead of
+ * starting there.  A whole cached segment is such a size, and splitting a request off it (and
+ * merging the request back on free) now mostly leaves it in its class: its index entry is re-keyed
+ * in place instead of moving between bins twice per cache hit.  Sizes are never 0 here (blocks
+ * and rounded requests are at least 512 bytes). */
 #define EXACT_CLASSES 64
 #define SUB_BITS 4
 #define BIN_COUNT (EXACT_CLASSES + (64 - 6) * (1 << SUB_BITS))
@@ -24,7 +30,7 @@ struct stream_bins {
 
 static inline unsigned size_class(size_t size)
 {
-    size_t u = size >> 9;
+    size_t u = (size - 1) >> 9;
     if (u < EXACT_CLASSES)
         return (unsigned)u;
     unsigned fl = 63u - (unsigned)__builtin_clzll((unsigned long long)u); /* >= 6 */
