@@ -486,7 +486,9 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
 
 bool npualloc_cache_malloc_cached(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr)
 {
-    if (!ptr || size == 0 || size >= K_ONE_EB || unlikely(graph_capture_active()) || !device_valid(device))
+    /* No device_valid call: a started cache implies a valid device (see cache_get). */
+    if (!ptr || size == 0 || size >= K_ONE_EB || unlikely(graph_capture_active()) || device < 0 ||
+        device >= NPU_MAX_DEVICES)
         return false;
     device_cache *dc = &caches[device];
     if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || !cache_lock_try(&dc->lock))
