@@ -238,7 +238,8 @@ size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src);
 static inline void cache_stat_one_inc(npualloc_stat *s, int64_t n)
 {
     s->current += n;
-    s->peak = s->current > s->peak ? s->current : s->peak;
+    if (s->current > s->peak) /* a branch, not a select: the peak is rarely new, so no store */
+        s->peak = s->current;
     s->allocated += n;
 }
 
@@ -252,7 +253,8 @@ static inline void cache_stat_inc(npualloc_stat *arr, const block_pool *pool, in
 {
     cache_stat_one_inc(&arr[pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL], n);
     int64_t all = arr[NPUALLOC_STAT_SMALL_POOL].current + arr[NPUALLOC_STAT_LARGE_POOL].current;
-    arr[NPUALLOC_STAT_ALL].peak = all > arr[NPUALLOC_STAT_ALL].peak ? all : arr[NPUALLOC_STAT_ALL].peak;
+    if (all > arr[NPUALLOC_STAT_ALL].peak)
+        arr[NPUALLOC_STAT_ALL].peak = all;
 }
 
 static inline void cache_stat_dec(npualloc_stat *arr, const block_pool *pool, int64_t n)
