@@ -50,25 +50,27 @@ static avl_node *rotate_right(avl_tree *t, avl_node *x)
     return y;
 }
 
-/* Restores balance from n up to the root after an insertion or removal below n. */
+/* Restores heights and balance from n up after an insertion or removal below n (n's own height
+ * still the one from before).  Stops at the first subtree whose height comes out as it was,
+ * rotated or not: nothing above it can change then.  Removals used to walk to the root. */
 static void rebalance(avl_tree *t, avl_node *n)
 {
     while (n) {
         int old_height = n->height;
-        update_height(n);
-        int balance = height(n->left) - height(n->right);
-        if (balance > 1) {
+        int hl = height(n->left), hr = height(n->right);
+        if (hl - hr > 1) {
             if (height(n->left->left) < height(n->left->right))
                 rotate_left(t, n->left);
             n = rotate_right(t, n);
-        } else if (balance < -1) {
+        } else if (hr - hl > 1) {
             if (height(n->right->right) < height(n->right->left))
                 rotate_right(t, n->right);
             n = rotate_left(t, n);
-        } else if (n->height == old_height && old_height != 0) {
-            /* Height unchanged and balanced: nothing above can change. */
-            break;
+        } else {
+            n->height = 1 + (hl > hr ? hl : hr);
         }
+        if (n->height == old_height)
+            break;
         n = n->parent;
     }
 }
@@ -132,21 +134,7 @@ void avl_remove(avl_tree *t, avl_node *n)
         replace_child(t, n->parent, n, child);
     }
     t->count--;
-    /* Removal can shrink heights all the way up: walk without the early stop. */
-    for (avl_node *p = start; p;) {
-        update_height(p);
-        int balance = height(p->left) - height(p->right);
-        if (balance > 1) {
-            if (height(p->left->left) < height(p->left->right))
-                rotate_left(t, p->left);
-            p = rotate_right(t, p);
-        } else if (balance < -1) {
-            if (height(p->right->right) < height(p->right->left))
-                rotate_right(t, p->right);
-            p = rotate_left(t, p);
-        }
-        p = p->parent;
-    }
+    rebalance(t, start);
 }
 
 avl_node *avl_find(const avl_tree *t, const void *key, avl_key_order order)

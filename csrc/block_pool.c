@@ -7,8 +7,14 @@
 #include "caching.h"
 #include "common.h"
 
-/* Size classes over sizes in 512-byte units u: exact for u < 64 (below 32 KiB), then 16 per
- * power of two.  Classes grow with size, so scanning classes upward visits sizes upward. */
+/* Size classes over u = (size - 1) / 512: exact for u < 64 (up to 32 KiB), then 16 per power of
+ * two.  Classes grow with size, so scanning classes upward visits sizes upward.
+ *
+ * Why size - 1: each class then ends at a power-of-two multiple (2 MiB, 20 MiB, ...) instead of
+ * starting there.  A whole cached segment is such a size, and splitting a request off it (and
+ * merging the request back on free) now mostly leaves it in its class: its index entry is re-keyed
+ * in place instead of moving between bins twice per cache hit.  Sizes are never 0 here (blocks
+ * and rounded requests are at least 512 bytes). */
 #define EXACT_CLASSES 64
 #define SUB_BITS 4
 #define BIN_COUNT (EXACT_CLASSES + (64 - 6) * (1 << SUB_BITS))
@@ -24,7 +30,7 @@ struct stream_bins {
 
 static inline unsigned size_class(size_t size)
 {
-    size_t u = size >> 9;
+    size_t u = (size - 1) >> 9;
     if (u < EXACT_CLASSES)
         return (unsigned)u;
     unsigned fl = 63u - (unsigned)__builtin_clzll((unsigned long long)u); /* >= 6 */
@@ -154,9 +160,8 @@ void block_pool_destroy(block_pool *p)
 
 /* ---- the free-block index ---- */
 
-void block_pool_insert(block_pool *p, cache_block *b)
+static void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
 {
-    stream_bins *sb = bins_of(p, b->stream); /* prepared by the allocation that made the block */
     unsigned c = size_class(b->size);
     avl_tree *t = &sb->bins[c];
     avl_node *parent = NULL, **link = &t->root;
@@ -166,15 +171,21 @@ void block_pool_insert(block_pool *p, cache_block *b)
     }
     avl_link(t, &b->pool_node, parent, link);
     b->pool_bin = c;
+    b->pool_bins = sb;
     mark(sb, c);
     sb->count++;
     p->count++;
     b->in_pool = true;
 }
 
+void block_pool_insert(block_pool *p, cache_block *b)
+{
+    insert_into(p, bins_of(p, b->stream), b); /* prepared by the allocation that made the block */
+}
+
 void block_pool_remove(block_pool *p, cache_block *b)
 {
-    stream_bins *sb = bins_of(p, b->stream);
+    stream_bins *sb = b->pool_bins;
     unsigned c = b->pool_bin;
     avl_remove(&sb->bins[c], &b->pool_node);
     if (!sb->bins[c].root)
@@ -198,14 +209,14 @@ void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size)
     block_pool_remove(p, b);
     b->ptr = ptr;
     b->size = size;
-    block_pool_insert(p, b);
+    insert_into(p, b->pool_bins, b); /* same stream: no lookup */
 }
 
-void block_pool_transplant(block_pool *p, cache_block *old, cache_block *b)
+void block_pool_transplant(cache_block *old, cache_block *b)
 {
-    stream_bins *sb = bins_of(p, old->stream);
-    avl_replace(&sb->bins[old->pool_bin], &old->pool_node, &b->pool_node);
+    avl_replace(&old->pool_bins->bins[old->pool_bin], &old->pool_node, &b->pool_node);
     b->pool_bin = old->pool_bin;
+    b->pool_bins = old->pool_bins;
     b->in_pool = true;
     old->in_pool = false;
 }

@@ -51,7 +51,7 @@ void block_pool_remove(block_pool *p, cache_block *b);
 void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size);
 /* b (same stream, not indexed) takes old's place in the index and old leaves it: the first
  * step of merging b with a free neighbour.  b's key is stale until block_pool_rekey. */
-void block_pool_transplant(block_pool *p, cache_block *old, cache_block *b);
+void block_pool_transplant(cache_block *old, cache_block *b);
 /* The first block ordered at or after (stream, size, 0), or NULL (any stream). */
 cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t size);
 /* Neighbours in the pool's order (any stream). */

@@ -18,6 +18,32 @@
 
 /* ---- stats: see caching.h (inline, they run several times per allocation) ---- */
 
+/* The nine arrays of a stats struct. */
+#define STAT_ARRAYS(s)                                                                                   \
+    {(s)->allocation,      (s)->segment,        (s)->active,       (s)->inactive_split,                     \
+     (s)->allocated_bytes, (s)->reserved_bytes, (s)->active_bytes, (s)->inactive_split_bytes,               \
+     (s)->requested_bytes}
+
+void cache_stats_read(const npualloc_stats *stats, npualloc_stats *out)
+{
+    *out = *stats;
+    npualloc_stat *arrays[] = STAT_ARRAYS(out);
+    for (size_t i = 0; i < ARRAY_LEN(arrays); i++)
+        arrays[i][NPUALLOC_STAT_ALL] = cache_stat_all(arrays[i]);
+}
+
+void cache_stats_reset_peak(npualloc_stats *stats)
+{
+    npualloc_stat *arrays[] = STAT_ARRAYS(stats);
+    for (size_t i = 0; i < ARRAY_LEN(arrays); i++) {
+        arrays[i][NPUALLOC_STAT_SMALL_POOL].peak = arrays[i][NPUALLOC_STAT_SMALL_POOL].current;
+        arrays[i][NPUALLOC_STAT_LARGE_POOL].peak = arrays[i][NPUALLOC_STAT_LARGE_POOL].current;
+        arrays[i][NPUALLOC_STAT_ALL].peak = cache_stat_all(arrays[i]).current;
+    }
+    stats->oversize_allocations.peak = stats->oversize_allocations.current;
+    stats->oversize_segments.peak = stats->oversize_segments.current;
+}
+
 /* ---- block structs ---- */
 
 #define BLOCKS_PER_CHUNK 64
@@ -51,10 +77,11 @@ cache_block *cache_block_new(device_cache *dc)
 
 void cache_block_delete(device_cache *dc, cache_block *b)
 {
-    free(b->uses);
+    if (b->uses) /* rarely: only blocks used with record_stream have a list */
+        free(b->uses);
     b->uses = NULL;
-    npualloc_context_release(b->ctx);
-    npualloc_context_release(b->segment_ctx);
+    cache_context_drop(b->ctx);
+    cache_context_drop(b->segment_ctx);
     b->free_link = dc->spare_blocks;
     dc->spare_blocks = b;
 }
@@ -141,18 +168,9 @@ const void *npualloc_context_data(const npualloc_context *c, size_t *len)
 
 /* ---- memory history ---- */
 
-void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream)
+void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
+                       npualloc_context *fallback)
 {
-    cache_history_record_ctx(dc, action, addr, size, stream, NULL);
-}
-
-/* torch's record_trace(..., context ? context : fallback): the call's context, else `fallback`
- * (a free: the block's allocation context; a segment free: the segment's). */
-void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
-                              npualloc_context *fallback)
-{
-    if (!dc->history_enabled || !dc->history_max)
-        return;
     npualloc_context *ctx = dc->current_ctx ? dc->current_ctx : fallback;
     if (dc->record_context < NPUALLOC_RECORD_ALLOC)
         ctx = NULL;
@@ -387,9 +405,9 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
     if (!dc->backend->free_memory)
         return false;
     npualloc_context *ctx = dc->current_ctx;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     bool freed = dc->backend->free_memory(dc->backend_ctx);
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
     return freed;
 }
@@ -399,9 +417,9 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
 static void synchronize_device_unlocked(device_cache *dc)
 {
     npualloc_context *ctx = dc->current_ctx;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     dc->backend->synchronize(dc->backend_ctx, dc->device);
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
 }
 
@@ -641,11 +659,11 @@ static bool should_split(const device_cache *dc, const cache_block *b, size_t si
 
 /* torch_npu's base_addr_aligned_kb: with expandable segments, a block of 2 MiB or more starts on
  * that alignment; the unaligned front goes back to the pool (no stats change). */
-static void align_block_start(device_cache *dc, alloc_params *p)
+static void align_block_start_slow(device_cache *dc, alloc_params *p)
 {
     size_t align = dc->settings->base_addr_aligned_size;
     cache_block *b = p->block;
-    if (p->size < K_ROUND_LARGE || !dc->settings->expandable_segments || !align || b->ptr % align == 0)
+    if (!align || b->ptr % align == 0)
         return;
     size_t offset = align - b->ptr % align;
     if (offset + p->size > b->size)
@@ -681,6 +699,13 @@ static void align_block_start(device_cache *dc, alloc_params *p)
         cache_pool_insert(b);
     }
     p->block = aligned;
+}
+
+/* The test inline: out of line, the function saved six registers to find nothing to do. */
+static inline void align_block_start(device_cache *dc, alloc_params *p)
+{
+    if (unlikely(p->size >= K_ROUND_LARGE && dc->settings->expandable_segments))
+        align_block_start_slow(dc, p);
 }
 
 static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig_size, void **out)
@@ -766,13 +791,13 @@ static size_t merge_into(device_cache *dc, cache_block *dst, cache_block *src, b
     if (!src || src->allocated || src->event_count > 0 || src->use_count > 0 || src->mapped != dst->mapped)
         return 0;
     if (take_place && src->in_pool)
-        block_pool_transplant(src->pool, src, dst);
+        block_pool_transplant(src, dst);
     if (dst->prev == src) {
         dst->ptr = src->ptr;
         dst->prev = src->prev;
         if (dst->prev)
             dst->prev->next = dst;
-        npualloc_context_release(dst->segment_ctx); /* torch: dst takes src's (moved) */
+        cache_context_drop(dst->segment_ctx); /* torch: dst takes src's (moved) */
         dst->segment_ctx = src->segment_ctx;
         src->segment_ctx = NULL;
     } else {
@@ -799,7 +824,7 @@ static void free_block(device_cache *dc, cache_block *b)
     size_t original_size = b->size, requested = b->requested_size;
     block_pool *pool = b->pool;
     int64_t net_splits = 0, net_split_bytes = 0;
-    npualloc_context_release(b->ctx); /* a cached block has no allocation context */
+    cache_context_drop(b->ctx); /* a cached block has no allocation context */
     b->ctx = NULL;
     cache_block *neighbours[2] = {b->prev, b->next};
     for (int i = 0; i < 2; i++) {
@@ -849,7 +874,6 @@ void cache_share_unpin_locked(device_cache *dc, cache_block *b)
 
 void cache_free_locked(device_cache *dc, cache_block *b)
 {
-    ptr_map_remove(&dc->allocated_blocks, b->ptr);
     b->allocated = false;
     if (unlikely(b->shared)) { /* sharing pin: no reuse while another process has it open */
         b->shared = false;
@@ -957,16 +981,16 @@ static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, 
     oom->alloc_size = p->alloc_size;
     oom->device_total = device_total;
     oom->device_free = device_free;
-    oom->allocated = (size_t)dc->stats.allocated_bytes[NPUALLOC_STAT_ALL].current;
-    oom->active = (size_t)dc->stats.active_bytes[NPUALLOC_STAT_ALL].current;
-    oom->reserved = (size_t)dc->stats.reserved_bytes[NPUALLOC_STAT_ALL].current;
+    oom->allocated = (size_t)cache_stat_all(dc->stats.allocated_bytes).current;
+    oom->active = (size_t)cache_stat_all(dc->stats.active_bytes).current;
+    oom->reserved = (size_t)cache_stat_all(dc->stats.reserved_bytes).current;
     oom->fraction_set = dc->set_fraction;
     oom->allowed = dc->allowed_memory_maximum;
 }
 
 /* The first steps of every allocation: completed frees are taken in, the size rounded, the pool
- * chosen and its index made ready for the stream.  False when the index cannot grow. */
-static bool begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
+ * chosen. */
+static void begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
 {
     if (likely(dc->route_count == 0)) /* no events are processed while a capture is underway */
         process_events(dc);
@@ -974,19 +998,15 @@ static bool begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, al
     p->size = cache_round_size(dc->settings, dc->pad, orig_size);
     p->stream = stream;
     p->pool = get_pool(dc, p->size, stream);
-    if (unlikely(block_pool_prepare(p->pool, stream) != 0)) {
-        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
-        return false;
-    }
     p->alloc_size = allocation_size(dc->settings, p->size, p->pool->is_small);
     p->err = ACL_SUCCESS;
-    return true;
 }
 
 bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out)
 {
     alloc_params p;
-    if (!begin_malloc(dc, orig_size, stream, &p) || !get_free_block(dc, &p))
+    begin_malloc(dc, orig_size, stream, &p);
+    if (!get_free_block(dc, &p))
         return false;
     align_block_start(dc, &p);
     return alloc_found_block(dc, &p, orig_size, out) == ACL_SUCCESS;
@@ -996,9 +1016,18 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
                              npualloc_oom_info *oom)
 {
     alloc_params p;
-    if (!begin_malloc(dc, orig_size, stream, &p))
-        return ACL_ERROR_BAD_ALLOC;
-    bool found = get_free_block(dc, &p) || (trigger_free_memory_callbacks(dc) && get_free_block(dc, &p));
+    begin_malloc(dc, orig_size, stream, &p);
+    bool found = get_free_block(dc, &p);
+    if (!found) {
+        /* A new block of the stream is about to be made: its index must be ready, so that putting
+         * the block in the pool later cannot fail.  A hit needs no check: the block found proves
+         * the stream's index exists. */
+        if (unlikely(block_pool_prepare(p.pool, stream) != 0)) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
+            return ACL_ERROR_BAD_ALLOC;
+        }
+        found = trigger_free_memory_callbacks(dc) && get_free_block(dc, &p);
+    }
     if (!found) {
         if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)
             garbage_collect_cached_blocks(dc);
@@ -1325,7 +1354,7 @@ static void release_everything(device_cache *dc, bool return_memory)
     for (size_t i = 0; i < dc->history_count; i++)
         npualloc_context_release(dc->history[i].ctx);
     free(dc->history);
-    pthread_mutex_t lock = dc->lock;
+    cache_lock lock = dc->lock;
     memset(dc, 0, sizeof *dc);
     dc->lock = lock;
 }
@@ -1474,9 +1503,9 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
     cache_each_segment(dc, check_segment, st);
     static const char *names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
                                   "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"};
-    const npualloc_stat *have[] = {dc->stats.allocation, dc->stats.segment, dc->stats.active,
-                                   dc->stats.inactive_split, dc->stats.allocated_bytes, dc->stats.reserved_bytes,
-                                   dc->stats.active_bytes, dc->stats.inactive_split_bytes, dc->stats.requested_bytes};
+    npualloc_stats stats;
+    cache_stats_read(&dc->stats, &stats);
+    const npualloc_stat *have[] = STAT_ARRAYS(&stats);
     const npualloc_stat *want[] = {st->expect.allocation, st->expect.segment, st->expect.active,
                                    st->expect.inactive_split, st->expect.allocated_bytes, st->expect.reserved_bytes,
                                    st->expect.active_bytes, st->expect.inactive_split_bytes,
@@ -1493,9 +1522,9 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
           (long long)st->oversize_segments);
     CHECK(st->reserved_total == dc->total_allocated_memory, "reserved memory %zu differs from the segments' %zu",
           dc->total_allocated_memory, st->reserved_total);
-    CHECK(dc->allocated_blocks.count == (size_t)dc->stats.allocation[NPUALLOC_STAT_ALL].current,
+    CHECK(dc->allocated_blocks.count == (size_t)stats.allocation[NPUALLOC_STAT_ALL].current,
           "the allocated-block table holds %zu blocks for %lld allocations", dc->allocated_blocks.count,
-          (long long)dc->stats.allocation[NPUALLOC_STAT_ALL].current);
+          (long long)stats.allocation[NPUALLOC_STAT_ALL].current);
     size_t pooled = block_pool_count(&dc->large) + block_pool_count(&dc->small);
     for (const private_pool *pp = dc->private_pools; pp; pp = pp->next)
         pooled += block_pool_count(&pp->large) + block_pool_count(&pp->small);

@@ -27,6 +27,7 @@
 
 #include "alloc_conf.h"
 #include "block_pool.h"
+#include "cache_lock.h"
 #include "npualloc.h"
 #include "ptr_map.h"
 #include "stream.h"
@@ -46,6 +47,7 @@ typedef struct expandable_segment expandable_segment;
 struct cache_block {
     avl_node pool_node;       /* in pool->blocks while free and mapped, in pool->unmapped while unmapped */
     uint32_t pool_bin;        /* the size-class bin holding it while in_pool (block_pool.c) */
+    stream_bins *pool_bins;   /* and its stream's bins: removal needs no stream lookup */
     cache_block *prev, *next; /* neighbours in the segment, address order */
     block_pool *pool;
     uint64_t stream;          /* stream handle the block belongs to (0 = default stream) */
@@ -180,7 +182,7 @@ typedef struct cache_backend {
 } cache_backend;
 
 typedef struct device_cache {
-    pthread_mutex_t lock;
+    cache_lock lock;
     int32_t device;
     bool started;
     const alloc_settings *settings;
@@ -227,11 +229,17 @@ void cache_pool_insert(cache_block *b);
 /* Merges src into dst when src is free (same mapped state); returns the bytes taken over. */
 size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src);
 /* torch's Stat: increase (current, peak, allocated) and decrease (current, freed); an array
- * is updated for the aggregate and for the pool's own kind. */
+ * is updated for the aggregate and for the pool's own kind.
+ *
+ * The aggregate (NPUALLOC_STAT_ALL) of an array always equals the sum of its small- and
+ * large-pool entries in current, allocated and freed, so only its peak is kept in the array:
+ * the other three are filled in when the stats are read (cache_stat_all, cache_stats_read).
+ * Every allocation and free updates five arrays; this saves a third of that work. */
 static inline void cache_stat_one_inc(npualloc_stat *s, int64_t n)
 {
     s->current += n;
-    s->peak = s->current > s->peak ? s->current : s->peak;
+    if (s->current > s->peak) /* a branch, not a select: the peak is rarely new, so no store */
+        s->peak = s->current;
     s->allocated += n;
 }
 
@@ -243,15 +251,29 @@ static inline void cache_stat_one_dec(npualloc_stat *s, int64_t n)
 
 static inline void cache_stat_inc(npualloc_stat *arr, const block_pool *pool, int64_t n)
 {
-    cache_stat_one_inc(&arr[NPUALLOC_STAT_ALL], n);
     cache_stat_one_inc(&arr[pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL], n);
+    int64_t all = arr[NPUALLOC_STAT_SMALL_POOL].current + arr[NPUALLOC_STAT_LARGE_POOL].current;
+    if (all > arr[NPUALLOC_STAT_ALL].peak)
+        arr[NPUALLOC_STAT_ALL].peak = all;
 }
 
 static inline void cache_stat_dec(npualloc_stat *arr, const block_pool *pool, int64_t n)
 {
-    cache_stat_one_dec(&arr[NPUALLOC_STAT_ALL], n);
     cache_stat_one_dec(&arr[pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL], n);
 }
+
+/* An array's aggregate entry, complete. */
+static inline npualloc_stat cache_stat_all(const npualloc_stat *arr)
+{
+    const npualloc_stat *s = &arr[NPUALLOC_STAT_SMALL_POOL], *l = &arr[NPUALLOC_STAT_LARGE_POOL];
+    return (npualloc_stat){s->current + l->current, arr[NPUALLOC_STAT_ALL].peak, s->allocated + l->allocated,
+                           s->freed + l->freed};
+}
+
+/* The device's stats with every aggregate entry filled in (lock held). */
+void cache_stats_read(const npualloc_stats *stats, npualloc_stats *out);
+/* Every peak back to its current value (torch's resetPeakStats). */
+void cache_stats_reset_peak(npualloc_stats *stats);
 
 /* A net change of either sign. */
 static inline void cache_stat_update(npualloc_stat *arr, const block_pool *pool, int64_t n)
@@ -290,6 +312,8 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
 /* Serves the allocation from the cache alone (the lock is never released); false, with the
  * allocator as consistent as before, when cache_malloc_locked must be called. */
 bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out);
+/* Frees an allocated block the caller has just taken out of allocated_blocks (ptr_map_remove
+ * finds and removes it in one probe sequence). */
 void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
@@ -307,9 +331,31 @@ void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id);
  * `keep_pages` (empty_virt_addr_cache) unmaps expandable pages but keeps their memory. */
 void cache_empty_locked(device_cache *dc, bool keep_pages);
 void cache_set_fraction_locked(device_cache *dc, double fraction);
-void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream);
-void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
-                              npualloc_context *fallback);
+/* Appends to the history ring (cache_history_record_ctx checks that it is on). */
+void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
+                       npualloc_context *fallback);
+/* torch's record_trace(..., context ? context : fallback): the call's context, else `fallback`
+ * (a free: the block's allocation context; a segment free: the segment's).  Inline: every
+ * allocation and free records up to two entries, and the history is nearly always off. */
+static inline void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size,
+                                            uint64_t stream, npualloc_context *fallback)
+{
+    if (__builtin_expect(dc->history_enabled && dc->history_max, 0))
+        cache_history_add(dc, action, addr, size, stream, fallback);
+}
+
+static inline void cache_history_record(device_cache *dc, trace_action action, uintptr_t addr, size_t size,
+                                        uint64_t stream)
+{
+    cache_history_record_ctx(dc, action, addr, size, stream, NULL);
+}
+
+/* npualloc_context_release without the call for the common NULL (no context recorded). */
+static inline void cache_context_drop(npualloc_context *c)
+{
+    if (c)
+        npualloc_context_release(c);
+}
 /* Calls fn on every block of every segment (segments in address order, blocks in order). */
 void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx);
 aclError cache_check_locked(device_cache *dc, char *why, size_t len);

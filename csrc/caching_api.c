@@ -274,13 +274,17 @@ static void init_caches(void)
     if (caches_ready)
         return;
     for (int i = 0; i < NPU_MAX_DEVICES; i++)
-        pthread_mutex_init(&caches[i].lock, NULL);
+        cache_lock_init(&caches[i].lock);
     caches_ready = true;
 }
 
 /* Starts the runtime, the settings and the device's cache; NULL (error set) on failure. */
 static device_cache *cache_get(int32_t device)
 {
+    /* A started cache implies a running runtime and a valid device: shutdown resets the caches
+     * before it stops the runtime.  So the hot path checks that flag alone. */
+    if (likely(device >= 0 && device < NPU_MAX_DEVICES && __atomic_load_n(&caches[device].started, __ATOMIC_ACQUIRE)))
+        return &caches[device];
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS) {
         const char *why = npualloc_init_error();
@@ -292,8 +296,6 @@ static device_cache *cache_get(int32_t device)
         return NULL;
     }
     device_cache *dc = &caches[device];
-    if (likely(__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE)))
-        return dc;
     pthread_mutex_lock(&api_lock);
     init_caches();
     load_settings();
@@ -302,12 +304,12 @@ static device_cache *cache_get(int32_t device)
         cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
         return NULL;
     }
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     if (!dc->started) {
         cache_device_init(dc, device, &cache_settings, &cache_npu_backend, NULL, K_PAD_SIZE);
         __atomic_store_n(&dc->started, true, __ATOMIC_RELEASE);
     }
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     pthread_mutex_unlock(&api_lock);
     return dc;
 }
@@ -333,7 +335,7 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
     init_caches();
     load_settings();
     /* Settings change with every device lock held: holding one is enough to read them. */
-    pthread_mutex_lock(&caches[0].lock);
+    cache_lock_acquire(&caches[0].lock);
     const alloc_settings *s = &cache_settings;
     out->max_split_size = s->max_split_size;
     out->max_non_split_rounding_size = s->max_non_split_rounding_size;
@@ -347,7 +349,7 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
     out->release_lock_on_npumalloc = s->release_lock_on_npumalloc;
     out->throw_on_npumalloc_oom = s->throw_on_npumalloc_oom;
     out->multi_stream_lazy_reclaim = s->multi_stream_lazy_reclaim;
-    pthread_mutex_unlock(&caches[0].lock);
+    cache_lock_release(&caches[0].lock);
     pthread_mutex_unlock(&api_lock);
     return ACL_SUCCESS;
 }
@@ -392,7 +394,7 @@ aclError npualloc_cache_set_settings(const char *text)
         if (caches[d].started)
             (void)stream_synchronize_device(d);
     for (int d = 0; d < NPU_MAX_DEVICES; d++)
-        pthread_mutex_lock(&caches[d].lock);
+        cache_lock_acquire(&caches[d].lock);
     cache_settings = next;
     if (next.per_process_memory_fraction_set)
         for (int d = 0; d < NPU_MAX_DEVICES; d++)
@@ -400,7 +402,7 @@ aclError npualloc_cache_set_settings(const char *text)
                 cache_set_fraction_locked(&caches[d], next.per_process_memory_fraction);
     snprintf(settings_text, sizeof settings_text, "%s", text);
     for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
-        pthread_mutex_unlock(&caches[d].lock);
+        cache_lock_release(&caches[d].lock);
     pthread_mutex_unlock(&api_lock);
     return ACL_SUCCESS;
 }
@@ -487,11 +489,11 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
     npualloc_oom_info oom;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx;
     aclError rc = cache_malloc_locked(dc, size, stream, ptr, &oom);
     dc->current_ctx = NULL;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
         return report_oom(&oom);
     return rc;
@@ -499,15 +501,17 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
 
 bool npualloc_cache_malloc_cached(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr)
 {
-    if (!ptr || size == 0 || size >= K_ONE_EB || unlikely(graph_capture_active()) || !device_valid(device))
+    /* No device_valid call: a started cache implies a valid device (see cache_get). */
+    if (!ptr || size == 0 || size >= K_ONE_EB || unlikely(graph_capture_active()) || device < 0 ||
+        device >= NPU_MAX_DEVICES)
         return false;
     device_cache *dc = &caches[device];
-    if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || pthread_mutex_trylock(&dc->lock) != 0)
+    if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || !cache_lock_try(&dc->lock))
         return false;
     dc->current_ctx = ctx;
     bool served = cache_malloc_cached_locked(dc, size, stream, ptr);
     dc->current_ctx = NULL;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return served;
 }
 
@@ -519,16 +523,16 @@ aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx)
         return ACL_SUCCESS;
     device_cache *dc = cache_of_ptr(ptr);
     if (dc) {
-        pthread_mutex_lock(&dc->lock);
-        cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
+        cache_lock_acquire(&dc->lock);
+        cache_block *b = ptr_map_remove(&dc->allocated_blocks, (uintptr_t)ptr);
         if (b) {
             dc->current_ctx = ctx;
             cache_free_locked(dc, b);
             dc->current_ctx = NULL;
-            pthread_mutex_unlock(&dc->lock);
+            cache_lock_release(&dc->lock);
             return ACL_SUCCESS;
         }
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     /* graph capture hook (graph.c): graph memory is freed by a FREE node (or with its graph) */
     aclError grc;
@@ -543,13 +547,13 @@ static cache_block *locked_block(void *ptr, device_cache **out)
 {
     device_cache *dc = ptr ? cache_of_ptr(ptr) : NULL;
     if (dc) {
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
         if (b) {
             *out = dc;
             return b;
         }
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid device pointer: %p", ptr);
     return NULL;
@@ -567,7 +571,7 @@ aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream,
         *stream = b->stream;
     if (size)
         *size = b->size;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -595,7 +599,7 @@ aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
     if (!b)
         return unlikely(graph_capture_active()) && graph_record_stream(ptr, stream, &grc) ? grc : ACL_ERROR_INVALID_PARAM;
     aclError rc = cache_record_stream_locked(dc, b, stream);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     if (rc != ACL_SUCCESS)
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: out of host memory");
     return rc;
@@ -608,7 +612,7 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
     if (!b)
         return ACL_ERROR_INVALID_PARAM;
     cache_erase_stream_locked(dc, b, stream);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -696,7 +700,7 @@ npualloc_mempool_id npualloc_mempool_id_new(bool user_created)
 }
 
 /* Runs a pool operation on a started device under its lock. */
-#define WITH_DEVICE(device, expr)                                                                                      do {                                                                                                                   device_cache *dc_ = cache_get(device);                                                                             if (!dc_)                                                                                                              return ACL_ERROR_INVALID_PARAM;                                                                                pthread_mutex_lock(&dc_->lock);                                                                                    aclError rc_ = (expr);                                                                                             pthread_mutex_unlock(&dc_->lock);                                                                                  return rc_;                                                                                                    } while (0)
+#define WITH_DEVICE(device, expr)                                                                                      do {                                                                                                                   device_cache *dc_ = cache_get(device);                                                                             if (!dc_)                                                                                                              return ACL_ERROR_INVALID_PARAM;                                                                                cache_lock_acquire(&dc_->lock);                                                                                  aclError rc_ = (expr);                                                                                             cache_lock_release(&dc_->lock);                                                                                    return rc_;                                                                                                    } while (0)
 
 aclError npualloc_cache_pool_create(int32_t device, npualloc_mempool_id id)
 {
@@ -744,10 +748,10 @@ int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id)
     device_cache *dc = cache_get(device);
     if (!dc)
         return 0;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     private_pool *pp = cache_pool_find(dc, id);
     int n = pp ? pp->use_count : 0;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return n;
 }
 
@@ -763,11 +767,11 @@ aclError npualloc_cache_empty_ctx(npualloc_context *ctx)
         device_cache *dc = &caches[d];
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         dc->current_ctx = ctx;
         cache_empty_locked(dc, false);
         dc->current_ctx = NULL;
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     return ACL_SUCCESS;
 }
@@ -796,9 +800,9 @@ aclError npualloc_cache_empty_virt_addr_cache(void)
         device_cache *dc = &caches[d];
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         cache_empty_locked(dc, true);
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     return ACL_SUCCESS;
 }
@@ -812,9 +816,9 @@ aclError npualloc_cache_set_fraction(int32_t device, double fraction)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     cache_set_fraction_locked(dc, fraction);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -823,9 +827,9 @@ aclError npualloc_cache_get_fraction(int32_t device, double *fraction)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     *fraction = dc->set_fraction ? dc->fraction : 1.0;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -834,9 +838,9 @@ aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
-    *out = dc->stats;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
+    cache_stats_read(&dc->stats, out);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -853,7 +857,6 @@ static void each_stat(npualloc_stats *s, void (*fn)(npualloc_stat *))
     fn(&s->oversize_segments);
 }
 
-static void reset_peak_stat(npualloc_stat *s) { s->peak = s->current; }
 static void reset_accumulated_stat(npualloc_stat *s) { s->allocated = s->freed = 0; }
 
 aclError npualloc_cache_reset_peak(int32_t device)
@@ -861,9 +864,9 @@ aclError npualloc_cache_reset_peak(int32_t device)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
-    each_stat(&dc->stats, reset_peak_stat);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
+    cache_stats_reset_peak(&dc->stats);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -872,7 +875,7 @@ aclError npualloc_cache_reset_accumulated(int32_t device)
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     each_stat(&dc->stats, reset_accumulated_stat);
     dc->stats.num_alloc_retries = 0;
     dc->stats.num_ooms = 0;
@@ -880,7 +883,7 @@ aclError npualloc_cache_reset_accumulated(int32_t device)
     dc->stats.num_device_alloc = 0;
     dc->stats.num_device_free = 0;
     dc->stats.num_oom_rejections = 0;
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 
@@ -891,9 +894,9 @@ aclError npualloc_cache_check(int32_t device, char *why, size_t len)
         snprintf(why, len, "%s", last_message);
         return ACL_ERROR_INVALID_PARAM;
     }
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     aclError rc = cache_check_locked(dc, why, len);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return rc;
 }
 
@@ -1020,13 +1023,13 @@ aclError npualloc_cache_snapshot(npualloc_snapshot **out)
         device_cache *dc = &caches[d];
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         sb.device = d;
         if (!snap_traces(&sb, dc, &trace_cap))
             sb.failed = true;
         cache_each_segment(dc, snap_segment, &sb);
-        cache_history_record(dc, TRACE_SNAPSHOT, 0, (size_t)dc->stats.active_bytes[NPUALLOC_STAT_ALL].current, 0);
-        pthread_mutex_unlock(&dc->lock);
+        cache_history_record(dc, TRACE_SNAPSHOT, 0, (size_t)cache_stat_all(dc->stats.active_bytes).current, 0);
+        cache_lock_release(&dc->lock);
     }
     if (sb.failed) {
         npualloc_snapshot_free(s);
@@ -1067,7 +1070,7 @@ aclError npualloc_cache_record_history(bool enabled, npualloc_record_context whe
         device_cache *dc = cache_get(d);
         if (!dc)
             return ACL_ERROR_INVALID_PARAM;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         for (size_t i = 0; i < dc->history_count; i++)
             npualloc_context_release(dc->history[i].ctx);
         free(dc->history);
@@ -1077,7 +1080,7 @@ aclError npualloc_cache_record_history(bool enabled, npualloc_record_context whe
         dc->history_enabled = enabled;
         dc->history_max = enabled ? max_entries : 0;
         dc->history_count = dc->history_next = 0;
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     return ACL_SUCCESS;
 }
@@ -1091,10 +1094,10 @@ void caching_shutdown(void)
         device_cache *dc = &caches[d];
         if (!caches_ready)
             break;
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
         if (dc->started)
             cache_device_release_all(dc);
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
     }
     pthread_mutex_lock(&uncached_lock);
     ptr_map_free(&uncached_blocks);
@@ -1110,7 +1113,7 @@ void caching_atfork_prepare(void)
     pthread_mutex_lock(&api_lock);
     if (caches_ready)
         for (int d = 0; d < NPU_MAX_DEVICES; d++)
-            pthread_mutex_lock(&caches[d].lock);
+            cache_lock_acquire(&caches[d].lock);
     pthread_mutex_lock(&uncached_lock);
 }
 
@@ -1119,7 +1122,7 @@ void caching_atfork_parent(void)
     pthread_mutex_unlock(&uncached_lock);
     if (caches_ready)
         for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
-            pthread_mutex_unlock(&caches[d].lock);
+            cache_lock_release(&caches[d].lock);
     pthread_mutex_unlock(&api_lock);
 }
 
@@ -1132,7 +1135,7 @@ void caching_atfork_child(void)
     ptr_map_free(&uncached_blocks);
     for (int d = 0; d < NPU_MAX_DEVICES && caches_ready; d++) {
         device_cache *dc = &caches[d];
-        pthread_mutex_init(&dc->lock, NULL);
+        cache_lock_init(&dc->lock);
         if (dc->started)
             cache_device_forget(dc);
     }

@@ -622,7 +622,7 @@ static aclError serve_open(client *c, const uint8_t token[16])
         c->pin_cap = cap;
     }
     aclError rc = ACL_SUCCESS;
-    pthread_mutex_lock(&dc->lock); /* lock order: device cache, then ipc */
+    cache_lock_acquire(&dc->lock); /* lock order: device cache, then ipc */
     pthread_mutex_lock(&ipc.lock);
     rec = share_by_token(token);
     if (!rec || !rec->alive) {
@@ -639,7 +639,7 @@ static aclError serve_open(client *c, const uint8_t token[16])
         atomic_fetch_add(&ipc.pin_count, 1);
     }
     pthread_mutex_unlock(&ipc.lock);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return rc;
 }
 
@@ -648,7 +648,7 @@ static void unpin(share_record *rec, uint32_t n)
 {
     device_cache *dc = cache_device(rec->device);
     if (dc)
-        pthread_mutex_lock(&dc->lock);
+        cache_lock_acquire(&dc->lock);
     pthread_mutex_lock(&ipc.lock);
     for (uint32_t i = 0; i < n; i++) {
         if (dc)
@@ -660,7 +660,7 @@ static void unpin(share_record *rec, uint32_t n)
         share_delete(rec);
     pthread_mutex_unlock(&ipc.lock);
     if (dc)
-        pthread_mutex_unlock(&dc->lock);
+        cache_lock_release(&dc->lock);
 }
 
 static aclError serve_close(client *c, const uint8_t token[16])
@@ -1717,7 +1717,7 @@ aclError ipc_share(void *ptr, void *buf, size_t cap, size_t *len)
     pthread_mutex_unlock(&ipc.lock);
     if (rc != ACL_SUCCESS)
         return rc;
-    pthread_mutex_lock(&dc->lock);
+    cache_lock_acquire(&dc->lock);
     cache_block *b = ptr_map_get(&dc->allocated_blocks, (uintptr_t)ptr);
     pthread_mutex_lock(&ipc.lock);
     share_record *rec = NULL;
@@ -1757,7 +1757,7 @@ aclError ipc_share(void *ptr, void *buf, size_t cap, size_t *len)
         }
     }
     pthread_mutex_unlock(&ipc.lock);
-    pthread_mutex_unlock(&dc->lock);
+    cache_lock_release(&dc->lock);
     return rc;
 }
 
@@ -2141,7 +2141,7 @@ void ipc_shutdown(void)
             break;
         device_cache *dc = cache_device(dev);
         if (dc)
-            pthread_mutex_lock(&dc->lock);
+            cache_lock_acquire(&dc->lock);
         pthread_mutex_lock(&ipc.lock);
         if (ipc.shares == rec) {
             if (rec->alive)
@@ -2150,7 +2150,7 @@ void ipc_shutdown(void)
         }
         pthread_mutex_unlock(&ipc.lock);
         if (dc)
-            pthread_mutex_unlock(&dc->lock);
+            cache_lock_release(&dc->lock);
     }
     pthread_mutex_lock(&ipc.lock);
     forget_all(); /* vmm_shutdown releases the imported handles and mappings */

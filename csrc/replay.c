@@ -363,8 +363,8 @@ npualloc_replay_status npualloc_replay_create(const npualloc_replay_config *cfg,
         free(r);
         return fail(err, errlen, NPUALLOC_REPLAY_HOST_MEMORY, "out of host memory");
     }
-    pthread_mutex_init(&r->dc.lock, NULL);
-    pthread_mutex_lock(&r->dc.lock);
+    cache_lock_init(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
     cache_device_init(&r->dc, 0, &r->settings, &replay_sim_backend, &r->sim, cfg->pad);
     if (cfg->fraction > 0.0)
         cache_set_fraction_locked(&r->dc, cfg->fraction);
@@ -375,7 +375,7 @@ npualloc_replay_status npualloc_replay_create(const npualloc_replay_config *cfg,
     }
     bool expandable = r->settings.expandable_segments;
     bool supported = !expandable || expandable_supported(&r->dc);
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
     if (!supported) {
         npualloc_replay_destroy(r);
         return fail(err, errlen, NPUALLOC_REPLAY_UNAVAILABLE,
@@ -390,10 +390,9 @@ void npualloc_replay_destroy(npualloc_replay *r)
 {
     if (!r)
         return;
-    pthread_mutex_lock(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
     cache_device_release_all(&r->dc);
-    pthread_mutex_unlock(&r->dc.lock);
-    pthread_mutex_destroy(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
     free(r->live.slots);
     free(r->timeline.points);
     free(r->ooms);
@@ -423,7 +422,7 @@ static void record_oom(npualloc_replay *r, uint64_t event, uint64_t size, uint64
 /* Frees the session block at `ptr` (an allocated block of the session). */
 static inline void replay_free_ptr(npualloc_replay *r, void *ptr)
 {
-    cache_block *b = ptr_map_get(&r->dc.allocated_blocks, (uintptr_t)ptr);
+    cache_block *b = ptr_map_remove(&r->dc.allocated_blocks, (uintptr_t)ptr);
     if (likely(b != NULL))
         cache_free_locked(&r->dc, b);
     r->res.frees++;
@@ -433,15 +432,13 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
 {
     if (!r || !ev || (ev->count && (!ev->action || !ev->addr || !ev->size || !ev->stream)))
         return NPUALLOC_REPLAY_INVALID;
-    pthread_mutex_lock(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
     if (r->halted) {
-        pthread_mutex_unlock(&r->dc.lock);
+        cache_lock_release(&r->dc.lock);
         return NPUALLOC_REPLAY_STOPPED;
     }
     npualloc_replay_status st = NPUALLOC_REPLAY_OK;
     device_cache *dc = &r->dc;
-    const npualloc_stat *allocated = &dc->stats.allocated_bytes[NPUALLOC_STAT_ALL];
-    const npualloc_stat *reserved = &dc->stats.reserved_bytes[NPUALLOC_STAT_ALL];
     double t0 = now_seconds();
     size_t i;
     for (i = 0; i < ev->count; i++) {
@@ -490,7 +487,8 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
                     r->halted = true;
                     st = NPUALLOC_REPLAY_STOPPED;
                     r->res.events++; /* the failing allocation was replayed */
-                    timeline_sample(&r->timeline, index, (uint64_t)allocated->current, (uint64_t)reserved->current);
+                    timeline_sample(&r->timeline, index, (uint64_t)cache_stat_all(dc->stats.allocated_bytes).current,
+                                    (uint64_t)cache_stat_all(dc->stats.reserved_bytes).current);
                     break;
                 }
                 slot->value = REPLAY_SKIPPED;
@@ -511,17 +509,20 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
         }
     sample:
         r->res.events++;
-        timeline_sample(&r->timeline, index, (uint64_t)allocated->current, (uint64_t)reserved->current);
+        timeline_sample(&r->timeline, index, (uint64_t)cache_stat_all(dc->stats.allocated_bytes).current,
+                        (uint64_t)cache_stat_all(dc->stats.reserved_bytes).current);
     }
     r->res.wall_seconds += now_seconds() - t0;
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
     return st;
 }
 
 void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
 {
-    pthread_mutex_lock(&r->dc.lock);
-    const npualloc_stats *s = &r->dc.stats;
+    cache_lock_acquire(&r->dc.lock);
+    npualloc_stats all;
+    cache_stats_read(&r->dc.stats, &all);
+    const npualloc_stats *s = &all;
     *out = r->res;
     out->peak_requested = (uint64_t)s->requested_bytes[NPUALLOC_STAT_ALL].peak;
     out->peak_allocated = (uint64_t)s->allocated_bytes[NPUALLOC_STAT_ALL].peak;
@@ -538,34 +539,34 @@ void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
     out->retries = (uint64_t)s->num_alloc_retries;
     out->huge1g_fallbacks = r->sim.huge1g_fallbacks;
     out->events_per_second = out->wall_seconds > 0.0 ? (double)out->events / out->wall_seconds : 0.0;
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
 }
 
 void npualloc_replay_get_stats(npualloc_replay *r, npualloc_stats *out)
 {
-    pthread_mutex_lock(&r->dc.lock);
-    *out = r->dc.stats;
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
+    cache_stats_read(&r->dc.stats, out);
+    cache_lock_release(&r->dc.lock);
 }
 
 size_t npualloc_replay_timeline(npualloc_replay *r, npualloc_replay_point *out, size_t cap)
 {
-    pthread_mutex_lock(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
     const replay_timeline *t = &r->timeline;
     size_t n = t->count + (t->cur_events ? 1 : 0);
     for (size_t i = 0; i < n && i < cap; i++)
         out[i] = i < t->count ? t->points[i] : t->cur;
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
     return n;
 }
 
 bool npualloc_replay_get_oom(npualloc_replay *r, size_t i, npualloc_replay_oom *out)
 {
-    pthread_mutex_lock(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
     bool ok = i < r->res.ooms && i < r->oom_cap;
     if (ok)
         *out = r->ooms[i];
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
     return ok;
 }
 
@@ -576,9 +577,9 @@ const char *npualloc_replay_warning(npualloc_replay *r, size_t i)
 
 aclError npualloc_replay_check(npualloc_replay *r, char *why, size_t len)
 {
-    pthread_mutex_lock(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
     aclError rc = cache_check_locked(&r->dc, why, len);
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
     return rc;
 }
 
@@ -655,7 +656,7 @@ npualloc_replay_status npualloc_replay_snapshot(npualloc_replay *r, npualloc_sna
     if (!s)
         return NPUALLOC_REPLAY_HOST_MEMORY;
     replay_snap rs = {.snap = s};
-    pthread_mutex_lock(&r->dc.lock);
+    cache_lock_acquire(&r->dc.lock);
     device_cache *dc = &r->dc;
     if (dc->history_count) {
         s->traces = malloc(dc->history_count * sizeof *s->traces);
@@ -676,7 +677,7 @@ npualloc_replay_status npualloc_replay_snapshot(npualloc_replay *r, npualloc_sna
     }
     if (!rs.failed)
         cache_each_segment(dc, snap_segment, &rs);
-    pthread_mutex_unlock(&r->dc.lock);
+    cache_lock_release(&r->dc.lock);
     if (rs.failed) {
         npualloc_snapshot_free(s);
         return NPUALLOC_REPLAY_HOST_MEMORY;
