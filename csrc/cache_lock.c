@@ -5,8 +5,30 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+/* A cache call holds the lock for a few hundred nanoseconds, and a sleep costs two system calls
+ * and a scheduler round trip (tens of microseconds on a busy 2-vCPU VM): a waiter spins first.
+ * 1000 pauses are about 25 us here; bench_threads, two threads on one device: 2.2 M pairs/s
+ * without spinning, 2.5 M spinning 50, 4.5 to 6 M spinning 1000, 5 M spinning 4000.  Bounded,
+ * so a waiter whose holder was preempted sleeps after that. */
+#define SPIN_LIMIT 1000
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield" ::: "memory");
+#endif
+}
+
 void cache_lock_wait(cache_lock *l)
 {
+    for (int i = 0; i < SPIN_LIMIT; i++) {
+        uint32_t seen = atomic_load_explicit(&l->state, memory_order_relaxed);
+        if (seen == 0 && cache_lock_try(l))
+            return;
+        cpu_relax();
+    }
     /* Mark the lock contended (2) before sleeping, so the holder's unlock wakes someone; a
      * thread that gets it this way keeps it marked, since others may still be asleep. */
     while (atomic_exchange_explicit(&l->state, 2, memory_order_acquire) != 0)

@@ -3,8 +3,9 @@
  *
  * Why not pthread_mutex_t: a cache hit takes and drops the lock once, and glibc's mutex costs
  * about 55 instructions per lock/unlock pair (two calls, type and owner checks); uncontended,
- * this lock is one atomic instruction each way, inlined.  Contended, waiters sleep in the
- * kernel, as Drepper's "Futexes Are Tricky" (mutex 3) does it.  Not recursive; no owner checks.
+ * this lock is one atomic instruction each way, inlined.  Contended, a waiter spins briefly,
+ * then sleeps in the kernel, as Drepper's "Futexes Are Tricky" (mutex 3) does it.  Not
+ * recursive; no owner checks.
  *
  * State: 0 free, 1 held, 2 held and someone may be sleeping (unlock must wake one).
  */
