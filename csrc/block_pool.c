@@ -20,11 +20,30 @@
 #define BIN_COUNT (EXACT_CLASSES + (64 - 6) * (1 << SUB_BITS))
 #define BIN_WORDS ((BIN_COUNT + 63) / 64)
 
+/* A bin holds its blocks in (size, address) order, as a sorted list while it has few of them and
+ * as a tree beyond that.  Why: most bins hold a handful of blocks, and linking one into a short
+ * list costs a fraction of a tree insertion and its rebalancing; the tree keeps a bin with
+ * thousands of blocks of one size logarithmic.  A list becomes a tree when an insertion would
+ * make it longer than LIST_MAX; a tree becomes a list when a removal leaves LIST_MIN blocks (the
+ * gap keeps a bin near the threshold from converting back and forth).
+ *
+ * List mode: `first` is the smallest block's node; in each node, `right` is the next block's
+ * node and `left` the previous one's (`parent` unused).  Tree mode: `tree` (`first` unused). */
+#define LIST_MAX 16
+#define LIST_MIN 8
+
+typedef struct size_bin {
+    avl_node *first;
+    avl_tree tree;
+    uint32_t count;
+    bool is_tree;
+} size_bin;
+
 struct stream_bins {
     uint64_t stream;
     uint64_t summary;           /* bit w: words[w] != 0 */
     uint64_t words[BIN_WORDS];  /* bit c: bins[c] is not empty */
-    avl_tree bins[BIN_COUNT];   /* each ordered by (size, address) */
+    size_bin bins[BIN_COUNT];
     size_t count;
 };
 
@@ -158,18 +177,162 @@ void block_pool_destroy(block_pool *p)
     p->count = 0;
 }
 
+/* ---- one bin ---- */
+
+static void bin_to_tree(size_bin *bin)
+{
+    /* In order, each node is the largest so far: it goes right of the previous one. */
+    avl_node *n = bin->first, *last = NULL;
+    avl_init(&bin->tree);
+    while (n) {
+        avl_node *next = n->right;
+        avl_link(&bin->tree, n, last, last ? &last->right : &bin->tree.root);
+        last = n;
+        n = next;
+    }
+    bin->first = NULL;
+    bin->is_tree = true;
+}
+
+static void bin_to_list(size_bin *bin)
+{
+    avl_node *nodes[LIST_MIN];
+    uint32_t k = 0;
+    for (avl_node *n = avl_first(&bin->tree); n; n = avl_next(n))
+        nodes[k++] = n; /* the count is LIST_MIN here */
+    for (uint32_t i = 0; i < k; i++) {
+        nodes[i]->left = i ? nodes[i - 1] : NULL;
+        nodes[i]->right = i + 1 < k ? nodes[i + 1] : NULL;
+        nodes[i]->parent = NULL;
+    }
+    bin->first = k ? nodes[0] : NULL;
+    avl_init(&bin->tree);
+    bin->is_tree = false;
+}
+
+static void bin_insert(size_bin *bin, cache_block *b)
+{
+    avl_node *node = &b->pool_node;
+    if (!bin->is_tree && bin->count == LIST_MAX)
+        bin_to_tree(bin);
+    if (bin->is_tree) {
+        avl_node *parent = NULL, **link = &bin->tree.root;
+        while (*link) {
+            parent = *link;
+            link = before(b, entry(parent)) ? &parent->left : &parent->right;
+        }
+        avl_link(&bin->tree, node, parent, link);
+    } else {
+        avl_node *prev = NULL, *next = bin->first;
+        while (next && before(entry(next), b)) {
+            prev = next;
+            next = next->right;
+        }
+        node->left = prev;
+        node->right = next;
+        node->parent = NULL;
+        if (prev)
+            prev->right = node;
+        else
+            bin->first = node;
+        if (next)
+            next->left = node;
+    }
+    bin->count++;
+}
+
+static void bin_remove(size_bin *bin, cache_block *b)
+{
+    avl_node *node = &b->pool_node;
+    bin->count--;
+    if (bin->is_tree) {
+        avl_remove(&bin->tree, node);
+        if (bin->count == LIST_MIN)
+            bin_to_list(bin);
+        return;
+    }
+    if (node->left)
+        node->left->right = node->right;
+    else
+        bin->first = node->right;
+    if (node->right)
+        node->right->left = node->left;
+}
+
+/* n takes old's place in the bin. */
+static void bin_replace(size_bin *bin, avl_node *old, avl_node *n)
+{
+    if (bin->is_tree) {
+        avl_replace(&bin->tree, old, n);
+        return;
+    }
+    *n = *old;
+    if (n->left)
+        n->left->right = n;
+    else
+        bin->first = n;
+    if (n->right)
+        n->right->left = n;
+}
+
+static inline const size_bin *bin_of(const cache_block *b) { return &b->pool_bins->bins[b->pool_bin]; }
+
+/* b's neighbours inside its bin. */
+static cache_block *bin_next(const cache_block *b)
+{
+    return entry(bin_of(b)->is_tree ? avl_next(&b->pool_node) : b->pool_node.right);
+}
+
+static cache_block *bin_prev(const cache_block *b)
+{
+    return entry(bin_of(b)->is_tree ? avl_prev(&b->pool_node) : b->pool_node.left);
+}
+
+/* The smallest (size, address) of a bin, and the largest. */
+static cache_block *bin_first(const stream_bins *sb, unsigned c)
+{
+    const size_bin *bin = &sb->bins[c];
+    return entry(bin->is_tree ? avl_first(&bin->tree) : bin->first);
+}
+
+static cache_block *bin_last(const stream_bins *sb, unsigned c)
+{
+    const size_bin *bin = &sb->bins[c];
+    if (bin->is_tree)
+        return entry(avl_last(&bin->tree));
+    avl_node *n = bin->first;
+    while (n && n->right)
+        n = n->right;
+    return entry(n);
+}
+
+/* The first block of a bin at least `size` big, or NULL. */
+static cache_block *bin_lower_bound(const size_bin *bin, size_t size)
+{
+    if (!bin->is_tree) {
+        avl_node *n = bin->first;
+        while (n && entry(n)->size < size)
+            n = n->right;
+        return entry(n);
+    }
+    avl_node *n = bin->tree.root, *best = NULL;
+    while (n) {
+        if (entry(n)->size >= size) {
+            best = n;
+            n = n->left;
+        } else {
+            n = n->right;
+        }
+    }
+    return entry(best);
+}
+
 /* ---- the free-block index ---- */
 
 static void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
 {
     unsigned c = size_class(b->size);
-    avl_tree *t = &sb->bins[c];
-    avl_node *parent = NULL, **link = &t->root;
-    while (*link) {
-        parent = *link;
-        link = before(b, entry(parent)) ? &parent->left : &parent->right;
-    }
-    avl_link(t, &b->pool_node, parent, link);
+    bin_insert(&sb->bins[c], b);
     b->pool_bin = c;
     b->pool_bins = sb;
     mark(sb, c);
@@ -187,8 +350,8 @@ void block_pool_remove(block_pool *p, cache_block *b)
 {
     stream_bins *sb = b->pool_bins;
     unsigned c = b->pool_bin;
-    avl_remove(&sb->bins[c], &b->pool_node);
-    if (!sb->bins[c].root)
+    bin_remove(&sb->bins[c], b);
+    if (!sb->bins[c].count)
         unmark(sb, c);
     sb->count--;
     p->count--;
@@ -198,7 +361,7 @@ void block_pool_remove(block_pool *p, cache_block *b)
 void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size)
 {
     if (size_class(size) == b->pool_bin) {
-        const cache_block *lo = entry(avl_prev(&b->pool_node)), *hi = entry(avl_next(&b->pool_node));
+        const cache_block *lo = bin_prev(b), *hi = bin_next(b);
         if ((!lo || (lo->size != size ? lo->size < size : lo->ptr < ptr)) &&
             (!hi || (size != hi->size ? size < hi->size : ptr < hi->ptr))) {
             b->ptr = ptr;
@@ -214,16 +377,12 @@ void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size)
 
 void block_pool_transplant(cache_block *old, cache_block *b)
 {
-    avl_replace(&old->pool_bins->bins[old->pool_bin], &old->pool_node, &b->pool_node);
+    bin_replace(&old->pool_bins->bins[old->pool_bin], &old->pool_node, &b->pool_node);
     b->pool_bin = old->pool_bin;
     b->pool_bins = old->pool_bins;
     b->in_pool = true;
     old->in_pool = false;
 }
-
-/* The smallest (size, address) of a bin. */
-static cache_block *bin_first(const stream_bins *sb, unsigned c) { return entry(avl_first(&sb->bins[c])); }
-static cache_block *bin_last(const stream_bins *sb, unsigned c) { return entry(avl_last(&sb->bins[c])); }
 
 /* The first block of the stream's bins at or after class c. */
 static cache_block *first_from(const stream_bins *sb, unsigned c)
@@ -248,17 +407,9 @@ cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t
         const stream_bins *sb = p->streams[i];
         unsigned c = size_class(size);
         /* In the request's own class sizes vary (above 32 KiB): the first one big enough. */
-        avl_node *n = sb->bins[c].root, *best = NULL;
-        while (n) {
-            if (entry(n)->size >= size) {
-                best = n;
-                n = n->left;
-            } else {
-                n = n->right;
-            }
-        }
+        cache_block *best = bin_lower_bound(&sb->bins[c], size);
         if (best)
-            return entry(best);
+            return best;
         cache_block *b = first_from(sb, c + 1);
         if (b)
             return b;
@@ -270,9 +421,9 @@ cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t
 cache_block *block_pool_next(const cache_block *b)
 {
     const block_pool *p = b->pool;
-    avl_node *n = avl_next(&b->pool_node);
-    if (n)
-        return entry(n);
+    cache_block *in_bin = bin_next(b);
+    if (in_bin)
+        return in_bin;
     size_t i = stream_index(p, b->stream);
     cache_block *next = first_from(p->streams[i], b->pool_bin + 1);
     return next ? next : first_of_streams(p, i + 1);
@@ -281,9 +432,9 @@ cache_block *block_pool_next(const cache_block *b)
 cache_block *block_pool_prev(const cache_block *b)
 {
     const block_pool *p = b->pool;
-    avl_node *n = avl_prev(&b->pool_node);
-    if (n)
-        return entry(n);
+    cache_block *in_bin = bin_prev(b);
+    if (in_bin)
+        return in_bin;
     size_t i = stream_index(p, b->stream);
     int c = prev_class(p->streams[i], (int)b->pool_bin - 1);
     if (c >= 0)

@@ -4,8 +4,8 @@
  * (stream, size) that still belongs to the stream.
  *
  * Index: per stream, free blocks sit in size-class bins (exact classes below 32 KiB, 16 per
- * power of two above), each bin a small ordered tree of (size, address); a two-level bitmap
- * finds the next non-empty bin at once.  A search touches the request's own bin and at most
+ * power of two above), each bin ordered by (size, address): a sorted list while short, a tree
+ * beyond (block_pool.c).  A two-level bitmap finds the next non-empty bin at once.  A search touches the request's own bin and at most
  * one more, so its cost does not grow with the number of free blocks of other sizes.
  *
  * Invariant: a block is in exactly one pool's index while it is free and mapped
