@@ -124,17 +124,27 @@ static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t in
     return rc;
 }
 
+/* The most pages one segment maps at once: 2^24 (a 128 MiB page table), i.e. 32 TiB of 2 MiB
+ * pages, 320 TiB of 20 MiB pages, 16 PiB of 1 GiB pages.  Beyond that (only a simulated device
+ * is that big) the mapping fails as out of memory instead of the host allocating gigabytes of
+ * page table. */
+#define MAX_SEGMENT_PAGES ((size_t)1 << 24)
+
 /* Makes the page table hold at least `count` entries.  It grows with use, as torch's does: the
  * reserved range is sized for the whole device (for a simulated 1 EiB device too). */
 static bool ensure_handles(expandable_segment *es, size_t count)
 {
     if (count <= es->handle_count)
         return true;
+    if (count > MAX_SEGMENT_PAGES)
+        return false;
     size_t cap = es->handle_count * 2 > count ? es->handle_count * 2 : count;
     if (cap < 16)
         cap = 16;
     if (cap > es->pages)
         cap = es->pages;
+    if (cap > MAX_SEGMENT_PAGES)
+        cap = MAX_SEGMENT_PAGES;
     uint64_t *grown = realloc(es->handles, cap * sizeof *grown);
     if (!grown)
         return false;

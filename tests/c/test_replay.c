@@ -433,6 +433,33 @@ static void test_page_size_1g_uses_the_pool_then_falls_back(void **state)
     npualloc_replay_destroy(r);
 }
 
+/* A simulated device can be huge; one expandable segment maps at most 2^24 pages at once (its page
+ * table stays within 128 MiB of host memory): more is an out-of-memory event, not gigabytes of
+ * host allocation (found by fuzz_replay), and the session goes on. */
+static void test_expandable_page_table_is_bounded(void **state)
+{
+    (void)state;
+    const uint64_t TiB = (uint64_t)1 << 40;
+    static ev list[3];
+    list[0] = (ev){A, 0x1000, 400 * TiB, 0}; /* 20 MiB pages: 20.97 M pages > 2^24 */
+    list[1] = (ev){A, 0x2000, TiB, 0};       /* 52 k pages: fits */
+    list[2] = (ev){F, 0x2000, TiB, 0};
+    npualloc_replay_config cfg;
+    npualloc_replay_config_default(&cfg);
+    cfg.settings = "expandable_segments:True";
+    cfg.device_memory = (uint64_t)1 << 60;
+    npualloc_replay *r = NULL;
+    assert_int_equal(npualloc_replay_create(&cfg, &r, NULL, 0), NPUALLOC_REPLAY_OK);
+    npualloc_replay_result res = run(r, list, N(list), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.ooms, 1);
+    assert_int_equal(res.allocs, 1);
+    assert_int_equal(res.peak_allocated, TiB + 512); /* torch_npu's 32-byte pad, rounded to 512 */
+    npualloc_replay_oom o;
+    assert_true(npualloc_replay_get_oom(r, 0, &o));
+    assert_int_equal(o.event, 0);
+    npualloc_replay_destroy(r);
+}
+
 static void test_expandable_segments_when_available(void **state)
 {
     (void)state;
@@ -563,6 +590,7 @@ int main(void)
         cmocka_unit_test(test_bad_settings_and_config_are_reported),
         cmocka_unit_test(test_memory_fraction_limits_the_session),
         cmocka_unit_test(test_page_size_1g_uses_the_pool_then_falls_back),
+        cmocka_unit_test(test_expandable_page_table_is_bounded),
         cmocka_unit_test(test_expandable_segments_when_available),
         cmocka_unit_test(test_snapshot_has_segments_and_history),
         cmocka_unit_test(test_parallel_sessions_are_independent_and_leave_the_runtime_alone),
