@@ -92,21 +92,43 @@ static bool sim_segment_valid(void *ctx, int32_t device, void *ptr, size_t size)
 
 /* Expandable segments: address space costs nothing; pages are charged while they exist.  A page
  * handle encodes where its bytes came from: serial << 32 | (size / 512) << 1 | from_pool. */
+/* Reservations end below 2^64 - 1 GiB, so next_reserve never wraps around. */
+#define SIM_RESERVE_END (UINTPTR_MAX - GiB + 1)
+
 static aclError sim_reserve(void *ctx, int32_t device, size_t size, uintptr_t *base)
 {
     (void)device;
     sim_device *s = ctx;
+    if (size > SIM_RESERVE_END - SIM_RESERVE_BASE)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    size_t want = round_up(size, GiB);
+    for (size_t i = 0; i < s->released_count; i++) {
+        if (s->released[i].size >= want) {
+            *base = s->released[i].base;
+            s->released[i] = s->released[--s->released_count];
+            return ACL_SUCCESS;
+        }
+    }
+    if (want > SIM_RESERVE_END - s->next_reserve)
+        return ACL_ERROR_RT_MEMORY_ALLOCATION; /* the address space is used up: out of memory */
     *base = s->next_reserve;
-    s->next_reserve += round_up(size, GiB);
+    s->next_reserve += want;
     return ACL_SUCCESS;
 }
 
 static void sim_release(void *ctx, int32_t device, uintptr_t base, size_t size)
 {
-    (void)ctx;
     (void)device;
-    (void)base;
-    (void)size;
+    sim_device *s = ctx;
+    if (s->released_count == s->released_capacity) {
+        size_t cap = s->released_capacity ? 2 * s->released_capacity : 8;
+        struct sim_range *grown = realloc(s->released, cap * sizeof *grown);
+        if (!grown)
+            return; /* out of host memory: the range is not reused */
+        s->released = grown;
+        s->released_capacity = cap;
+    }
+    s->released[s->released_count++] = (struct sim_range){base, round_up(size, GiB)};
 }
 
 static aclError sim_map_page(void *ctx, int32_t device, uintptr_t va, size_t size, bool huge1g, uint64_t *handle)
@@ -393,6 +415,7 @@ void npualloc_replay_destroy(npualloc_replay *r)
     cache_lock_acquire(&r->dc.lock);
     cache_device_release_all(&r->dc);
     cache_lock_release(&r->dc.lock);
+    free(r->sim.released);
     free(r->live.slots);
     free(r->timeline.points);
     free(r->ooms);

@@ -31,6 +31,11 @@ typedef struct sim_device {
     uint64_t huge1g_capacity; /* of which the 1 GiB page pool */
     uint64_t used_paged, used_huge1g;
     uintptr_t next_paged, next_huge1g, next_reserve;
+    /* Address ranges of destroyed expandable segments, reused by the next reservations: a huge
+     * simulated device's segment reserves 1 1/8 of it, and the reserve region (2^62 .. 2^64) holds
+     * only a few such ranges. */
+    struct sim_range { uintptr_t base; size_t size; } *released;
+    size_t released_count, released_capacity;
     uint64_t page_serial;     /* handles of expandable pages */
     uint64_t huge1g_fallbacks;
 } sim_device;

@@ -460,6 +460,36 @@ static void test_expandable_page_table_is_bounded(void **state)
     npualloc_replay_destroy(r);
 }
 
+/* On a 1 EiB simulated device each expandable segment reserves 1 1/8 EiB, and the simulated address
+ * space holds ten: the eleventh stream's segment is an out-of-memory event (the reservations used to
+ * wrap around 2^64 and break the checker; found by fuzz_replay), and a destroyed segment's range is
+ * reused when a retry releases it. */
+static void test_simulated_address_space_runs_out_and_is_reused(void **state)
+{
+    (void)state;
+    static ev list[13];
+    for (int i = 0; i < 11; i++)
+        list[i] = (ev){A, 0x1000 * (uint64_t)(i + 1), 2 * MiB_, (uint64_t)(i + 1)}; /* streams 1 .. 11 */
+    list[11] = (ev){F, 0x1000, 0, 1};                                               /* stream 1's is free */
+    list[12] = (ev){A, 0xc000, 2 * MiB_, 11}; /* the retry releases stream 1's segment, then reuses it */
+    npualloc_replay_config cfg;
+    npualloc_replay_config_default(&cfg);
+    cfg.settings = "expandable_segments:True";
+    cfg.device_memory = (uint64_t)1 << 60;
+    npualloc_replay *r = NULL;
+    assert_int_equal(npualloc_replay_create(&cfg, &r, NULL, 0), NPUALLOC_REPLAY_OK);
+    npualloc_replay_result res = run(r, list, 11, NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.allocs, 10);
+    assert_int_equal(res.ooms, 1);
+    npualloc_replay_oom o;
+    assert_true(npualloc_replay_get_oom(r, 0, &o));
+    assert_int_equal(o.event, 10);
+    res = run(r, list + 11, 2, NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.allocs, 11);
+    assert_int_equal(res.ooms, 1);
+    npualloc_replay_destroy(r);
+}
+
 static void test_expandable_segments_when_available(void **state)
 {
     (void)state;
@@ -591,6 +621,7 @@ int main(void)
         cmocka_unit_test(test_memory_fraction_limits_the_session),
         cmocka_unit_test(test_page_size_1g_uses_the_pool_then_falls_back),
         cmocka_unit_test(test_expandable_page_table_is_bounded),
+        cmocka_unit_test(test_simulated_address_space_runs_out_and_is_reused),
         cmocka_unit_test(test_expandable_segments_when_available),
         cmocka_unit_test(test_snapshot_has_segments_and_history),
         cmocka_unit_test(test_parallel_sessions_are_independent_and_leave_the_runtime_alone),
