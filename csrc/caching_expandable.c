@@ -124,11 +124,11 @@ static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t in
     return rc;
 }
 
-/* The most pages one segment maps at once: 2^24 (a 128 MiB page table), i.e. 32 TiB of 2 MiB
- * pages, 320 TiB of 20 MiB pages, 16 PiB of 1 GiB pages.  Beyond that (only a simulated device
- * is that big) the mapping fails as out of memory instead of the host allocating gigabytes of
- * page table. */
-#define MAX_SEGMENT_PAGES ((size_t)1 << 24)
+/* The most pages one segment maps at once: 2^20 (an 8 MiB page table), i.e. 2 TiB of 2 MiB pages,
+ * 20 TiB of 20 MiB pages, 1 PiB of 1 GiB pages.  Beyond that (only a simulated device is that
+ * big) the mapping fails as out of memory instead of the host allocating gigabytes of page table
+ * and mapping millions of pages one by one. */
+#define MAX_SEGMENT_PAGES ((size_t)1 << 20)
 
 /* Makes the page table hold at least `count` entries.  It grows with use, as torch's does: the
  * reserved range is sized for the whole device (for a simulated 1 EiB device too). */

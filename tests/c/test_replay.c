@@ -433,15 +433,15 @@ static void test_page_size_1g_uses_the_pool_then_falls_back(void **state)
     npualloc_replay_destroy(r);
 }
 
-/* A simulated device can be huge; one expandable segment maps at most 2^24 pages at once (its page
- * table stays within 128 MiB of host memory): more is an out-of-memory event, not gigabytes of
+/* A simulated device can be huge; one expandable segment maps at most 2^20 pages at once (its page
+ * table stays within 8 MiB of host memory): more is an out-of-memory event, not gigabytes of
  * host allocation (found by fuzz_replay), and the session goes on. */
 static void test_expandable_page_table_is_bounded(void **state)
 {
     (void)state;
     const uint64_t TiB = (uint64_t)1 << 40;
     static ev list[3];
-    list[0] = (ev){A, 0x1000, 400 * TiB, 0}; /* 20 MiB pages: 20.97 M pages > 2^24 */
+    list[0] = (ev){A, 0x1000, 400 * TiB, 0}; /* 20 MiB pages: 20.97 M pages > 2^20 */
     list[1] = (ev){A, 0x2000, TiB, 0};       /* 52 k pages: fits */
     list[2] = (ev){F, 0x2000, TiB, 0};
     npualloc_replay_config cfg;
