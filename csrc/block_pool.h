@@ -5,8 +5,9 @@
  *
  * Index: per stream, free blocks sit in size-class bins (exact classes below 32 KiB, 16 per
  * power of two above), each bin ordered by (size, address): a sorted list while short, a tree
- * beyond (block_pool.c).  A two-level bitmap finds the next non-empty bin at once.  A search touches the request's own bin and at most
- * one more, so its cost does not grow with the number of free blocks of other sizes.
+ * beyond (block_pool.c).  A two-level bitmap finds the next non-empty bin at once.  A search
+ * touches the request's own bin and at most one more, so its cost does not grow with the number
+ * of free blocks of other sizes.
  *
  * Invariant: a block is in exactly one pool's index while it is free and mapped
  * (block->in_pool), in the pool's unmapped set while it is unmapped address space of an

@@ -90,16 +90,16 @@ static bool sim_segment_valid(void *ctx, int32_t device, void *ptr, size_t size)
     return p >= SIM_PAGED_BASE && p + size <= s->next_paged;
 }
 
-/* Expandable segments: address space costs nothing; pages are charged while they exist.  A page
- * handle encodes where its bytes came from: serial << 32 | (size / 512) << 1 | from_pool. */
 /* Reservations end below 2^64 - 1 GiB, so next_reserve never wraps around. */
 #define SIM_RESERVE_END (UINTPTR_MAX - GiB + 1)
 
+/* Expandable segments: address space costs nothing; pages are charged while they exist.  A page
+ * handle encodes where its bytes came from: serial << 32 | (size / 512) << 1 | from_pool. */
 static aclError sim_reserve(void *ctx, int32_t device, size_t size, uintptr_t *base)
 {
     (void)device;
     sim_device *s = ctx;
-    if (size > SIM_RESERVE_END - SIM_RESERVE_BASE)
+    if (size > SIM_RESERVE_END - SIM_RESERVE_BASE) /* never fits; also keeps round_up from overflowing */
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     size_t want = round_up(size, GiB);
     for (size_t i = 0; i < s->released_count; i++) {

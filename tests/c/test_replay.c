@@ -444,12 +444,7 @@ static void test_expandable_page_table_is_bounded(void **state)
     list[0] = (ev){A, 0x1000, 400 * TiB, 0}; /* 20 MiB pages: 20.97 M pages > 2^20 */
     list[1] = (ev){A, 0x2000, TiB, 0};       /* 52 k pages: fits */
     list[2] = (ev){F, 0x2000, TiB, 0};
-    npualloc_replay_config cfg;
-    npualloc_replay_config_default(&cfg);
-    cfg.settings = "expandable_segments:True";
-    cfg.device_memory = (uint64_t)1 << 60;
-    npualloc_replay *r = NULL;
-    assert_int_equal(npualloc_replay_create(&cfg, &r, NULL, 0), NPUALLOC_REPLAY_OK);
+    npualloc_replay *r = session("expandable_segments:True", (uint64_t)1 << 60, NPUALLOC_REPLAY_PAD_NPU, false);
     npualloc_replay_result res = run(r, list, N(list), NPUALLOC_REPLAY_OK);
     assert_int_equal(res.ooms, 1);
     assert_int_equal(res.allocs, 1);
@@ -472,12 +467,7 @@ static void test_simulated_address_space_runs_out_and_is_reused(void **state)
         list[i] = (ev){A, 0x1000 * (uint64_t)(i + 1), 2 * MiB_, (uint64_t)(i + 1)}; /* streams 1 .. 11 */
     list[11] = (ev){F, 0x1000, 0, 1};                                               /* stream 1's is free */
     list[12] = (ev){A, 0xc000, 2 * MiB_, 11}; /* the retry releases stream 1's segment, then reuses it */
-    npualloc_replay_config cfg;
-    npualloc_replay_config_default(&cfg);
-    cfg.settings = "expandable_segments:True";
-    cfg.device_memory = (uint64_t)1 << 60;
-    npualloc_replay *r = NULL;
-    assert_int_equal(npualloc_replay_create(&cfg, &r, NULL, 0), NPUALLOC_REPLAY_OK);
+    npualloc_replay *r = session("expandable_segments:True", (uint64_t)1 << 60, NPUALLOC_REPLAY_PAD_NPU, false);
     npualloc_replay_result res = run(r, list, 11, NPUALLOC_REPLAY_OK);
     assert_int_equal(res.allocs, 10);
     assert_int_equal(res.ooms, 1);
