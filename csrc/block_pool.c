@@ -210,45 +210,56 @@ static void bin_to_list(size_bin *bin)
     bin->is_tree = false;
 }
 
-static void bin_insert(size_bin *bin, cache_block *b)
+/* The tree halves of the bin operations stay out of line: inlined, their register needs would
+ * make every list operation (nearly all of them) save and restore registers too. */
+static __attribute__((noinline)) void bin_tree_insert(size_bin *bin, cache_block *b)
 {
-    avl_node *node = &b->pool_node;
-    if (!bin->is_tree && bin->count == LIST_MAX)
-        bin_to_tree(bin);
-    if (bin->is_tree) {
-        avl_node *parent = NULL, **link = &bin->tree.root;
-        while (*link) {
-            parent = *link;
-            link = before(b, entry(parent)) ? &parent->left : &parent->right;
-        }
-        avl_link(&bin->tree, node, parent, link);
-    } else {
-        avl_node *prev = NULL, *next = bin->first;
-        while (next && before(entry(next), b)) {
-            prev = next;
-            next = next->right;
-        }
-        node->left = prev;
-        node->right = next;
-        node->parent = NULL;
-        if (prev)
-            prev->right = node;
-        else
-            bin->first = node;
-        if (next)
-            next->left = node;
+    avl_node *parent = NULL, **link = &bin->tree.root;
+    while (*link) {
+        parent = *link;
+        link = before(b, entry(parent)) ? &parent->left : &parent->right;
     }
-    bin->count++;
+    avl_link(&bin->tree, &b->pool_node, parent, link);
 }
 
-static void bin_remove(size_bin *bin, cache_block *b)
+static __attribute__((noinline)) void bin_tree_remove(size_bin *bin, cache_block *b)
+{
+    avl_remove(&bin->tree, &b->pool_node);
+    if (bin->count == LIST_MIN)
+        bin_to_list(bin);
+}
+
+static inline void bin_insert(size_bin *bin, cache_block *b)
+{
+    if (unlikely(!bin->is_tree && bin->count == LIST_MAX))
+        bin_to_tree(bin);
+    bin->count++;
+    if (bin->is_tree) {
+        bin_tree_insert(bin, b);
+        return;
+    }
+    avl_node *node = &b->pool_node, *prev = NULL, *next = bin->first;
+    while (next && before(entry(next), b)) {
+        prev = next;
+        next = next->right;
+    }
+    node->left = prev;
+    node->right = next;
+    node->parent = NULL;
+    if (prev)
+        prev->right = node;
+    else
+        bin->first = node;
+    if (next)
+        next->left = node;
+}
+
+static inline void bin_remove(size_bin *bin, cache_block *b)
 {
     avl_node *node = &b->pool_node;
     bin->count--;
     if (bin->is_tree) {
-        avl_remove(&bin->tree, node);
-        if (bin->count == LIST_MIN)
-            bin_to_list(bin);
+        bin_tree_remove(bin, b);
         return;
     }
     if (node->left)
@@ -329,7 +340,7 @@ static cache_block *bin_lower_bound(const size_bin *bin, size_t size)
 
 /* ---- the free-block index ---- */
 
-static void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
+static inline void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
 {
     unsigned c = size_class(b->size);
     bin_insert(&sb->bins[c], b);
