@@ -354,7 +354,10 @@ static inline void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
 
 void block_pool_insert(block_pool *p, cache_block *b)
 {
-    insert_into(p, bins_of(p, b->stream), b); /* prepared by the allocation that made the block */
+    /* A block keeps pool_bins after leaving the index, and never changes pool or stream: a block
+     * that was indexed before needs no lookup.  A new one's bins were prepared by the allocation
+     * that made it. */
+    insert_into(p, b->pool_bins ? b->pool_bins : bins_of(p, b->stream), b);
 }
 
 void block_pool_remove(block_pool *p, cache_block *b)
@@ -413,7 +416,8 @@ static cache_block *first_of_streams(const block_pool *p, size_t i)
 
 cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t size)
 {
-    size_t i = stream_index(p, stream);
+    /* Nearly always one or two streams: check the first before searching. */
+    size_t i = p->stream_count && p->streams[0]->stream == stream ? 0 : stream_index(p, stream);
     if (i < p->stream_count && p->streams[i]->stream == stream) {
         const stream_bins *sb = p->streams[i];
         unsigned c = size_class(size);

@@ -44,6 +44,7 @@ void block_pool_destroy(block_pool *p);
  * of memory.  Every block of a stream enters the pool after an allocation on that stream. */
 int block_pool_prepare(block_pool *p, uint64_t stream);
 
+/* A block keeps its pool and stream for life (cache_block_new hands out zeroed structs). */
 void block_pool_insert(block_pool *p, cache_block *b);
 void block_pool_remove(block_pool *p, cache_block *b);
 /* Gives an indexed block a new (ptr, size), keeping its place when the order allows (a split

@@ -47,7 +47,7 @@ typedef struct expandable_segment expandable_segment;
 struct cache_block {
     avl_node pool_node;       /* in pool->blocks while free and mapped, in pool->unmapped while unmapped */
     uint32_t pool_bin;        /* the size-class bin holding it while in_pool (block_pool.c) */
-    stream_bins *pool_bins;   /* and its stream's bins: removal needs no stream lookup */
+    stream_bins *pool_bins;   /* and its stream's bins (kept when it leaves): no stream lookups */
     cache_block *prev, *next; /* neighbours in the segment, address order */
     block_pool *pool;
     uint64_t stream;          /* stream handle the block belongs to (0 = default stream) */

@@ -118,7 +118,10 @@ static void test_index_matches_a_sorted_model(void **state)
         unsigned action = next_random(&m) % 10;
         if (!b->in_pool) {
             if (action < (filling ? 8u : 3u)) {
-                b->stream = next_random(&m) % STREAMS;
+                uint64_t stream = next_random(&m) % STREAMS;
+                if (stream != b->stream)
+                    b->pool_bins = NULL; /* a block never changes stream: this is a new one */
+                b->stream = stream;
                 b->size = random_size(&m);
                 b->ptr = random_ptr(&m, i);
                 block_pool_insert(&m.pool, b);
