@@ -29,8 +29,8 @@
  *
  * List mode: `first` is the smallest block's node; in each node, `right` is the next block's
  * node and `left` the previous one's (`parent` unused).  Tree mode: `tree` (`first` unused). */
-#define LIST_MAX 16
-#define LIST_MIN 8
+#define LIST_MAX 32
+#define LIST_MIN 12
 
 typedef struct size_bin {
     avl_node *first;
