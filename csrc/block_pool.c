@@ -352,7 +352,10 @@ static inline void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
     b->in_pool = true;
 }
 
-void block_pool_insert(block_pool *p, cache_block *b)
+/* The four operations of a cache hit (insert, remove, rekey, lower_bound) are ALWAYS_INLINE:
+ * external functions still, but a link-time-optimised build (the extension, the benchmarks)
+ * inlines them into the allocator instead of calling them. */
+ALWAYS_INLINE void block_pool_insert(block_pool *p, cache_block *b)
 {
     /* A block keeps pool_bins after leaving the index, and never changes pool or stream: a block
      * that was indexed before needs no lookup.  A new one's bins were prepared by the allocation
@@ -360,7 +363,7 @@ void block_pool_insert(block_pool *p, cache_block *b)
     insert_into(p, b->pool_bins ? b->pool_bins : bins_of(p, b->stream), b);
 }
 
-void block_pool_remove(block_pool *p, cache_block *b)
+ALWAYS_INLINE void block_pool_remove(block_pool *p, cache_block *b)
 {
     stream_bins *sb = b->pool_bins;
     unsigned c = b->pool_bin;
@@ -372,7 +375,7 @@ void block_pool_remove(block_pool *p, cache_block *b)
     b->in_pool = false;
 }
 
-void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size)
+ALWAYS_INLINE void block_pool_rekey(block_pool *p, cache_block *b, uintptr_t ptr, size_t size)
 {
     if (size_class(size) == b->pool_bin) {
         const cache_block *lo = bin_prev(b), *hi = bin_next(b);
@@ -414,7 +417,7 @@ static cache_block *first_of_streams(const block_pool *p, size_t i)
     return NULL;
 }
 
-cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t size)
+ALWAYS_INLINE cache_block *block_pool_lower_bound(const block_pool *p, uint64_t stream, size_t size)
 {
     /* Nearly always one or two streams: check the first before searching. */
     size_t i = p->stream_count && p->streams[0]->stream == stream ? 0 : stream_index(p, stream);

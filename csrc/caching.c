@@ -307,12 +307,8 @@ static void insert_deferred_events(device_cache *dc)
 }
 
 /* Completes the frees whose events have passed, per stream in FIFO order. */
-static void process_events(device_cache *dc)
+static void complete_passed_events(device_cache *dc)
 {
-    if (unlikely(dc->deferred_count))
-        insert_deferred_events(dc);
-    if (likely(dc->pending_events == 0))
-        return;
     for (size_t i = 0; i < dc->queue_count; i++) {
         event_queue *q = &dc->queues[i];
         while (q->head && stream_passed(q->head->stream, q->head->position)) {
@@ -328,6 +324,15 @@ static void process_events(device_cache *dc)
                 free_block(dc, b);
         }
     }
+}
+
+/* Inline: on nearly every allocation there is nothing to do. */
+static inline void process_events(device_cache *dc)
+{
+    if (unlikely(dc->deferred_count))
+        insert_deferred_events(dc);
+    if (unlikely(dc->pending_events))
+        complete_passed_events(dc);
 }
 
 /* Waits for every outstanding event and completes the frees (torch's synchronize_and_free_events). */
@@ -361,7 +366,7 @@ static size_t expandable_size(const cache_block *b)
     return b->size + (b->next && !b->next->mapped ? b->next->size : 0);
 }
 
-static bool get_free_block(device_cache *dc, alloc_params *p)
+static ALWAYS_INLINE bool get_free_block(device_cache *dc, alloc_params *p)
 {
     block_pool *pool = p->pool;
     if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)
@@ -708,7 +713,7 @@ static inline void align_block_start(device_cache *dc, alloc_params *p)
         align_block_start_slow(dc, p);
 }
 
-static aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig_size, void **out)
+static ALWAYS_INLINE aclError alloc_found_block(device_cache *dc, alloc_params *p, size_t orig_size, void **out)
 {
     cache_block *b = p->block;
     block_pool *pool = p->pool;
@@ -817,8 +822,9 @@ static size_t merge_into(device_cache *dc, cache_block *dst, cache_block *src, b
 
 size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src) { return merge_into(dc, dst, src, false); }
 
-/* Completes a free: merges with free neighbours and caches the result. */
-static void free_block(device_cache *dc, cache_block *b)
+/* Completes a free: merges with free neighbours and caches the result.  Inline into the user's
+ * free (cache_free_locked); the other callers (events, pins) use free_block. */
+static ALWAYS_INLINE void complete_free(device_cache *dc, cache_block *b)
 {
     cache_history_record_ctx(dc, TRACE_FREE_COMPLETED, b->ptr, b->requested_size, b->stream, b->ctx);
     size_t original_size = b->size, requested = b->requested_size;
@@ -852,6 +858,8 @@ static void free_block(device_cache *dc, cache_block *b)
     cache_stat_dec(dc->stats.active_bytes, pool, (int64_t)original_size);
     cache_stat_dec(dc->stats.requested_bytes, pool, (int64_t)requested);
 }
+
+static void free_block(device_cache *dc, cache_block *b) { complete_free(dc, b); }
 
 /* ---- sharing pin (see caching.h) ---- */
 
@@ -907,7 +915,7 @@ void cache_free_locked(device_cache *dc, cache_block *b)
     } else if (b->use_count > 0) {
         insert_events(dc, b);
     } else if (b->event_count == 0) { /* non-zero: held by a sharing pin */
-        free_block(dc, b);
+        complete_free(dc, b);
     }
 }
 
@@ -989,16 +997,16 @@ static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, 
 }
 
 /* The first steps of every allocation: completed frees are taken in, the size rounded, the pool
- * chosen. */
-static void begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
+ * chosen.  A new segment's size is worked out only on a miss (cache_malloc_locked). */
+static inline void begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
 {
     if (likely(dc->route_count == 0)) /* no events are processed while a capture is underway */
         process_events(dc);
-    memset(p, 0, sizeof *p);
     p->size = cache_round_size(dc->settings, dc->pad, orig_size);
     p->stream = stream;
     p->pool = get_pool(dc, p->size, stream);
-    p->alloc_size = allocation_size(dc->settings, p->size, p->pool->is_small);
+    p->alloc_size = 0;
+    p->block = NULL;
     p->err = ACL_SUCCESS;
 }
 
@@ -1019,6 +1027,7 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
     begin_malloc(dc, orig_size, stream, &p);
     bool found = get_free_block(dc, &p);
     if (!found) {
+        p.alloc_size = allocation_size(dc->settings, p.size, p.pool->is_small);
         /* A new block of the stream is about to be made: its index must be ready, so that putting
          * the block in the pool later cannot fail.  A hit needs no check: the block found proves
          * the stream's index exists. */
