@@ -33,6 +33,10 @@ static struct {
     _Atomic uintptr_t base; /* read without the lock by va_contains / va_device_of */
     _Atomic size_t size;
     _Atomic size_t slice_size;
+    /* va_device_of divides by the slice size on every pointer lookup (each free): a multiply by
+     * ceil(2^64 / slice units) instead of a 64-bit division (tens of cycles); 0 before the window
+     * exists or when a slice is one unit (then the division). */
+    _Atomic uint64_t slice_reciprocal;
     int slice_count;
     va_slice slices[NPU_MAX_DEVICES];
 } va = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -123,6 +127,8 @@ static int ensure_window(void)
     }
     va.slice_count = slices;
     atomic_store(&va.slice_size, slice);
+    size_t units = slice / VA_UNIT;
+    atomic_store(&va.slice_reciprocal, units > 1 ? UINT64_MAX / units + 1 : 0);
     atomic_store(&va.size, slice * (size_t)slices);
     atomic_store(&va.base, (uintptr_t)base);
     return 0;
@@ -134,7 +140,16 @@ int32_t va_device_of(uintptr_t a)
     size_t size = atomic_load(&va.size);
     if (a - base >= size)
         return -1;
-    return (int32_t)((a - base) / atomic_load(&va.slice_size));
+    uint64_t reciprocal = atomic_load_explicit(&va.slice_reciprocal, memory_order_relaxed);
+    if (unlikely(!reciprocal)) {
+        size_t slice = atomic_load(&va.slice_size);
+        return slice ? (int32_t)((a - base) / slice) : -1; /* 0: the window is going away */
+    }
+    /* Exact: with x = offset / VA_UNIT and d slice units, x * d < 2^64 (both below 2^27: the
+     * window lies in the 47-bit user address space), so
+     * floor(x * ceil(2^64 / d) / 2^64) = floor(x / d), and the base and slices are VA_UNIT-aligned. */
+    uint64_t x = (uint64_t)(a - base) / VA_UNIT;
+    return (int32_t)(((unsigned __int128)x * reciprocal) >> 64);
 }
 
 /* Carves [start, start + size) out of free range r of slice sl (lock held). */
@@ -274,6 +289,7 @@ static void forget_ranges(void)
     atomic_store(&va.base, 0);
     atomic_store(&va.size, 0);
     atomic_store(&va.slice_size, 0);
+    atomic_store(&va.slice_reciprocal, 0);
 }
 
 void va_atfork_prepare(void) { pthread_mutex_lock(&va.lock); }

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "testutil.h"
+#include "va_space.h"
 
 static aclrtDrvMemHandle phys(size_t size)
 {
@@ -396,6 +397,46 @@ static void test_tens_of_thousands_of_live_handles(void **state)
     assert_int_equal(c.fds_kept, 0);
 }
 
+/* va_device_of (every free looks the device up with it) against the plain division, for slices
+ * that are not a power of two: every slice edge, the window's ends and random addresses. */
+static void check_device_of_window(int devices)
+{
+    start_runtime(devices, GiB_, GiB_, 0, 0);
+    void *p = NULL;
+    assert_int_equal(aclrtMalloc(&p, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS); /* the window exists */
+    uintptr_t base = 0;
+    size_t size = 0;
+    va_window(&base, &size);
+    assert_true(size > 0);
+    size_t slice = size / (size_t)devices;
+    assert_int_equal(slice % VA_UNIT, 0);
+    assert_int_equal(va_device_of(base - 1), -1);
+    assert_int_equal(va_device_of(base + size), -1);
+    for (int d = 0; d < devices; d++) {
+        uintptr_t start = base + (size_t)d * slice;
+        assert_int_equal(va_device_of(start), d);
+        assert_int_equal(va_device_of(start + slice - 1), d);
+        assert_int_equal(va_device_of(start + slice / 2), d);
+    }
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < 100000; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        uintptr_t a = base + (uintptr_t)(x % size);
+        assert_int_equal(va_device_of(a), (int32_t)((a - base) / slice));
+    }
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+}
+
+static void test_device_of_an_address_matches_the_division(void **state)
+{
+    (void)state;
+    check_device_of_window(3);
+    check_device_of_window(7);
+    check_device_of_window(1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -410,6 +451,7 @@ int main(void)
         cmocka_unit_test_teardown(test_fork_child_starts_with_fresh_devices, stop_runtime),
         cmocka_unit_test_teardown(test_eight_threads_hammer_map_and_unmap, stop_runtime),
         cmocka_unit_test_teardown(test_tens_of_thousands_of_live_handles, stop_runtime),
+        cmocka_unit_test_teardown(test_device_of_an_address_matches_the_division, stop_runtime),
     };
     return cmocka_run_group_tests_name("vmm", tests, NULL, NULL);
 }
