@@ -1,7 +1,7 @@
 /*
  * bench_hotpath.c - the caching allocator's hot path next to the host allocators.
  *
- *   bench_hotpath [EVENTS_FILE] [--json] [--only ALLOCATOR]
+ *   bench_hotpath [EVENTS_FILE] [--json] [--only ALLOCATOR] [--trace-only]
  *
  * 1. Trace: the alloc/free stream of a recorded PyTorch run (EVENTS_FILE, written by
  *    `python -m npualloc replay TRACE --export-events FILE`), sizes and order kept, on one
@@ -11,7 +11,8 @@
  * Each workload runs through npualloc's C caching allocator and, in the same process and run,
  * through glibc malloc, jemalloc and mimalloc (loaded with dlopen when installed).  Nobody
  * touches the memory: this measures the allocators' bookkeeping only.  Prints ns per
- * alloc+free pair (median of 5 passes) and the ratio to each peer.  --only runs one allocator
+ * alloc+free pair (median of 5 passes) and the ratio to each peer.  --trace-only skips the
+ * synthetic workload.  --only runs one allocator
  * (npualloc, glibc, jemalloc or mimalloc), for profiling it alone.
  */
 #include <dlfcn.h>
@@ -225,11 +226,14 @@ static int load_peer(allocator *a, const char *name, const char *lib, const char
 int main(int argc, char **argv)
 {
     const char *events = NULL, *only = NULL;
+    int trace_only = 0;
     int json = 0;
     saved_argv = argv;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0)
             json = 1;
+        else if (strcmp(argv[i], "--trace-only") == 0)
+            trace_only = 1;
         else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc)
             only = argv[++i];
         else
@@ -272,9 +276,11 @@ int main(int argc, char **argv)
     } else if (events) {
         fprintf(stderr, "bench_hotpath: cannot read %s (skipping the trace workload)\n", events);
     }
-    synthetic(&loads[nloads]);
-    loads[nloads].name = "synthetic-small";
-    nloads++;
+    if (!trace_only) {
+        synthetic(&loads[nloads]);
+        loads[nloads].name = "synthetic-small";
+        nloads++;
+    }
 
     if (!json)
         printf("%-16s %-10s %12s %12s\n", "workload", "allocator", "ns/pair", "npualloc/x");
