@@ -769,7 +769,7 @@ static ALWAYS_INLINE aclError alloc_found_block(device_cache *dc, alloc_params *
             cache_stat_dec(dc->stats.inactive_split, pool, 1);
         }
     }
-    ptr_map_put(&dc->allocated_blocks, b->ptr, b); /* cannot fail: capacity reserved above */
+    ptr_map_put_reserved(&dc->allocated_blocks, b->ptr, b);
     b->allocated = true;
     b->requested_size = orig_size;
     if (dc->record_context >= NPUALLOC_RECORD_STATE) {
@@ -789,12 +789,17 @@ static ALWAYS_INLINE aclError alloc_found_block(device_cache *dc, alloc_params *
     return ACL_SUCCESS;
 }
 
-/* Merges src into dst when it can; with take_place, dst (not indexed) also takes src's place in
- * the pool's index, saving a removal and an insertion (free_block re-keys it afterwards). */
+/* Can free block dst absorb its neighbour src (free too, no events or uses pending)? */
+static inline bool can_merge(const cache_block *dst, const cache_block *src)
+{
+    return src && !src->allocated && src->event_count <= 0 && src->use_count == 0 && src->mapped == dst->mapped;
+}
+
+/* Merges src into dst (can_merge holds; out of line, as most frees merge nothing) and returns the
+ * bytes taken over.  With take_place, dst (not indexed) also takes src's place in the pool's
+ * index, saving a removal and an insertion (complete_free re-keys it afterwards). */
 static size_t merge_into(device_cache *dc, cache_block *dst, cache_block *src, bool take_place)
 {
-    if (!src || src->allocated || src->event_count > 0 || src->use_count > 0 || src->mapped != dst->mapped)
-        return 0;
     if (take_place && src->in_pool)
         block_pool_transplant(src, dst);
     if (dst->prev == src) {
@@ -820,7 +825,10 @@ static size_t merge_into(device_cache *dc, cache_block *dst, cache_block *src, b
     return subsumed;
 }
 
-size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src) { return merge_into(dc, dst, src, false); }
+size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src)
+{
+    return can_merge(dst, src) ? merge_into(dc, dst, src, false) : 0;
+}
 
 /* Completes a free: merges with free neighbours and caches the result.  Inline into the user's
  * free (cache_free_locked); the other callers (events, pins) use free_block. */
@@ -834,10 +842,9 @@ static ALWAYS_INLINE void complete_free(device_cache *dc, cache_block *b)
     b->ctx = NULL;
     cache_block *neighbours[2] = {b->prev, b->next};
     for (int i = 0; i < 2; i++) {
-        size_t subsumed = merge_into(dc, b, neighbours[i], !b->in_pool);
-        if (subsumed) {
+        if (can_merge(b, neighbours[i])) {
             net_splits--;
-            net_split_bytes -= (int64_t)subsumed;
+            net_split_bytes -= (int64_t)merge_into(dc, b, neighbours[i], !b->in_pool);
         }
     }
     if (b->in_pool) { /* took a merged neighbour's place: mostly the right one already */

@@ -3,13 +3,6 @@
 
 #include <stdlib.h>
 
-static inline size_t slot_of(const ptr_map *m, uintptr_t key)
-{
-    /* Blocks are 512-byte aligned: mix the bits so neighbours spread out. */
-    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ull;
-    return (size_t)(h >> 17) & m->mask;
-}
-
 static int grow(ptr_map *m)
 {
     size_t cap = m->mask ? (m->mask + 1) * 2 : 64;
@@ -23,7 +16,7 @@ static int grow(ptr_map *m)
         for (size_t i = 0; i <= old.mask; i++) {
             if (!old.slots[i].key)
                 continue;
-            size_t j = slot_of(m, old.slots[i].key);
+            size_t j = ptr_map_slot(m, old.slots[i].key);
             while (m->slots[j].key)
                 j = (j + 1) & m->mask;
             m->slots[j] = old.slots[i];
@@ -45,13 +38,7 @@ int ptr_map_put(ptr_map *m, uintptr_t key, void *value)
 {
     if (ptr_map_reserve(m, 1) != 0)
         return -1;
-    size_t i = slot_of(m, key);
-    while (m->slots[i].key && m->slots[i].key != key)
-        i = (i + 1) & m->mask;
-    if (!m->slots[i].key)
-        m->count++;
-    m->slots[i].key = key;
-    m->slots[i].value = value;
+    ptr_map_put_reserved(m, key, value);
     return 0;
 }
 
@@ -59,7 +46,7 @@ void *ptr_map_get(const ptr_map *m, uintptr_t key)
 {
     if (!m->count || !key)
         return NULL;
-    for (size_t i = slot_of(m, key);; i = (i + 1) & m->mask) {
+    for (size_t i = ptr_map_slot(m, key);; i = (i + 1) & m->mask) {
         if (m->slots[i].key == key)
             return m->slots[i].value;
         if (!m->slots[i].key)
@@ -71,7 +58,7 @@ void *ptr_map_remove(ptr_map *m, uintptr_t key)
 {
     if (!m->count || !key)
         return NULL;
-    size_t i = slot_of(m, key);
+    size_t i = ptr_map_slot(m, key);
     while (m->slots[i].key != key) {
         if (!m->slots[i].key)
             return NULL;
@@ -81,7 +68,7 @@ void *ptr_map_remove(ptr_map *m, uintptr_t key)
     /* Backward shift: pull later entries of the same probe run into the hole. */
     size_t hole = i;
     for (size_t j = (i + 1) & m->mask; m->slots[j].key; j = (j + 1) & m->mask) {
-        size_t home = slot_of(m, m->slots[j].key);
+        size_t home = ptr_map_slot(m, m->slots[j].key);
         /* Move j into the hole unless its home lies cyclically in (hole, j]. */
         if (((j - home) & m->mask) >= ((j - hole) & m->mask)) {
             m->slots[hole] = m->slots[j];

@@ -30,6 +30,26 @@ static inline int ptr_map_reserve(ptr_map *m, size_t extra)
         return 0;
     return ptr_map_grow_for(m, extra);
 }
+static inline size_t ptr_map_slot(const ptr_map *m, uintptr_t key)
+{
+    /* Blocks are 512-byte aligned: mix the bits so neighbours spread out. */
+    uint64_t h = (uint64_t)key * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h >> 17) & m->mask;
+}
+
+/* ptr_map_put after a successful ptr_map_reserve: cannot fail (inline for the allocator's hot
+ * path, which reserves before it changes anything). */
+static inline void ptr_map_put_reserved(ptr_map *m, uintptr_t key, void *value)
+{
+    size_t i = ptr_map_slot(m, key);
+    while (m->slots[i].key && m->slots[i].key != key)
+        i = (i + 1) & m->mask;
+    if (!m->slots[i].key)
+        m->count++;
+    m->slots[i].key = key;
+    m->slots[i].value = value;
+}
+
 /* Returns 0, or -1 when out of memory (the map is unchanged). */
 int ptr_map_put(ptr_map *m, uintptr_t key, void *value);
 void *ptr_map_get(const ptr_map *m, uintptr_t key);
