@@ -48,26 +48,33 @@ void cache_stats_reset_peak(npualloc_stats *stats)
 
 #define BLOCKS_PER_CHUNK 64
 
-cache_block *cache_block_new(device_cache *dc)
+/* Adds a chunk of spare block structs; false when out of host memory. */
+static bool add_spare_blocks(device_cache *dc)
 {
-    if (!dc->spare_blocks) {
-        if (dc->chunk_count == dc->chunk_capacity) {
-            size_t cap = dc->chunk_capacity ? dc->chunk_capacity * 2 : 16;
-            void **chunks = realloc(dc->chunks, cap * sizeof *chunks);
-            if (!chunks)
-                return NULL;
-            dc->chunks = chunks;
-            dc->chunk_capacity = cap;
-        }
-        cache_block *chunk = calloc(BLOCKS_PER_CHUNK, sizeof *chunk);
-        if (!chunk)
-            return NULL;
-        dc->chunks[dc->chunk_count++] = chunk;
-        for (int i = 0; i < BLOCKS_PER_CHUNK; i++) {
-            chunk[i].free_link = dc->spare_blocks;
-            dc->spare_blocks = &chunk[i];
-        }
+    if (dc->chunk_count == dc->chunk_capacity) {
+        size_t cap = dc->chunk_capacity ? dc->chunk_capacity * 2 : 16;
+        void **chunks = realloc(dc->chunks, cap * sizeof *chunks);
+        if (!chunks)
+            return false;
+        dc->chunks = chunks;
+        dc->chunk_capacity = cap;
     }
+    cache_block *chunk = calloc(BLOCKS_PER_CHUNK, sizeof *chunk);
+    if (!chunk)
+        return false;
+    dc->chunks[dc->chunk_count++] = chunk;
+    for (int i = 0; i < BLOCKS_PER_CHUNK; i++) {
+        chunk[i].free_link = dc->spare_blocks;
+        dc->spare_blocks = &chunk[i];
+    }
+    return true;
+}
+
+/* ALWAYS_INLINE (an external function still): every split takes one. */
+ALWAYS_INLINE cache_block *cache_block_new(device_cache *dc)
+{
+    if (unlikely(!dc->spare_blocks) && !add_spare_blocks(dc))
+        return NULL;
     cache_block *b = dc->spare_blocks;
     dc->spare_blocks = b->free_link;
     memset(b, 0, sizeof *b);
@@ -90,7 +97,8 @@ static inline bool block_is_split(const cache_block *b) { return b->prev || b->n
 
 static inline int64_t block_age(const cache_block *b) { return (int64_t)(b->pool->search_count - b->gc_base); }
 
-void cache_pool_insert(cache_block *b)
+/* ALWAYS_INLINE (an external function still): every free ends here. */
+ALWAYS_INLINE void cache_pool_insert(cache_block *b)
 {
     b->gc_base = b->pool->search_count;
     block_pool_insert(b->pool, b);
