@@ -1,7 +1,9 @@
 /*
  * ptr_map.h - a hash table from device pointers to blocks (open addressing, linear probing,
  * backward-shift deletion).  Lookups and removals never allocate; an insertion allocates only
- * when the table grows past half full, so steady-state allocation makes no heap calls.
+ * when the table grows past a quarter full, so steady-state allocation makes no heap calls.
+ * Why a quarter: probe runs stay short (the recorded trace's pair: 118 -> 110 ns against half
+ * full), for 64 bytes of table per live block instead of 32.
  * Key 0 marks an empty slot (a device pointer is never 0).
  */
 #ifndef NPUALLOC_PTR_MAP_H
@@ -26,7 +28,7 @@ typedef struct ptr_map {
 int ptr_map_grow_for(ptr_map *m, size_t extra);
 static inline int ptr_map_reserve(ptr_map *m, size_t extra)
 {
-    if (__builtin_expect(m->mask != 0 && (m->count + extra) * 2 <= m->mask + 1, 1))
+    if (__builtin_expect(m->mask != 0 && (m->count + extra) * 4 <= m->mask + 1, 1))
         return 0;
     return ptr_map_grow_for(m, extra);
 }
