@@ -358,9 +358,11 @@ npualloc_replay_status npualloc_replay_create(const npualloc_replay_config *cfg,
         return fail(err, errlen, NPUALLOC_REPLAY_BAD_CONFIG, "memory fraction must be in (0, 1], got %g",
                     cfg->fraction);
 
-    npualloc_replay *r = calloc(1, sizeof *r);
+    /* aligned: the device cache inside keeps its lines to itself (caching.h) */
+    npualloc_replay *r = aligned_alloc(_Alignof(npualloc_replay), sizeof *r);
     if (!r)
         return fail(err, errlen, NPUALLOC_REPLAY_HOST_MEMORY, "out of host memory");
+    memset(r, 0, sizeof *r);
     alloc_settings_default(&r->settings);
     conf_result cr;
     memset(&cr, 0, sizeof cr);
