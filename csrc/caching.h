@@ -217,8 +217,7 @@ typedef struct device_cache {
     /* memory history */
     npualloc_context *current_ctx; /* the context of the API call holding the lock */
     npualloc_record_context record_context;
-    bool history_enabled;
-    size_t history_max;      /* the ring's limit (max_entries) */
+    size_t history_max;      /* the ring's limit (max_entries); 0 while the history is off */
     trace_entry *history;    /* grows on demand up to history_max */
     size_t history_capacity;
     size_t history_count, history_next; /* entries held; where the oldest is once full */
@@ -343,7 +342,7 @@ void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, si
 static inline void cache_history_record_ctx(device_cache *dc, trace_action action, uintptr_t addr, size_t size,
                                             uint64_t stream, npualloc_context *fallback)
 {
-    if (__builtin_expect(dc->history_enabled && dc->history_max, 0))
+    if (__builtin_expect(dc->history_max != 0, 0))
         cache_history_add(dc, action, addr, size, stream, fallback);
 }
 

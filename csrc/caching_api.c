@@ -1077,8 +1077,7 @@ aclError npualloc_cache_record_history(bool enabled, npualloc_record_context whe
         dc->history = NULL;
         dc->record_context = record_level;
         dc->history_capacity = 0;
-        dc->history_enabled = enabled;
-        dc->history_max = enabled ? max_entries : 0;
+        dc->history_max = enabled ? max_entries : 0; /* at least 1 when enabled */
         dc->history_count = dc->history_next = 0;
         cache_lock_release(&dc->lock);
     }

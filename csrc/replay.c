@@ -393,7 +393,6 @@ npualloc_replay_status npualloc_replay_create(const npualloc_replay_config *cfg,
     if (cfg->fraction > 0.0)
         cache_set_fraction_locked(&r->dc, cfg->fraction);
     if (cfg->record_history) {
-        r->dc.history_enabled = true;
         r->dc.history_max = cfg->record_history;
         r->dc.record_context = NPUALLOC_RECORD_NEVER;
     }
