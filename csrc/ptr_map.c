@@ -28,7 +28,7 @@ static int grow(ptr_map *m)
 
 int ptr_map_grow_for(ptr_map *m, size_t extra)
 {
-    while ((m->count + extra) * 4 > (m->mask ? m->mask + 1 : 0))
+    while (!ptr_map_has_room(m, extra))
         if (grow(m) != 0)
             return -1;
     return 0;

@@ -23,12 +23,18 @@ typedef struct ptr_map {
     size_t count;
 } ptr_map;
 
+/* Can the table take `extra` more keys and stay at most a quarter full (see above)? */
+static inline int ptr_map_has_room(const ptr_map *m, size_t extra)
+{
+    return m->mask != 0 && (m->count + extra) * 4 <= m->mask + 1;
+}
+
 /* Makes room for `extra` more keys: afterwards that many ptr_map_put calls cannot fail.
  * Returns 0, or -1 when out of memory. */
 int ptr_map_grow_for(ptr_map *m, size_t extra);
 static inline int ptr_map_reserve(ptr_map *m, size_t extra)
 {
-    if (__builtin_expect(m->mask != 0 && (m->count + extra) * 4 <= m->mask + 1, 1))
+    if (__builtin_expect(ptr_map_has_room(m, extra), 1))
         return 0;
     return ptr_map_grow_for(m, extra);
 }
