@@ -8,24 +8,14 @@
  * is seen; not under ASan, whose own malloc they would replace.  Under valgrind both tests skip
  * (it makes system calls of its own and replaces the allocator); under ASan the first one does. */
 #include <errno.h>
-#include <linux/audit.h>
-#include <linux/filter.h>
-#include <linux/seccomp.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
-#include <sys/prctl.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "seccomp_util.h"
 #include "testutil.h"
-
-#if defined(__x86_64__)
-#define TEST_AUDIT_ARCH AUDIT_ARCH_X86_64
-#elif defined(__aarch64__)
-#define TEST_AUDIT_ARCH AUDIT_ARCH_AARCH64
-#endif
 
 /* Sizes of both pools, split and unsplit blocks: the pattern each test repeats. */
 static const size_t sizes[] = {512, 4096, 70000, MiB_ - 32, 3 * MiB_, 25 * MiB_};
@@ -66,18 +56,7 @@ static int run_without_system_calls(bool (*fn)(void))
         if (npualloc_configure(&c, err, sizeof err) != ACL_SUCCESS || aclrtSetDevice(0) != ACL_SUCCESS ||
             !one_round(false) || !one_round(true))
             _exit(4);
-        struct sock_filter f[] = {
-            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
-            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TEST_AUDIT_ARCH, 1, 0),
-            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS),
-            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
-            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_exit_group, 2, 0),
-            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_exit, 1, 0),
-            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS),
-            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
-        };
-        struct sock_fprog prog = {.len = sizeof f / sizeof f[0], .filter = f};
-        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog))
+        if (bind_seccomp_filter(SYS_exit_group, SYS_exit, SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS) != 0)
             _exit(2);
         _exit(fn() ? 0 : 3);
     }

@@ -1,16 +1,13 @@
 /* test_memory.c - aclrtMalloc policies and capacity accounting, memcpy, memset, host memory. */
 #include <errno.h>
-#include <linux/audit.h>
-#include <linux/filter.h>
-#include <linux/seccomp.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "seccomp_util.h"
 #include "testutil.h"
 
 static size_t huge_free(void) { return free_of(ACL_HBM_MEM_HUGE); }
@@ -312,12 +309,6 @@ static void test_host_to_host_moves_and_long_memsets(void **state)
     free(h);
 }
 
-#if defined(__x86_64__)
-#define TEST_AUDIT_ARCH AUDIT_ARCH_X86_64
-#elif defined(__aarch64__)
-#define TEST_AUDIT_ARCH AUDIT_ARCH_AARCH64
-#endif
-
 #ifdef TEST_AUDIT_ARCH
 /* Where a seccomp filter refuses process_vm_readv/writev (ENOSYS), host copies and memsets still
  * work: the memory is then accessed directly.  Runs in a child, which the filter binds. */
@@ -329,18 +320,8 @@ static void test_host_copies_work_where_the_kernel_copy_is_refused(void **state)
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
-        struct sock_filter f[] = {
-            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
-            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TEST_AUDIT_ARCH, 1, 0),
-            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
-            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
-            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_readv, 2, 0),
-            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_writev, 1, 0),
-            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
-            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
-        };
-        struct sock_fprog prog = {.len = sizeof f / sizeof f[0], .filter = f};
-        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog))
+        if (bind_seccomp_filter(SYS_process_vm_readv, SYS_process_vm_writev, SECCOMP_RET_ERRNO | ENOSYS,
+                                SECCOMP_RET_ALLOW) != 0)
             _exit(2);
         start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
         char a[64], b[64];
