@@ -29,6 +29,16 @@ typedef struct fuzz_in {
     size_t n, at;
 } fuzz_in;
 
+/* NPUALLOC_FUZZ_TRACE set: a harness prints what it does, to turn a crash input into a C
+ * reproducer (read once). */
+static inline int fuzz_tracing(void)
+{
+    static int on = -1;
+    if (on < 0)
+        on = getenv("NPUALLOC_FUZZ_TRACE") != NULL;
+    return on;
+}
+
 static inline int fuzz_more(const fuzz_in *in) { return in->at < in->n; }
 
 static inline uint8_t fuzz_u8(fuzz_in *in) { return in->at < in->n ? in->p[in->at++] : 0; }

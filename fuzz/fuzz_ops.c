@@ -102,11 +102,10 @@ static const char *const runtime_confs[] = {
 
 #define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))
 
-/* NPUALLOC_FUZZ_TRACE=1 prints every operation (to turn a crash input into a C reproducer). */
-static int ops_trace = -1;
+/* Prints an operation when tracing (fuzz_tracing). */
 #define OPS_TRACE(...)                                                                                         \
     do {                                                                                                       \
-        if (ops_trace > 0) {                                                                                   \
+        if (fuzz_tracing()) {                                                                                  \
             fprintf(stderr, "  ");                                                                             \
             fprintf(stderr, __VA_ARGS__);                                                                      \
             fputc('\n', stderr);                                                                               \
@@ -731,8 +730,6 @@ static void finish(ops_state *st)
 int fuzz_ops_one(const uint8_t *data, size_t size)
 {
     static ops_state st;
-    if (ops_trace < 0)
-        ops_trace = getenv("NPUALLOC_FUZZ_TRACE") != NULL;
     if (size < 2)
         return 0;
     OPS_TRACE("start: PYTORCH_NPU_ALLOC_CONF=%s, %zu MiB per device",

@@ -41,10 +41,6 @@ static const char *const replay_confs[] = {
     "max_split_size_mb:10", /* malformed: below the minimum */
 };
 
-/* NPUALLOC_FUZZ_TRACE=1 prints the configuration and every event (to turn a crash input into a
- * C reproducer). */
-static int rp_trace = -1;
-
 static uint64_t rp_device_memory(fuzz_in *in)
 {
     uint8_t b = fuzz_u8(in);
@@ -231,9 +227,7 @@ int fuzz_replay_one(const uint8_t *data, size_t size)
     cfg.max_oom_records = (flags & 0x40) ? fuzz_u8(&in) % 8 : 0;
     cfg.record_history = (flags & 0x80) ? fuzz_u8(&in) : 0;
 
-    if (rp_trace < 0)
-        rp_trace = getenv("NPUALLOC_FUZZ_TRACE") != NULL;
-    if (rp_trace)
+    if (fuzz_tracing()) /* the configuration, then every event */
         fprintf(stderr, "  config: settings \"%s\", device %llu, huge1g %llu, pad %llu, fraction %g, stop %d\n",
                 cfg.settings ? cfg.settings : "(null)", (unsigned long long)cfg.device_memory,
                 (unsigned long long)cfg.huge1g_memory, (unsigned long long)cfg.pad, cfg.fraction,
@@ -284,7 +278,7 @@ int fuzz_replay_one(const uint8_t *data, size_t size)
             stream[n] = rp_stream(&in);
             n++;
         }
-        for (size_t k = 0; rp_trace && k < n; k++)
+        for (size_t k = 0; fuzz_tracing() && k < n; k++)
             fprintf(stderr, "  %s %#llx %llu stream %#llx\n", action[k] == NPUALLOC_REPLAY_ALLOC ? "alloc" : "free",
                     (unsigned long long)addr[k], (unsigned long long)sz[k], (unsigned long long)stream[k]);
         npualloc_replay_events ev = {action, addr, sz, stream, n};
