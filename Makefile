@@ -21,9 +21,6 @@ HEADERS  := $(wildcard csrc/*.h csrc/include/*.h csrc/include/acl/*.h tests/c/*.
 TEST_SRC := $(sort $(wildcard tests/c/test_*.c))
 BENCH_SRC:= $(sort $(wildcard benchmarks/bench_*.c))
 
-REL_OBJ  := $(CORE_SRC:csrc/%.c=$(BUILD)/release/obj/%.o)
-ASAN_OBJ := $(CORE_SRC:csrc/%.c=$(BUILD)/asan/obj/%.o)
-LTO_OBJ  := $(CORE_SRC:csrc/%.c=$(BUILD)/lto/obj/%.o)
 REL_TESTS  := $(TEST_SRC:tests/c/%.c=$(BUILD)/release/tests/%)
 ASAN_TESTS := $(TEST_SRC:tests/c/%.c=$(BUILD)/asan/tests/%)
 BENCHES    := $(BENCH_SRC:benchmarks/%.c=$(BUILD)/release/bench/%)
@@ -38,29 +35,21 @@ deps:
 
 lib: $(BUILD)/release/libnpualloc.a
 
-$(BUILD)/release/obj/%.o: csrc/%.c $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CC) $(BASE) $(RELEASE) -c $< -o $@
+# The core as a static library, one per build flavour (release, asan, lto, fuzz):
+# $(call core_library,FLAVOUR,COMPILE COMMAND) gives its object and archive rules.
+define core_library
+$(BUILD)/$(1)/obj/%.o: csrc/%.c $(HEADERS)
+	@mkdir -p $$(dir $$@)
+	$(2) -c $$< -o $$@
 
-$(BUILD)/asan/obj/%.o: csrc/%.c $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CC) $(BASE) $(ASAN) -c $< -o $@
+$(BUILD)/$(1)/libnpualloc.a: $(CORE_SRC:csrc/%.c=$(BUILD)/$(1)/obj/%.o)
+	@rm -f $$@
+	ar rcs $$@ $$^
+endef
 
-$(BUILD)/lto/obj/%.o: csrc/%.c $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(CC) $(BASE) $(RELEASE) $(LTO) -c $< -o $@
-
-$(BUILD)/release/libnpualloc.a: $(REL_OBJ)
-	@rm -f $@
-	ar rcs $@ $^
-
-$(BUILD)/lto/libnpualloc.a: $(LTO_OBJ)
-	@rm -f $@
-	ar rcs $@ $^
-
-$(BUILD)/asan/libnpualloc.a: $(ASAN_OBJ)
-	@rm -f $@
-	ar rcs $@ $^
+$(eval $(call core_library,release,$(CC) $(BASE) $(RELEASE)))
+$(eval $(call core_library,asan,$(CC) $(BASE) $(ASAN)))
+$(eval $(call core_library,lto,$(CC) $(BASE) $(RELEASE) $(LTO)))
 
 $(BUILD)/release/tests/%: tests/c/%.c $(BUILD)/release/libnpualloc.a $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -112,7 +101,6 @@ FUZZ_JOBS       ?= 1
 FUZZ_NAMES      := conf ops replay
 FUZZ_BASE       := $(filter-out -Werror,$(BASE))  # a clang-only warning in new code must not stop the fuzzers
 FUZZ_FLAGS      := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
-FUZZ_OBJ        := $(CORE_SRC:csrc/%.c=$(BUILD)/fuzz/obj/%.o)
 FUZZERS         := $(FUZZ_NAMES:%=$(BUILD)/fuzz/fuzz_%)
 STRESS_THREADS  ?= 8
 STRESS_OPS      ?= 1000000
@@ -122,13 +110,7 @@ VALGRIND_SKIP   ?=
 # the regression test compiles the fuzz harnesses in
 $(BUILD)/release/tests/test_fuzz_regressions $(BUILD)/asan/tests/test_fuzz_regressions: $(wildcard fuzz/*.c fuzz/*.h)
 
-$(BUILD)/fuzz/obj/%.o: csrc/%.c $(HEADERS)
-	@mkdir -p $(dir $@)
-	$(FUZZ_CC) $(FUZZ_BASE) $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
-
-$(BUILD)/fuzz/libnpualloc.a: $(FUZZ_OBJ)
-	@rm -f $@
-	ar rcs $@ $^
+$(eval $(call core_library,fuzz,$(FUZZ_CC) $(FUZZ_BASE) $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link))
 
 $(BUILD)/fuzz/fuzz_%: fuzz/fuzz_%.c fuzz/fuzz_common.h $(BUILD)/fuzz/libnpualloc.a $(HEADERS)
 	$(FUZZ_CC) $(FUZZ_BASE) $(FUZZ_FLAGS) -Ifuzz -fsanitize=fuzzer $< $(BUILD)/fuzz/libnpualloc.a -lm -o $@
