@@ -32,10 +32,8 @@ static struct {
     pthread_mutex_t lock;
     _Atomic uintptr_t base; /* read without the lock by va_contains / va_device_of */
     _Atomic size_t size;
-    _Atomic size_t slice_size;
-    /* va_device_of divides by the slice size on every pointer lookup (each free): a multiply by
-     * ceil(2^64 / slice units) instead of a 64-bit division (tens of cycles); 0 before the window
-     * exists or when a slice is one unit (then the division). */
+    /* ceil(2^64 / (slice size / VA_UNIT)), 0 while there is no window: va_device_of finds a
+     * slice with a multiply instead of a 64-bit division (tens of cycles, on every free). */
     _Atomic uint64_t slice_reciprocal;
     int slice_count;
     va_slice slices[NPU_MAX_DEVICES];
@@ -126,9 +124,8 @@ static int ensure_window(void)
         range_insert(&va.slices[i], r);
     }
     va.slice_count = slices;
-    atomic_store(&va.slice_size, slice);
-    size_t units = slice / VA_UNIT;
-    atomic_store(&va.slice_reciprocal, units > 1 ? UINT64_MAX / units + 1 : 0);
+    size_t units = slice / VA_UNIT; /* at least 8: a window of 1 GiB or more, 64 devices at most */
+    atomic_store(&va.slice_reciprocal, UINT64_MAX / units + 1);
     atomic_store(&va.size, slice * (size_t)slices);
     atomic_store(&va.base, (uintptr_t)base);
     return 0;
@@ -140,11 +137,9 @@ int32_t va_device_of(uintptr_t a)
     size_t size = atomic_load(&va.size);
     if (a - base >= size)
         return -1;
-    uint64_t reciprocal = atomic_load_explicit(&va.slice_reciprocal, memory_order_relaxed);
-    if (unlikely(!reciprocal)) {
-        size_t slice = atomic_load(&va.slice_size);
-        return slice ? (int32_t)((a - base) / slice) : -1; /* 0: the window is going away */
-    }
+    uint64_t reciprocal = atomic_load(&va.slice_reciprocal);
+    if (unlikely(!reciprocal))
+        return -1; /* the window is going away */
     /* Exact: with x = offset / VA_UNIT and d slice units, x * d < 2^64 (both below 2^27: the
      * window lies in the 47-bit user address space), so
      * floor(x * ceil(2^64 / d) / 2^64) = floor(x / d), and the base and slices are VA_UNIT-aligned. */
@@ -288,7 +283,6 @@ static void forget_ranges(void)
     va.slice_count = 0;
     atomic_store(&va.base, 0);
     atomic_store(&va.size, 0);
-    atomic_store(&va.slice_size, 0);
     atomic_store(&va.slice_reciprocal, 0);
 }
 
