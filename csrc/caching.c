@@ -211,7 +211,7 @@ void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, si
 
 typedef struct alloc_params {
     size_t size;       /* rounded */
-    size_t alloc_size; /* a new segment's size */
+    size_t alloc_size; /* a new segment's size: worked out on a miss, 0 before */
     uint64_t stream;
     block_pool *pool;
     cache_block *block;

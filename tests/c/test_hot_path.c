@@ -41,6 +41,15 @@ static bool one_round(bool through_cached_entry)
     return true;
 }
 
+/* What both tests watch: a thousand rounds through each entry point, all cache hits. */
+static inline bool thousand_rounds(void)
+{
+    for (int r = 0; r < 1000; r++)
+        if (!one_round(false) || !one_round(true))
+            return false;
+    return true;
+}
+
 #ifdef TEST_AUDIT_ARCH
 /* In a child (whose caches start empty: npualloc forgets the parent's device memory at fork):
  * warms the cache, installs a filter that kills the process on any system call but exit and
@@ -63,14 +72,6 @@ static int run_without_system_calls(bool (*fn)(void))
     int status;
     assert_int_equal(waitpid(pid, &status, 0), pid);
     return status;
-}
-
-static bool thousand_rounds(void)
-{
-    for (int r = 0; r < 1000; r++)
-        if (!one_round(false) || !one_round(true))
-            return false;
-    return true;
 }
 
 static bool one_system_call(void) { return getppid() > 0; }
@@ -173,9 +174,7 @@ static void test_cache_hits_allocate_no_heap_memory(void **state)
     assert_true(one_round(true)); /* the cached entry point warmed too */
     atomic_store(&heap_calls, 0);
     atomic_store(&counting, true);
-    bool ok = true;
-    for (int r = 0; r < 1000 && ok; r++)
-        ok = one_round(false) && one_round(true);
+    bool ok = thousand_rounds();
     atomic_store(&counting, false);
     assert_true(ok);
     assert_int_equal(atomic_load(&heap_calls), 0);
