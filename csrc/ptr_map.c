@@ -12,6 +12,7 @@ static int grow(ptr_map *m)
     ptr_map old = *m;
     m->slots = slots;
     m->mask = cap - 1;
+    m->shift = (unsigned)__builtin_clzll((unsigned long long)cap) + 1; /* 64 - log2(cap) */
     if (old.slots) {
         for (size_t i = 0; i <= old.mask; i++) {
             if (!old.slots[i].key)

@@ -229,79 +229,6 @@ static inline void timeline_sample(replay_timeline *t, uint64_t event, uint64_t 
     }
 }
 
-/* ---- the live map ---- */
-
-static inline size_t live_home(const live_map *m, uint64_t key)
-{
-    return (size_t)((key * 0x9E3779B97F4A7C15ull) >> m->shift); /* the product's top bits mix best */
-}
-
-static int live_grow(live_map *m)
-{
-    size_t cap = m->mask ? (m->mask + 1) * 2 : 1024;
-    live_entry *slots = calloc(cap, sizeof *slots);
-    if (!slots)
-        return -1;
-    live_map old = *m;
-    m->slots = slots;
-    m->mask = cap - 1;
-    m->shift = (unsigned)__builtin_clzll((unsigned long long)cap) + 1; /* 64 - log2(cap) */
-    for (size_t i = 0; old.slots && i <= old.mask; i++) {
-        if (!old.slots[i].key)
-            continue;
-        size_t j = live_home(m, old.slots[i].key);
-        while (m->slots[j].key)
-            j = (j + 1) & m->mask;
-        m->slots[j] = old.slots[i];
-    }
-    free(old.slots);
-    return 0;
-}
-
-/* The entry of `key`, inserted with value NULL when absent; NULL when out of memory. */
-static inline live_entry *live_find_or_insert(live_map *m, uint64_t key)
-{
-    if (unlikely((m->count + 1) * 2 > m->mask + 1 || !m->slots) && live_grow(m) != 0)
-        return NULL;
-    size_t i = live_home(m, key);
-    while (m->slots[i].key != key) {
-        if (!m->slots[i].key) {
-            m->slots[i].key = key;
-            m->slots[i].value = NULL;
-            m->count++;
-            break;
-        }
-        i = (i + 1) & m->mask;
-    }
-    return &m->slots[i];
-}
-
-/* Removes `key`; returns its value, or NULL when absent. */
-static inline void *live_remove(live_map *m, uint64_t key)
-{
-    if (!m->count)
-        return NULL;
-    size_t i = live_home(m, key);
-    while (m->slots[i].key != key) {
-        if (!m->slots[i].key)
-            return NULL;
-        i = (i + 1) & m->mask;
-    }
-    void *value = m->slots[i].value;
-    size_t hole = i;
-    for (size_t j = (i + 1) & m->mask; m->slots[j].key; j = (j + 1) & m->mask) {
-        size_t home = live_home(m, m->slots[j].key);
-        if (((j - home) & m->mask) >= ((j - hole) & m->mask)) {
-            m->slots[hole] = m->slots[j];
-            hole = j;
-        }
-    }
-    m->slots[hole].key = 0;
-    m->slots[hole].value = NULL;
-    m->count--;
-    return value;
-}
-
 /* ---- sessions ---- */
 
 static const char *const status_names[] = {"OK",        "BAD_SETTINGS", "BAD_CONFIG", "UNAVAILABLE",
@@ -417,7 +344,7 @@ void npualloc_replay_destroy(npualloc_replay *r)
     cache_device_release_all(&r->dc);
     cache_lock_release(&r->dc.lock);
     free(r->sim.released);
-    free(r->live.slots);
+    ptr_map_free(&r->live);
     free(r->timeline.points);
     free(r->ooms);
     free(r);
@@ -476,7 +403,7 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
                 r->res.ignored++;
                 goto sample;
             }
-            live_entry *slot = live_find_or_insert(&r->live, addr);
+            ptr_map_entry *slot = ptr_map_find_or_insert(&r->live, addr);
             if (unlikely(!slot)) {
                 r->halted = true;
                 st = NPUALLOC_REPLAY_HOST_MEMORY;
@@ -506,7 +433,7 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
             } else if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION) {
                 record_oom(r, index, size, ev->stream[i], &oom);
                 if (r->stop_on_oom) {
-                    live_remove(&r->live, addr);
+                    ptr_map_remove(&r->live, addr);
                     r->res.stopped = true;
                     r->halted = true;
                     st = NPUALLOC_REPLAY_STOPPED;
@@ -517,13 +444,13 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
                 }
                 slot->value = REPLAY_SKIPPED;
             } else {
-                live_remove(&r->live, addr);
+                ptr_map_remove(&r->live, addr);
                 r->halted = true;
                 st = NPUALLOC_REPLAY_HOST_MEMORY;
                 break;
             }
         } else {
-            void *ptr = live_remove(&r->live, addr);
+            void *ptr = ptr_map_remove(&r->live, addr);
             if (unlikely(ptr == NULL))
                 r->res.unknown_frees++;
             else if (unlikely(ptr == REPLAY_SKIPPED))

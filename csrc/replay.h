@@ -50,24 +50,11 @@ typedef struct replay_timeline {
     uint64_t cur_events;       /* events in it */
 } replay_timeline;
 
-/* Recorded address -> session pointer: open addressing, linear probing, backward-shift deletion
- * (ptr_map's scheme, with a find-or-insert that costs one probe sequence per allocation). */
-typedef struct live_entry {
-    uint64_t key; /* 0 = empty */
-    void *value;
-} live_entry;
-
-typedef struct live_map {
-    live_entry *slots;
-    size_t mask, count; /* capacity - 1 (a power of two, or 0 while empty) */
-    unsigned shift;     /* 64 - log2(capacity) */
-} live_map;
-
 struct npualloc_replay {
     device_cache dc; /* its lock guards the session */
     alloc_settings settings;
     sim_device sim;
-    live_map live; /* recorded address -> session pointer (REPLAY_SKIPPED: skipped after OOM) */
+    ptr_map live; /* recorded address -> session pointer (REPLAY_SKIPPED: skipped after OOM) */
     npualloc_replay_result res;
     bool stop_on_oom, halted;
     replay_timeline timeline;
