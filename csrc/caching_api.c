@@ -1,6 +1,6 @@
 /*
  * caching_api.c - the caching allocator's public face: settings (PYTORCH_NPU_ALLOC_CONF),
- * the per-device caches, errors and warnings, the API of npualloc.h, OOM messages, snapshots.
+ * the per-device caches, errors and warnings, the API of npualloc.h, OOM messages, snapshots (built by snapshot.c).
  */
 #include <errno.h>
 #include <math.h>
@@ -13,6 +13,7 @@
 #include "common.h"
 #include "device.h"
 #include "graph.h"
+#include "snapshot.h"
 #include "va_space.h"
 #include "vmm.h"
 
@@ -902,132 +903,19 @@ aclError npualloc_cache_check(int32_t device, char *why, size_t len)
 
 /* ---- snapshots ---- */
 
-typedef struct snap_builder {
-    npualloc_snapshot *snap;
-    size_t seg_cap, block_cap;
-    int32_t device;
-    bool failed;
-} snap_builder;
-
-static bool grow_array(void **items, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return true;
-    size_t n = *cap ? *cap * 2 : 64;
-    while (n < need)
-        n *= 2;
-    void *p = realloc(*items, n * elem);
-    if (!p)
-        return false;
-    *items = p;
-    *cap = n;
-    return true;
-}
-
-/* Starts a snapshot segment at block b (the first of a mapped run). */
-static npualloc_segment_info *snap_begin(snap_builder *sb, const cache_block *b)
-{
-    npualloc_snapshot *s = sb->snap;
-    if (!grow_array((void **)&s->segments, &sb->seg_cap, s->segment_count + 1, sizeof *s->segments)) {
-        sb->failed = true;
-        return NULL;
-    }
-    npualloc_segment_info *seg = &s->segments[s->segment_count++];
-    memset(seg, 0, sizeof *seg);
-    seg->device = sb->device;
-    seg->address = b->ptr;
-    seg->stream = b->stream;
-    seg->is_small = b->pool->is_small;
-    seg->is_expandable = b->es != NULL;
-    if (b->pool->owner) {
-        seg->pool_id[0] = b->pool->owner->id.first;
-        seg->pool_id[1] = b->pool->owner->id.second;
-    }
-    seg->first_block = s->block_count;
-    if (!b->prev) {
-        seg->frames = b->segment_ctx;
-        npualloc_context_retain(seg->frames);
-    }
-    return seg;
-}
-
-/* One snapshot segment per segment, or per contiguous mapped range of an expandable one. */
-static void snap_segment(cache_block *head, void *ctx)
-{
-    snap_builder *sb = ctx;
-    npualloc_snapshot *s = sb->snap;
-    npualloc_segment_info *seg = NULL;
-    for (cache_block *b = head; b && !sb->failed; b = b->next) {
-        if (!b->mapped) {
-            seg = NULL;
-            continue;
-        }
-        if (!seg && !(seg = snap_begin(sb, b)))
-            return;
-        if (!grow_array((void **)&s->blocks, &sb->block_cap, s->block_count + 1, sizeof *s->blocks)) {
-            sb->failed = true;
-            return;
-        }
-        npualloc_block_info *bi = &s->blocks[s->block_count++];
-        bi->address = b->ptr;
-        bi->size = b->size;
-        bi->requested_size = b->requested_size;
-        bi->frames = b->ctx;
-        npualloc_context_retain(bi->frames);
-        bool active = b->allocated || b->event_count > 0;
-        bi->state = b->allocated    ? NPUALLOC_BLOCK_ACTIVE_ALLOCATED
-                    : active        ? NPUALLOC_BLOCK_ACTIVE_PENDING_FREE
-                                    : NPUALLOC_BLOCK_INACTIVE;
-        seg->total_size += b->size;
-        if (b->allocated)
-            seg->allocated_size += b->size;
-        if (active) {
-            seg->active_size += b->size;
-            seg->requested_size += b->requested_size;
-        }
-        seg->block_count++;
-    }
-}
-
-static bool snap_traces(snap_builder *sb, device_cache *dc, size_t *trace_cap)
-{
-    npualloc_snapshot *s = sb->snap;
-    if (!grow_array((void **)&s->traces, trace_cap, s->trace_count + dc->history_count, sizeof *s->traces))
-        return false;
-    /* The ring is oldest-first starting at history_next once it wrapped. */
-    for (size_t i = 0; i < dc->history_count; i++) {
-        size_t at = (dc->history_next + i) % dc->history_count;
-        const trace_entry *e = &dc->history[at];
-        npualloc_trace_info *t = &s->traces[s->trace_count++];
-        t->device = dc->device;
-        t->action = (npualloc_trace_action)e->action;
-        t->addr = e->addr;
-        t->size = e->size;
-        t->stream = e->stream;
-        t->time_us = e->time_us;
-        t->frames = e->ctx;
-        npualloc_context_retain(t->frames);
-    }
-    return true;
-}
-
 aclError npualloc_cache_snapshot(npualloc_snapshot **out)
 {
     npualloc_snapshot *s = calloc(1, sizeof *s);
     if (!s)
         return ACL_ERROR_BAD_ALLOC;
-    snap_builder sb = {.snap = s};
-    size_t trace_cap = 0;
+    snapshot_builder sb = {.snap = s};
     int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
     for (int d = 0; d < count && !sb.failed; d++) {
         device_cache *dc = &caches[d];
         if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE))
             continue;
         cache_lock_acquire(&dc->lock);
-        sb.device = d;
-        if (!snap_traces(&sb, dc, &trace_cap))
-            sb.failed = true;
-        cache_each_segment(dc, snap_segment, &sb);
+        snapshot_add_device(&sb, dc);
         cache_history_record(dc, TRACE_SNAPSHOT, 0, (size_t)cache_stat_all(dc->stats.active_bytes).current, 0);
         cache_lock_release(&dc->lock);
     }
@@ -1038,22 +926,6 @@ aclError npualloc_cache_snapshot(npualloc_snapshot **out)
     }
     *out = s;
     return ACL_SUCCESS;
-}
-
-void npualloc_snapshot_free(npualloc_snapshot *snap)
-{
-    if (!snap)
-        return;
-    for (size_t i = 0; i < snap->segment_count; i++)
-        npualloc_context_release(snap->segments[i].frames);
-    for (size_t i = 0; i < snap->block_count; i++)
-        npualloc_context_release(snap->blocks[i].frames);
-    for (size_t i = 0; i < snap->trace_count; i++)
-        npualloc_context_release(snap->traces[i].frames);
-    free(snap->segments);
-    free(snap->blocks);
-    free(snap->traces);
-    free(snap);
 }
 
 static npualloc_record_context record_level;

@@ -10,6 +10,7 @@
 
 #include "common.h"
 #include "replay.h"
+#include "snapshot.h"
 
 /* ---- the simulated device ---- */
 
@@ -536,68 +537,6 @@ aclError npualloc_replay_check(npualloc_replay *r, char *why, size_t len)
 
 /* ---- snapshot ---- */
 
-typedef struct replay_snap {
-    npualloc_snapshot *snap;
-    size_t seg_cap, block_cap;
-    bool failed;
-} replay_snap;
-
-static bool grow(void **items, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return true;
-    size_t n = *cap ? *cap * 2 : 64;
-    while (n < need)
-        n *= 2;
-    void *p = realloc(*items, n * elem);
-    if (!p)
-        return false;
-    *items = p;
-    *cap = n;
-    return true;
-}
-
-static void snap_segment(cache_block *head, void *ctx)
-{
-    replay_snap *rs = ctx;
-    npualloc_snapshot *s = rs->snap;
-    if (rs->failed || !grow((void **)&s->segments, &rs->seg_cap, s->segment_count + 1, sizeof *s->segments)) {
-        rs->failed = true;
-        return;
-    }
-    npualloc_segment_info *seg = &s->segments[s->segment_count];
-    memset(seg, 0, sizeof *seg);
-    seg->address = head->ptr;
-    seg->stream = head->stream;
-    seg->is_small = head->pool->is_small;
-    seg->is_expandable = head->es != NULL;
-    seg->first_block = s->block_count;
-    for (cache_block *b = head; b; b = b->next) {
-        if (!grow((void **)&s->blocks, &rs->block_cap, s->block_count + 1, sizeof *s->blocks)) {
-            rs->failed = true;
-            return;
-        }
-        npualloc_block_info *bi = &s->blocks[s->block_count++];
-        memset(bi, 0, sizeof *bi);
-        bi->address = b->ptr;
-        bi->size = b->size;
-        bi->requested_size = b->requested_size;
-        bool active = b->allocated || b->event_count > 0;
-        bi->state = b->allocated ? NPUALLOC_BLOCK_ACTIVE_ALLOCATED
-                    : active     ? NPUALLOC_BLOCK_ACTIVE_PENDING_FREE
-                                 : NPUALLOC_BLOCK_INACTIVE;
-        seg->total_size += b->size;
-        if (b->allocated)
-            seg->allocated_size += b->size;
-        if (active) {
-            seg->active_size += b->size;
-            seg->requested_size += b->requested_size;
-        }
-        seg->block_count++;
-    }
-    s->segment_count++;
-}
-
 npualloc_replay_status npualloc_replay_snapshot(npualloc_replay *r, npualloc_snapshot **out)
 {
     if (!r || !out)
@@ -606,30 +545,11 @@ npualloc_replay_status npualloc_replay_snapshot(npualloc_replay *r, npualloc_sna
     npualloc_snapshot *s = calloc(1, sizeof *s);
     if (!s)
         return NPUALLOC_REPLAY_HOST_MEMORY;
-    replay_snap rs = {.snap = s};
+    snapshot_builder sb = {.snap = s};
     cache_lock_acquire(&r->dc.lock);
-    device_cache *dc = &r->dc;
-    if (dc->history_count) {
-        s->traces = malloc(dc->history_count * sizeof *s->traces);
-        if (!s->traces) {
-            rs.failed = true;
-        } else {
-            for (size_t i = 0; i < dc->history_count; i++) {
-                const trace_entry *e = &dc->history[(dc->history_next + i) % dc->history_count];
-                npualloc_trace_info *t = &s->traces[s->trace_count++];
-                memset(t, 0, sizeof *t);
-                t->action = (npualloc_trace_action)e->action;
-                t->addr = e->addr;
-                t->size = e->size;
-                t->stream = e->stream;
-                t->time_us = e->time_us;
-            }
-        }
-    }
-    if (!rs.failed)
-        cache_each_segment(dc, snap_segment, &rs);
+    bool complete = snapshot_add_device(&sb, &r->dc);
     cache_lock_release(&r->dc.lock);
-    if (rs.failed) {
+    if (!complete) {
         npualloc_snapshot_free(s);
         return NPUALLOC_REPLAY_HOST_MEMORY;
     }
