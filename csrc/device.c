@@ -323,14 +323,17 @@ aclError device_current(int32_t *dev)
     return ACL_SUCCESS;
 }
 
+aclError runtime_current_device(int32_t *dev)
+{
+    aclError rc = runtime_ensure_init();
+    return rc != ACL_SUCCESS ? rc : device_current(dev);
+}
+
 aclError aclrtGetDevice(int32_t *dev)
 {
     if (!dev)
         return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
-    return device_current(dev);
+    return runtime_current_device(dev);
 }
 
 aclError aclrtGetDeviceCount(uint32_t *count)
@@ -363,11 +366,9 @@ aclError aclrtDeviceCanAccessPeer(int32_t *can, int32_t dev, int32_t peer)
 
 aclError aclrtDeviceEnablePeerAccess(int32_t peer, uint32_t flags)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     int32_t dev;
-    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
         return rc;
     if (flags != 0)
         return ACL_ERROR_FEATURE_UNSUPPORTED;
@@ -381,11 +382,9 @@ aclError aclrtDeviceEnablePeerAccess(int32_t peer, uint32_t flags)
 
 aclError aclrtDeviceDisablePeerAccess(int32_t peer)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     int32_t dev;
-    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
         return rc;
     if (!device_valid(peer))
         return ACL_ERROR_RT_INVALID_DEVICEID;

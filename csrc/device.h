@@ -41,6 +41,8 @@ const npualloc_config *device_config(void);
 
 /* The calling thread's current device (set by aclrtSetDevice); ACL_ERROR_RT_CONTEXT_NULL if none. */
 aclError device_current(int32_t *dev);
+/* runtime_ensure_init, then device_current: what an aclrt* call on "the current device" checks first. */
+aclError runtime_current_device(int32_t *dev);
 
 /* Charges `bytes` (already rounded to the kind's page size) to a device;
  * ACL_ERROR_RT_MEMORY_ALLOCATION when the kind's capacity is short. */

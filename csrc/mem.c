@@ -82,11 +82,9 @@ static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy p
 {
     if (!devPtr || size == 0)
         return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     int32_t dev;
-    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
         return rc;
     if (size > MAX_ALLOC_SIZE)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -423,11 +421,9 @@ aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *total_by
 {
     if (!free_bytes || !total_bytes)
         return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     int32_t dev;
-    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
         return rc;
     device_mem_info(dev, attr, free_bytes, total_bytes);
     return ACL_SUCCESS;

@@ -886,11 +886,9 @@ aclError aclrtCreateStream(aclrtStream *stream)
 {
     if (!stream)
         return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     int32_t dev;
-    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
         return rc;
     npu_stream *s = stream_new(dev);
     if (!s)
@@ -952,11 +950,9 @@ aclError aclrtSynchronizeStream(aclrtStream stream)
 
 aclError aclrtSynchronizeDevice(void)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     int32_t dev;
-    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
         return rc;
     return stream_synchronize_device(dev);
 }

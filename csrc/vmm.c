@@ -88,6 +88,13 @@ static int mapping_key_order(const void *key, const avl_node *n)
     return (x > y) - (x < y);
 }
 
+/* The region that starts at address a, or NULL. */
+static region *region_starting_at(uintptr_t a)
+{
+    avl_node *n = avl_find(&vmm.regions, &a, region_key_order);
+    return n ? AVL_ENTRY(n, region, node) : NULL;
+}
+
 /* The region containing address a, or NULL. */
 static region *region_containing(uintptr_t a)
 {
@@ -373,8 +380,7 @@ aclError vmm_reserve_shrink(void *base, size_t size)
 {
     uintptr_t at = (uintptr_t)base;
     pthread_rwlock_wrlock(&vmm.lock);
-    avl_node *n = avl_find(&vmm.regions, &at, region_key_order);
-    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    region *r = region_starting_at(at);
     if (!r || r->malloc_handle || r->mappings || size == 0 || size % VMM_GRANULARITY || size > r->size) {
         pthread_rwlock_unlock(&vmm.lock);
         return ACL_ERROR_RT_PARAM_INVALID;
@@ -411,8 +417,7 @@ aclError aclrtReleaseMemAddress(void *virPtr)
         return rc;
     uintptr_t base = (uintptr_t)virPtr;
     pthread_rwlock_wrlock(&vmm.lock);
-    avl_node *n = avl_find(&vmm.regions, &base, region_key_order);
-    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    region *r = region_starting_at(base);
     /* Only a reservation with nothing mapped may go; aclrtMalloc memory goes with aclrtFree. */
     if (!r || r->malloc_handle || r->mappings) {
         pthread_rwlock_unlock(&vmm.lock);
@@ -583,8 +588,7 @@ aclError vmm_free_malloc(void *ptr, vmm_owner owner)
 {
     uintptr_t base = (uintptr_t)ptr;
     pthread_rwlock_wrlock(&vmm.lock);
-    avl_node *n = avl_find(&vmm.regions, &base, region_key_order);
-    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    region *r = region_starting_at(base);
     if (!r || !r->malloc_handle || r->owner != owner) {
         pthread_rwlock_unlock(&vmm.lock);
         return ACL_ERROR_INVALID_PARAM;
@@ -638,8 +642,7 @@ aclError vmm_share_ref_malloc(const void *base, vmm_share_ref *ref, vmm_share_in
 {
     uintptr_t b = (uintptr_t)base;
     pthread_rwlock_wrlock(&vmm.lock);
-    avl_node *n = avl_find(&vmm.regions, &b, region_key_order);
-    region *r = n ? AVL_ENTRY(n, region, node) : NULL;
+    region *r = region_starting_at(b);
     phys_handle *h = r ? r->malloc_handle : NULL;
     if (h) {
         h->shared = true;
@@ -659,8 +662,8 @@ static phys_handle *share_ref_resolve_locked(const vmm_share_ref *ref)
     if (ref->handle_id) {
         h = handle_table_get(&vmm.handles, ref->handle_id);
     } else if (ref->malloc_base) {
-        avl_node *n = avl_find(&vmm.regions, &ref->malloc_base, region_key_order);
-        h = n ? AVL_ENTRY(n, region, node)->malloc_handle : NULL;
+        region *r = region_starting_at(ref->malloc_base);
+        h = r ? r->malloc_handle : NULL;
     }
     return h && h->serial == ref->serial ? h : NULL;
 }
