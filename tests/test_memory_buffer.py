@@ -34,6 +34,9 @@ def test_buffer_basics_and_numpy(mem):
     with pytest.raises(BufferError):
         memoryview(b)
     assert repr(b) == "<npualloc.Buffer freed, device=npu:0>"
+    for name in ("ptr", "nbytes", "device", "stream", "freed"):     # read-only: the allocator owns them
+        with pytest.raises(AttributeError):
+            setattr(b, name, 1)
 
 
 def test_buffer_lifetimes(mem):

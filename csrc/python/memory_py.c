@@ -28,7 +28,8 @@
 #include <time.h>
 
 #include "acl_rt.h"
-#include "memory_py.h"
+#include "memory_py.h" /* Python.h first */
+#include <structmember.h>
 #include "npualloc.h"
 #include "pyarg.h"
 
@@ -799,11 +800,12 @@ static PyObject *m_caching_allocator_delete(PyObject *self, PyObject *arg)
 
 /* ---- Buffer ---- */
 
+/* The types PyMemberDef reads (Buffer_members): unsigned long long, int, bool. */
 typedef struct {
-    PyObject_HEAD uint64_t ptr;
-    uint64_t nbytes;
-    int32_t device;
-    uint64_t stream;
+    PyObject_HEAD unsigned long long ptr;
+    unsigned long long nbytes;
+    int device;
+    unsigned long long stream;
     uint64_t gen;
     Py_ssize_t exports;
     bool freed;
@@ -928,36 +930,6 @@ static PyObject *Buffer_exit(BufferObject *b, PyObject *args)
     return Buffer_free(b, NULL);
 }
 
-static PyObject *Buffer_get_ptr(BufferObject *b, void *c)
-{
-    (void)c;
-    return PyLong_FromUnsignedLongLong(b->ptr);
-}
-
-static PyObject *Buffer_get_nbytes(BufferObject *b, void *c)
-{
-    (void)c;
-    return PyLong_FromUnsignedLongLong(b->nbytes);
-}
-
-static PyObject *Buffer_get_device(BufferObject *b, void *c)
-{
-    (void)c;
-    return PyLong_FromLong(b->device);
-}
-
-static PyObject *Buffer_get_stream(BufferObject *b, void *c)
-{
-    (void)c;
-    return PyLong_FromUnsignedLongLong(b->stream);
-}
-
-static PyObject *Buffer_get_freed(BufferObject *b, void *c)
-{
-    (void)c;
-    return PyBool_FromLong(b->freed);
-}
-
 static Py_ssize_t Buffer_len(BufferObject *b) { return (Py_ssize_t)b->nbytes; }
 
 static PyObject *Buffer_repr(BufferObject *b)
@@ -981,13 +953,13 @@ static PyMethodDef Buffer_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyGetSetDef Buffer_getset[] = {
-    {"ptr", (getter)Buffer_get_ptr, NULL, "The device pointer (0 once freed).", NULL},
-    {"nbytes", (getter)Buffer_get_nbytes, NULL, "The size asked for, in bytes (0 once freed).", NULL},
-    {"device", (getter)Buffer_get_device, NULL, "The device index.", NULL},
-    {"stream", (getter)Buffer_get_stream, NULL, "The stream handle the memory was allocated on.", NULL},
-    {"freed", (getter)Buffer_get_freed, NULL, "True once the memory was given back.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
+static PyMemberDef Buffer_members[] = {
+    {"ptr", T_ULONGLONG, offsetof(BufferObject, ptr), READONLY, "The device pointer (0 once freed)."},
+    {"nbytes", T_ULONGLONG, offsetof(BufferObject, nbytes), READONLY, "The size asked for, in bytes (0 once freed)."},
+    {"device", T_INT, offsetof(BufferObject, device), READONLY, "The device index."},
+    {"stream", T_ULONGLONG, offsetof(BufferObject, stream), READONLY, "The stream handle the memory was allocated on."},
+    {"freed", T_BOOL, offsetof(BufferObject, freed), READONLY, "True once the memory was given back."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PySequenceMethods Buffer_as_sequence = {.sq_length = (lenfunc)Buffer_len};
@@ -1004,7 +976,7 @@ static PyTypeObject Buffer_Type = {
               "(numpy.frombuffer, memoryview), record_stream(s), free(); freed when collected.",
     .tp_weaklistoffset = offsetof(BufferObject, weakrefs),
     .tp_methods = Buffer_methods,
-    .tp_getset = Buffer_getset,
+    .tp_members = Buffer_members,
 };
 
 static PyObject *m_empty(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
