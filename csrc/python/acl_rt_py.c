@@ -54,6 +54,32 @@
         Py_END_ALLOW_THREADS                                                                                       \
     } while (0)
 
+/* The functions of one pointer or handle argument that return only `ret`.  A value out of range
+ * becomes BAD_HANDLE, which the C function rejects with its own code; the call releases the GIL
+ * (it may wait for a stream or make system calls). */
+static PyObject *call_on_handle(const char *fn, PyObject *const *args, Py_ssize_t nargs, const char *argname,
+                                aclError (*call)(void *))
+{
+    if (!check_nargs(fn, nargs, 1))
+        return NULL;
+    void *handle = NULL;
+    int conv_rc = arg_ptr(args[0], fn, argname, &handle);
+    if (conv_rc == ARG_TYPE_ERROR)
+        return NULL;
+    if (conv_rc == ARG_OUT_OF_RANGE)
+        handle = BAD_HANDLE;
+    aclError rc;
+    CALL_NOGIL(rc = call(handle));
+    return ret_or_init_error(rc);
+}
+
+#define RT_ON_HANDLE(name, argname, call)                                                                          \
+    static PyObject *rt_##name(PyObject *self, PyObject *const *args, Py_ssize_t nargs)                            \
+    {                                                                                                              \
+        (void)self;                                                                                                \
+        return call_on_handle("acl.rt." #name, args, nargs, argname, call);                                        \
+    }
+
 /* ---- devices ---- */
 
 static PyObject *rt_set_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -212,15 +238,7 @@ static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_
     return ret_u64((uintptr_t)p, rc);
 }
 
-static PyObject *rt_free_host(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("free_host", 1);
-    void *p = NULL;
-    RT_ARG_OR(arg_ptr, 0, "host_ptr", p, BAD_HANDLE); /* not a pinned block: ACL_ERROR_RT_MEMORY_FREE */
-    aclError rc;
-    CALL_NOGIL(rc = aclrtFreeHost(p));
-    return ret_or_init_error(rc);
-}
+RT_ON_HANDLE(free_host, "host_ptr", aclrtFreeHost) /* BAD_HANDLE is no pinned block: ACL_ERROR_RT_MEMORY_FREE */
 
 static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -389,15 +407,7 @@ static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ss
     return ret_u64((uintptr_t)handle, rc);
 }
 
-static PyObject *rt_free_physical(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("free_physical", 1);
-    void *handle = NULL;
-    RT_ARG_OR(arg_ptr, 0, "handle", handle, BAD_HANDLE);
-    aclError rc;
-    CALL_NOGIL(rc = aclrtFreePhysical(handle));
-    return ret_or_init_error(rc);
-}
+RT_ON_HANDLE(free_physical, "handle", aclrtFreePhysical)
 
 static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -417,15 +427,7 @@ static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, P
     return ret_u64((uintptr_t)p, rc);
 }
 
-static PyObject *rt_release_mem_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("release_mem_address", 1);
-    void *p = NULL;
-    RT_ARG_OR(arg_ptr, 0, "vir_ptr", p, BAD_HANDLE);
-    aclError rc;
-    CALL_NOGIL(rc = aclrtReleaseMemAddress(p));
-    return ret_or_init_error(rc);
-}
+RT_ON_HANDLE(release_mem_address, "vir_ptr", aclrtReleaseMemAddress)
 
 static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -442,15 +444,7 @@ static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t na
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_unmap_mem(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("unmap_mem", 1);
-    void *p = NULL;
-    RT_ARG_OR(arg_ptr, 0, "vir_ptr", p, BAD_HANDLE);
-    aclError rc;
-    CALL_NOGIL(rc = aclrtUnmapMem(p));
-    return ret_or_init_error(rc);
-}
+RT_ON_HANDLE(unmap_mem, "vir_ptr", aclrtUnmapMem)
 
 /* ---- streams ---- */
 
@@ -463,25 +457,9 @@ static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssiz
     return ret_u64((uintptr_t)stream, rc);
 }
 
-static PyObject *rt_destroy_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("destroy_stream", 1);
-    void *stream = NULL;
-    RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
-    aclError rc;
-    CALL_NOGIL(rc = aclrtDestroyStream(stream)); /* waits for the stream's queued work */
-    return ret_or_init_error(rc);
-}
+RT_ON_HANDLE(destroy_stream, "stream", aclrtDestroyStream) /* waits for the stream's queued work */
 
-static PyObject *rt_synchronize_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("synchronize_stream", 1);
-    void *stream = NULL;
-    RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
-    aclError rc;
-    CALL_NOGIL(rc = aclrtSynchronizeStream(stream));
-    return ret_or_init_error(rc);
-}
+RT_ON_HANDLE(synchronize_stream, "stream", aclrtSynchronizeStream)
 
 static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -661,13 +639,7 @@ static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize
     return ret_u64((uintptr_t)event, rc);
 }
 
-static PyObject *rt_destroy_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("destroy_event", 1);
-    void *event = NULL;
-    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
-    return ret_or_init_error(aclrtDestroyEvent(event));
-}
+RT_ON_HANDLE(destroy_event, "event", aclrtDestroyEvent)
 
 static PyObject *rt_record_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -698,15 +670,7 @@ static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py
     return ret_i64(status, rc);
 }
 
-static PyObject *rt_synchronize_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    RT_BEGIN("synchronize_event", 1);
-    void *event = NULL;
-    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
-    aclError rc;
-    CALL_NOGIL(rc = aclrtSynchronizeEvent(event));
-    return ret_or_init_error(rc);
-}
+RT_ON_HANDLE(synchronize_event, "event", aclrtSynchronizeEvent)
 
 static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
