@@ -13,46 +13,7 @@
 #include "npualloc.h"
 #include "npualloc_graph.h"
 #include "pyarg.h"
-
-/* Declares `fn`, checks the argument count. */
-#define RT_BEGIN(name, n)                                                                                          \
-    static const char fn[] = "acl.rt." name;                                                                       \
-    (void)self;                                                                                                    \
-    if (!check_nargs(fn, nargs, (n)))                                                                              \
-        return NULL
-
-/* Converts argument i with conv into var; a TypeError returns NULL, a bad value sets `bad`. */
-#define RT_ARG(conv, i, argname, var)                                                                              \
-    do {                                                                                                           \
-        int conv_rc_ = conv(args[i], fn, argname, &(var));                                                         \
-        if (conv_rc_ == ARG_TYPE_ERROR)                                                                            \
-            return NULL;                                                                                           \
-        if (conv_rc_ == ARG_OUT_OF_RANGE)                                                                          \
-            bad = true;                                                                                            \
-    } while (0)
-
-/* Like RT_ARG, but a value out of range becomes `sentinel`: an invalid value of the C type
- * that the C function rejects with its own code, in its own order of checks. */
-#define RT_ARG_OR(conv, i, argname, var, sentinel)                                                                 \
-    do {                                                                                                           \
-        int conv_rc_ = conv(args[i], fn, argname, &(var));                                                         \
-        if (conv_rc_ == ARG_TYPE_ERROR)                                                                            \
-            return NULL;                                                                                           \
-        if (conv_rc_ == ARG_OUT_OF_RANGE)                                                                          \
-            (var) = (sentinel);                                                                                    \
-    } while (0)
-
-/* A pointer or handle no live object can have (handles carry a table tag in their top byte,
- * and no tag is 0xFF): lookups of it fail with the function's own "not found" code. */
-#define BAD_HANDLE ((void *)(uintptr_t)UINT64_MAX)
-/* An invalid device id. */
-#define BAD_DEVICE (-1)
-
-#define CALL_NOGIL(stmt)                                                                                           \
-    do {                                                                                                           \
-        Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
-        Py_END_ALLOW_THREADS                                                                                       \
-    } while (0)
+#include "rt_binding.h"
 
 /* The functions of one pointer or handle argument that return only `ret`.  A value out of range
  * becomes BAD_HANDLE, which the C function rejects with its own code; the call releases the GIL
@@ -693,8 +654,6 @@ static PyObject *rt_stream_wait_event(PyObject *self, PyObject *const *args, Py_
     RT_ARG_OR(arg_ptr, 1, "event", event, BAD_HANDLE);
     return ret_or_init_error(aclrtStreamWaitEvent(stream, event));
 }
-
-#define RT_METHOD(name) {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL, NULL}
 
 static PyMethodDef rt_methods[] = {
     RT_METHOD(set_device),

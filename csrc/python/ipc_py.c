@@ -14,30 +14,7 @@
 #include "ipc.h"
 #include "npualloc.h"
 #include "pyarg.h"
-
-#define RT_BEGIN(name, n)                                                                                          \
-    static const char fn[] = "acl.rt." name;                                                                       \
-    (void)self;                                                                                                    \
-    if (!check_nargs(fn, nargs, (n)))                                                                              \
-        return NULL
-
-/* Converts argument i; a TypeError returns NULL, an out-of-range value becomes `sentinel`. */
-#define RT_ARG_OR(conv, i, argname, var, sentinel)                                                                 \
-    do {                                                                                                           \
-        int conv_rc_ = conv(args[i], fn, argname, &(var));                                                         \
-        if (conv_rc_ == ARG_TYPE_ERROR)                                                                            \
-            return NULL;                                                                                           \
-        if (conv_rc_ == ARG_OUT_OF_RANGE)                                                                          \
-            (var) = (sentinel);                                                                                    \
-    } while (0)
-
-#define CALL_NOGIL(stmt)                                                                                           \
-    do {                                                                                                           \
-        Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
-        Py_END_ALLOW_THREADS                                                                                       \
-    } while (0)
-
-#define BAD_HANDLE ((void *)(uintptr_t)UINT64_MAX)
+#include "rt_binding.h"
 
 /* A pid list: pyACL wants a list (ValueError otherwise); items are ints (TypeError otherwise).
  * Returns a PyMem buffer (NULL with an exception); *n receives the count; *bad is set when an
@@ -198,8 +175,6 @@ static PyObject *rt_ipc_mem_close(PyObject *self, PyObject *const *args, Py_ssiz
     CALL_NOGIL(rc = aclrtIpcMemClose(key));
     return ret_or_init_error(rc);
 }
-
-#define RT_METHOD(name) {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL, NULL}
 
 static PyMethodDef ipc_rt_methods[] = {
     RT_METHOD(mem_export_to_shareable_handle),
