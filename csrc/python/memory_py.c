@@ -1698,22 +1698,23 @@ static PyObject *m_stream_destroy(PyObject *self, PyObject *const *args, Py_ssiz
     return PyLong_FromLong(rc);
 }
 
-/* Runs `op` on stream `h` of device `dev`: a default stream (0) needs its device current. */
+/* Runs `op` on stream `h` of device `dev` (args[0], args[1]): a default stream (0) needs its
+ * device current.  `fn` (the ACL function's name) names it in errors.  Returns 0, or -1 with an
+ * exception set. */
 typedef aclError (*stream_op)(aclrtStream s, void *ctx);
 
-static PyObject *on_stream(PyObject *const *args, Py_ssize_t nargs, const char *fn, stream_op op, void *ctx,
-                           bool nogil)
+static int on_stream(PyObject *const *args, Py_ssize_t nargs, const char *fn, stream_op op, void *ctx, bool nogil)
 {
     if (nargs < 2) {
         PyErr_Format(PyExc_TypeError, "%s() takes at least 2 arguments", fn);
-        return NULL;
+        return -1;
     }
     uint64_t h;
     int32_t dev, prev = -1;
     if (as_u64(args[0], fn, "stream", &h) < 0 || as_i32(args[1], fn, "device", &dev) < 0)
-        return NULL;
+        return -1;
     if (h == 0 && enter_device(dev, &prev) < 0)
-        return NULL;
+        return -1;
     aclError rc;
     if (nogil) {
         Py_BEGIN_ALLOW_THREADS
@@ -1725,11 +1726,10 @@ static PyObject *on_stream(PyObject *const *args, Py_ssize_t nargs, const char *
     if (h == 0)
         restore_device(dev, prev);
     if (rc != ACL_SUCCESS) {
-        char what[64];
-        snprintf(what, sizeof what, "%s", fn);
-        return raise_acl(what, rc);
+        raise_acl(fn, rc);
+        return -1;
     }
-    return NULL; /* the caller builds the result */
+    return 0;
 }
 
 static aclError op_sync(aclrtStream s, void *ctx)
@@ -1741,8 +1741,7 @@ static aclError op_sync(aclrtStream s, void *ctx)
 static PyObject *m_stream_synchronize(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    on_stream(args, nargs, "aclrtSynchronizeStream", op_sync, NULL, true);
-    if (PyErr_Occurred())
+    if (on_stream(args, nargs, "aclrtSynchronizeStream", op_sync, NULL, true) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1765,38 +1764,34 @@ static PyObject *m_stream_query(PyObject *self, PyObject *const *args, Py_ssize_
     return PyBool_FromLong(done);
 }
 
-static aclError op_wait_event(aclrtStream s, void *ctx) { return aclrtStreamWaitEvent(s, ctx); }
-
-/* _stream_wait_event(stream, device, event) */
-static PyObject *m_stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* name(stream, device, event): op with the event on the stream. */
+static PyObject *event_on_stream(PyObject *const *args, Py_ssize_t nargs, const char *name, const char *acl_name,
+                                 stream_op op)
 {
-    (void)self;
-    if (!check_count("_stream_wait_event", nargs, 3))
+    if (!check_count(name, nargs, 3))
         return NULL;
     uint64_t e;
-    if (as_u64(args[2], "_stream_wait_event", "event", &e) < 0)
+    if (as_u64(args[2], name, "event", &e) < 0)
         return NULL;
-    on_stream(args, nargs, "aclrtStreamWaitEvent", op_wait_event, (void *)(uintptr_t)e, false);
-    if (PyErr_Occurred())
+    if (on_stream(args, nargs, acl_name, op, (void *)(uintptr_t)e, false) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
+static aclError op_wait_event(aclrtStream s, void *ctx) { return aclrtStreamWaitEvent(s, ctx); }
+
+static PyObject *m_stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    return event_on_stream(args, nargs, "_stream_wait_event", "aclrtStreamWaitEvent", op_wait_event);
+}
+
 static aclError op_record(aclrtStream s, void *ctx) { return aclrtRecordEvent(ctx, s); }
 
-/* _event_record(stream, device, event) */
 static PyObject *m_event_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_event_record", nargs, 3))
-        return NULL;
-    uint64_t e;
-    if (as_u64(args[2], "_event_record", "event", &e) < 0)
-        return NULL;
-    on_stream(args, nargs, "aclrtRecordEvent", op_record, (void *)(uintptr_t)e, false);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_NONE;
+    return event_on_stream(args, nargs, "_event_record", "aclrtRecordEvent", op_record);
 }
 
 static PyObject *m_event_create(PyObject *self, PyObject *unused)
