@@ -140,14 +140,8 @@ int block_pool_prepare(block_pool *p, uint64_t stream)
 {
     if (likely(bins_of(p, stream) != NULL))
         return 0;
-    if (p->stream_count == p->stream_capacity) {
-        size_t cap = p->stream_capacity ? p->stream_capacity * 2 : 2;
-        stream_bins **grown = realloc(p->streams, cap * sizeof *grown);
-        if (!grown)
-            return -1;
-        p->streams = grown;
-        p->stream_capacity = cap;
-    }
+    if (!ARRAY_RESERVE(p->streams, p->stream_capacity, p->stream_count + 1, 2))
+        return -1;
     stream_bins *sb = calloc(1, sizeof *sb); /* zeroed trees and bitmaps are empty ones */
     if (!sb)
         return -1;

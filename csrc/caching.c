@@ -51,14 +51,8 @@ void cache_stats_reset_peak(npualloc_stats *stats)
 /* Adds a chunk of spare block structs; false when out of host memory. */
 static bool add_spare_blocks(device_cache *dc)
 {
-    if (dc->chunk_count == dc->chunk_capacity) {
-        size_t cap = dc->chunk_capacity ? dc->chunk_capacity * 2 : 16;
-        void **chunks = realloc(dc->chunks, cap * sizeof *chunks);
-        if (!chunks)
-            return false;
-        dc->chunks = chunks;
-        dc->chunk_capacity = cap;
-    }
+    if (!ARRAY_RESERVE(dc->chunks, dc->chunk_capacity, dc->chunk_count + 1, 16))
+        return false;
     cache_block *chunk = calloc(BLOCKS_PER_CHUNK, sizeof *chunk);
     if (!chunk)
         return false;
@@ -250,14 +244,8 @@ static event_queue *queue_for(device_cache *dc, uint64_t stream_id)
     for (size_t i = 0; i < dc->queue_count; i++)
         if (dc->queues[i].stream_id == stream_id)
             return &dc->queues[i];
-    if (dc->queue_count == dc->queue_capacity) {
-        size_t cap = dc->queue_capacity ? dc->queue_capacity * 2 : 4;
-        event_queue *q = realloc(dc->queues, cap * sizeof *q);
-        if (!q)
-            return NULL;
-        dc->queues = q;
-        dc->queue_capacity = cap;
-    }
+    if (!ARRAY_RESERVE(dc->queues, dc->queue_capacity, dc->queue_count + 1, 4))
+        return NULL;
     event_queue *q = &dc->queues[dc->queue_count++];
     q->stream_id = stream_id;
     q->head = q->tail = NULL;
@@ -916,15 +904,9 @@ void cache_free_locked(device_cache *dc, cache_block *b)
         cache_stat_one_dec(&dc->stats.oversize_allocations, 1);
     if (b->use_count > 0 && dc->route_count > 0) {
         /* During a capture events cannot be recorded: they are inserted when it ends. */
-        if (dc->deferred_count == dc->deferred_capacity) {
-            size_t cap = dc->deferred_capacity ? dc->deferred_capacity * 2 : 8;
-            cache_block **grown = realloc(dc->deferred, cap * sizeof *grown);
-            if (!grown) { /* out of host memory: record the events now (correct, just early) */
-                insert_events(dc, b);
-                return;
-            }
-            dc->deferred = grown;
-            dc->deferred_capacity = cap;
+        if (!ARRAY_RESERVE(dc->deferred, dc->deferred_capacity, dc->deferred_count + 1, 8)) {
+            insert_events(dc, b); /* out of host memory: record the events now (correct, just early) */
+            return;
         }
         dc->deferred[dc->deferred_count++] = b;
     } else if (b->use_count > 0) {
@@ -1137,15 +1119,9 @@ aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id)
 /* Appends a route to the pool, taking a reference for it. */
 static aclError add_route(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter, uint64_t value)
 {
-    if (dc->route_count == dc->route_capacity) {
-        size_t cap = dc->route_capacity ? dc->route_capacity * 2 : 4;
-        pool_route *grown = realloc(dc->routes, cap * sizeof *grown);
-        if (!grown) {
-            cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for a pool route");
-            return ACL_ERROR_BAD_ALLOC;
-        }
-        dc->routes = grown;
-        dc->route_capacity = cap;
+    if (!ARRAY_RESERVE(dc->routes, dc->route_capacity, dc->route_count + 1, 4)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for a pool route");
+        return ACL_ERROR_BAD_ALLOC;
     }
     aclError rc = cache_pool_create_locked(dc, id); /* creates, or takes a reference */
     if (rc != ACL_SUCCESS)
@@ -1253,15 +1229,9 @@ typedef struct head_list {
 
 static void head_push(head_list *l, cache_block *b)
 {
-    if (l->count == l->capacity) {
-        size_t cap = l->capacity ? l->capacity * 2 : 64;
-        cache_block **items = realloc(l->items, cap * sizeof *items);
-        if (!items) {
-            l->failed = true;
-            return;
-        }
-        l->items = items;
-        l->capacity = cap;
+    if (!ARRAY_RESERVE(l->items, l->capacity, l->count + 1, 64)) {
+        l->failed = true;
+        return;
     }
     l->items[l->count++] = b;
 }

@@ -85,15 +85,9 @@ static uint64_t take_cached_page(device_cache *dc, size_t size)
 
 static void keep_cached_page(device_cache *dc, uint64_t handle, size_t size)
 {
-    if (dc->cached_page_count == dc->cached_page_capacity) {
-        size_t cap = dc->cached_page_capacity ? dc->cached_page_capacity * 2 : 16;
-        cached_page *grown = realloc(dc->cached_pages, cap * sizeof *grown);
-        if (!grown) { /* out of host memory: free the page instead of keeping it */
-            dc->backend->free_page(dc->backend_ctx, dc->device, handle);
-            return;
-        }
-        dc->cached_pages = grown;
-        dc->cached_page_capacity = cap;
+    if (!ARRAY_RESERVE(dc->cached_pages, dc->cached_page_capacity, dc->cached_page_count + 1, 16)) {
+        dc->backend->free_page(dc->backend_ctx, dc->device, handle); /* out of host memory: not kept */
+        return;
     }
     dc->cached_pages[dc->cached_page_count++] = (cached_page){handle, size};
 }

@@ -2,8 +2,11 @@
 #ifndef NPUALLOC_COMMON_H
 #define NPUALLOC_COMMON_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define likely(x) __builtin_expect(!!(x), 1)
 #define unlikely(x) __builtin_expect(!!(x), 0)
@@ -19,5 +22,32 @@ static inline size_t round_up(size_t x, size_t align) { return (x + align - 1) /
 
 /* True when x + y would overflow size_t. */
 static inline int add_overflows(size_t x, size_t y) { return x > SIZE_MAX - y; }
+
+/* Makes room for `need` items of `elem` bytes in a growable array: `array` is the address of the
+ * array's pointer (any object pointer type), *cap its capacity, which doubles from `first`.
+ * False when out of memory or the size would overflow; the array is then unchanged.  The
+ * pointer is read and written with memcpy, not through a void ** (which would break aliasing). */
+static inline bool array_reserve(void *array, size_t *cap, size_t need, size_t elem, size_t first)
+{
+    if (need <= *cap)
+        return true;
+    size_t n = *cap ? *cap : first;
+    while (n < need) {
+        if (n > SIZE_MAX / 2)
+            return false;
+        n *= 2;
+    }
+    if (n > SIZE_MAX / elem)
+        return false;
+    void *items;
+    memcpy(&items, array, sizeof items);
+    items = realloc(items, n * elem);
+    if (!items)
+        return false;
+    memcpy(array, &items, sizeof items);
+    *cap = n;
+    return true;
+}
+#define ARRAY_RESERVE(arr, cap, need, first) array_reserve(&(arr), &(cap), (need), sizeof *(arr), (first))
 
 #endif

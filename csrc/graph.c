@@ -230,22 +230,7 @@ const char *npualloc_graph_last_error(void) { return last_err; }
 
 bool npualloc_graph_capture_active_hint(void) { return graph_capture_active(); }
 
-static bool grow(void **items, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return true;
-    size_t c = *cap ? *cap : 8;
-    while (c < need)
-        c *= 2;
-    void *p = realloc(*items, c * elem);
-    if (!p)
-        return false;
-    *items = p;
-    *cap = c;
-    return true;
-}
-
-#define GROW(arr, cap, need) grow((void **)&(arr), &(cap), (need), sizeof *(arr))
+#define GROW(arr, cap, need) ARRAY_RESERVE(arr, cap, need, 8)
 
 static bool graph_stale(const npualloc_graph *g) { return g->gen != npualloc_runtime_generation(); }
 

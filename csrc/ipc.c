@@ -459,16 +459,8 @@ static aclError add_pids(export_entry *e, const int32_t *pids, size_t n)
 {
     if (e->pid_count + n > MAX_PIDS_PER_EXPORT)
         return ACL_ERROR_RT_PARAM_INVALID;
-    if (e->pid_count + n > e->pid_cap) {
-        size_t cap = e->pid_cap ? e->pid_cap : 8;
-        while (cap < e->pid_count + n)
-            cap *= 2;
-        pid_grant *grown = realloc(e->pids, cap * sizeof *grown);
-        if (!grown)
-            return ACL_ERROR_RT_MEMORY_ALLOCATION;
-        e->pids = grown;
-        e->pid_cap = cap;
-    }
+    if (!ARRAY_RESERVE(e->pids, e->pid_cap, e->pid_count + n, 8))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     uint64_t now = boot_ticks_now();
     for (size_t i = 0; i < n; i++) {
         /* The process that has the pid now; a pid nobody has yet admits no process started
@@ -613,14 +605,8 @@ static aclError serve_open(client *c, const uint8_t token[16])
     device_cache *dc = dev >= 0 ? cache_device(dev) : NULL;
     if (!dc)
         return ACL_ERROR_RT_INVALID_HANDLE;
-    if (c->pin_count == c->pin_cap) {
-        size_t cap = c->pin_cap ? c->pin_cap * 2 : 4;
-        client_pin *grown = realloc(c->pins, cap * sizeof *grown);
-        if (!grown)
-            return ACL_ERROR_RT_MEMORY_ALLOCATION;
-        c->pins = grown;
-        c->pin_cap = cap;
-    }
+    if (!ARRAY_RESERVE(c->pins, c->pin_cap, c->pin_count + 1, 4))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     aclError rc = ACL_SUCCESS;
     cache_lock_acquire(&dc->lock); /* lock order: device cache, then ipc */
     pthread_mutex_lock(&ipc.lock);

@@ -121,14 +121,8 @@ static void sim_release(void *ctx, int32_t device, uintptr_t base, size_t size)
 {
     (void)device;
     sim_device *s = ctx;
-    if (s->released_count == s->released_capacity) {
-        size_t cap = s->released_capacity ? 2 * s->released_capacity : 8;
-        struct sim_range *grown = realloc(s->released, cap * sizeof *grown);
-        if (!grown)
-            return; /* out of host memory: the range is not reused */
-        s->released = grown;
-        s->released_capacity = cap;
-    }
+    if (!ARRAY_RESERVE(s->released, s->released_capacity, s->released_count + 1, 8))
+        return; /* out of host memory: the range is not reused */
     s->released[s->released_count++] = (struct sim_range){base, round_up(size, GiB)};
 }
 

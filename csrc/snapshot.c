@@ -1,30 +1,18 @@
 /* snapshot.c - see snapshot.h. */
 #include "snapshot.h"
 
-#include <stdlib.h>
 #include <string.h>
 
-/* Makes room for `need` items in *items (doubling); false when out of memory. */
-static bool grow_array(void **items, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return true;
-    size_t n = *cap ? *cap * 2 : 64;
-    while (n < need)
-        n *= 2;
-    void *p = realloc(*items, n * elem);
-    if (!p)
-        return false;
-    *items = p;
-    *cap = n;
-    return true;
-}
+#include "common.h"
+
+/* Room for `need` items in one of the snapshot's arrays. */
+#define RESERVE(arr, cap, need) ARRAY_RESERVE(arr, cap, need, 64)
 
 /* Starts a snapshot segment at block b (the first of a mapped run). */
 static npualloc_segment_info *begin_segment(snapshot_builder *sb, const device_cache *dc, const cache_block *b)
 {
     npualloc_snapshot *s = sb->snap;
-    if (!grow_array((void **)&s->segments, &sb->segment_cap, s->segment_count + 1, sizeof *s->segments))
+    if (!RESERVE(s->segments, sb->segment_cap, s->segment_count + 1))
         return NULL;
     npualloc_segment_info *seg = &s->segments[s->segment_count++];
     memset(seg, 0, sizeof *seg);
@@ -48,7 +36,7 @@ static npualloc_segment_info *begin_segment(snapshot_builder *sb, const device_c
 static bool add_block(snapshot_builder *sb, npualloc_segment_info *seg, const cache_block *b)
 {
     npualloc_snapshot *s = sb->snap;
-    if (!grow_array((void **)&s->blocks, &sb->block_cap, s->block_count + 1, sizeof *s->blocks))
+    if (!RESERVE(s->blocks, sb->block_cap, s->block_count + 1))
         return false;
     npualloc_block_info *bi = &s->blocks[s->block_count++];
     memset(bi, 0, sizeof *bi);
@@ -95,7 +83,7 @@ static void add_segment(cache_block *head, void *ctx)
 static bool add_traces(snapshot_builder *sb, const device_cache *dc)
 {
     npualloc_snapshot *s = sb->snap;
-    if (!grow_array((void **)&s->traces, &sb->trace_cap, s->trace_count + dc->history_count, sizeof *s->traces))
+    if (!RESERVE(s->traces, sb->trace_cap, s->trace_count + dc->history_count))
         return false;
     /* The ring is oldest-first starting at history_next once it wrapped. */
     for (size_t i = 0; i < dc->history_count; i++) {
