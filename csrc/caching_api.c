@@ -335,6 +335,11 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
     pthread_mutex_lock(&api_lock);
     init_caches();
     load_settings();
+    if (settings_error.status != CONF_OK) { /* as torch_npu: no settings to report, the same error again */
+        pthread_mutex_unlock(&api_lock);
+        cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+        return ACL_ERROR_INVALID_PARAM;
+    }
     /* Settings change with every device lock held: holding one is enough to read them. */
     cache_lock_acquire(&caches[0].lock);
     const alloc_settings *s = &cache_settings;

@@ -1369,13 +1369,9 @@ static PyObject *m_snapshot(PyObject *self, PyObject *unused)
     aclError rc = aclrtGetDeviceCount(&count);
     if (rc != ACL_SUCCESS)
         return raise_acl("aclrtGetDeviceCount", rc);
-    PyObject *settings = settings_dict();
-    if (!settings) {
-        PyErr_Clear();
-        settings = PyDict_New();
-        if (!settings)
-            return NULL;
-    }
+    PyObject *settings = settings_dict(); /* a malformed PYTORCH_NPU_ALLOC_CONF raises here, as torch_npu */
+    if (!settings)
+        return NULL;
     npualloc_snapshot *snap = NULL;
     LOCKING_CALL(rc = npualloc_cache_snapshot(&snap));
     if (rc != ACL_SUCCESS) {
