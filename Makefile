@@ -74,6 +74,7 @@ ext: deps
 	$(PYTHON) setup.py -q build_ext --inplace
 
 pytest: ext
+	@PYTHON=$(PYTHON) bash tools/ensure-deps.sh test
 	$(PYTHON) -m pytest -q tests
 
 # The C tests (release, ASan+UBSan, valgrind memcheck), the Python suite, the fuzzers for a few seconds

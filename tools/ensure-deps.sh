@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the build and the tests need, only when it is missing.
 set -eu
-# `ensure-deps.sh bench` also installs the allocators the benchmarks compare with.
+# `ensure-deps.sh bench` also installs the allocators the benchmarks compare with;
+# `ensure-deps.sh test` also installs PyTorch 2.13 (CPU) when its wheel lies on this machine's disk, for
+# the optional compatibility test (tests/test_history_viz.py: torch's memory viewer reads our snapshots).
 want=(libcmocka-dev python3-dev gcc make)
 [ "${1:-}" = bench ] && want+=(libjemalloc-dev libmimalloc-dev)
 debs=()
@@ -22,4 +24,12 @@ done
 if [ ${#pips[@]} -gt 0 ]; then
   echo "installing Python packages: ${pips[*]}"
   "$PYTHON" -m pip install -q "${pips[@]}"
+fi
+if [ "${1:-}" = test ] && ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" 2>/dev/null; then
+  # Only from a local file (--no-index keeps pip's find-links): never a multi-GB download from PyPI.
+  if "$PYTHON" -m pip install -q --dry-run --no-index --no-deps torch==2.13.0 >/dev/null 2>&1; then
+    echo "installing torch 2.13.0 (CPU, from the local wheel) for the optional compatibility test"
+    "$PYTHON" -m pip install -q torch==2.13.0 >/dev/null 2>&1 ||
+      echo "torch could not be installed: tests/test_history_viz.py will be skipped"
+  fi
 fi
