@@ -1,0 +1,101 @@
+"""Testing code that uses npualloc: a fresh virtual NPU per test, with the allocator settings you choose.
+
+The caching allocator reads ``PYTORCH_NPU_ALLOC_CONF`` once, at its first use, and the devices are
+configured once, before their first use.  To try several settings in one process (one per test, or one
+per cell of a notebook), restart the runtime in between::
+
+    from npualloc.testing import restart
+
+    restart("expandable_segments:True", device_memory="8GiB")
+    ...                                   # the allocator runs with these settings
+    restart("max_split_size_mb:128")      # everything released; new settings
+
+With pytest, enable the plugin in a ``conftest.py``::
+
+    pytest_plugins = ["npualloc.testing"]
+
+    def test_fragmentation(npualloc_runtime):
+        npualloc_runtime("max_split_size_mb:128", device_memory="8GiB")
+        ...
+
+The ``npualloc_runtime`` fixture restarts the runtime before the test (allocator defaults, the
+``NPUALLOC_*`` device configuration), hands the test ``restart`` to choose other settings, and after the
+test checks every device's allocator invariants (a broken invariant fails the test), forgets OOM observers,
+restores the environment variables it changed and releases everything.
+"""
+import os
+
+from . import _C, configure, memory
+
+__all__ = ["restart", "check_invariants", "npualloc_runtime"]
+
+_ALLOC_VARS = ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_NPU_MEMORY_CACHING")
+
+
+def restart(alloc_conf="", *, no_caching=False, device_count=None, device_memory=None, huge_memory=None,
+            huge1g_memory=None, ddr_memory=None):
+    """Releases the whole virtual runtime and starts it again with these settings.
+
+    Every pointer, stream, event, handle and ``Buffer`` of the old runtime becomes invalid (the Python
+    objects turn stale; freeing them does nothing).  ``alloc_conf`` becomes ``PYTORCH_NPU_ALLOC_CONF``
+    ("" is the allocator's defaults; ``PYTORCH_ALLOC_CONF`` is removed) and ``no_caching`` sets
+    ``PYTORCH_NO_NPU_MEMORY_CACHING``: both stay in ``os.environ``, as if set before the first use.
+    The device values are those of :func:`npualloc.configure`; the ones not given come from the
+    ``NPUALLOC_*`` environment or the defaults.  The settings are parsed at once: a malformed
+    ``alloc_conf`` raises here (``ValueError`` or ``RuntimeError``, with torch_npu's message) and leaves
+    the runtime stopped, its variables cleared.
+    """
+    if not isinstance(alloc_conf, str):
+        raise TypeError(f"restart() argument 'alloc_conf' must be str, not {type(alloc_conf).__name__}")
+    _C.shutdown()
+    for var in _ALLOC_VARS:
+        os.environ.pop(var, None)
+    if alloc_conf:
+        os.environ["PYTORCH_NPU_ALLOC_CONF"] = alloc_conf
+    if no_caching:
+        os.environ["PYTORCH_NO_NPU_MEMORY_CACHING"] = "1"
+    try:
+        configure(device_count=device_count, device_memory=device_memory, huge_memory=huge_memory,
+                  huge1g_memory=huge1g_memory, ddr_memory=ddr_memory)
+        memory._snapshot()  # starts the runtime and reads the settings: a bad one raises now
+    except BaseException:
+        _C.shutdown()
+        for var in _ALLOC_VARS:
+            os.environ.pop(var, None)
+        raise
+
+
+def check_invariants():
+    """Checks the caching allocator's invariants on every device of a running runtime (blocks tile their
+    segments, free blocks are indexed, stats match the blocks, ...).  Raises ``AssertionError`` naming
+    the first broken one; does nothing when the runtime is not running."""
+    if not memory.is_initialized():
+        return
+    for device in range(memory.device_count()):
+        memory._check(device)
+
+
+try:
+    import pytest
+except ImportError:  # the plugin needs pytest; restart() and check_invariants() do not
+    pytest = None
+
+if pytest is not None:
+    @pytest.fixture
+    def npualloc_runtime():
+        """A freshly restarted runtime for the test; call it to restart with other settings
+        (the arguments of :func:`restart`).  Afterwards: invariants checked, everything released,
+        the allocator variables as they were before the test."""
+        saved = {var: os.environ.get(var) for var in _ALLOC_VARS}
+        try:
+            restart()
+            yield restart
+            check_invariants()
+        finally:
+            memory._clear_out_of_memory_observers()
+            _C.shutdown()
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
