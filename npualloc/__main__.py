@@ -253,8 +253,8 @@ def cmd_demo(args):
         raise CliError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
     gen_memory = _parse_memory(args.device_memory)
     print("npualloc allocator lab: which PYTORCH_NPU_ALLOC_CONF wastes the least memory on a workload?")
-    print(f"Each setting replays the same trace through npualloc's caching allocator (torch_npu's algorithm) on a "
-          f"simulated device;\nfragmentation = 1 - peak active / peak reserved (GMLake).\n")
+    print("Each setting replays the same trace through npualloc's caching allocator (torch_npu's algorithm) on a "
+          "simulated device;\nfragmentation = 1 - peak active / peak reserved (GMLake).\n")
 
     # 1. the built-in workload
     snap = workload.transformer_trace(args.size, seed=args.seed)

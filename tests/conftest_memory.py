@@ -102,13 +102,14 @@ def check_all():
         npualloc.memory._check(d)
 
 
-def run_python(code, env=None, timeout=60):
-    """Runs `code` in a fresh interpreter importing this checkout, without PYTORCH_*/NPUALLOC_* variables."""
+def run_python(code, env=None, timeout=60, args=()):
+    """Runs `code` (with sys.argv[1:] = args) in a fresh interpreter importing this checkout, without
+    PYTORCH_*/NPUALLOC_* variables: 2 devices of 1 GiB unless `env` says otherwise."""
     full_env = {k: v for k, v in os.environ.items()
                 if not k.startswith("NPUALLOC_") and k not in ALLOC_VARS and k != "TORCH_NPU_COMPACT_ERROR_OUTPUT"}
     full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env["NPUALLOC_DEVICE_COUNT"] = "2"
     full_env["NPUALLOC_DEVICE_MEMORY"] = "1GiB"
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)

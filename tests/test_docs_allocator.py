@@ -2,33 +2,18 @@
 claims with assert), the settings table lists exactly the keys the PYTORCH_NPU_ALLOC_CONF parser accepts, and
 its "example", "run time" and "shown as" columns say what the parser really does with each key."""
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest_memory import run_python
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "allocator.md"
 PARSER = ROOT / "csrc" / "alloc_conf.c"
-ALLOC_VARS = ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_NPU_MEMORY_CACHING")
 
 EXAMPLES = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), re.S | re.M)
-
-
-def run_python(code, env=None, args=()):
-    """Runs `code` in a fresh interpreter importing this checkout: a small virtual device, none of the caller's
-    PYTORCH_* / NPUALLOC_* variables."""
-    full_env = {k: v for k, v in os.environ.items()
-                if not k.startswith("NPUALLOC_") and k not in ALLOC_VARS and k != "TORCH_NPU_COMPACT_ERROR_OUTPUT"}
-    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env["NPUALLOC_DEVICE_COUNT"] = "1"
-    full_env["NPUALLOC_DEVICE_MEMORY"] = "1GiB"
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=60)
 
 
 # ---- the examples ----

@@ -16,7 +16,6 @@ import threading
 import pytest
 
 import npualloc
-from npualloc import _C
 from conftest_memory import GiB, MiB, mem  # noqa: F401
 
 memory = npualloc.memory

@@ -10,8 +10,6 @@ import os
 import pickle
 import random
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import threading

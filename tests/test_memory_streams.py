@@ -5,7 +5,6 @@ import time
 import pytest
 
 import npualloc
-from npualloc import _C
 from conftest_memory import MiB, block_of, check_all, layout, mem, segment_of  # noqa: F401
 
 alloc = npualloc.caching_allocator_alloc
