@@ -175,7 +175,7 @@ def init(config_path=None):
 def finalize():
     """``ret = acl.finalize()``: ends what ``acl.init`` began; ACL_ERROR_REPEAT_FINALIZE without it.
 
-    Memory, streams and events stay valid (``npualloc._C.shutdown()`` releases them).
+    Memory, streams and events stay valid (``npualloc.testing.restart()`` releases them and starts afresh).
     """
     return _C.acl.finalize()
 
