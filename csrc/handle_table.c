@@ -90,10 +90,3 @@ void *handle_table_remove(handle_table *t, uint64_t handle)
     t->live--;
     return object;
 }
-
-void handle_table_each(const handle_table *t, void (*fn)(void *object, void *ctx), void *ctx)
-{
-    for (uint32_t i = 0; i < t->capacity; i++)
-        if (t->slots[i].object)
-            fn(t->slots[i].object, ctx);
-}

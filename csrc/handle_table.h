@@ -39,7 +39,5 @@ uint64_t handle_table_insert(handle_table *t, void *object);
 void *handle_table_get(const handle_table *t, uint64_t handle);
 /* Forgets `handle`; returns its object, or NULL if it was not live. */
 void *handle_table_remove(handle_table *t, uint64_t handle);
-/* Calls fn on every live object (fn must not modify the table). */
-void handle_table_each(const handle_table *t, void (*fn)(void *object, void *ctx), void *ctx);
 
 #endif

@@ -47,8 +47,6 @@ int host_fd_budget(void)
     return b;
 }
 
-void host_set_fd_budget(int budget) { atomic_store(&fd_budget, budget < 0 ? 0 : budget); }
-
 int host_fds_kept(void) { return atomic_load(&fds_kept); }
 
 /* Takes one unit of the descriptor budget, or reports that none is left. */

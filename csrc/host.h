@@ -72,6 +72,5 @@ void host_sleep_ns(uint64_t ns);
  * open-file limit), and how many are kept now. */
 int host_fd_budget(void);
 int host_fds_kept(void);
-void host_set_fd_budget(int budget);
 
 #endif

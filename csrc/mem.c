@@ -189,14 +189,6 @@ aclError aclrtFreeHost(void *hostPtr)
     return ACL_SUCCESS;
 }
 
-size_t mem_host_blocks_live(void)
-{
-    pthread_rwlock_rdlock(&host_lock);
-    size_t n = host_blocks.count;
-    pthread_rwlock_unlock(&host_lock);
-    return n;
-}
-
 /* With host_lock held: does [p, p + n) lie inside one pinned block? */
 static bool pinned_locked(const void *p, size_t n)
 {

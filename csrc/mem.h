@@ -18,9 +18,6 @@
 aclError mem_move_locked(void *dst, range_class dc, const void *src, range_class sc, size_t count);
 aclError mem_set_locked(void *dst, range_class dc, int value, size_t count);
 
-/* Live aclrtMallocHost blocks (for tests and leak checks). */
-size_t mem_host_blocks_live(void);
-
 void mem_atfork_prepare(void);
 void mem_atfork_parent(void);
 void mem_atfork_child(void);

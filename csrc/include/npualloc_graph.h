@@ -148,6 +148,7 @@ aclError npualloc_graph_instantiate(npualloc_graph *g, npualloc_graph_exec **out
 aclError npualloc_graph_launch(npualloc_graph_exec *e, aclrtStream stream, int32_t device);
 /* Waits for the launches, unmaps the graph's memory and frees the executable graph. */
 void npualloc_graph_exec_destroy(npualloc_graph_exec *e);
+/* The captured graph an executable graph was made from (NULL for NULL). */
 npualloc_graph *npualloc_graph_exec_graph(npualloc_graph_exec *e);
 
 /* Introspection (after capture). */

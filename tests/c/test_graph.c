@@ -139,6 +139,8 @@ static void test_diamond(void **state)
     /* Run it. */
     npualloc_graph_exec *e;
     assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_ptr_equal(npualloc_graph_exec_graph(e), g);
+    assert_null(npualloc_graph_exec_graph(NULL));
     assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
     assert_int_equal(npualloc_graph_launch(e, s1, 0), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(s1), ACL_SUCCESS);
