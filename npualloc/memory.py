@@ -315,15 +315,6 @@ def get_allocator_backend() -> str:
     return "native"
 
 
-def _stream_handle(stream):
-    from .streams import Stream
-    if isinstance(stream, Stream):
-        return stream.npu_stream
-    if isinstance(stream, int):
-        return stream
-    return None
-
-
 def record_stream(ptr, stream):
     """``tensor.record_stream(stream)`` for a pointer (or a Buffer): the block is reused only after
     the work queued on ``stream`` when it is freed has run."""
