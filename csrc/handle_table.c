@@ -9,17 +9,12 @@
 #define TAG_SHIFT 56
 #define GEN_MASK 0xFFFFFFFFu
 
-void handle_table_init(handle_table *t, uint8_t tag)
-{
-    memset(t, 0, sizeof *t);
-    t->tag = tag;
-}
-
 void handle_table_destroy(handle_table *t)
 {
     free(t->slots);
-    uint8_t tag = t->tag;
-    handle_table_init(t, tag);
+    uint8_t tag = t->tag; /* the table stays usable, empty, with its tag */
+    memset(t, 0, sizeof *t);
+    t->tag = tag;
 }
 
 static int grow(handle_table *t)

@@ -30,7 +30,6 @@ typedef struct handle_table {
 
 #define HANDLE_TABLE_MAX_SLOTS (1u << 24)
 
-void handle_table_init(handle_table *t, uint8_t tag);
 /* Frees the slot array (the objects are the owner's). */
 void handle_table_destroy(handle_table *t);
 /* Stores `object` and returns its handle, or 0 when out of memory or slots. */

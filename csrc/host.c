@@ -35,7 +35,7 @@ static int default_fd_budget(void)
     return (int)(rl.rlim_cur / 2);
 }
 
-int host_fd_budget(void)
+static int host_fd_budget(void)
 {
     int b = atomic_load(&fd_budget);
     if (b < 0) {
@@ -61,7 +61,7 @@ static bool take_fd_slot(void)
     return false;
 }
 
-size_t host_page_size(void)
+static size_t host_page_size(void)
 {
     static size_t page;
     if (!page)

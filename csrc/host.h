@@ -63,14 +63,12 @@ void host_free_pinned(void *p, size_t size);
 int host_move_checked(void *dst, const void *src, size_t n);
 int host_set_checked(void *dst, int value, size_t n);
 
-size_t host_page_size(void);
 uint64_t host_now_ns(void); /* CLOCK_MONOTONIC */
 int64_t host_epoch_us(void); /* microseconds since the Unix epoch (trace timestamps, as torch) */
 void host_sleep_ns(uint64_t ns);
 
-/* How many memory-file descriptors may be kept open (NPUALLOC_FD_BUDGET, default half of the
- * open-file limit), and how many are kept now. */
-int host_fd_budget(void);
+/* How many memory-file descriptors are kept open now (at most NPUALLOC_FD_BUDGET, default half of
+ * the open-file limit). */
 int host_fds_kept(void);
 
 #endif

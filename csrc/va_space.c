@@ -30,7 +30,7 @@ typedef struct va_slice {
 
 static struct {
     pthread_mutex_t lock;
-    _Atomic uintptr_t base; /* read without the lock by va_contains / va_device_of */
+    _Atomic uintptr_t base; /* read without the lock by va_device_of */
     _Atomic size_t size;
     /* ceil(2^64 / (slice size / VA_UNIT)), 0 while there is no window: va_device_of finds a
      * slice with a multiply instead of a 64-bit division (tens of cycles, on every free). */
@@ -254,8 +254,6 @@ void va_free(uintptr_t start, size_t size)
     }
     pthread_mutex_unlock(&va.lock);
 }
-
-bool va_contains(uintptr_t a) { return va_device_of(a) >= 0; }
 
 bool va_overlaps(uintptr_t a, size_t n)
 {

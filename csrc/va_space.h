@@ -32,8 +32,6 @@ int va_alloc(int32_t device, size_t size, size_t align, uintptr_t at, uintptr_t 
 int32_t va_device_of(uintptr_t a);
 /* Gives a range back; it must be inaccessible again (nothing mapped in it). */
 void va_free(uintptr_t start, size_t size);
-/* True when a lies inside the device address window. */
-bool va_contains(uintptr_t a);
 /* True when [a, a + n) overlaps the window. */
 bool va_overlaps(uintptr_t a, size_t n);
 /* The window (0, 0 before first use). */
