@@ -39,12 +39,11 @@ static inline bool array_reserve(void *array, size_t *cap, size_t need, size_t e
     }
     if (n > SIZE_MAX / elem)
         return false;
-    void *items;
+    void *items, *grown;
     memcpy(&items, array, sizeof items);
-    items = realloc(items, n * elem);
-    if (!items)
-        return false;
-    memcpy(array, &items, sizeof items);
+    if (!(grown = realloc(items, n * elem)))
+        return false; /* the old array stays in place */
+    memcpy(array, &grown, sizeof grown);
     *cap = n;
     return true;
 }
