@@ -151,7 +151,8 @@ aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen
         }
         c.device_count = (int32_t)n;
     }
-    bool huge_given = getenv("NPUALLOC_HUGE_MEMORY") && *getenv("NPUALLOC_HUGE_MEMORY");
+    const char *huge = getenv("NPUALLOC_HUGE_MEMORY");
+    bool huge_given = huge && *huge;
     if (env_size("NPUALLOC_DEVICE_MEMORY", &c.device_memory, err, errlen) ||
         env_size("NPUALLOC_HUGE_MEMORY", &c.huge_memory, err, errlen) ||
         env_size("NPUALLOC_HUGE1G_MEMORY", &c.huge1g_memory, err, errlen) ||
