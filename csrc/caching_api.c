@@ -279,6 +279,20 @@ static void init_caches(void)
     caches_ready = true;
 }
 
+/* Takes api_lock with the caches and the settings ready.  False (lock released, error set) while
+ * the environment's settings are malformed: every call reports that error again, as in torch_npu. */
+static bool lock_settings(void)
+{
+    pthread_mutex_lock(&api_lock);
+    init_caches();
+    load_settings();
+    if (settings_error.status == CONF_OK)
+        return true;
+    pthread_mutex_unlock(&api_lock);
+    cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+    return false;
+}
+
 /* Starts the runtime, the settings and the device's cache; NULL (error set) on failure. */
 static device_cache *cache_get(int32_t device)
 {
@@ -297,14 +311,8 @@ static device_cache *cache_get(int32_t device)
         return NULL;
     }
     device_cache *dc = &caches[device];
-    pthread_mutex_lock(&api_lock);
-    init_caches();
-    load_settings();
-    if (settings_error.status != CONF_OK) {
-        pthread_mutex_unlock(&api_lock);
-        cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+    if (!lock_settings())
         return NULL;
-    }
     cache_lock_acquire(&dc->lock);
     if (!dc->started) {
         cache_device_init(dc, device, &cache_settings, &cache_npu_backend, NULL, K_PAD_SIZE);
@@ -332,14 +340,8 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
         cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
         return ACL_ERROR_UNINITIALIZE;
     }
-    pthread_mutex_lock(&api_lock);
-    init_caches();
-    load_settings();
-    if (settings_error.status != CONF_OK) { /* as torch_npu: no settings to report, the same error again */
-        pthread_mutex_unlock(&api_lock);
-        cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+    if (!lock_settings())
         return ACL_ERROR_INVALID_PARAM;
-    }
     /* Settings change with every device lock held: holding one is enough to read them. */
     cache_lock_acquire(&caches[0].lock);
     const alloc_settings *s = &cache_settings;
@@ -378,14 +380,8 @@ aclError npualloc_cache_set_settings(const char *text)
         cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
         return ACL_ERROR_UNINITIALIZE;
     }
-    pthread_mutex_lock(&api_lock);
-    init_caches();
-    load_settings();
-    if (settings_error.status != CONF_OK) {
-        pthread_mutex_unlock(&api_lock);
-        cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+    if (!lock_settings())
         return ACL_ERROR_INVALID_PARAM;
-    }
     alloc_settings next = cache_settings;
     conf_result r;
     conf_status st = alloc_conf_parse_runtime(text, &next, expandable_probe, NULL, &r);
