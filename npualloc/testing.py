@@ -32,6 +32,15 @@ __all__ = ["restart", "check_invariants", "npualloc_runtime"]
 _ALLOC_VARS = ("PYTORCH_NPU_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_NO_NPU_MEMORY_CACHING")
 
 
+def _set_alloc_vars(values):
+    """Sets the allocator variables to ``values`` ({name: text}); the others are removed."""
+    for var in _ALLOC_VARS:
+        if values.get(var) is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = values[var]
+
+
 def restart(alloc_conf="", *, no_caching=False, device_count=None, device_memory=None, huge_memory=None,
             huge1g_memory=None, ddr_memory=None):
     """Releases the whole virtual runtime and starts it again with these settings.
@@ -48,20 +57,15 @@ def restart(alloc_conf="", *, no_caching=False, device_count=None, device_memory
     if not isinstance(alloc_conf, str):
         raise TypeError(f"restart() argument 'alloc_conf' must be str, not {type(alloc_conf).__name__}")
     _C.shutdown()
-    for var in _ALLOC_VARS:
-        os.environ.pop(var, None)
-    if alloc_conf:
-        os.environ["PYTORCH_NPU_ALLOC_CONF"] = alloc_conf
-    if no_caching:
-        os.environ["PYTORCH_NO_NPU_MEMORY_CACHING"] = "1"
+    _set_alloc_vars({"PYTORCH_NPU_ALLOC_CONF": alloc_conf or None,
+                     "PYTORCH_NO_NPU_MEMORY_CACHING": "1" if no_caching else None})
     try:
         configure(device_count=device_count, device_memory=device_memory, huge_memory=huge_memory,
                   huge1g_memory=huge1g_memory, ddr_memory=ddr_memory)
         memory._snapshot()  # starts the runtime and reads the settings: a bad one raises now
     except BaseException:
         _C.shutdown()
-        for var in _ALLOC_VARS:
-            os.environ.pop(var, None)
+        _set_alloc_vars({})
         raise
 
 
@@ -94,8 +98,4 @@ if pytest is not None:
         finally:
             memory._clear_out_of_memory_observers()
             _C.shutdown()
-            for var, value in saved.items():
-                if value is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = value
+            _set_alloc_vars(saved)

@@ -548,14 +548,7 @@ static void test_expandable_snapshot_lists_mapped_ranges_only(void **state)
 {
     (void)state;
     static const ev list[] = {{A, 0x1000, 1000, 0}, {A, 0x2000, 30 * MiB_, 0}};
-    npualloc_replay_config cfg;
-    npualloc_replay_config_default(&cfg);
-    cfg.settings = "expandable_segments:True";
-    npualloc_replay *r = NULL;
-    npualloc_replay_status st = npualloc_replay_create(&cfg, &r, NULL, 0);
-    if (st == NPUALLOC_REPLAY_UNAVAILABLE)
-        skip();
-    assert_int_equal(st, NPUALLOC_REPLAY_OK);
+    npualloc_replay *r = session("expandable_segments:True", 80 * GiB_, NPUALLOC_REPLAY_PAD_NPU, false);
     run(r, list, N(list), NPUALLOC_REPLAY_OK);
     npualloc_replay_result res;
     npualloc_replay_get_result(r, &res);
