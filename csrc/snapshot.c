@@ -5,17 +5,17 @@
 
 #include "common.h"
 
-/* Room for `need` items in one of the snapshot's arrays. */
-#define RESERVE(arr, cap, need) ARRAY_RESERVE(arr, cap, need, 64)
+/* A new, zeroed last item of one of the snapshot's arrays; NULL when out of host memory. */
+#define APPEND(arr, count, cap)                                                                                    \
+    (ARRAY_RESERVE(arr, cap, (count) + 1, 64) ? memset(&(arr)[(count)++], 0, sizeof *(arr)) : NULL)
 
 /* Starts a snapshot segment at block b (the first of a mapped run). */
 static npualloc_segment_info *begin_segment(snapshot_builder *sb, const device_cache *dc, const cache_block *b)
 {
     npualloc_snapshot *s = sb->snap;
-    if (!RESERVE(s->segments, sb->segment_cap, s->segment_count + 1))
+    npualloc_segment_info *seg = APPEND(s->segments, s->segment_count, sb->segment_cap);
+    if (!seg)
         return NULL;
-    npualloc_segment_info *seg = &s->segments[s->segment_count++];
-    memset(seg, 0, sizeof *seg);
     seg->device = dc->device;
     seg->address = b->ptr;
     seg->stream = b->stream;
@@ -36,10 +36,9 @@ static npualloc_segment_info *begin_segment(snapshot_builder *sb, const device_c
 static bool add_block(snapshot_builder *sb, npualloc_segment_info *seg, const cache_block *b)
 {
     npualloc_snapshot *s = sb->snap;
-    if (!RESERVE(s->blocks, sb->block_cap, s->block_count + 1))
+    npualloc_block_info *bi = APPEND(s->blocks, s->block_count, sb->block_cap);
+    if (!bi)
         return false;
-    npualloc_block_info *bi = &s->blocks[s->block_count++];
-    memset(bi, 0, sizeof *bi);
     bi->address = b->ptr;
     bi->size = b->size;
     bi->requested_size = b->requested_size;
@@ -83,13 +82,12 @@ static void add_segment(cache_block *head, void *ctx)
 static bool add_traces(snapshot_builder *sb, const device_cache *dc)
 {
     npualloc_snapshot *s = sb->snap;
-    if (!RESERVE(s->traces, sb->trace_cap, s->trace_count + dc->history_count))
-        return false;
     /* The ring is oldest-first starting at history_next once it wrapped. */
     for (size_t i = 0; i < dc->history_count; i++) {
         const trace_entry *e = &dc->history[(dc->history_next + i) % dc->history_count];
-        npualloc_trace_info *t = &s->traces[s->trace_count++];
-        memset(t, 0, sizeof *t);
+        npualloc_trace_info *t = APPEND(s->traces, s->trace_count, sb->trace_cap);
+        if (!t)
+            return false;
         t->device = dc->device;
         t->action = (npualloc_trace_action)e->action;
         t->addr = e->addr;
