@@ -1217,7 +1217,8 @@ void cache_device_init(device_cache *dc, int32_t device, const alloc_settings *s
     dc->stats.max_split_size = dc->settings->max_split_size == SIZE_MAX ? -1 : (int64_t)dc->settings->max_split_size;
     if (dc->settings->per_process_memory_fraction_set)
         cache_set_fraction_locked(dc, dc->settings->per_process_memory_fraction);
-    dc->started = true;
+    /* Last, and atomically: cache_get reads it without a lock and then uses the cache. */
+    __atomic_store_n(&dc->started, true, __ATOMIC_RELEASE);
 }
 
 /* Collects the head of every segment: the blocks with no predecessor. */

@@ -373,6 +373,7 @@ void cache_share_unpin_locked(device_cache *dc, cache_block *b);
 /* Returns every cached and allocated segment to the runtime and forgets the settings. */
 void caching_shutdown(void);
 void caching_atfork_prepare(void);
+void caching_atfork_prepare_leaves(void);
 void caching_atfork_parent(void);
 /* The child has none of the parent's device memory: every cache starts empty. */
 void caching_atfork_child(void);

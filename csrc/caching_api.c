@@ -314,10 +314,8 @@ static device_cache *cache_get(int32_t device)
     if (!lock_settings())
         return NULL;
     cache_lock_acquire(&dc->lock);
-    if (!dc->started) {
+    if (!dc->started)
         cache_device_init(dc, device, &cache_settings, &cache_npu_backend, NULL, K_PAD_SIZE);
-        __atomic_store_n(&dc->started, true, __ATOMIC_RELEASE);
-    }
     cache_lock_release(&dc->lock);
     pthread_mutex_unlock(&api_lock);
     return dc;
@@ -989,8 +987,18 @@ void caching_atfork_prepare(void)
     pthread_mutex_lock(&uncached_lock);
 }
 
+/* The warning queue's and the callback list's locks are leaves (warnings are pushed under cache
+ * and vmm locks). */
+void caching_atfork_prepare_leaves(void)
+{
+    pthread_mutex_lock(&warning_lock);
+    pthread_mutex_lock(&free_callback_lock);
+}
+
 void caching_atfork_parent(void)
 {
+    pthread_mutex_unlock(&free_callback_lock);
+    pthread_mutex_unlock(&warning_lock);
     pthread_mutex_unlock(&uncached_lock);
     if (caches_ready)
         for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
@@ -1000,14 +1008,12 @@ void caching_atfork_parent(void)
 
 void caching_atfork_child(void)
 {
+    /* The forking thread took every lock in prepare: it releases them as the parent does. */
+    caching_atfork_parent();
     /* Forget every block without touching device memory (it is not in this process). */
-    pthread_mutex_init(&api_lock, NULL);
-    pthread_mutex_init(&uncached_lock, NULL);
-    pthread_mutex_init(&warning_lock, NULL);
     ptr_map_free(&uncached_blocks);
     for (int d = 0; d < NPU_MAX_DEVICES && caches_ready; d++) {
         device_cache *dc = &caches[d];
-        cache_lock_init(&dc->lock);
         if (dc->started)
             cache_device_forget(dc);
     }

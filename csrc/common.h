@@ -2,6 +2,7 @@
 #ifndef NPUALLOC_COMMON_H
 #define NPUALLOC_COMMON_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -48,5 +49,23 @@ static inline bool array_reserve(void *array, size_t *cap, size_t need, size_t e
     return true;
 }
 #define ARRAY_RESERVE(arr, cap, need, first) array_reserve(&(arr), &(cap), (need), sizeof *(arr), (first))
+
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#endif
+
+/* In a fork child: the child's copy of an rwlock that the fork's prepare handler write-locked.
+ * A mutex taken there is simply unlocked in the child, but this cannot be: glibc identifies an
+ * rwlock's writer by thread id, the child's thread has a new one, and its unlock would release a
+ * read lock instead.  So the lock is initialised again (what glibc itself does with its locks in
+ * a child); ThreadSanitizer, which cannot see that, is told that this thread unlocked it. */
+static inline void rwlock_reset_in_child(pthread_rwlock_t *lock)
+{
+#if defined(__SANITIZE_THREAD__)
+    __tsan_mutex_pre_unlock(lock, 0);
+    __tsan_mutex_post_unlock(lock, 0);
+#endif
+    pthread_rwlock_init(lock, NULL);
+}
 
 #endif

@@ -16,8 +16,7 @@
 #include "fault.h"
 
 typedef struct device {
-    pthread_mutex_t lock; /* guards used[] */
-    size_t used[MEM_KIND_COUNT];
+    size_t used[MEM_KIND_COUNT]; /* usage_lock */
     atomic_int set_count;                     /* aclrtSetDevice minus aclrtResetDevice */
     atomic_uint epoch;                        /* bumped when the device is reset */
     atomic_bool peer_enabled[NPU_MAX_DEVICES]; /* this device may access peer i */
@@ -38,6 +37,10 @@ static bool configured; /* npualloc_configure() was called */
 static npualloc_config config;
 static char init_error[256];
 static device devices[NPU_MAX_DEVICES];
+/* Guards every device's usage.  One lock for all: usage changes only when a segment or a physical
+ * handle comes or goes (never on a cache hit), and fork's prepare handler takes one lock, not one
+ * per device. */
+static pthread_mutex_t usage_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* The current device of this thread, valid while the device's epoch is unchanged. */
 static _Thread_local int32_t current_dev = -1;
@@ -212,7 +215,6 @@ static void reset_devices(void)
 {
     for (int i = 0; i < NPU_MAX_DEVICES; i++) {
         device *d = &devices[i];
-        pthread_mutex_init(&d->lock, NULL);
         memset(d->used, 0, sizeof d->used);
         atomic_store(&d->set_count, 0);
         atomic_fetch_add(&d->epoch, 1); /* forget every thread's current device */
@@ -262,10 +264,23 @@ int device_count(void) { return atomic_load(&initialized) ? config.device_count 
 
 bool device_valid(int32_t dev) { return dev >= 0 && dev < device_count(); }
 
+/* Leaves of the lock order: nothing is locked while one of these is held. */
+void device_atfork_prepare(void)
+{
+    pthread_mutex_lock(&init_lock);
+    pthread_mutex_lock(&usage_lock);
+}
+
+void device_atfork_parent(void)
+{
+    pthread_mutex_unlock(&usage_lock);
+    pthread_mutex_unlock(&init_lock);
+}
+
 void device_atfork_child(void)
 {
+    device_atfork_parent(); /* this thread took them in prepare */
     /* Device memory is not inherited (MADV_DONTFORK): start with empty devices. */
-    pthread_mutex_init(&init_lock, NULL);
     if (atomic_load(&initialized))
         reset_devices();
 }
@@ -431,21 +446,21 @@ aclError device_charge(int32_t dev, mem_kind kind, size_t bytes)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     device *d = &devices[dev];
     aclError rc = ACL_SUCCESS;
-    pthread_mutex_lock(&d->lock);
+    pthread_mutex_lock(&usage_lock);
     if (bytes > available(d, kind))
         rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
     else
         d->used[kind] += bytes;
-    pthread_mutex_unlock(&d->lock);
+    pthread_mutex_unlock(&usage_lock);
     return rc;
 }
 
 void device_uncharge(int32_t dev, mem_kind kind, size_t bytes)
 {
     device *d = &devices[dev];
-    pthread_mutex_lock(&d->lock);
+    pthread_mutex_lock(&usage_lock);
     d->used[kind] -= bytes;
-    pthread_mutex_unlock(&d->lock);
+    pthread_mutex_unlock(&usage_lock);
 }
 
 void device_mem_info(int32_t dev, aclrtMemAttr attr, size_t *free_bytes, size_t *total_bytes)
@@ -453,7 +468,7 @@ void device_mem_info(int32_t dev, aclrtMemAttr attr, size_t *free_bytes, size_t 
     device *d = &devices[dev];
     const npualloc_config *c = &config;
     size_t f = 0, t = 0;
-    pthread_mutex_lock(&d->lock);
+    pthread_mutex_lock(&usage_lock);
     switch (attr) {
     case ACL_DDR_MEM:
     case ACL_DDR_MEM_HUGE:
@@ -494,7 +509,7 @@ void device_mem_info(int32_t dev, aclrtMemAttr attr, size_t *free_bytes, size_t 
     default: /* an attribute the device does not have reports 0/0, as CANN does */
         break;
     }
-    pthread_mutex_unlock(&d->lock);
+    pthread_mutex_unlock(&usage_lock);
     *free_bytes = f;
     *total_bytes = t;
 }

@@ -55,6 +55,8 @@ void device_mem_info(int32_t dev, aclrtMemAttr attr, size_t *free_bytes, size_t 
 bool device_peer_enabled(int32_t a, int32_t b);
 
 /* fork(): the child starts with fresh devices and no current device. */
+void device_atfork_prepare(void);
+void device_atfork_parent(void);
 void device_atfork_child(void);
 /* Releases everything (tests use it before leak checks); devices restart on next use. */
 void device_shutdown(void);

@@ -2238,15 +2238,41 @@ aclError npualloc_launch_host_func(aclrtStream stream, aclrtCallback fn, void *u
  * fork
  * ------------------------------------------------------------------------------------------ */
 
+/* runtime.c calls these in the order of graph.h: the outer locks before every runtime lock, the
+ * leaves after them all. */
+void graph_atfork_prepare_outer(void)
+{
+    pthread_mutex_lock(&bind_lock);
+    pthread_mutex_lock(&graph_lock);
+}
+
+void graph_atfork_prepare_leaves(void)
+{
+    pthread_rwlock_wrlock(&reg_lock);
+    pthread_mutex_lock(&viol_lock);
+    pthread_mutex_lock(&access_lock);
+}
+
+static void release_fork_mutexes(void)
+{
+    pthread_mutex_unlock(&access_lock);
+    pthread_mutex_unlock(&viol_lock);
+    pthread_mutex_unlock(&graph_lock);
+    pthread_mutex_unlock(&bind_lock);
+}
+
+void graph_atfork_parent(void)
+{
+    pthread_rwlock_unlock(&reg_lock);
+    release_fork_mutexes();
+}
+
 /* The child has no device memory and no streams of the parent: every graph is stale (the runtime
  * generation changed) and the module starts over (what the parent's threads held is leaked). */
-static void graph_atfork_child(void)
+void graph_atfork_child(void)
 {
-    pthread_mutex_init(&graph_lock, NULL);
-    pthread_mutex_init(&bind_lock, NULL);
-    pthread_rwlock_init(&reg_lock, NULL);
-    pthread_mutex_init(&viol_lock, NULL);
-    pthread_mutex_init(&access_lock, NULL);
+    release_fork_mutexes(); /* the forking thread took them in prepare, so it may release them here */
+    rwlock_reset_in_child(&reg_lock);
     capturing = NULL;
     arenas = NULL;
     reg = NULL;
@@ -2254,5 +2280,3 @@ static void graph_atfork_child(void)
     atomic_store(&graph_capturing_streams, 0);
     atomic_store(&graph_live_ranges, 0);
 }
-
-__attribute__((constructor)) static void graph_register_fork(void) { pthread_atfork(NULL, NULL, graph_atfork_child); }

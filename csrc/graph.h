@@ -73,4 +73,10 @@ bool graph_free(void *ptr, aclError *rc);
 /* record_stream of graph memory during its capture: its FREE node will also wait for `stream`. */
 bool graph_record_stream(void *ptr, uint64_t stream, aclError *rc);
 
+/* fork (runtime.c): the outer locks are taken before the runtime's, the leaves after them. */
+void graph_atfork_prepare_outer(void);
+void graph_atfork_prepare_leaves(void);
+void graph_atfork_parent(void);
+void graph_atfork_child(void);
+
 #endif

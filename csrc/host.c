@@ -63,10 +63,13 @@ static bool take_fd_slot(void)
 
 static size_t host_page_size(void)
 {
-    static size_t page;
-    if (!page)
-        page = (size_t)sysconf(_SC_PAGESIZE);
-    return page;
+    static _Atomic size_t page; /* any thread may be first: every one stores the same value */
+    size_t p = atomic_load_explicit(&page, memory_order_relaxed);
+    if (!p) {
+        p = (size_t)sysconf(_SC_PAGESIZE);
+        atomic_store_explicit(&page, p, memory_order_relaxed);
+    }
+    return p;
 }
 
 static size_t round_to_page(size_t size)

@@ -2070,8 +2070,8 @@ void ipc_atfork_child(void)
 {
     /* The child has no server thread and none of the parent's device memory: start empty.
      * Descriptors are copies; closing them here affects nobody else. */
-    pthread_mutex_init(&ipc.lock, NULL);
-    pthread_cond_init(&ipc.cond, NULL);
+    pthread_mutex_unlock(&ipc.lock); /* taken by this thread in prepare */
+    pthread_cond_init(&ipc.cond, NULL); /* its waiters were threads that do not exist here */
     ipc.pid = (int32_t)getpid();
     if (ipc.server_running) {
         close(ipc.listen_fd);

@@ -425,7 +425,7 @@ aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *total_by
 
 void mem_atfork_prepare(void) { pthread_rwlock_wrlock(&host_lock); }
 void mem_atfork_parent(void) { pthread_rwlock_unlock(&host_lock); }
-void mem_atfork_child(void) { pthread_rwlock_init(&host_lock, NULL); }
+void mem_atfork_child(void) { rwlock_reset_in_child(&host_lock); }
 
 void mem_shutdown(void)
 {

@@ -3,14 +3,19 @@
  *
  * fork(): a child starts with fresh devices.  Device memory is not inherited (MADV_DONTFORK),
  * worker threads do not exist in the child, and every module's state is reset; pinned host
- * memory is kept.  The prepare handler takes every module lock, top layer first, so the
- * child never inherits a lock held by another thread mid-update.
+ * memory is kept.  The prepare handler takes every module lock in the order the code nests them
+ * (graph.h, caching.h): the graph's outer locks, then the layers top first, then the leaf locks
+ * that are held over no other lock.  So the child never inherits a lock held by another thread
+ * mid-update.  The child's handlers unlock the mutexes (the forking thread owns them, and
+ * initialising a locked mutex is undefined); rwlocks are initialised again, as glibc cannot unlock
+ * them in a child (common.h, rwlock_reset_in_child).
  */
 #include <pthread.h>
 #include <stdatomic.h>
 
 #include "caching.h"
 #include "device.h"
+#include "graph.h"
 #include "host.h"
 #include "ipc.h"
 #include "mem.h"
@@ -21,22 +26,28 @@
 
 static void atfork_prepare(void)
 {
+    graph_atfork_prepare_outer();
     caching_atfork_prepare();
     ipc_atfork_prepare(); /* sharing: after the caches (its server takes a cache lock first) */
     stream_atfork_prepare();
     vmm_atfork_prepare();
     mem_atfork_prepare(); /* after the registry: copies take its read lock, then the pinned-host lock */
     va_atfork_prepare();
+    graph_atfork_prepare_leaves(); /* the range registry, then its violation log */
+    caching_atfork_prepare_leaves();
+    device_atfork_prepare();
 }
 
 static void atfork_parent(void)
 {
+    device_atfork_parent();
     va_atfork_parent();
     mem_atfork_parent();
     vmm_atfork_parent();
     stream_atfork_parent();
     ipc_atfork_parent();
-    caching_atfork_parent();
+    caching_atfork_parent(); /* also its leaves */
+    graph_atfork_parent();
 }
 
 /* Bumped when the runtime's objects go away (shutdown, fork child): handles and pointers of an
@@ -54,7 +65,8 @@ static void atfork_child(void)
     va_atfork_child();
     mem_atfork_child();
     device_atfork_child();
-    caching_atfork_child(); /* last: it releases streams, whose locks the stream module reset */
+    caching_atfork_child(); /* after streams: it releases streams, which the stream module reset */
+    graph_atfork_child();
 }
 
 __attribute__((constructor)) static void register_fork_handlers(void)

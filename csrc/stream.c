@@ -1648,7 +1648,7 @@ void stream_atfork_parent(void)
  * for the forking thread's own (it frees it when its ProcessReport returns). */
 static void reports_atfork_child(void)
 {
-    pthread_mutex_init(&sub_lock, NULL);
+    pthread_mutex_unlock(&sub_lock);
     pthread_cond_init(&report_done_cv, NULL);
     tl_block_cb = NULL;
     tl_running = NULL;
@@ -1675,7 +1675,7 @@ static void reports_atfork_child(void)
  * touching their locks. */
 void stream_atfork_child(void)
 {
-    pthread_mutex_init(&table_lock, NULL);
+    pthread_mutex_unlock(&table_lock);
     tl_worker = NULL;
     reports_atfork_child();
 
@@ -1691,9 +1691,11 @@ void stream_atfork_child(void)
     npu_stream *kept = NULL;
     for (npu_stream *s = stream_registry, *next; s; s = next) {
         next = s->reg_next;
-        /* Over locks held by prepare and condvars with departed waiters; with default
-         * attributes this cannot fail. */
-        (void)stream_sync_init(s);
+        /* prepare took its lock; its condvars' waiters were threads that do not exist here
+         * (with default attributes, initialising a condvar cannot fail). */
+        pthread_mutex_unlock(&s->lock);
+        (void)pthread_cond_init(&s->work_cv, NULL);
+        (void)pthread_cond_init(&s->passed_cv, NULL);
         stream_drop_tasks(s);
         s->worker_started = false;
         s->stopping = true; /* accepts nothing: it behaves like a destroyed stream */

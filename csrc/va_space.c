@@ -289,7 +289,7 @@ void va_atfork_parent(void) { pthread_mutex_unlock(&va.lock); }
 
 void va_atfork_child(void)
 {
-    pthread_mutex_init(&va.lock, NULL);
+    pthread_mutex_unlock(&va.lock); /* taken by this thread in prepare */
     forget_ranges();
 }
 

@@ -814,7 +814,7 @@ void vmm_atfork_parent(void) { pthread_rwlock_unlock(&vmm.lock); }
 
 void vmm_atfork_child(void)
 {
-    pthread_rwlock_init(&vmm.lock, NULL);
+    rwlock_reset_in_child(&vmm.lock);
     free_everything(true);
 }
 

@@ -11,17 +11,21 @@
  *
  * In `make test` (cmocka, no arguments) it runs a short version: 8 threads x 25000 operations
  * (fewer under ASan, and under valgrind with NPUALLOC_VALGRIND=1), once with plain segments and
- * once with expandable segments, and once on devices too small for the load (out-of-memory errors and
- * retries, concurrently).  Standalone, with arguments, it runs at any size and reports
+ * once with expandable segments, once on devices too small for the load (out-of-memory errors and
+ * retries, concurrently), and once with a thread that forks while the others run: each child must
+ * start fresh and work, within a deadline (a fork handler that waits for a lock in the wrong order
+ * hangs the child).  Standalone, with arguments, it runs at any size and reports
  * operations per second (`make stress`: 8 threads x 1M operations):
  *   test_stress [--threads N] [--ops N] [--conf TEXT] [--hbm MiB] [--seed N] [--no-chaos]
- *               [--toggle-expandable]
+ *               [--toggle-expandable] [--forks]
  * --toggle-expandable lets the chaos thread switch expandable segments on and off (known bug:
  * fuzz/regressions/pending/ops-align-split-stats). */
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -41,6 +45,7 @@ typedef struct stress_cfg {
     uint64_t seed;
     bool chaos;
     bool toggle_expandable;
+    bool forks; /* a thread forks while the others run */
     bool verbose;
 } stress_cfg;
 
@@ -53,7 +58,7 @@ typedef struct block {
 
 typedef struct counters {
     _Atomic long mallocs, frees, ooms, handoffs, records, erases, stream_work, infos;
-    _Atomic long empties, settings_ok, settings_rejected, fractions, snapshots, checks, resets;
+    _Atomic long empties, settings_ok, settings_rejected, fractions, snapshots, checks, resets, forks;
 } counters;
 
 static struct {
@@ -356,6 +361,69 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* ---- the forking thread ---- */
+
+/* The child's copy on a stream of its own: the stream's worker is the child's first thread. */
+static bool child_stream_memset(unsigned char *p, size_t size)
+{
+#if defined(__SANITIZE_THREAD__)
+    (void)p, (void)size;
+    return true; /* TSan loses track of threads a child of a threaded process starts ("dup thread id") */
+#else
+    aclrtStream s = NULL;
+    bool ok = aclrtCreateStream(&s) == ACL_SUCCESS && aclrtMemsetAsync(p, size, 0x5A, size, s) == ACL_SUCCESS &&
+              aclrtSynchronizeStream(s) == ACL_SUCCESS && p[0] == 0x5A && p[size - 1] == 0x5A;
+    return aclrtDestroyStream(s) == ACL_SUCCESS && ok;
+#endif
+}
+
+/* In a child: fresh devices that work (the parent's streams and memory are not here). */
+static int child_work(void)
+{
+    for (int32_t d = 0; d < DEVICES; d++) {
+        size_t free_b = 0, total = 0;
+        unsigned char *p = NULL;
+        char why[256];
+        if (aclrtSetDevice(d) != ACL_SUCCESS || aclrtGetMemInfo(ACL_HBM_MEM, &free_b, &total) != ACL_SUCCESS ||
+            free_b != total)
+            return 2;
+        if (npualloc_cache_malloc(d, 3 * MiB_, 0, (void **)&p) != ACL_SUCCESS)
+            return 3;
+        if (!child_stream_memset(p, 3 * MiB_))
+            return 4;
+        if (npualloc_cache_free(p) != ACL_SUCCESS || npualloc_cache_check(d, why, sizeof why) != ACL_SUCCESS)
+            return 5;
+    }
+    return 0;
+}
+
+/* Forks every few milliseconds until the run stops; every child must exit 0 within the deadline. */
+static void *forker(void *arg)
+{
+    (void)arg;
+    while (!S.stop) {
+        pid_t pid = fork();
+        if (pid < 0) {
+            failure("fork: %s", strerror(errno));
+            break;
+        }
+        if (pid == 0) {
+            alarm(getenv("NPUALLOC_VALGRIND") ? 300 : 30); /* a hung child dies of SIGALRM */
+            _exit(child_work());
+        }
+        int status = 0;
+        if (waitpid(pid, &status, 0) != pid)
+            failure("waitpid: %s", strerror(errno));
+        else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+            failure("fork child %d: %s %d", (int)pid, WIFEXITED(status) ? "exit code" : "killed by signal",
+                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+        S.n.forks++;
+        struct timespec pause = {0, 5000000};
+        nanosleep(&pause, NULL);
+    }
+    return NULL;
+}
+
 /* Runs the stress; returns 0, or -1 with the reason in S.why. */
 static int stress_run(const stress_cfg *cfg, stress_result *out)
 {
@@ -389,10 +457,12 @@ static int stress_run(const stress_cfg *cfg, stress_result *out)
             S.streams[d][k] = (uint64_t)(uintptr_t)s;
         }
     }
-    pthread_t workers[MAX_THREADS], chaos_thread;
+    pthread_t workers[MAX_THREADS], chaos_thread, fork_thread;
     double t0 = now_s();
     if (cfg->chaos)
         pthread_create(&chaos_thread, NULL, chaos, NULL);
+    if (cfg->forks)
+        pthread_create(&fork_thread, NULL, forker, NULL);
     for (int i = 0; i < cfg->threads; i++)
         pthread_create(&workers[i], NULL, worker, (void *)(intptr_t)i);
     for (int i = 0; i < cfg->threads; i++)
@@ -401,6 +471,8 @@ static int stress_run(const stress_cfg *cfg, stress_result *out)
     S.stop = true;
     if (cfg->chaos)
         pthread_join(chaos_thread, NULL);
+    if (cfg->forks)
+        pthread_join(fork_thread, NULL);
     for (int i = 0; i < MAILBOX; i++) {
         block *b = atomic_exchange(&S.mailbox[i], NULL);
         if (b) {
@@ -453,6 +525,8 @@ static void report(const stress_cfg *cfg, const stress_result *r)
            "%ld snapshots, %ld stats resets, %ld invariant checks (all devices)\n",
            (long)S.n.empties, (long)S.n.settings_ok, (long)S.n.settings_rejected, (long)S.n.fractions,
            (long)S.n.snapshots, (long)S.n.resets, (long)S.n.checks);
+    if (cfg->forks)
+        printf("  %ld forks, every child fresh and working\n", (long)S.n.forks);
     fflush(stdout);
 }
 
@@ -469,9 +543,9 @@ static long quick_ops(void)
 #endif
 }
 
-static void run_quick_on(const char *conf, size_t hbm)
+static void run_quick_on(const char *conf, size_t hbm, bool forks)
 {
-    stress_cfg cfg = {8, quick_ops(), conf, hbm, 1, true, false, false};
+    stress_cfg cfg = {.threads = 8, .ops = quick_ops(), .conf = conf, .hbm = hbm, .seed = 1, .chaos = true, .forks = forks};
     stress_result r;
     if (stress_run(&cfg, &r) != 0)
         fail_msg("stress [%s]: %s", conf ? conf : "defaults", S.why);
@@ -481,13 +555,13 @@ static void run_quick_on(const char *conf, size_t hbm)
 static void test_eight_threads_plain_segments(void **state)
 {
     (void)state;
-    run_quick_on(NULL, GiB_);
+    run_quick_on(NULL, GiB_, false);
 }
 
 static void test_eight_threads_expandable_segments(void **state)
 {
     (void)state;
-    run_quick_on("expandable_segments:True", GiB_);
+    run_quick_on("expandable_segments:True", GiB_, false);
 }
 
 /* Devices too small for the load: allocations run out of memory, retry after releasing the cache,
@@ -495,15 +569,26 @@ static void test_eight_threads_expandable_segments(void **state)
 static void test_eight_threads_out_of_memory(void **state)
 {
     (void)state;
-    run_quick_on("garbage_collection_threshold:0.7", 160 * MiB_);
+    run_quick_on("garbage_collection_threshold:0.7", 160 * MiB_, false);
     if (S.n.ooms == 0 && quick_ops() >= 25000) /* the shortened runs may stay below the limit */
         fail_msg("no allocation ran out of memory: the test lost its point");
+}
+
+/* fork() while eight threads allocate, free, use streams and change settings: the prepare handler
+ * takes every lock in order (runtime.c), so no child inherits a half-done update or a lock nobody
+ * will release. */
+static void test_fork_while_eight_threads_run(void **state)
+{
+    (void)state;
+    run_quick_on(NULL, GiB_, true);
+    if (S.n.forks == 0)
+        fail_msg("the run ended before the first fork: the test lost its point");
 }
 
 int main(int argc, char **argv)
 {
     if (argc > 1) {
-        stress_cfg cfg = {8, 1000000, NULL, GiB_, 1, true, false, false};
+        stress_cfg cfg = {.threads = 8, .ops = 1000000, .hbm = GiB_, .seed = 1, .chaos = true};
         for (int i = 1; i < argc; i++) {
             const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
             if (!strcmp(a, "--threads") && v)
@@ -520,10 +605,12 @@ int main(int argc, char **argv)
                 cfg.chaos = false;
             else if (!strcmp(a, "--toggle-expandable"))
                 cfg.toggle_expandable = true;
+            else if (!strcmp(a, "--forks"))
+                cfg.forks = true;
             else {
                 fprintf(stderr,
                         "usage: %s [--threads N] [--ops N per thread] [--conf TEXT] [--hbm MiB] [--seed N] "
-                        "[--no-chaos] [--toggle-expandable]\n",
+                        "[--no-chaos] [--toggle-expandable] [--forks]\n",
                         argv[0]);
                 return 2;
             }
@@ -545,6 +632,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_eight_threads_plain_segments),
         cmocka_unit_test(test_eight_threads_expandable_segments),
         cmocka_unit_test(test_eight_threads_out_of_memory),
+        cmocka_unit_test(test_fork_while_eight_threads_run),
     };
     return cmocka_run_group_tests_name("stress", tests, NULL, NULL);
 }
