@@ -15,6 +15,7 @@ RELEASE := -O2 -g
 LTO     := -flto=auto
 LTO_LINK:= $(LTO) -Wno-maybe-uninitialized
 ASAN    := -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+TSAN    := -O1 -g -fsanitize=thread
 
 CORE_SRC := $(sort $(wildcard csrc/*.c))
 HEADERS  := $(wildcard csrc/*.h csrc/include/*.h csrc/include/acl/*.h tests/c/*.h)
@@ -23,9 +24,10 @@ BENCH_SRC:= $(sort $(wildcard benchmarks/bench_*.c))
 
 REL_TESTS  := $(TEST_SRC:tests/c/%.c=$(BUILD)/release/tests/%)
 ASAN_TESTS := $(TEST_SRC:tests/c/%.c=$(BUILD)/asan/tests/%)
+TSAN_TESTS := $(TEST_SRC:tests/c/%.c=$(BUILD)/tsan/tests/%)
 BENCHES    := $(BENCH_SRC:benchmarks/%.c=$(BUILD)/release/bench/%)
 
-.PHONY: all deps lib ctest ctest-asan ext pytest test demo bench clean
+.PHONY: all deps lib ctest ctest-asan ctest-tsan ext pytest test demo bench clean
 .PHONY: fuzz fuzz-ci fuzzers stress valgrind pytest-asan
 
 all: lib ext
@@ -49,6 +51,7 @@ endef
 
 $(eval $(call core_library,release,$(CC) $(BASE) $(RELEASE)))
 $(eval $(call core_library,asan,$(CC) $(BASE) $(ASAN)))
+$(eval $(call core_library,tsan,$(CC) $(BASE) $(TSAN)))
 $(eval $(call core_library,lto,$(CC) $(BASE) $(RELEASE) $(LTO)))
 
 $(BUILD)/release/tests/%: tests/c/%.c $(BUILD)/release/libnpualloc.a $(HEADERS)
@@ -58,6 +61,10 @@ $(BUILD)/release/tests/%: tests/c/%.c $(BUILD)/release/libnpualloc.a $(HEADERS)
 $(BUILD)/asan/tests/%: tests/c/%.c $(BUILD)/asan/libnpualloc.a $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(ASAN) -Itests/c $< $(BUILD)/asan/libnpualloc.a -lcmocka -o $@
+
+$(BUILD)/tsan/tests/%: tests/c/%.c $(BUILD)/tsan/libnpualloc.a $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CC) $(BASE) $(TSAN) -Itests/c $< $(BUILD)/tsan/libnpualloc.a -lcmocka -o $@
 
 $(BUILD)/release/bench/%: benchmarks/%.c $(BUILD)/lto/libnpualloc.a $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -70,6 +77,12 @@ ctest-asan: deps $(ASAN_TESTS)
 	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  bash tools/run-ctests.sh asan $(ASAN_TESTS)
 
+# ThreadSanitizer: any data race, lock-order inversion or misuse of a lock fails the binary.  A
+# forked child may start threads (die_after_fork=0): the fork tests check exactly that.
+ctest-tsan: deps $(TSAN_TESTS)
+	@TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:die_after_fork=0 \
+	  bash tools/run-ctests.sh tsan $(TSAN_TESTS)
+
 ext: deps
 	$(PYTHON) setup.py -q build_ext --inplace
 
@@ -77,9 +90,10 @@ pytest: ext
 	@PYTHON=$(PYTHON) bash tools/ensure-deps.sh test
 	$(PYTHON) -m pytest -q tests
 
-# The C tests (release, ASan+UBSan, valgrind memcheck), the Python suite, the fuzzers for a few seconds
-# each (when clang is there), and the Python suite once more with the extension built with ASan+UBSan.
-test: ctest ctest-asan valgrind pytest fuzz-ci pytest-asan
+# The C tests (release, ASan+UBSan, TSan, valgrind memcheck), the Python suite, the fuzzers for a few
+# seconds each (when clang is there), and the Python suite once more with the extension built with
+# ASan+UBSan.
+test: ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan
 
 demo: ext
 	$(PYTHON) -m npualloc demo
@@ -109,7 +123,7 @@ STRESS_OPS      ?= 1000000
 VALGRIND_SKIP   ?=
 
 # the regression test compiles the fuzz harnesses in
-$(BUILD)/release/tests/test_fuzz_regressions $(BUILD)/asan/tests/test_fuzz_regressions: $(wildcard fuzz/*.c fuzz/*.h)
+$(BUILD)/release/tests/test_fuzz_regressions $(BUILD)/asan/tests/test_fuzz_regressions $(BUILD)/tsan/tests/test_fuzz_regressions: $(wildcard fuzz/*.c fuzz/*.h)
 
 $(eval $(call core_library,fuzz,$(FUZZ_CC) $(FUZZ_BASE) $(FUZZ_FLAGS) -fsanitize=fuzzer-no-link))
 

@@ -5,8 +5,9 @@
  * System calls: a child process warms the cache, then binds itself with a seccomp filter that
  * kills it on any system call but exit, and runs cache-hit pairs.  Heap: this program defines
  * malloc and its relatives (counting, then calling glibc's), so every heap call of the library
- * is seen; not under ASan, whose own malloc they would replace.  Under valgrind both tests skip
- * (it makes system calls of its own and replaces the allocator); under ASan the first one does. */
+ * is seen; not under ASan or TSan, whose own malloc they would replace.  Under valgrind both tests
+ * skip (it makes system calls of its own and replaces the allocator); under the sanitizers the
+ * first one does. */
 #include <errno.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -81,7 +82,7 @@ static void test_cache_hits_make_no_system_call(void **state)
     (void)state;
     if (getenv("NPUALLOC_VALGRIND"))
         skip(); /* valgrind makes system calls of its own under the filter */
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
     skip(); /* so does the sanitizer's runtime (sigaltstack) */
 #endif
     /* the filter is live: one system call kills the child */
@@ -96,7 +97,7 @@ static void test_cache_hits_make_no_system_call(void **state)
 }
 #endif
 
-#if !defined(__SANITIZE_ADDRESS__)
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 /* Heap calls of the whole process while `counting` is set (the test is single-threaded then:
  * no stream exists, so no worker thread runs). */
 static atomic_bool counting;
@@ -187,7 +188,7 @@ int main(void)
 #ifdef TEST_AUDIT_ARCH
         cmocka_unit_test_teardown(test_cache_hits_make_no_system_call, stop_runtime),
 #endif
-#if !defined(__SANITIZE_ADDRESS__)
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
         cmocka_unit_test_teardown(test_cache_hits_allocate_no_heap_memory, stop_runtime),
 #endif
     };
