@@ -129,7 +129,9 @@ static void rp_check_result(npualloc_replay *r, const npualloc_replay_config *cf
     FUZZ_CHECK(res.fragmentation >= 0.0 && res.fragmentation <= 1.0, "fragmentation %g", res.fragmentation);
     FUZZ_CHECK(res.allocs >= res.live_allocations, "allocs %llu < live %llu", (unsigned long long)res.allocs,
                (unsigned long long)res.live_allocations);
-    FUZZ_CHECK(res.device_allocs >= res.device_frees, "device frees %llu > allocs %llu",
+    /* Not with expandable segments: one mapping may be unmapped in parts, and torch counts every
+     * unmap as a device free (25 MiB mapped at once, then released a page at a time: 1 alloc, 2 frees). */
+    FUZZ_CHECK(res.expandable || res.device_allocs >= res.device_frees, "device frees %llu > allocs %llu",
                (unsigned long long)res.device_frees, (unsigned long long)res.device_allocs);
 
     /* the timeline */

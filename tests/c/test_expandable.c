@@ -143,6 +143,30 @@ static void test_empty_cache_unmaps_exactly_the_fully_free_pages(void **state)
     check();
 }
 
+/* torch counts every map as a device allocation and every unmap as a device free, so one mapping
+ * released in two parts counts more frees than allocations (the replay fuzzer once assumed not). */
+static void test_one_map_released_in_two_parts_counts_two_device_frees(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    char *a = alloc(25 * MiB_ - 32); /* pages [0, 40) mapped by one call */
+    assert_int_equal(stats().num_device_alloc, 1);
+    npualloc_cache_free(a);
+    char *b = alloc(5 * MiB_ - 32); /* [0, 5): page [0, 20) stays in use */
+    assert_ptr_equal(b, a);
+    npualloc_cache_empty(); /* unmaps page [20, 40) */
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_device_free, 1);
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, PAGE);
+    npualloc_cache_free(b);
+    npualloc_cache_empty(); /* unmaps page [0, 20) */
+    s = stats();
+    assert_int_equal(s.num_device_alloc, 1);
+    assert_int_equal(s.num_device_free, 2);
+    assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    check();
+}
+
 static void test_empty_virt_addr_cache_keeps_physical_pages(void **state)
 {
     (void)state;
@@ -563,6 +587,7 @@ int main(void)
         cmocka_unit_test_teardown(test_one_segment_grows_page_by_page, stop_cache),
         cmocka_unit_test_teardown(test_small_pool_uses_2mib_pages, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_unmaps_exactly_the_fully_free_pages, stop_cache),
+        cmocka_unit_test_teardown(test_one_map_released_in_two_parts_counts_two_device_frees, stop_cache),
         cmocka_unit_test_teardown(test_empty_virt_addr_cache_keeps_physical_pages, stop_cache),
         cmocka_unit_test_teardown(test_base_addr_aligned_kb, stop_cache),
         cmocka_unit_test_teardown(test_base_addr_aligned_kb_needs_expandable, stop_cache),
