@@ -71,7 +71,10 @@ ALWAYS_INLINE cache_block *cache_block_new(device_cache *dc)
         return NULL;
     cache_block *b = dc->spare_blocks;
     dc->spare_blocks = b->free_link;
-    memset(b, 0, sizeof *b);
+    /* A copy of a zeroed struct, not memset: gcc copies it with 16-byte moves, where it makes the
+     * memset a `rep stos` with a long start-up (the recorded trace's pair: 108.6 -> 104.8 ns). */
+    static const cache_block zeroed;
+    *b = zeroed;
     b->mapped = true;
     return b;
 }
