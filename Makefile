@@ -148,6 +148,7 @@ fuzz-ci: deps
 stress: deps $(BUILD)/release/tests/test_stress
 	$(BUILD)/release/tests/test_stress --threads $(STRESS_THREADS) --ops $(STRESS_OPS)
 	$(BUILD)/release/tests/test_stress --threads $(STRESS_THREADS) --ops $(STRESS_OPS) --conf expandable_segments:True
+	$(BUILD)/release/tests/test_stress --threads $(STRESS_THREADS) --ops $(STRESS_OPS) --forks
 
 $(BUILD)/valgrind/libvgshim.so: tools/valgrind-shim.c
 	@mkdir -p $(dir $@)
