@@ -50,7 +50,8 @@ static inline bool array_reserve(void *array, size_t *cap, size_t need, size_t e
 }
 #define ARRAY_RESERVE(arr, cap, need, first) array_reserve(&(arr), &(cap), (need), sizeof *(arr), (first))
 
-#if defined(__SANITIZE_THREAD__)
+#include "sanitizer.h"
+#if defined(NPUALLOC_TSAN)
 #include <sanitizer/tsan_interface.h>
 #endif
 
@@ -61,7 +62,7 @@ static inline bool array_reserve(void *array, size_t *cap, size_t need, size_t e
  * a child); ThreadSanitizer, which cannot see that, is told that this thread unlocked it. */
 static inline void rwlock_reset_in_child(pthread_rwlock_t *lock)
 {
-#if defined(__SANITIZE_THREAD__)
+#if defined(NPUALLOC_TSAN)
     __tsan_mutex_pre_unlock(lock, 0);
     __tsan_mutex_post_unlock(lock, 0);
 #endif

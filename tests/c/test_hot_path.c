@@ -82,7 +82,7 @@ static void test_cache_hits_make_no_system_call(void **state)
     (void)state;
     if (getenv("NPUALLOC_VALGRIND"))
         skip(); /* valgrind makes system calls of its own under the filter */
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(__SANITIZE_ADDRESS__) || defined(NPUALLOC_TSAN)
     skip(); /* so does the sanitizer's runtime (sigaltstack) */
 #endif
     /* the filter is live: one system call kills the child */
@@ -97,7 +97,7 @@ static void test_cache_hits_make_no_system_call(void **state)
 }
 #endif
 
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
 /* Heap calls of the whole process while `counting` is set (the test is single-threaded then:
  * no stream exists, so no worker thread runs). */
 static atomic_bool counting;
@@ -188,7 +188,7 @@ int main(void)
 #ifdef TEST_AUDIT_ARCH
         cmocka_unit_test_teardown(test_cache_hits_make_no_system_call, stop_runtime),
 #endif
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
         cmocka_unit_test_teardown(test_cache_hits_allocate_no_heap_memory, stop_runtime),
 #endif
     };

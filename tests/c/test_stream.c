@@ -18,6 +18,7 @@
 #include "device.h"
 #include "host.h"
 #include "npualloc.h"
+#include "sanitizer.h"
 #include "stream.h"
 
 #define MS (1000000ull) /* nanoseconds */
@@ -1605,7 +1606,7 @@ static int fork_child_checks(npu_stream *pinned)
 static void test_fork_child_starts_without_streams_and_runs_no_parent_task(void **state)
 {
     (void)state;
-#if defined(__SANITIZE_THREAD__)
+#if defined(NPUALLOC_TSAN)
     skip(); /* TSan loses track of threads a child of a threaded process starts ("dup thread id") */
 #endif
     atomic_store(&child_ran_parent_task, 0);
@@ -1670,7 +1671,7 @@ static int fork_child_subscription_checks(void)
 static void test_fork_child_has_no_subscriptions_and_parent_keeps_its_own(void **state)
 {
     (void)state;
-#if defined(__SANITIZE_THREAD__)
+#if defined(NPUALLOC_TSAN)
     skip(); /* TSan loses track of threads a child of a threaded process starts ("dup thread id") */
 #endif
     atomic_store(&child_ran_parent_task, 0);

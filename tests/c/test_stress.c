@@ -367,7 +367,7 @@ static double now_s(void)
 /* The child's copy on a stream of its own: the stream's worker is the child's first thread. */
 static bool child_stream_memset(unsigned char *p, size_t size)
 {
-#if defined(__SANITIZE_THREAD__)
+#if defined(NPUALLOC_TSAN)
     (void)p, (void)size;
     return true; /* TSan loses track of threads a child of a threaded process starts ("dup thread id") */
 #else

@@ -362,7 +362,7 @@ static void test_eight_threads_hammer_map_and_unmap(void **state)
  * thousand mappings (VG_N_SEGMENTS); the release run keeps the full count. */
 static int many_handles(void)
 {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(__SANITIZE_ADDRESS__) || defined(NPUALLOC_TSAN)
     return 6000; /* the sanitizers need mappings of their own (TSan ran out of them at 24000) */
 #else
     return getenv("NPUALLOC_VALGRIND") ? 2000 : 24000;

@@ -13,6 +13,7 @@
 
 #include "acl_rt.h"
 #include "npualloc.h"
+#include "sanitizer.h"
 
 #define KiB_ ((size_t)1 << 10)
 #define MiB_ ((size_t)1 << 20)
