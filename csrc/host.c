@@ -61,16 +61,9 @@ static bool take_fd_slot(void)
     return false;
 }
 
-static size_t host_page_size(void)
-{
-    static _Atomic size_t page; /* any thread may be first: every one stores the same value */
-    size_t p = atomic_load_explicit(&page, memory_order_relaxed);
-    if (!p) {
-        p = (size_t)sysconf(_SC_PAGESIZE);
-        atomic_store_explicit(&page, p, memory_order_relaxed);
-    }
-    return p;
-}
+/* glibc answers from the auxiliary vector, without a system call: nothing to cache (a cached copy
+ * written by whichever thread came first was a data race). */
+static size_t host_page_size(void) { return (size_t)sysconf(_SC_PAGESIZE); }
 
 static size_t round_to_page(size_t size)
 {
