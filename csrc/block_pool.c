@@ -472,6 +472,66 @@ cache_block *block_pool_last_of_stream(const block_pool *p, uint64_t stream)
 
 size_t block_pool_count(const block_pool *p) { return p->count; }
 
+/* ---- the checker ---- */
+
+static int tree_order(const avl_node *a, const avl_node *b)
+{
+    return before(entry((avl_node *)a), entry((avl_node *)b)) ? -1 : before(entry((avl_node *)b), entry((avl_node *)a));
+}
+
+/* Is block b, found in class c of sb, where its fields say? */
+static bool block_is_at(const cache_block *b, const stream_bins *sb, unsigned c)
+{
+    return b->in_pool && b->pool_bins == sb && b->pool_bin == c && b->stream == sb->stream && size_class(b->size) == c;
+}
+
+static bool bin_check(const stream_bins *sb, unsigned c)
+{
+    const size_bin *bin = &sb->bins[c];
+    bool marked = (sb->words[c >> 6] >> (c & 63)) & 1;
+    if (marked != (bin->count != 0))
+        return false;
+    if (bin->is_tree) {
+        if (bin->count <= LIST_MIN || bin->tree.count != bin->count || !avl_check(&bin->tree, tree_order))
+            return false;
+        for (const avl_node *n = avl_first(&bin->tree); n; n = avl_next(n))
+            if (!block_is_at(entry((avl_node *)n), sb, c))
+                return false;
+        return true;
+    }
+    uint32_t count = 0;
+    const avl_node *prev = NULL;
+    for (const avl_node *n = bin->first; n; prev = n, n = n->right) {
+        if (++count > LIST_MAX || n->left != prev || (prev && !before(entry((avl_node *)prev), entry((avl_node *)n))) ||
+            !block_is_at(entry((avl_node *)n), sb, c))
+            return false;
+    }
+    return count == bin->count;
+}
+
+bool block_pool_check(const block_pool *p)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < p->stream_count; i++) {
+        const stream_bins *sb = p->streams[i];
+        if (i && p->streams[i - 1]->stream >= sb->stream)
+            return false;
+        size_t count = 0;
+        for (unsigned w = 0; w < BIN_WORDS; w++)
+            if (((sb->summary >> w) & 1) != (sb->words[w] != 0))
+                return false;
+        for (unsigned c = 0; c < BIN_COUNT; c++) {
+            if (!bin_check(sb, c))
+                return false;
+            count += sb->bins[c].count;
+        }
+        if (count != sb->count)
+            return false;
+        total += count;
+    }
+    return total == p->count;
+}
+
 /* ---- the unmapped set ---- */
 
 static int unmapped_order(const avl_node *a, const avl_node *b)

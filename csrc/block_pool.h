@@ -63,6 +63,10 @@ cache_block *block_pool_first(const block_pool *p);
 /* The largest block of a stream, or NULL. */
 cache_block *block_pool_last_of_stream(const block_pool *p, uint64_t stream);
 size_t block_pool_count(const block_pool *p);
+/* Verifies the index's invariants (the heap checker of the tests): every bin's order, links,
+ * count and bitmap bits, and every block's record of where it is.  False on the first
+ * violation. */
+bool block_pool_check(const block_pool *p);
 
 /* The unmapped set (expandable segments). */
 void block_pool_insert_unmapped(block_pool *p, cache_block *b);

@@ -1528,5 +1528,9 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
         pooled += block_pool_count(&pp->large) + block_pool_count(&pp->small);
     CHECK(pooled == st->free_blocks, "the pools hold %zu blocks but the segments have %zu free ones", pooled,
           st->free_blocks);
+    bool indexes_sound = block_pool_check(&dc->large) && block_pool_check(&dc->small);
+    for (const private_pool *pp = dc->private_pools; pp; pp = pp->next)
+        indexes_sound = indexes_sound && block_pool_check(&pp->large) && block_pool_check(&pp->small);
+    CHECK(indexes_sound, "a pool's free-block index is inconsistent (block_pool_check)");
     return st->failed ? ACL_ERROR_INTERNAL_ERROR : ACL_SUCCESS;
 }

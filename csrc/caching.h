@@ -11,6 +11,7 @@
  *   - the blocks of a segment tile it exactly and never overlap;
  *   - two neighbouring blocks are never both free (free_block merges them);
  *   - a block is in its pool iff it is free; in allocated_blocks iff allocated;
+ *   - every pool's free-block index is ordered and consistent (block_pool_check);
  *   - the stats equal what the blocks imply (allocated, active, reserved bytes and counts).
  *
  * Locking: each device cache has one mutex (owned by it) guarding everything below; it is

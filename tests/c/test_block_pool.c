@@ -3,7 +3,8 @@
  * Random insertions, removals, re-keys and transplants on a few streams, with sizes crowded into
  * a few bins so that bins keep growing past the list-to-tree threshold and shrinking below the
  * tree-to-list one.  After every step the pool's order (first/next, and prev backwards),
- * lower_bound for every stream and a range of sizes, and last_of_stream must agree with the model. */
+ * lower_bound for every stream and a range of sizes, and last_of_stream must agree with the model,
+ * and the pool's own checker must pass. */
 #include "testutil.h"
 
 #include "block_pool.h"
@@ -69,6 +70,7 @@ static void check_against_model(model *m)
             sorted[n++] = &m->blocks[i];
     qsort(sorted, n, sizeof *sorted, order_ptrs);
     assert_int_equal(block_pool_count(&m->pool), n);
+    assert_true(block_pool_check(&m->pool));
 
     cache_block *b = block_pool_first(&m->pool);
     for (size_t k = 0; k < n; k++, b = block_pool_next(b))
@@ -186,11 +188,44 @@ static void test_one_bin_grows_and_shrinks(void **state)
     block_pool_destroy(&m.pool);
 }
 
+/* The checker is not vacuous: it sees a block out of order, in a list bin and in a tree bin. */
+static void test_checker_sees_a_block_out_of_order(void **state)
+{
+    (void)state;
+    static model m;
+    memset(&m, 0, sizeof m);
+    block_pool_init(&m.pool, false, NULL);
+    assert_int_equal(block_pool_prepare(&m.pool, 0), 0);
+    for (size_t count = 5; count <= 40; count += 35) { /* a list bin, then a tree bin */
+        for (size_t i = 0; i < count; i++) {
+            cache_block *b = &m.blocks[i];
+            b->pool = &m.pool;
+            b->size = 8192;
+            b->ptr = (uintptr_t)(i + 1) * GiB_;
+            block_pool_insert(&m.pool, b);
+        }
+        assert_true(block_pool_check(&m.pool));
+        uintptr_t saved = m.blocks[1].ptr;
+        m.blocks[1].ptr = m.blocks[3].ptr + 512; /* now after its successor */
+        assert_false(block_pool_check(&m.pool));
+        m.blocks[1].ptr = saved;
+        assert_true(block_pool_check(&m.pool));
+        m.blocks[2].pool_bin++; /* records the wrong bin */
+        assert_false(block_pool_check(&m.pool));
+        m.blocks[2].pool_bin--;
+        for (size_t i = 0; i < count; i++)
+            block_pool_remove(&m.pool, &m.blocks[i]);
+        assert_true(block_pool_check(&m.pool));
+    }
+    block_pool_destroy(&m.pool);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_index_matches_a_sorted_model),
         cmocka_unit_test(test_one_bin_grows_and_shrinks),
+        cmocka_unit_test(test_checker_sees_a_block_out_of_order),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
