@@ -9,6 +9,7 @@ import pytest
 import npualloc
 from npualloc import _C
 from conftest_memory import GiB, MiB, block_of, check_all, layout, mem, oom_message, segment_of, segments  # noqa: F401
+from conftest_memory import run_python
 
 alloc = npualloc.caching_allocator_alloc
 free = npualloc.caching_allocator_delete
@@ -521,3 +522,16 @@ def test_empty_virt_addr_cache_needs_expandable_segments(mem):
                                            "expandable_segments."):
         npualloc.empty_virt_addr_cache()
     assert npualloc.memory_reserved() == 20 * MiB   # nothing released
+
+
+def test_readme_torch_face_example_runs_as_written():
+    """The README's torch_npu example prints what its comment says: 10 MiB + 32 rounds to 10 MiB + 512
+    allocated, in a 12 MiB segment (a segment for 10 MiB or more is the size rounded up to 2 MiB)."""
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "memory_summary()" in b)
+    expected = re.search(r"print\(npualloc.memory_allocated.*\)\s+# (.*)", example).group(1).strip()
+    proc = run_python(example)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == expected == f"{10 * MiB + 512} {12 * MiB}"
+    assert "PyTorch NPU memory summary, device ID 0" in proc.stdout
