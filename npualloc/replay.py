@@ -33,7 +33,7 @@ from array import array
 from . import _C
 
 __all__ = ["TraceError", "UnsafeTraceError", "Unavailable", "load_trace", "Trace", "RecordedRun", "ReplayResult",
-           "Comparison", "Setting", "replay", "compare", "plot_timeline", "export_events", "format_size"]
+           "Comparison", "Setting", "replay", "compare", "least_waste", "plot_timeline", "export_events", "format_size"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -662,7 +662,9 @@ class Comparison:
         return self.results[i]
 
     def to_dict(self):
-        return {"results": [r.to_dict() for r in self.results]}
+        return {"results": [r.to_dict() for r in self.results],
+                "least_waste": [{"trace": trace, "device": device, "label": r.label, "peak_reserved": r.peak_reserved}
+                                for (trace, device), r in self.least_waste().items()]}
 
     def rows(self):
         """The table as a list of dicts (one per configuration, plus the recorded run per trace/device)."""
@@ -685,6 +687,11 @@ class Comparison:
                         "events_per_second": r.events_per_second, "available": r.available, "error": r.error})
         return out
 
+    def least_waste(self):
+        """The setting that reserved the least device memory at its peak, per trace and device: a dict
+        ``{(trace, device): ReplayResult}``.  See :func:`least_waste`."""
+        return {key: best for key, (best, _) in _verdicts(self.results).items() if best is not None}
+
     def format(self):
         return format_table(self.results)
 
@@ -696,6 +703,66 @@ class Comparison:
 
 def _fmt_gib(n):
     return "-" if n is None else f"{n / GiB:,.2f}"
+
+
+def _is_default(r):
+    return r.conf == "" and r.fraction is None
+
+
+def _least_waste(rs):
+    """(winner, default) among one trace's results, or (None, None) when none ranks.
+
+    Ranked: the results that ran and had no OOM.  When some used NPU rounding, only those: a CUDA-rounded
+    row shows what the recording allocator did, not a setting to choose.  The least peak reserved wins;
+    on a tie the default setting, else the first in order.  ``default`` is the default setting's result
+    under the same rounding (None when it was not run or did not rank)."""
+    ranked = [r for r in rs if r.available and not r.ooms and r.peak_reserved is not None]
+    if any(r.rounding == "npu" for r in ranked):
+        ranked = [r for r in ranked if r.rounding == "npu"]
+    if not ranked:
+        return None, None
+    least = min(r.peak_reserved for r in ranked)
+    tied = [r for r in ranked if r.peak_reserved == least]
+    default = next((r for r in ranked if _is_default(r)), None)
+    winner = default if default in tied else tied[0]
+    return winner, default
+
+
+def _verdicts(results):
+    groups = {}
+    for r in results:
+        groups.setdefault((r.trace, r.device), []).append(r)
+    return {key: _least_waste(rs) for key, rs in groups.items()}
+
+
+def least_waste(results):
+    """The result that wastes the least of one trace's results (a list or :class:`Comparison`), or None.
+
+    Wasting least means reserving the least device memory at the peak: the requests are the same under
+    every setting, so what a setting reserves beyond them is its waste.  Results with an OOM (or not
+    available) are not ranked; when some used NPU rounding, CUDA-rounded ones are not either.  A tie goes
+    to the default setting."""
+    results = list(results)
+    if len({(r.trace, r.device) for r in results}) > 1:
+        raise ValueError("least_waste: the results are of several traces or devices; use Comparison.least_waste()")
+    return _least_waste(results)[0]
+
+
+def _verdict_line(rs):
+    winner, default = _least_waste(rs)
+    if winner is None:
+        return "least waste: no setting ran without an OOM"
+    line = (f"least waste: {winner.label}, peak reserved {format_size(winner.peak_reserved)} "
+            f"({format_size(winner.peak_reserved - winner.peak_requested)} over the peak requested)")
+    if default is not None and default is not winner:
+        saved = default.peak_reserved - winner.peak_reserved
+        line += (f"; {format_size(saved)} ({saved / default.peak_reserved:.1%}) less than the default "
+                 f"({format_size(default.peak_reserved)})")
+    elif default is winner and len(rs) > 1:
+        line += "; no setting reserves less than the default"
+    if any(r.available and r.ooms for r in rs):
+        line += "; settings with OOMs are not ranked"
+    return line
 
 
 def format_table(results):
@@ -747,6 +814,7 @@ def format_table(results):
         lines.append("  ".join("-" * w for w in widths))
         lines.extend(fmt_row(row) for row in rows)
         lines.extend(oom_lines)
+        lines.append(_verdict_line(rs))
         lines.append("")
     for n in dict.fromkeys(notes):
         lines.append(f"note: {n}")

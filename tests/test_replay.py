@@ -342,6 +342,79 @@ def test_compare_gives_a_table():
     json.dumps(table.to_dict())
 
 
+# ---- which setting wastes least ----
+
+def three_big_buffers():
+    """7 to 35 MiB buffers, three alive at a time (docs/allocator.md's example): default reserves 124 MiB,
+    expandable segments 120 MiB, max_split_size_mb:20 140 MiB."""
+    ev, live = [], []
+    for step in range(20):
+        addr, size = 0x10000000 * (step + 1), (step % 5 + 1) * 7 * MiB
+        ev += alloc(addr, size)
+        live.append((addr, size))
+        if len(live) > 3:
+            ev += free(*live.pop(0))
+    return snapshot(ev)
+
+
+def test_the_least_reserving_setting_is_named_with_its_saving():
+    table = replay.compare(three_big_buffers(), ["", "expandable_segments:True", "max_split_size_mb:20"],
+                           device_memory="1GiB")
+    assert [r.peak_reserved for r in table] == [124 * MiB, 120 * MiB, 140 * MiB]
+    best = table.least_waste()
+    assert list(best) == [("<snapshot>", 0)] and best["<snapshot>", 0] is table["expandable_segments:True"]
+    assert replay.least_waste(table) is table["expandable_segments:True"]
+    assert json.loads(json.dumps(table.to_dict()))["least_waste"] == [
+        {"trace": "<snapshot>", "device": 0, "label": "expandable_segments:True", "peak_reserved": 120 * MiB}]
+    over = table[1].peak_reserved - table[1].peak_requested
+    assert over > 0
+    assert (f"least waste: expandable_segments:True, peak reserved 120.00 MiB ({replay.format_size(over)} over the "
+            "peak requested); 4.00 MiB (3.2%) less than the default (124.00 MiB)") in table.format().splitlines()
+
+
+def test_a_tie_goes_to_the_default():
+    # without a memory fraction garbage collection never runs: the same reservations as the default
+    table = replay.compare(three_big_buffers(), ["garbage_collection_threshold:0.5", ""], device_memory="1GiB")
+    assert table[0].peak_reserved == table[1].peak_reserved
+    assert replay.least_waste(table) is table["default"]
+    assert "least waste: default, peak reserved 124.00 MiB" in table.format()
+    assert "no setting reserves less than the default" in table.format()
+
+
+def test_settings_with_an_oom_are_not_ranked():
+    # a 0.5 fraction of 200 MiB cannot hold three buffers: it reserves less, but failed
+    table = replay.compare(three_big_buffers(), ["", {"conf": "", "fraction": 0.5}], device_memory="200MiB")
+    assert table[1].ooms > 0 and table[1].peak_reserved < table[0].peak_reserved
+    assert replay.least_waste(table) is table["default"]
+    assert "settings with OOMs are not ranked" in table.format()
+    failed = replay.compare(three_big_buffers(), [{"conf": "", "fraction": 0.5}], device_memory="200MiB")
+    assert failed.least_waste() == {} and replay.least_waste(failed) is None
+    assert "least waste: no setting ran without an OOM" in failed.format()
+
+
+def test_cuda_rounded_rows_are_not_ranked_against_npu_ones():
+    # 1 MiB: with CUDA rounding a small-pool block (2 MiB segment); with NPU's 32-byte pad a large one (20 MiB)
+    ev = snapshot(alloc(0x1000, MiB) + free(0x1000, MiB))
+    table = replay.compare(ev, ["", {"conf": "", "rounding": "cuda", "label": "cuda"}])
+    assert table["cuda"].peak_reserved == 2 * MiB < table["default"].peak_reserved == 20 * MiB
+    assert replay.least_waste(table) is table["default"]
+    only_cuda = replay.compare(ev, [""], rounding="cuda")
+    assert replay.least_waste(only_cuda) is only_cuda[0]
+
+
+def test_least_waste_of_several_traces_is_per_trace():
+    big = replay.compare(replay.Trace(three_big_buffers(), name="big"), ["", "expandable_segments:True"],
+                         device_memory="1GiB")
+    small = replay.compare(replay.Trace(small_trace(), name="small"), [""])
+    both = replay.Comparison(list(small) + list(big))
+    assert both.least_waste() == {("small", 0): small[0], ("big", 0): big[1]}
+    verdicts = [line for line in both.format().splitlines() if line.startswith("least waste:")]
+    assert len(verdicts) == 2 and verdicts[0].startswith("least waste: default,")
+    assert verdicts[1].startswith("least waste: expandable_segments:True,")
+    with pytest.raises(ValueError, match="several traces"):
+        replay.least_waste(both)
+
+
 def test_an_unavailable_setting_is_marked_not_crashed(monkeypatch):
     real = _C.replay.Session
 
