@@ -13,6 +13,7 @@
 #include "common.h"
 #include "device.h"
 #include "graph.h"
+#include "pluggable.h"
 #include "snapshot.h"
 #include "va_space.h"
 #include "vmm.h"
@@ -323,6 +324,42 @@ static device_cache *cache_get(int32_t device)
 
 device_cache *cache_device(int32_t device) { return cache_get(device); }
 
+/* ---- a pluggable allocator in its place (pluggable.c) ---- */
+
+aclError npualloc_allocator_change(npualloc_alloc_fn alloc_fn, npualloc_free_fn free_fn)
+{
+    if (!alloc_fn || !free_fn) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_allocator_change: alloc_fn and free_fn must not be NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    /* Under api_lock, which every cache takes to start: no cache starts while this decides. */
+    pthread_mutex_lock(&api_lock);
+    bool initialized = pluggable_active();
+    for (int d = 0; d < NPU_MAX_DEVICES && caches_ready && !initialized; d++)
+        initialized = __atomic_load_n(&caches[d].started, __ATOMIC_ACQUIRE);
+    if (!initialized)
+        pluggable_install(alloc_fn, free_fn);
+    pthread_mutex_unlock(&api_lock);
+    if (initialized) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "Can't swap an already initialized allocator");
+        return ACL_ERROR_REPEAT_INITIALIZE;
+    }
+    return ACL_SUCCESS;
+}
+
+bool npualloc_allocator_is_pluggable(void) { return pluggable_active(); }
+
+/* The pluggable allocator is told only devices that exist. */
+static aclError pluggable_malloc_checked(int32_t device, size_t size, uint64_t stream, void **ptr)
+{
+    if (runtime_ensure_init() != ACL_SUCCESS || !device_valid(device)) {
+        *ptr = NULL;
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "Invalid device argument %d: did you call init?", (int)device);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return pluggable_malloc(device, size, stream, ptr);
+}
+
 /* The started cache owning a device pointer, or NULL. */
 static device_cache *cache_of_ptr(const void *ptr)
 {
@@ -474,6 +511,8 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
         cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_cache_malloc: ptr must not be NULL");
         return ACL_ERROR_INVALID_PARAM;
     }
+    if (unlikely(pluggable_active()))
+        return pluggable_malloc_checked(device, size, stream, ptr);
     *ptr = NULL;
     if (size == 0)
         return ACL_SUCCESS; /* torch returns a null pointer without allocating */
@@ -503,7 +542,7 @@ bool npualloc_cache_malloc_cached(int32_t device, size_t size, uint64_t stream, 
 {
     /* No device_valid call: a started cache implies a valid device (see cache_get). */
     if (!ptr || size == 0 || size >= K_ONE_EB || unlikely(graph_capture_active()) || device < 0 ||
-        device >= NPU_MAX_DEVICES)
+        device >= NPU_MAX_DEVICES || unlikely(pluggable_active()))
         return false;
     device_cache *dc = &caches[device];
     if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || !cache_lock_try(&dc->lock))
@@ -538,6 +577,8 @@ aclError npualloc_cache_free_ctx(void *ptr, npualloc_context *ctx)
     aclError grc;
     if (unlikely(graph_ranges_active()) && graph_free(ptr, &grc))
         return grc;
+    if (unlikely(pluggable_active()))
+        return pluggable_free(ptr);
     cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid device pointer: %p", ptr);
     return ACL_ERROR_INVALID_PARAM;
 }
@@ -561,6 +602,8 @@ static cache_block *locked_block(void *ptr, device_cache **out)
 
 aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream, size_t *size)
 {
+    if (unlikely(pluggable_active()) && pluggable_info(ptr, device, stream, size))
+        return ACL_SUCCESS;
     device_cache *dc;
     cache_block *b = locked_block(ptr, &dc);
     if (!b)
@@ -593,6 +636,8 @@ aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: %#llx is not a live stream", (unsigned long long)stream);
         return ACL_ERROR_INVALID_PARAM;
     }
+    if (unlikely(pluggable_active()) && pluggable_info(ptr, NULL, NULL, NULL))
+        return ACL_SUCCESS; /* torch_npu calls the library's record_stream_fn, which Python cannot set */
     device_cache *dc;
     cache_block *b = locked_block(ptr, &dc);
     aclError grc; /* graph capture hook (graph.c): graph memory's FREE node also waits for the stream */
@@ -607,6 +652,8 @@ aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
 
 aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
 {
+    if (unlikely(pluggable_active()) && pluggable_info(ptr, NULL, NULL, NULL))
+        return ACL_SUCCESS; /* as record_stream */
     device_cache *dc;
     cache_block *b = locked_block(ptr, &dc);
     if (!b)
@@ -633,7 +680,7 @@ bool npualloc_caching_disabled(void)
 
 aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **ptr)
 {
-    if (!npualloc_caching_disabled())
+    if (!npualloc_caching_disabled() || pluggable_active()) /* a pluggable allocator decides for itself */
         return npualloc_cache_malloc(device, size, stream, ptr);
     if (!ptr)
         return ACL_ERROR_INVALID_PARAM;

@@ -20,6 +20,7 @@
 #include "ipc.h"
 #include "mem.h"
 #include "npualloc.h"
+#include "pluggable.h"
 #include "stream.h"
 #include "va_space.h"
 #include "vmm.h"
@@ -35,12 +36,14 @@ static void atfork_prepare(void)
     va_atfork_prepare();
     graph_atfork_prepare_leaves(); /* the range registry, then its violation log */
     caching_atfork_prepare_leaves();
+    pluggable_atfork_prepare();
     device_atfork_prepare();
 }
 
 static void atfork_parent(void)
 {
     device_atfork_parent();
+    pluggable_atfork_parent();
     va_atfork_parent();
     mem_atfork_parent();
     vmm_atfork_parent();
@@ -66,6 +69,7 @@ static void atfork_child(void)
     mem_atfork_child();
     device_atfork_child();
     caching_atfork_child(); /* after streams: it releases streams, which the stream module reset */
+    pluggable_atfork_child();
     graph_atfork_child();
 }
 
@@ -109,6 +113,7 @@ void npualloc_shutdown(void)
 {
     atomic_fetch_add(&generation, 1); /* nothing of the old runtime is used while it shuts down */
     ipc_shutdown(); /* sharing: first, it drops the pins other processes hold on cached blocks */
+    pluggable_shutdown(); /* the caching allocator is current again; the library is not told */
     caching_shutdown();
     stream_shutdown();
     vmm_shutdown();

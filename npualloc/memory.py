@@ -11,6 +11,7 @@ Errors that torch_npu builds with ``pta_error(...)`` carry its suffix
 ``TORCH_NPU_COMPACT_ERROR_OUTPUT`` is a non-zero int (or Python runs interactively).
 """
 import collections
+import ctypes
 import inspect
 import os
 import pickle
@@ -62,6 +63,8 @@ __all__ = [
     "synchronize",
     "record_stream",
     "erase_stream",
+    "NPUPluggableAllocator",
+    "change_current_allocator",
 ]
 
 # ---- torch_npu's error suffix (torch_npu/utils/_error_code.py) ----
@@ -252,18 +255,23 @@ def memory_stats_as_nested_dict(device=None):
     if not is_initialized():
         return {}
     device = _get_device_index(device, optional=True)
+    _unsupported_by_pluggable("getDeviceStats")  # then the caching allocator's: it served nothing
     return _M._stats(device)
 
 
 def reset_accumulated_memory_stats(device=None):
     """Zeroes the "allocated"/"freed" counters and the event counters."""
     device = _get_device_index(device, optional=True)
+    if _unsupported_by_pluggable("resetAccumulatedStats"):
+        return None
     return _M._reset_accumulated(device)
 
 
 def reset_peak_memory_stats(device=None):
     """Sets every "peak" to its "current"."""
     device = _get_device_index(device, optional=True)
+    if _unsupported_by_pluggable("resetPeakStats"):
+        return None
     return _M._reset_peak(device)
 
 
@@ -315,6 +323,72 @@ def get_allocator_backend() -> str:
     return "native"
 
 
+# ---- a pluggable allocator (torch_npu's NPUPluggableAllocator) ----
+
+class _NPUAllocator:
+    """An allocator the caching allocator can be swapped for (torch_npu's ``_NPUAllocator``)."""
+
+    def __init__(self, allocator):
+        self._allocator = allocator
+
+    def allocator(self):
+        return self._allocator
+
+
+_NATIVE = "native"  # what _get_current_allocator() wraps while the caching allocator is current
+_current = _NATIVE
+
+
+class NPUPluggableAllocator(_NPUAllocator):
+    """An allocator loaded from a shared library, as torch_npu's: ``alloc_fn_name`` names
+    ``void *alloc(size_t size, int device, aclrtStream stream)`` and ``free_fn_name``
+    ``void free(void *ptr, size_t size, int device, aclrtStream stream)``.
+
+    After :func:`change_current_allocator`, ``caching_allocator_alloc``, ``empty`` and their frees
+    call them (with the size asked, not rounded, and the free told the allocation's size, device and
+    stream).  The library can call the runtime's ``aclrt*`` functions (``csrc/include/acl_rt.h``):
+    npualloc's extension exports them to the libraries it loads."""
+
+    def __init__(self, path_to_so_file, alloc_fn_name, free_fn_name):
+        # The extension is loaded with RTLD_LOCAL: make its aclrt* symbols resolve the library's.
+        ctypes.CDLL(_C.__file__, mode=os.RTLD_NOW | os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        self._library = ctypes.CDLL(path_to_so_file)  # kept: the functions live in it
+        alloc_fn = ctypes.cast(getattr(self._library, alloc_fn_name), ctypes.c_void_p).value
+        free_fn = ctypes.cast(getattr(self._library, free_fn_name), ctypes.c_void_p).value
+        super().__init__((alloc_fn, free_fn))
+
+
+def change_current_allocator(allocator) -> None:
+    """Makes ``allocator`` (an :class:`NPUPluggableAllocator`) the one every allocation uses.  As in
+    torch_npu, only before the allocator in use is initialized: RuntimeError once any device's
+    caching allocator has started, or a pluggable allocator is current (until
+    ``npualloc.testing.restart``)."""
+    global _current
+    if not isinstance(allocator, _NPUAllocator) or not isinstance(allocator.allocator(), tuple):
+        raise TypeError(f"allocator should be an NPUPluggableAllocator, could not be {type(allocator)}"
+                        + _pta_error("TYPE"))
+    try:
+        _M._change_current_allocator(*allocator.allocator())
+    except RuntimeError as e:
+        raise RuntimeError(str(e) + _pta_error("PTR")) from None
+    _current = allocator.allocator()
+
+
+def _get_current_allocator():
+    """The allocator in use: the pluggable one made current, or the caching allocator."""
+    return _NPUAllocator(_current if _M._allocator_is_pluggable() else _NATIVE)
+
+
+def _unsupported_by_pluggable(what):
+    """True (after torch_npu's warning) when a pluggable allocator is current: it keeps no stats,
+    snapshots or history."""
+    if not _M._allocator_is_pluggable():
+        return False
+    warnings.warn(f"NPUPluggableAllocator does not yet support {what}. "
+                  "If you need it, please file an issue describing your use case.", stacklevel=3)
+    return True
+
+
 def record_stream(ptr, stream):
     """``tensor.record_stream(stream)`` for a pointer (or a Buffer): the block is reused only after
     the work queued on ``stream`` when it is freed has run."""
@@ -345,6 +419,8 @@ def _set_allocator_settings(settings):
 
 def _attach_out_of_memory_observer(observer):
     """observer(device, alloc_size, allowed_or_total, device_free) runs before OutOfMemoryError."""
+    if _unsupported_by_pluggable("attachOutOfMemoryObserver"):
+        return
     _M._attach_oom_observer(observer)
 
 
@@ -362,6 +438,7 @@ def _check(device=None):
 
 def memory_snapshot(mempool_id=None):
     """The segments of every device (torch_npu's snapshot["segments"])."""
+    _unsupported_by_pluggable("snapshot")  # then the caching allocator's: no segments
     segments = _M._snapshot()["segments"]
     if mempool_id is not None:
         want = tuple(mempool_id)
@@ -411,6 +488,8 @@ def _record_memory_history(enabled="all", *args, **kwargs):
     ``(enabled, record_context=True, trace_alloc_max_entries=1, trace_alloc_record_context=False,
     device=None, record_context_cpp=False, clear_history=False)``.
     """
+    if _unsupported_by_pluggable("recordHistory"):
+        return None
     if isinstance(enabled, bool):
         return _record_memory_history_legacy(enabled, *args, **kwargs)
     return _record_memory_history_impl(enabled, *args, **kwargs)
@@ -472,6 +551,7 @@ def _snapshot(device=None):
     context was kept (context "alloc" or "all").  Trace entries are oldest first; an "oom" entry
     has ``device_free`` instead of ``addr``.  Frames lists may be shared between entries that
     come from one stack, as in torch."""
+    _unsupported_by_pluggable("snapshot")  # then the caching allocator's: empty
     return _M._snapshot()
 
 

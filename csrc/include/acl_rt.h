@@ -193,6 +193,13 @@ typedef enum aclrtEventRecordedStatus {
 #define ACL_HOST_REG_PINNED 0x10000000UL
 #define ACL_IPC_EVENT_HANDLE_SIZE 64
 
+/* The functions stay visible outside a library built with -fvisibility=hidden (as CANN's
+ * ACL_FUNC_VISIBILITY does): npualloc's Python extension exports them, so that a pluggable
+ * allocator loaded into the process (npualloc.NPUPluggableAllocator) can call them. */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
 /* ---- initialisation ---- */
 aclError aclInit(const char *configPath);
 aclError aclFinalize(void);
@@ -260,6 +267,10 @@ aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *statu
 aclError aclrtSynchronizeEvent(aclrtEvent event);
 aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }

@@ -118,6 +118,22 @@ aclError npualloc_cache_malloc(int32_t device, size_t size, uint64_t stream, voi
 aclError npualloc_cache_free(void *ptr);
 /* The out-of-memory figures of this thread's last failed allocation. */
 void npualloc_cache_last_oom(npualloc_oom_info *out);
+
+/* A pluggable allocator (torch_npu's NPUPluggableAllocator and change_current_allocator), with
+ * torch_npu's signatures: alloc_fn(size, device, stream) and free_fn(ptr, size, device, stream). */
+typedef void *(*npualloc_alloc_fn)(size_t size, int device, aclrtStream stream);
+typedef void (*npualloc_free_fn)(void *ptr, size_t size, int device, aclrtStream stream);
+/* From now on npualloc_cache_malloc and npualloc_allocate (and the Python face) allocate with
+ * alloc_fn, passing the size as asked and the stream as given; npualloc_cache_free frees such a
+ * pointer with free_fn, told its size, device and stream (the caching allocator's pointers still
+ * free as before).  record_stream and erase_stream do nothing to its pointers, as in torch_npu.
+ * Refused with ACL_ERROR_REPEAT_INITIALIZE and torch_npu's "Can't swap an already initialized
+ * allocator" once the allocator in use is initialized: the caching allocator after any device's
+ * cache started, a pluggable one always.  Until npualloc_shutdown (or fork: the child starts with
+ * the caching allocator). */
+aclError npualloc_allocator_change(npualloc_alloc_fn alloc_fn, npualloc_free_fn free_fn);
+/* True while a pluggable allocator is current. */
+bool npualloc_allocator_is_pluggable(void);
 int npualloc_format_oom(const npualloc_oom_info *info, char *buf, size_t len);
 /* torch's format_size: "512 bytes", "1.50 KiB", "2.00 MiB", "3.25 GiB". */
 void npualloc_format_size(uint64_t size, char *buf, size_t len);

@@ -180,6 +180,17 @@ static PyObject *raise_cache_error(aclError rc)
     return NULL;
 }
 
+/* A failed free.  A pluggable allocator's ("Trying to free a pointer not allocated here") carries
+ * torch_npu's PTR suffix; the caching allocator's "invalid device pointer" has none. */
+static PyObject *raise_free_error(aclError rc)
+{
+    if (!npualloc_allocator_is_pluggable())
+        return raise_cache_error(rc);
+    npualloc_error_kind kind;
+    const char *msg = npualloc_last_error(&kind);
+    return raise_pta(PyExc_RuntimeError, "PTR", "%s", msg && msg[0] ? msg : "npualloc: the free failed");
+}
+
 /* An allocation failed: out of memory calls the OOM observers, then raises OutOfMemoryError. */
 static PyObject *raise_alloc_failure(aclError rc)
 {
@@ -789,10 +800,13 @@ static PyObject *m_caching_allocator_delete(PyObject *self, PyObject *arg)
         Py_RETURN_NONE;
     aclError rc;
     npualloc_context *ctx = GATHER(NPUALLOC_RECORD_ALL);
-    LOCKING_CALL(rc = npualloc_cache_free_ctx((void *)(uintptr_t)p, ctx));
+    if (unlikely(npualloc_allocator_is_pluggable())) /* the library's free_fn may take its time */
+        WAITING_CALL(rc = npualloc_cache_free_ctx((void *)(uintptr_t)p, ctx));
+    else
+        LOCKING_CALL(rc = npualloc_cache_free_ctx((void *)(uintptr_t)p, ctx));
     npualloc_context_release(ctx);
     if (rc != ACL_SUCCESS)
-        return raise_cache_error(rc);
+        return raise_free_error(rc);
     if (drain_warnings() < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -826,8 +840,8 @@ static int buffer_release(BufferObject *b)
     if (!p || b->gen != gen_now())
         return 0; /* nothing, or memory of a runtime that was shut down */
     aclError rc;
-    if (npualloc_caching_disabled()) {
-        WAITING_CALL(rc = npualloc_deallocate(p)); /* synchronizes the device */
+    if (npualloc_caching_disabled() || npualloc_allocator_is_pluggable()) {
+        WAITING_CALL(rc = npualloc_deallocate(p)); /* synchronizes the device, or calls the library's free_fn */
     } else {
         /* npualloc_deallocate of cached memory is npualloc_cache_free: with the free's context */
         npualloc_context *ctx = GATHER(NPUALLOC_RECORD_ALL);
@@ -835,7 +849,7 @@ static int buffer_release(BufferObject *b)
         npualloc_context_release(ctx);
     }
     if (rc != ACL_SUCCESS) {
-        raise_cache_error(rc);
+        raise_free_error(rc);
         return -1;
     }
     return 0;
@@ -1563,6 +1577,31 @@ static PyObject *m_current_device(PyObject *self, PyObject *unused)
 }
 
 /* _local_device() -> the thread's device, or -1 (never starts the runtime or a device). */
+/* _change_current_allocator(alloc_fn_address, free_fn_address) */
+static PyObject *m_change_current_allocator(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_count("_change_current_allocator", nargs, 2))
+        return NULL;
+    uint64_t alloc_addr, free_addr;
+    if (as_u64(args[0], "_change_current_allocator", "alloc_fn", &alloc_addr) < 0 ||
+        as_u64(args[1], "_change_current_allocator", "free_fn", &free_addr) < 0)
+        return NULL;
+    /* Addresses from dlsym (ctypes): POSIX guarantees they convert back to function pointers. */
+    aclError rc = npualloc_allocator_change((npualloc_alloc_fn)(uintptr_t)alloc_addr,
+                                            (npualloc_free_fn)(uintptr_t)free_addr);
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_allocator_is_pluggable(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(npualloc_allocator_is_pluggable());
+}
+
 static PyObject *m_local_device(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -1888,6 +1927,8 @@ static PyMethodDef memory_methods[] = {
     {"_generation", m_generation, METH_NOARGS, NULL},
     {"_current_device", m_current_device, METH_NOARGS, NULL},
     {"_local_device", m_local_device, METH_NOARGS, NULL},
+    {"_change_current_allocator", FAST(m_change_current_allocator), METH_FASTCALL, NULL},
+    {"_allocator_is_pluggable", m_allocator_is_pluggable, METH_NOARGS, NULL},
     {"_set_device", m_set_device, METH_O, NULL},
     {"_device_count", m_device_count, METH_NOARGS, NULL},
     {"_mem_get_info", m_mem_get_info, METH_O, NULL},
