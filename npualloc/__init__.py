@@ -2,9 +2,22 @@
 from . import _C
 from . import acl
 
-__all__ = ["acl", "configure", "parse_size"]
+__all__ = ["acl", "configure", "parse_size", "get_include"]
 
 parse_size = _C.parse_size
+
+
+def get_include():
+    """The directory of npualloc's C headers (``acl_rt.h``, ``npualloc.h``), for code built against
+    it, such as a pluggable allocator: ``cc -shared -fPIC -I$(python -m npualloc include) ...``.
+    An installed npualloc carries them in the package; a source checkout (or an editable install)
+    has them in ``csrc/include``."""
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "include"), os.path.join(os.path.dirname(here), "csrc", "include")):
+        if os.path.isfile(os.path.join(candidate, "acl_rt.h")):
+            return candidate
+    raise RuntimeError(f"npualloc's C headers are missing (looked in {here}/include and ../csrc/include)")
 
 
 def configure(device_count=None, device_memory=None, huge_memory=None, huge1g_memory=None, ddr_memory=None):

@@ -5,6 +5,9 @@
                               [--rounding npu|cuda] [--fraction F] [--huge1g-memory SIZE]
                               [--on-oom continue|stop] [--device N]
                               [--json FILE] [--plot FILE.png] [--progress] [--export-events FILE]
+    python -m npualloc include
+
+``include`` prints the directory of npualloc's C headers (``-I`` for a pluggable allocator's build).
 
 ``replay`` prints one row per configuration (peak requested, allocated, active and reserved, fragmentation,
 device allocations and frees, retries, OOMs, wall time, replay speed) under a row with the recorded run's own
@@ -322,6 +325,12 @@ def _demo_plot(comp, path, plots):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def cmd_include(args):
+    from . import get_include
+    print(get_include())
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's usage errors: one line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -361,6 +370,9 @@ def main(argv=None):
     r.add_argument("--export-events", metavar="FILE",
                    help="write the replay events as a binary file for benchmarks/bench_replay.c, and stop")
     r.set_defaults(func=cmd_replay)
+
+    i = sub.add_parser("include", help="print the directory of npualloc's C headers (for -I)")
+    i.set_defaults(func=cmd_include)
 
     args = parser.parse_args(argv)
     try:

@@ -19,6 +19,23 @@ from npualloc import acl
 assert acl.rt.set_device(0) == acl.ACL_SUCCESS
 p, ret = acl.rt.malloc(1024, acl.ACL_MEM_MALLOC_HUGE_FIRST)
 assert ret == acl.ACL_SUCCESS and acl.rt.memset(p, 1024, 7, 1024) == 0 and acl.rt.free(p) == 0
+# the C headers, for a pluggable allocator built against this install
+import os, subprocess
+inc = npualloc.get_include()
+assert os.path.isfile(os.path.join(inc, "acl_rt.h")) and os.path.isfile(os.path.join(inc, "npualloc.h")), inc
+cli = subprocess.run([sys.executable, "-m", "npualloc", "include"], capture_output=True, text=True, check=True)
+assert cli.stdout.strip() == inc, cli
+src = os.path.join(os.getcwd(), "plugin.c")
+with open(src, "w") as f:
+    f.write('#include "acl_rt.h"\nvoid *m(size_t n, int d, aclrtStream s) { (void)d; (void)s; void *p = 0; '
+            'return aclrtMalloc(&p, n, ACL_MEM_MALLOC_HUGE_FIRST) == ACL_SUCCESS ? p : 0; }\n'
+            'void f(void *p, size_t n, int d, aclrtStream s) { (void)n; (void)d; (void)s; aclrtFree(p); }\n')
+subprocess.run(["cc", "-shared", "-fPIC", "-I", inc, src, "-o", src + ".so"], check=True)
+npualloc.change_current_allocator(npualloc.NPUPluggableAllocator(src + ".so", "m", "f"))
+q = npualloc.caching_allocator_alloc(4096)
+assert q and npualloc.memory_allocated() == 0
+npualloc.caching_allocator_delete(q)
+print(inc)
 print(npualloc.__file__)
 '''
 
@@ -53,10 +70,12 @@ def test_pip_install_and_editable_install_work(tmp_path):
     pip = [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
 
     run(pip + [src], tmp_path, env)
-    where = Path(run([py, "-c", SCRIPT], away, env).strip().splitlines()[-1])
+    inc, where = map(Path, run([py, "-c", SCRIPT], away, env).strip().splitlines()[-2:])
     assert venv in where.parents, f"npualloc imported from {where}, not from the venv"
+    assert inc == where.parent / "include", inc  # the headers installed with the package
 
     run([py, "-m", "pip", "uninstall", "-q", "-y", "npualloc"], tmp_path, env)
     run(pip + ["-e", src], tmp_path, env)
-    where = Path(run([py, "-c", SCRIPT], away, env).strip().splitlines()[-1])
+    inc, where = map(Path, run([py, "-c", SCRIPT], away, env).strip().splitlines()[-2:])
     assert src in where.parents, f"editable install imported npualloc from {where}, not from {src}"
+    assert inc == src / "csrc" / "include", inc  # an editable install uses the checkout's headers
