@@ -352,8 +352,13 @@ bool npualloc_allocator_is_pluggable(void) { return pluggable_active(); }
 /* The pluggable allocator is told only devices that exist. */
 static aclError pluggable_malloc_checked(int32_t device, size_t size, uint64_t stream, void **ptr)
 {
-    if (runtime_ensure_init() != ACL_SUCCESS || !device_valid(device)) {
-        *ptr = NULL;
+    *ptr = NULL;
+    if (runtime_ensure_init() != ACL_SUCCESS) {
+        const char *why = npualloc_init_error();
+        cache_set_error(NPUALLOC_ERR_VALUE, "%s", why ? why : "the virtual NPU could not start");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    if (!device_valid(device)) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "Invalid device argument %d: did you call init?", (int)device);
         return ACL_ERROR_INVALID_PARAM;
     }

@@ -346,8 +346,8 @@ class NPUPluggableAllocator(_NPUAllocator):
 
     After :func:`change_current_allocator`, ``caching_allocator_alloc``, ``empty`` and their frees
     call them (with the size asked, not rounded, and the free told the allocation's size, device and
-    stream).  The library can call the runtime's ``aclrt*`` functions (``csrc/include/acl_rt.h``):
-    npualloc's extension exports them to the libraries it loads."""
+    stream).  The library can call the runtime's ``aclrt*`` functions (``acl_rt.h`` in
+    :func:`npualloc.get_include`): npualloc's extension exports them to the libraries it loads."""
 
     def __init__(self, path_to_so_file, alloc_fn_name, free_fn_name):
         # The extension is loaded with RTLD_LOCAL: make its aclrt* symbols resolve the library's.
@@ -488,8 +488,6 @@ def _record_memory_history(enabled="all", *args, **kwargs):
     ``(enabled, record_context=True, trace_alloc_max_entries=1, trace_alloc_record_context=False,
     device=None, record_context_cpp=False, clear_history=False)``.
     """
-    if _unsupported_by_pluggable("recordHistory"):
-        return None
     if isinstance(enabled, bool):
         return _record_memory_history_legacy(enabled, *args, **kwargs)
     return _record_memory_history_impl(enabled, *args, **kwargs)
@@ -515,6 +513,8 @@ def _record_memory_history_impl(enabled="all", context="all", stacks="python", m
     current_device()  # torch_npu's _lazy_init()
     entries = max(1, max_entries) if enabled == "all" else 1
     when = _CONTEXT_LEVELS[context] if enabled is not None else 0
+    if _unsupported_by_pluggable("recordHistory"):
+        return
     _M._record_history(enabled is not None, when, min(entries, _MAX_ENTRIES))
 
 
@@ -536,6 +536,8 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
     current_device()  # torch's lazyInitDevice
     # torch converts the int64 to size_t: a negative count is a huge one
     entries = max(1, trace_alloc_max_entries) if trace_alloc_max_entries >= 0 else _MAX_ENTRIES
+    if _unsupported_by_pluggable("recordHistory"):
+        return
     _M._record_history(enabled, when if enabled else 0, min(entries, _MAX_ENTRIES))
 
 
