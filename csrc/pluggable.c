@@ -32,10 +32,6 @@ void pluggable_install(npualloc_alloc_fn alloc, npualloc_free_fn release)
 
 aclError pluggable_malloc(int32_t device, size_t size, uint64_t stream, void **ptr)
 {
-    if (!ptr) {
-        cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_cache_malloc: ptr must not be NULL");
-        return ACL_ERROR_INVALID_PARAM;
-    }
     allocation *a = malloc(sizeof *a); /* before the call: a failure then leaks nothing */
     if (!a) {
         *ptr = NULL;

@@ -28,7 +28,8 @@ static inline bool pluggable_active(void) { return atomic_load_explicit(&pluggab
 
 /* Makes alloc/release current (the caller checked that no allocator is initialized). */
 void pluggable_install(npualloc_alloc_fn alloc, npualloc_free_fn release);
-/* Allocates through the user's alloc_fn (a NULL result is returned as it is, as torch_npu does). */
+/* Allocates through the user's alloc_fn (a NULL result is returned as it is, as torch_npu does);
+ * ptr is not NULL and device is valid (the caller checked). */
 aclError pluggable_malloc(int32_t device, size_t size, uint64_t stream, void **ptr);
 /* Frees through free_fn with what the allocation was; "Trying to free a pointer not allocated
  * here" when ptr did not come from pluggable_malloc. */

@@ -36,6 +36,58 @@ static void plug_free(void *ptr, size_t size, int device, aclrtStream stream)
     assert_int_equal(aclrtFree(ptr), ACL_SUCCESS);
 }
 
+/* A faulty library: always the same address, or nothing. */
+static char one_buffer[4096];
+
+static void *same_address(size_t size, int device, aclrtStream stream)
+{
+    (void)size;
+    (void)device;
+    (void)stream;
+    return one_buffer;
+}
+
+static void *nothing(size_t size, int device, aclrtStream stream)
+{
+    (void)size;
+    (void)device;
+    (void)stream;
+    return NULL;
+}
+
+static void forget_it(void *ptr, size_t size, int device, aclrtStream stream)
+{
+    (void)device;
+    (void)stream;
+    atomic_fetch_add(&free_calls, 1);
+    assert_ptr_equal(ptr, one_buffer);
+    last_free_size = size;
+}
+
+static void test_a_faulty_library_as_torch_npu_meets_it(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    assert_int_equal(npualloc_allocator_change(same_address, forget_it), ACL_SUCCESS);
+    void *p, *q;
+    assert_int_equal(npualloc_cache_malloc(0, 100, 0, &p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_malloc(0, 200, 0, &q), ACL_SUCCESS);
+    assert_ptr_equal(p, q);
+    /* the first record stays (torch_npu's map emplace): one free, told the first size */
+    long frees = free_calls;
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    assert_int_equal(free_calls, frees + 1);
+    assert_int_equal(last_free_size, 100);
+    assert_int_equal(npualloc_cache_free(q), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(free_calls, frees + 1);
+
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    assert_int_equal(npualloc_allocator_change(nothing, forget_it), ACL_SUCCESS);
+    p = one_buffer;
+    assert_int_equal(npualloc_cache_malloc(0, 100, 0, &p), ACL_SUCCESS); /* as torch_npu: NULL, no error */
+    assert_null(p);
+}
+
 static void test_allocations_go_to_the_library(void **state)
 {
     (void)state;
@@ -185,6 +237,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_allocations_go_to_the_library, stop_runtime),
         cmocka_unit_test_teardown(test_unknown_pointers_and_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_a_faulty_library_as_torch_npu_meets_it, stop_runtime),
         cmocka_unit_test_teardown(test_the_swap_is_refused_once_an_allocator_is_initialized, stop_runtime),
         cmocka_unit_test_teardown(test_a_forked_child_starts_with_the_caching_allocator, stop_runtime),
         cmocka_unit_test_teardown(test_threads_allocate_through_it_at_once, stop_runtime),
