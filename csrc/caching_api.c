@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -670,17 +671,20 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
 
 /* ---- the uncached path (PYTORCH_NO_NPU_MEMORY_CACHING) ---- */
 
-static int caching_disabled = -1; /* read once, as torch_npu does */
+/* Read once, as torch_npu does (-1: not yet).  Atomic: threads may ask first at the same time. */
+static _Atomic int caching_disabled = -1;
 static pthread_mutex_t uncached_lock = PTHREAD_MUTEX_INITIALIZER;
 static ptr_map uncached_blocks; /* ptr -> device + 1 */
 
 bool npualloc_caching_disabled(void)
 {
-    if (caching_disabled < 0) {
+    int disabled = atomic_load_explicit(&caching_disabled, memory_order_relaxed);
+    if (disabled < 0) {
         const char *v = getenv("PYTORCH_NO_NPU_MEMORY_CACHING");
-        caching_disabled = v && strtol(v, NULL, 10) != 0;
+        disabled = v && strtol(v, NULL, 10) != 0;
+        atomic_store_explicit(&caching_disabled, disabled, memory_order_relaxed);
     }
-    return caching_disabled;
+    return disabled;
 }
 
 aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **ptr)
@@ -1026,7 +1030,7 @@ void caching_shutdown(void)
     pthread_mutex_unlock(&uncached_lock);
     settings_loaded = false;
     memset(&settings_error, 0, sizeof settings_error);
-    caching_disabled = -1;
+    atomic_store_explicit(&caching_disabled, -1, memory_order_relaxed);
     pthread_mutex_unlock(&api_lock);
 }
 

@@ -102,6 +102,24 @@ def test_no_memory_caching(mem):
         assert npualloc.memory_allocated() == 512
 
 
+def test_no_memory_caching_edge_cases(mem):
+    """The uncached path's answers: nothing for 0 bytes, torch's 1 EB message, and the runtime's codes for
+    a device that does not exist and a request beyond the device (aclrtMallocAlign32's, as torch_npu)."""
+    mem(no_caching="1")
+    free0 = npualloc.mem_get_info()
+    b = npualloc.empty(0)
+    assert (b.ptr, b.nbytes) == (0, 0)
+    b.free()
+    with pytest.raises(npualloc.OutOfMemoryError, match="^NPU out of memory. Tried to allocate more than 1EB memory.$"):
+        npualloc.empty(1 << 60)
+    with pytest.raises(RuntimeError, match="^NPU error: aclrtMallocAlign32 of 40 bytes on device 5 returned 107001$"):
+        npualloc.empty(8, device=5)
+    with pytest.raises(RuntimeError, match=f"^NPU error: aclrtMallocAlign32 of {2 * GiB + 32} bytes on device 0 "
+                                           "returned 207001$"):
+        npualloc.empty(2 * GiB)
+    assert npualloc.mem_get_info() == free0  # nothing leaked
+
+
 def test_threads_never_share_live_blocks(mem):
     threads, rounds = 8, 1500
     streams = [npualloc.Stream(device=i % 2) for i in range(4)]
