@@ -429,6 +429,53 @@ static void synchronize_device_unlocked(device_cache *dc)
 
 /* ---- segments ---- */
 
+/* Makes b the new segment at ptr of the request's size, counted and traced. */
+static void add_segment(device_cache *dc, alloc_params *p, cache_block *b, void *ptr)
+{
+    dc->total_allocated_memory += p->alloc_size;
+    owner_segments(p->pool, 1);
+    b->pool = p->pool;
+    b->stream = p->stream;
+    b->ptr = (uintptr_t)ptr;
+    b->size = p->alloc_size;
+    cache_stat_inc(dc->stats.segment, p->pool, 1);
+    cache_stat_inc(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
+    b->oversize_segment = p->alloc_size >= max_split_size(dc);
+    if (b->oversize_segment)
+        cache_stat_one_inc(&dc->stats.oversize_segments, 1);
+    dc->stats.num_device_alloc++;
+    if (dc->record_context >= NPUALLOC_RECORD_STATE) {
+        b->segment_ctx = dc->current_ctx;
+        npualloc_context_retain(b->segment_ctx);
+    }
+    cache_history_record(dc, TRACE_SEGMENT_ALLOC, b->ptr, b->size, b->stream);
+    p->block = b;
+}
+
+/* A segment from a pool's own allocator (torch's MemPool(allocator): raw_alloc).  It must be
+ * mapped memory of the device, all of it: a block's pointer leads back to its cache by the
+ * device, and the blocks will be written. */
+static bool alloc_pool_allocator_block(device_cache *dc, alloc_params *p, const private_pool *owner)
+{
+    aclrtStream stream = (aclrtStream)(uintptr_t)p->stream;
+    void *ptr = owner->segment_alloc_fn(p->alloc_size, dc->device, stream);
+    const cache_backend *be = dc->backend;
+    if (ptr && be->segment_valid && !be->segment_valid(dc->backend_ctx, dc->device, ptr, p->alloc_size)) {
+        owner->segment_free_fn(ptr, p->alloc_size, dc->device, stream);
+        cache_push_warning("npualloc: a pool's allocator returned memory that is not the device's: not used");
+        ptr = NULL;
+    }
+    cache_block *b = ptr ? cache_block_new(dc) : NULL;
+    if (ptr && !b)
+        owner->segment_free_fn(ptr, p->alloc_size, dc->device, stream);
+    if (!b) {
+        p->err = ACL_ERROR_RT_MEMORY_ALLOCATION; /* as torch: a NULL from raw_alloc is out of memory */
+        return false;
+    }
+    add_segment(dc, p, b, ptr);
+    return true;
+}
+
 static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
 {
     if (is_retry)
@@ -437,6 +484,9 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
         p->err = ACL_ERROR_RT_MEMORY_ALLOCATION;
         return false;
     }
+    const private_pool *owner = p->pool->owner;
+    if (owner && owner->segment_alloc_fn)
+        return alloc_pool_allocator_block(dc, p, owner);
     if (dc->settings->expandable_segments && expandable_supported(dc)) {
         /* Pages are mapped for the rounded size; stats and the trace come from the mapping. */
         p->block = expandable_allocate(dc, p->pool, p->stream, p->size);
@@ -468,32 +518,19 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
         p->err = rc;
         return false;
     }
-    dc->total_allocated_memory += p->alloc_size;
-    owner_segments(p->pool, 1);
-    b->pool = p->pool;
-    b->stream = p->stream;
-    b->ptr = (uintptr_t)ptr;
-    b->size = p->alloc_size;
-    cache_stat_inc(dc->stats.segment, p->pool, 1);
-    cache_stat_inc(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
-    b->oversize_segment = p->alloc_size >= max_split_size(dc);
-    if (b->oversize_segment)
-        cache_stat_one_inc(&dc->stats.oversize_segments, 1);
-    dc->stats.num_device_alloc++;
-    if (dc->record_context >= NPUALLOC_RECORD_STATE) {
-        b->segment_ctx = dc->current_ctx;
-        npualloc_context_retain(b->segment_ctx);
-    }
-    cache_history_record(dc, TRACE_SEGMENT_ALLOC, b->ptr, b->size, b->stream);
-    p->block = b;
+    add_segment(dc, p, b, ptr);
     return true;
 }
 
-/* Returns a whole free segment to the device. */
+/* Returns a whole free segment to the device (or to its pool's allocator). */
 static void release_block(device_cache *dc, cache_block *b)
 {
     cache_history_record_ctx(dc, TRACE_SEGMENT_FREE, b->ptr, b->size, b->stream, b->segment_ctx);
-    dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)b->ptr, b->size);
+    const private_pool *owner = b->pool->owner;
+    if (owner && owner->segment_free_fn)
+        owner->segment_free_fn((void *)b->ptr, b->size, dc->device, (aclrtStream)(uintptr_t)b->stream);
+    else
+        dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)b->ptr, b->size);
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
     owner_segments(pool, -1);
@@ -1083,14 +1120,24 @@ private_pool *cache_pool_find(device_cache *dc, npualloc_mempool_id id)
     return NULL;
 }
 
-aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id)
+aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id, npualloc_alloc_fn alloc_fn,
+                                  npualloc_free_fn free_fn)
 {
     if (id.first == 0 && id.second == 0) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "the default pool id (0, 0) is not a private pool");
         return ACL_ERROR_INVALID_PARAM;
     }
+    if (!alloc_fn != !free_fn) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "a pool's allocator needs both alloc_fn and free_fn");
+        return ACL_ERROR_INVALID_PARAM;
+    }
     private_pool *pp = cache_pool_find(dc, id);
     if (pp) {
+        if (alloc_fn && (pp->segment_alloc_fn != alloc_fn || pp->segment_free_fn != free_fn)) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "mempool (%llu, %llu) exists with another allocator",
+                            (unsigned long long)id.first, (unsigned long long)id.second);
+            return ACL_ERROR_INVALID_PARAM;
+        }
         pp->use_count++;
         return ACL_SUCCESS;
     }
@@ -1100,6 +1147,8 @@ aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id)
     }
     pp->id = id;
     pp->use_count = 1;
+    pp->segment_alloc_fn = alloc_fn;
+    pp->segment_free_fn = free_fn;
     block_pool_init(&pp->small, true, pp);
     block_pool_init(&pp->large, false, pp);
     pp->next = dc->private_pools;
@@ -1126,7 +1175,7 @@ static aclError add_route(device_cache *dc, npualloc_mempool_id id, npualloc_poo
         cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for a pool route");
         return ACL_ERROR_BAD_ALLOC;
     }
-    aclError rc = cache_pool_create_locked(dc, id); /* creates, or takes a reference */
+    aclError rc = cache_pool_create_locked(dc, id, NULL, NULL); /* creates, or takes a reference */
     if (rc != ACL_SUCCESS)
         return rc;
     dc->routes[dc->route_count++] = (pool_route){id, cache_pool_find(dc, id), filter, value};

@@ -140,6 +140,10 @@ struct private_pool {
     block_pool small, large;
     int use_count;      /* holders (MemPool objects, captures) */
     size_t segments;    /* live segments and mapped ranges owned (torch's cudaMalloc_count) */
+    /* torch's MemPool(allocator): the pool's segments come from these (plain segments, never
+     * expandable ones, as in torch), or from the device when NULL. */
+    npualloc_alloc_fn segment_alloc_fn;
+    npualloc_free_fn segment_free_fn;
 };
 
 /* An active "allocate to pool" (torch's captures_underway entry): allocations matching the
@@ -321,7 +325,10 @@ void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 /* Private pools (lock held). */
-aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id);
+/* Creates a pool (its segments from alloc_fn/free_fn, or from the device when NULL), or takes a
+ * reference to an existing one made with the same functions. */
+aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id, npualloc_alloc_fn alloc_fn,
+                                  npualloc_free_fn free_fn);
 aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id);
 aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
                                  uint64_t value);

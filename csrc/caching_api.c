@@ -760,7 +760,18 @@ npualloc_mempool_id npualloc_mempool_id_new(bool user_created)
 
 aclError npualloc_cache_pool_create(int32_t device, npualloc_mempool_id id)
 {
-    WITH_DEVICE(device, cache_pool_create_locked(dc_, id));
+    WITH_DEVICE(device, cache_pool_create_locked(dc_, id, NULL, NULL));
+}
+
+aclError npualloc_cache_pool_create_with_allocator(int32_t device, npualloc_mempool_id id, npualloc_alloc_fn alloc_fn,
+                                                   npualloc_free_fn free_fn)
+{
+    if (!alloc_fn || !free_fn) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_cache_pool_create_with_allocator: alloc_fn and free_fn must "
+                                            "not be NULL");
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    WITH_DEVICE(device, cache_pool_create_locked(dc_, id, alloc_fn, free_fn));
 }
 
 aclError npualloc_cache_pool_release(int32_t device, npualloc_mempool_id id)

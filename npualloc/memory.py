@@ -347,7 +347,8 @@ class NPUPluggableAllocator(_NPUAllocator):
     After :func:`change_current_allocator`, ``caching_allocator_alloc``, ``empty`` and their frees
     call them (with the size asked, not rounded, and the free told the allocation's size, device and
     stream).  The library can call the runtime's ``aclrt*`` functions (``acl_rt.h`` in
-    :func:`npualloc.get_include`): npualloc's extension exports them to the libraries it loads."""
+    :func:`npualloc.get_include`): npualloc's extension exports them to the libraries loaded after the
+    first NPUPluggableAllocator (load yours through it, not with ctypes first)."""
 
     def __init__(self, path_to_so_file, alloc_fn_name, free_fn_name):
         # The extension is loaded with RTLD_LOCAL: make its aclrt* symbols resolve the library's.

@@ -19,6 +19,9 @@ Semantics (torch's, reference section 3.14):
   also releases the default pools while a ``use_mem_pool`` is active.)
 * ``memory_snapshot(mempool_id=pool.id)`` / ``pool.snapshot()`` list the pool's segments
   (``segment_pool_id``).
+* ``MemPool(allocator=pluggable.allocator())`` (an ``NPUPluggableAllocator``): the pool's segments come
+  from the library's functions instead of the device (torch's custom-allocator pools, as used to register
+  communication buffers); the caching, splitting and statistics stay the allocator's.
 
 Per-pool statistics: the allocator keeps its counters per device, not per pool, so
 ``mempool_stats(pool)`` derives the *current* values of torch's statistics (reserved, allocated,
@@ -55,19 +58,31 @@ def _pool_id(pool):
 class MemPool:
     """A private memory pool of the current device (torch's ``MemPool(allocator=None, use_on_oom=False)``).
 
-    Custom allocators and ``use_on_oom`` are not supported (NotImplementedError).
+    ``allocator``: what an ``NPUPluggableAllocator``'s ``allocator()`` returns (or the allocator
+    itself): the pool's segments then come from its alloc function (told the segment's size, the
+    device and the stream) and go back through its free function, instead of from the device.
+    They are plain segments, never expandable ones, as in torch; the function must return memory
+    of the device (``aclrtMalloc``), or NULL when out of memory.  ``use_on_oom`` is not supported
+    (NotImplementedError).
     """
 
     def __init__(self, allocator=None, use_on_oom=False):
-        if allocator is not None:
-            raise NotImplementedError("npualloc.MemPool: custom allocators are not supported")
         if use_on_oom:
             raise NotImplementedError("npualloc.MemPool: use_on_oom is not supported")
+        if isinstance(allocator, _memory._NPUAllocator):
+            allocator = allocator.allocator()
+        if allocator is not None and not (isinstance(allocator, tuple) and len(allocator) == 2):
+            raise TypeError("MemPool(allocator=...) takes an NPUPluggableAllocator or its allocator(), not "
+                            f"{type(allocator).__name__}")
         self._alive = False
+        self._allocator = allocator
         self._device = _memory.current_device()
         self._gen = _M._generation()
         self._id = _G.mempool_id_new(True)
-        _G.pool_create(self._device, *self._id)
+        if allocator is None:
+            _G.pool_create(self._device, *self._id)
+        else:
+            _G.pool_create_with_allocator(self._device, *self._id, *allocator)
         self._alive = True
 
     @property
@@ -77,7 +92,8 @@ class MemPool:
 
     @property
     def allocator(self):
-        return None
+        """The allocator the pool's segments come from (``None``: the device)."""
+        return self._allocator
 
     @property
     def device(self):

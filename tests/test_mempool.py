@@ -25,8 +25,8 @@ def test_ids_share_one_counter_with_graph_pool_handle(mem):
     assert a.id[0] == 0 and h[0] == 0 and b.id[0] == 0
     assert h[1] == a.id[1] + 1 and b.id[1] == h[1] + 1
     assert isinstance(a.id, tuple) and a.allocator is None and a.device == 0
-    with pytest.raises(NotImplementedError):
-        npualloc.MemPool(allocator=object())
+    with pytest.raises(TypeError, match="NPUPluggableAllocator"):
+        npualloc.MemPool(allocator=object())  # pools with a pluggable allocator: tests/test_pluggable.py
     with pytest.raises(NotImplementedError):
         npualloc.MemPool(use_on_oom=True)
 

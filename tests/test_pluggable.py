@@ -37,6 +37,8 @@ class Counters:
     """The plugin's record of its calls (its globals, read through ctypes)."""
 
     def __init__(self, path):
+        # the library's aclrt* calls resolve against the extension once NPUPluggableAllocator loaded one
+        npualloc.NPUPluggableAllocator(str(path), "counting_malloc", "counting_free")
         self.lib = ctypes.CDLL(str(path))
 
     def __getattr__(self, name):
@@ -193,3 +195,65 @@ print(os.waitstatus_to_exitcode(status), npualloc.memory._M._allocator_is_plugga
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["0", "True"]
+
+
+# ---- a MemPool whose segments come from the library (torch's MemPool(allocator)) ----
+
+def test_a_pools_segments_come_from_its_allocator(mem, plugin):
+    calls = Counters(plugin)
+    allocator = npualloc.NPUPluggableAllocator(str(plugin), "counting_malloc", "counting_free")
+    pool = npualloc.MemPool(allocator=allocator.allocator())
+    assert pool.allocator == allocator.allocator()
+    s = npualloc.Stream()
+    allocs, frees = calls.alloc_calls, calls.free_calls
+    with npualloc.use_mem_pool(pool):
+        p = npualloc.caching_allocator_alloc(1000, stream=s)   # a 2 MiB small-pool segment, from the library
+        q = npualloc.caching_allocator_alloc(3000, stream=s)   # split from the same segment
+    assert calls.alloc_calls == allocs + 1
+    assert (calls.last_alloc_size, calls.last_alloc_device, calls.last_alloc_stream) == (2 * MiB, 0, s.npu_stream)
+    (seg,) = pool.snapshot()
+    assert seg["total_size"] == 2 * MiB and seg["address"] == p and q == p + 1536
+    assert npualloc.memory_reserved() == 2 * MiB and npualloc.memory_allocated() == 1536 + 3072
+    npualloc.memory._check(0)
+    r = npualloc.caching_allocator_alloc(1000, stream=s)       # outside the pool: the device's memory
+    assert calls.alloc_calls == allocs + 1
+    for ptr in (p, q, r):
+        npualloc.caching_allocator_delete(ptr)
+    pool.release()
+    npualloc.empty_cache()
+    assert calls.free_calls == frees + 1
+    assert (calls.last_free_ptr, calls.last_free_size, calls.last_free_device) == (p, 2 * MiB, 0)
+    assert npualloc.memory_reserved() == 0
+
+
+def test_a_pool_with_an_allocator_never_uses_expandable_segments(mem, plugin):
+    mem("expandable_segments:True")
+    calls = Counters(plugin)
+    pool = npualloc.MemPool(allocator=npualloc.NPUPluggableAllocator(str(plugin), "counting_malloc", "counting_free"))
+    allocs = calls.alloc_calls
+    with npualloc.use_mem_pool(pool):
+        p = npualloc.caching_allocator_alloc(30 * MiB)
+    assert calls.alloc_calls == allocs + 1 and calls.last_alloc_size == 32 * MiB  # 30 MiB + 32, to 2 MiB: one plain segment
+    (seg,) = pool.snapshot()
+    assert not seg["is_expandable"] and seg["total_size"] == 32 * MiB
+    npualloc.caching_allocator_delete(p)
+
+
+def test_a_pool_allocator_out_of_memory_is_an_oom(mem, plugin):
+    pool = npualloc.MemPool(allocator=npualloc.NPUPluggableAllocator(str(plugin), "refusing_malloc", "counting_free"))
+    with npualloc.use_mem_pool(pool), pytest.raises(npualloc.OutOfMemoryError, match="^NPU out of memory"):
+        npualloc.caching_allocator_alloc(1000)
+    assert npualloc.memory_stats()["num_ooms"] == 1
+
+
+def test_a_pool_refuses_memory_that_is_not_the_devices(mem, plugin):
+    calls = Counters(plugin)
+    pool = npualloc.MemPool(allocator=npualloc.NPUPluggableAllocator(str(plugin), "host_malloc", "host_free"))
+    allocs, frees = calls.alloc_calls, calls.free_calls
+    with npualloc.use_mem_pool(pool), pytest.warns(UserWarning, match="returned memory that is not the device's"), \
+            pytest.raises(npualloc.OutOfMemoryError):
+        npualloc.caching_allocator_alloc(1000)
+    tries = calls.alloc_calls - allocs
+    assert tries >= 1 and calls.free_calls - frees == tries  # each one given back at once
+    assert npualloc.memory_reserved() == 0
+    npualloc.memory._check(0)

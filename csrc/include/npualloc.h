@@ -271,6 +271,15 @@ typedef struct npualloc_mempool_id {
 npualloc_mempool_id npualloc_mempool_id_new(bool user_created);
 /* Creates the pool on a device, or takes another reference to it. */
 aclError npualloc_cache_pool_create(int32_t device, npualloc_mempool_id id);
+/* torch's MemPool(allocator): a pool whose segments come from alloc_fn (told the segment's size,
+ * the device and the allocating stream) and go back through free_fn, instead of from the device;
+ * plain segments, never expandable ones, as in torch.  alloc_fn must return memory of that device
+ * (from aclrtMalloc, for instance) or NULL (out of memory: the allocator then frees cached memory
+ * of the pool and retries, as for the device).  Both run under the device's allocator lock: they
+ * must not call the caching allocator.  Creating an existing pool takes a reference when the
+ * functions are the same, and fails otherwise. */
+aclError npualloc_cache_pool_create_with_allocator(int32_t device, npualloc_mempool_id id, npualloc_alloc_fn alloc_fn,
+                                                   npualloc_free_fn free_fn);
 /* Drops a reference; at zero the pool's memory returns to the device once its blocks are free
  * (at the next empty_cache / last-resort release). */
 aclError npualloc_cache_pool_release(int32_t device, npualloc_mempool_id id);

@@ -113,6 +113,33 @@ POOL_FN(pool_begin_thread, POOL_BEGIN_THREAD)
 POOL_FN(pool_end, POOL_END)
 POOL_FN(pool_empty, POOL_EMPTY)
 
+/* pool_create_with_allocator(device, first, second, alloc_fn_address, free_fn_address) */
+static PyObject *g_pool_create_with_allocator(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    const char *fn = "pool_create_with_allocator";
+    if (!check_nargs(fn, nargs, 5))
+        return NULL;
+    int32_t dev;
+    npualloc_mempool_id id;
+    uint64_t alloc_addr, free_addr;
+    if (parse_id(args, fn, &dev, &id) < 0)
+        return NULL;
+    if (arg_u64(args[3], fn, "alloc_fn", &alloc_addr) != ARG_OK || arg_u64(args[4], fn, "free_fn", &free_addr) != ARG_OK) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "%s(): an argument is out of range", fn);
+        return NULL;
+    }
+    /* Addresses from dlsym (ctypes): POSIX guarantees they convert back to function pointers. */
+    npualloc_alloc_fn alloc_fn = (npualloc_alloc_fn)(uintptr_t)alloc_addr;
+    npualloc_free_fn free_fn = (npualloc_free_fn)(uintptr_t)free_addr;
+    aclError rc;
+    NOGIL(rc = npualloc_cache_pool_create_with_allocator(dev, id, alloc_fn, free_fn));
+    if (rc != ACL_SUCCESS)
+        return cache_error(rc, fn);
+    Py_RETURN_NONE;
+}
+
 static PyObject *g_pool_use_count(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -601,6 +628,7 @@ static PyTypeObject Exec_Type = {
 static PyMethodDef graph_methods[] = {
     {"mempool_id_new", g_mempool_id_new, METH_O, "mempool_id_new(user_created) -> (first, second)"},
     {"pool_create", FAST(g_pool_create), METH_FASTCALL, NULL},
+    {"pool_create_with_allocator", FAST(g_pool_create_with_allocator), METH_FASTCALL, NULL},
     {"pool_release", FAST(g_pool_release), METH_FASTCALL, NULL},
     {"pool_begin_thread", FAST(g_pool_begin_thread), METH_FASTCALL, NULL},
     {"pool_end", FAST(g_pool_end), METH_FASTCALL, NULL},

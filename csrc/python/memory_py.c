@@ -191,15 +191,20 @@ static PyObject *raise_free_error(aclError rc)
     return raise_pta(PyExc_RuntimeError, "PTR", "%s", msg && msg[0] ? msg : "npualloc: the free failed");
 }
 
-/* An allocation failed: out of memory calls the OOM observers, then raises OutOfMemoryError. */
+static int drain_warnings(void);
+
+/* An allocation failed: out of memory calls the OOM observers, then raises OutOfMemoryError.
+ * Warnings the failed call gave come first, as torch's TORCH_WARN does before its exception. */
 static PyObject *raise_alloc_failure(aclError rc)
 {
     npualloc_error_kind kind;
     const char *m = npualloc_last_error(&kind);
+    char msg[1024];
+    snprintf(msg, sizeof msg, "%s", m ? m : "");
+    if (drain_warnings() < 0)
+        return NULL;
     if (rc != ACL_ERROR_RT_MEMORY_ALLOCATION || kind != NPUALLOC_ERR_OOM)
         return raise_cache_error(rc);
-    char msg[1024];
-    snprintf(msg, sizeof msg, "%s", m);
     npualloc_oom_info info;
     npualloc_cache_last_oom(&info);
     if (!info.over_1eb && !info.preemptive && oom_observers && PyList_GET_SIZE(oom_observers) > 0) {

@@ -232,6 +232,45 @@ static void test_threads_allocate_through_it_at_once(void **state)
     assert_int_equal(free_calls - frees, 1200);
 }
 
+/* torch's MemPool(allocator): the pool's segments come from the library, its blocks from the cache. */
+static void test_a_pools_segments_come_from_its_allocator(void **state)
+{
+    (void)state;
+    start_runtime(1, 256 * MiB_, 256 * MiB_, 0, 0);
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create_with_allocator(0, id, NULL, plug_free), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_pool_create_with_allocator(0, id, plug_alloc, plug_free), ACL_SUCCESS);
+    /* the same pool again: a reference with the same functions, an error with others */
+    assert_int_equal(npualloc_cache_pool_create_with_allocator(0, id, plug_alloc, plug_free), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_create_with_allocator(0, id, nothing, plug_free), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 2);
+    assert_int_equal(npualloc_cache_pool_release(0, id), ACL_SUCCESS);
+
+    long allocs = alloc_calls, frees = free_calls;
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    void *p, *q;
+    assert_int_equal(npualloc_cache_malloc(0, 1000, 0, &p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_malloc(0, 5 * MiB_, 0, &q), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(alloc_calls, allocs + 2); /* a 2 MiB small segment and a 20 MiB large one */
+    char why[256];
+    assert_int_equal(npualloc_cache_check(0, why, sizeof why), ACL_SUCCESS);
+    npualloc_stats st;
+    assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_SUCCESS);
+    assert_int_equal(st.reserved_bytes[NPUALLOC_STAT_ALL].current, (int64_t)(22 * MiB_));
+    assert_int_equal(st.num_device_alloc, 2);
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(q), ACL_SUCCESS);
+    assert_int_equal(free_calls, frees); /* cached */
+    assert_int_equal(npualloc_cache_pool_release(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS);
+    assert_int_equal(free_calls, frees + 2);
+    assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_SUCCESS);
+    assert_int_equal(st.reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    assert_int_equal(st.num_device_free, 2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -241,6 +280,7 @@ int main(void)
         cmocka_unit_test_teardown(test_the_swap_is_refused_once_an_allocator_is_initialized, stop_runtime),
         cmocka_unit_test_teardown(test_a_forked_child_starts_with_the_caching_allocator, stop_runtime),
         cmocka_unit_test_teardown(test_threads_allocate_through_it_at_once, stop_runtime),
+        cmocka_unit_test_teardown(test_a_pools_segments_come_from_its_allocator, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -8,6 +8,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "acl_rt.h"
 
@@ -53,4 +54,23 @@ void *refusing_malloc(size_t size, int device, aclrtStream stream)
     (void)stream;
     alloc_calls++;
     return NULL;
+}
+
+/* Host memory, not the device's: what a pool must refuse. */
+void *host_malloc(size_t size, int device, aclrtStream stream)
+{
+    (void)device;
+    (void)stream;
+    alloc_calls++;
+    return malloc(size);
+}
+
+void host_free(void *ptr, size_t size, int device, aclrtStream stream)
+{
+    (void)size;
+    (void)device;
+    (void)stream;
+    free_calls++;
+    last_free_ptr = ptr;
+    free(ptr);
 }
