@@ -60,6 +60,13 @@ def test_replay_prints_a_row_per_setting_next_to_the_recorded_run(tiny_trace, tm
     data = json.loads(out_json.read_text())
     assert [r["label"] for r in data["results"]][:2] == ["default", "max_split_size_mb:128"]
     assert data["results"][0]["recorded"]["peak_reserved"] > 0
+    # the answer: the least peak reserved among the three (none has an OOM), in the table and the JSON
+    ranked = [r for r in data["results"] if not r["ooms"]]
+    best = min(ranked, key=lambda r: (r["peak_reserved"], r["label"] != "default"))
+    (verdict,) = [line for line in lines if line.startswith("least waste: ")]
+    assert verdict.startswith(f"least waste: {best['label']}, peak reserved ")
+    assert data["least_waste"] == [{"trace": best["trace"], "device": best["device"], "label": best["label"],
+                                    "peak_reserved": best["peak_reserved"]}]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "%" not in p.stderr  # no progress bar: not a tty, short trace
 
