@@ -522,15 +522,21 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     return true;
 }
 
+/* Gives a plain segment's memory back where it came from: its pool's allocator, or the device. */
+static void segment_give_back(device_cache *dc, const cache_block *head, size_t size)
+{
+    const private_pool *owner = head->pool->owner;
+    if (owner && owner->segment_free_fn)
+        owner->segment_free_fn((void *)head->ptr, size, dc->device, (aclrtStream)(uintptr_t)head->stream);
+    else
+        dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)head->ptr, size);
+}
+
 /* Returns a whole free segment to the device (or to its pool's allocator). */
 static void release_block(device_cache *dc, cache_block *b)
 {
     cache_history_record_ctx(dc, TRACE_SEGMENT_FREE, b->ptr, b->size, b->stream, b->segment_ctx);
-    const private_pool *owner = b->pool->owner;
-    if (owner && owner->segment_free_fn)
-        owner->segment_free_fn((void *)b->ptr, b->size, dc->device, (aclrtStream)(uintptr_t)b->stream);
-    else
-        dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)b->ptr, b->size);
+    segment_give_back(dc, b, b->size);
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
     owner_segments(pool, -1);
@@ -1363,8 +1369,7 @@ static void release_everything(device_cache *dc, bool return_memory)
     collect_heads(dc, &heads);
     for (size_t i = 0; i < heads.count; i++) {
         if (return_memory && !heads.items[i]->es)
-            dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)heads.items[i]->ptr,
-                                      segment_size(heads.items[i]));
+            segment_give_back(dc, heads.items[i], segment_size(heads.items[i]));
         for (cache_block *b = heads.items[i]; b; b = b->next) {
             free(b->uses);
             npualloc_context_release(b->ctx);

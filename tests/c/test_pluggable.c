@@ -269,6 +269,18 @@ static void test_a_pools_segments_come_from_its_allocator(void **state)
     assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_SUCCESS);
     assert_int_equal(st.reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
     assert_int_equal(st.num_device_free, 2);
+
+    /* shutdown gives a pool's live segments back to its allocator too */
+    id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create_with_allocator(0, id, plug_alloc, plug_free), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_malloc(0, 1000, 0, &p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    frees = free_calls;
+    npualloc_shutdown();
+    assert_int_equal(free_calls, frees + 1);
+    assert_int_equal(last_free_size, 2 * MiB_);
 }
 
 int main(void)
