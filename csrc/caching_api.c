@@ -517,19 +517,21 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
         cache_set_error(NPUALLOC_ERR_VALUE, "npualloc_cache_malloc: ptr must not be NULL");
         return ACL_ERROR_INVALID_PARAM;
     }
+    *ptr = NULL;
+    /* graph capture hook (graph.c): an allocation on a capturing stream is a graph ALLOC node, whichever
+     * allocator is current (the graph plans its memory itself) */
+    aclError grc;
+    if (unlikely(graph_capture_active()) && size != 0 && size < K_ONE_EB &&
+        graph_capture_malloc(device, size, stream, ptr, &grc))
+        return grc;
     if (unlikely(pluggable_active()))
         return pluggable_malloc_checked(device, size, stream, ptr);
-    *ptr = NULL;
     if (size == 0)
         return ACL_SUCCESS; /* torch returns a null pointer without allocating */
     if (size >= K_ONE_EB) {
         npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
         return report_oom(&info);
     }
-    /* graph capture hook (graph.c): an allocation on a capturing stream is a graph ALLOC node */
-    aclError grc;
-    if (unlikely(graph_capture_active()) && graph_capture_malloc(device, size, stream, ptr, &grc))
-        return grc;
     device_cache *dc = cache_get(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;

@@ -257,3 +257,22 @@ def test_a_pool_refuses_memory_that_is_not_the_devices(mem, plugin):
     assert tries >= 1 and calls.free_calls - frees == tries  # each one given back at once
     assert npualloc.memory_reserved() == 0
     npualloc.memory._check(0)
+
+
+def test_a_capture_still_records_graph_nodes(swapped):
+    # the graph plans its own memory, whichever allocator is current
+    _, calls = swapped
+    allocs = calls.alloc_calls
+    s, g = npualloc.Stream(), npualloc.Graph()
+    with g.capture(stream=s):
+        x = npualloc.caching_allocator_alloc(1000)
+        npualloc.caching_allocator_delete(x)
+        y = npualloc.caching_allocator_alloc(1000)
+    exe = g.instantiate()
+    assert x == y and exe.memory_plan()["footprint"] == 1024
+    exe.launch(s)
+    s.synchronize()
+    assert calls.alloc_calls == allocs
+    p = npualloc.caching_allocator_alloc(1000)  # outside the capture: the library
+    assert calls.alloc_calls == allocs + 1
+    npualloc.caching_allocator_delete(p)

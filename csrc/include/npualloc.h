@@ -127,6 +127,7 @@ typedef void (*npualloc_free_fn)(void *ptr, size_t size, int device, aclrtStream
  * alloc_fn, passing the size as asked and the stream as given; npualloc_cache_free frees such a
  * pointer with free_fn, told its size, device and stream (the caching allocator's pointers still
  * free as before).  record_stream and erase_stream do nothing to its pointers, as in torch_npu.
+ * An allocation on a capturing stream stays a graph ALLOC node (npualloc_graph.h).
  * Refused with ACL_ERROR_REPEAT_INITIALIZE and torch_npu's "Can't swap an already initialized
  * allocator" once the allocator in use is initialized: the caching allocator after any device's
  * cache started, a pluggable one always.  Until npualloc_shutdown (or fork: the child starts with
