@@ -8,7 +8,8 @@
  * wrong frees, record_stream / erase_stream (own, other device's, default, bogus streams),
  * empty_cache, empty_virt_addr_cache, set_fraction (valid and invalid), _set_allocator_settings
  * (a table incl. expandable_segments on/off, and raw input bytes), private pools (create,
- * begin/end by thread or stream, release, empty), stream work, stats, snapshots, history.
+ * begin/end by thread or stream, release, empty; the last pool takes its segments from an
+ * allocator of its own, torch's MemPool(allocator)), stream work, stats, snapshots, history.
  *
  * Checked after every operation (any failure aborts):
  *   - npualloc_cache_check passes on both devices;
@@ -19,7 +20,8 @@
  *     overwrites a tag of one of them);
  *   - snapshots list exactly the live blocks as allocated, with their requested sizes;
  *   - at the end, after freeing everything, ending the routes, releasing the pools and
- *     empty_cache: no allocated and no reserved bytes on either device.
+ *     empty_cache: no allocated and no reserved bytes on either device, and every segment the
+ *     pool's allocator handed out came back to it.
  * The runtime is shut down at the end of every input (npualloc_shutdown), so inputs are
  * independent. */
 #include <math.h>
@@ -111,6 +113,33 @@ static const char *const runtime_confs[] = {
             fputc('\n', stderr);                                                                               \
         }                                                                                                      \
     } while (0)
+
+/* ---- the allocator of the last pool (torch's MemPool(allocator)) ---- */
+
+static long pool_allocator_live; /* its segments not yet given back */
+
+static void *pool_allocator_alloc(size_t size, int device, aclrtStream stream)
+{
+    (void)stream;
+    int32_t previous = -1;
+    bool had = aclrtGetDevice(&previous) == ACL_SUCCESS;
+    void *p = NULL;
+    if (aclrtSetDevice(device) != ACL_SUCCESS || aclrtMalloc(&p, size, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS)
+        p = NULL; /* out of memory: the allocator frees cached memory and retries, or fails */
+    if (had)
+        FUZZ_CHECK(aclrtSetDevice(previous) == ACL_SUCCESS, "set_device back");
+    pool_allocator_live += p != NULL;
+    return p;
+}
+
+static void pool_allocator_free(void *ptr, size_t size, int device, aclrtStream stream)
+{
+    (void)size;
+    (void)device;
+    (void)stream;
+    FUZZ_CHECK(aclrtFree(ptr) == ACL_SUCCESS, "a pool allocator's segment %p could not be freed", ptr);
+    pool_allocator_live--;
+}
 
 /* ---- the fill pattern ---- */
 
@@ -683,6 +712,15 @@ static void start(ops_state *st, uint8_t conf, uint8_t mem)
     FUZZ_CHECK(aclrtSetDevice(0) == ACL_SUCCESS, "set_device");
     for (int p = 0; p < OPS_POOLS; p++)
         st->pools[p] = npualloc_mempool_id_new(p != 1);
+    /* The last pool has its own allocator on both devices; we hold that reference (a release may
+     * drop it, and the pool is then made again without one by a later create or route). */
+    pool_allocator_live = 0;
+    for (int32_t d = 0; d < OPS_DEVICES; d++) {
+        FUZZ_CHECK(npualloc_cache_pool_create_with_allocator(d, st->pools[OPS_POOLS - 1], pool_allocator_alloc,
+                                                             pool_allocator_free) == ACL_SUCCESS,
+                   "pool_create_with_allocator");
+        st->pool_refs[d][OPS_POOLS - 1] = 1;
+    }
 }
 
 static void finish(ops_state *st)
@@ -706,6 +744,8 @@ static void finish(ops_state *st)
                 FUZZ_CHECK(npualloc_cache_pool_release(d, st->pools[p]) == ACL_SUCCESS, "final pool_release");
     FUZZ_CHECK(npualloc_cache_empty() == ACL_SUCCESS, "final empty_cache");
     check_devices("the final empty_cache");
+    FUZZ_CHECK(pool_allocator_live == 0, "%ld segments of the pool's allocator were not given back",
+               pool_allocator_live);
     for (int32_t d = 0; d < OPS_DEVICES; d++) {
         npualloc_stats s;
         FUZZ_CHECK(npualloc_cache_get_stats(d, &s) == ACL_SUCCESS, "stats");
