@@ -5,7 +5,6 @@
 #include <stdlib.h>
 
 #include "caching.h"
-#include "common.h"
 #include "ptr_map.h"
 
 /* What torch_npu's _AllocationMetadata keeps for the free. */
