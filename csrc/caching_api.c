@@ -295,6 +295,21 @@ static bool lock_settings(void)
     return false;
 }
 
+/* Starts the runtime if needed; true when `device` is one of its devices (else the error is set). */
+static bool device_ready(int32_t device)
+{
+    if (runtime_ensure_init() != ACL_SUCCESS) {
+        const char *why = npualloc_init_error();
+        cache_set_error(NPUALLOC_ERR_VALUE, "%s", why ? why : "the virtual NPU could not start");
+        return false;
+    }
+    if (!device_valid(device)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "Invalid device argument %d: did you call init?", (int)device);
+        return false;
+    }
+    return true;
+}
+
 /* Starts the runtime, the settings and the device's cache; NULL (error set) on failure. */
 static device_cache *cache_get(int32_t device)
 {
@@ -302,16 +317,8 @@ static device_cache *cache_get(int32_t device)
      * before it stops the runtime.  So the hot path checks that flag alone. */
     if (likely(device >= 0 && device < NPU_MAX_DEVICES && __atomic_load_n(&caches[device].started, __ATOMIC_ACQUIRE)))
         return &caches[device];
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS) {
-        const char *why = npualloc_init_error();
-        cache_set_error(NPUALLOC_ERR_VALUE, "%s", why ? why : "the virtual NPU could not start");
+    if (!device_ready(device))
         return NULL;
-    }
-    if (!device_valid(device)) {
-        cache_set_error(NPUALLOC_ERR_RUNTIME, "Invalid device argument %d: did you call init?", (int)device);
-        return NULL;
-    }
     device_cache *dc = &caches[device];
     if (!lock_settings())
         return NULL;
@@ -350,21 +357,6 @@ aclError npualloc_allocator_change(npualloc_alloc_fn alloc_fn, npualloc_free_fn 
 
 bool npualloc_allocator_is_pluggable(void) { return pluggable_active(); }
 
-/* The pluggable allocator is told only devices that exist. */
-static aclError pluggable_malloc_checked(int32_t device, size_t size, uint64_t stream, void **ptr)
-{
-    *ptr = NULL;
-    if (runtime_ensure_init() != ACL_SUCCESS) {
-        const char *why = npualloc_init_error();
-        cache_set_error(NPUALLOC_ERR_VALUE, "%s", why ? why : "the virtual NPU could not start");
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    if (!device_valid(device)) {
-        cache_set_error(NPUALLOC_ERR_RUNTIME, "Invalid device argument %d: did you call init?", (int)device);
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    return pluggable_malloc(device, size, stream, ptr);
-}
 
 /* The started cache owning a device pointer, or NULL. */
 static device_cache *cache_of_ptr(const void *ptr)
@@ -524,8 +516,8 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
     if (unlikely(graph_capture_active()) && size != 0 && size < K_ONE_EB &&
         graph_capture_malloc(device, size, stream, ptr, &grc))
         return grc;
-    if (unlikely(pluggable_active()))
-        return pluggable_malloc_checked(device, size, stream, ptr);
+    if (unlikely(pluggable_active())) /* told only devices that exist */
+        return device_ready(device) ? pluggable_malloc(device, size, stream, ptr) : ACL_ERROR_INVALID_PARAM;
     if (size == 0)
         return ACL_SUCCESS; /* torch returns a null pointer without allocating */
     if (size >= K_ONE_EB) {
