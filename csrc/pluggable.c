@@ -14,19 +14,16 @@ typedef struct allocation {
     uint64_t stream;
 } allocation;
 
-atomic_bool pluggable_current;
+_Atomic(npualloc_alloc_fn) pluggable_alloc_fn;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-/* Set before pluggable_current (release) and never changed while it is set. */
-static npualloc_alloc_fn alloc_fn;
-static npualloc_free_fn free_fn;
-static ptr_map allocations; /* ptr -> allocation */
+static npualloc_free_fn free_fn; /* written before pluggable_alloc_fn, unchanged while it is set */
+static ptr_map allocations;      /* ptr -> allocation */
 
 void pluggable_install(npualloc_alloc_fn alloc, npualloc_free_fn release)
 {
-    alloc_fn = alloc;
     free_fn = release;
-    atomic_store_explicit(&pluggable_current, true, memory_order_release);
+    atomic_store_explicit(&pluggable_alloc_fn, alloc, memory_order_release);
 }
 
 aclError pluggable_malloc(int32_t device, size_t size, uint64_t stream, void **ptr)
@@ -38,6 +35,7 @@ aclError pluggable_malloc(int32_t device, size_t size, uint64_t stream, void **p
         return ACL_ERROR_BAD_ALLOC;
     }
     *a = (allocation){size, (int)device, stream};
+    npualloc_alloc_fn alloc_fn = atomic_load_explicit(&pluggable_alloc_fn, memory_order_acquire);
     void *p = alloc_fn(size, (int)device, (aclrtStream)(uintptr_t)stream);
     *ptr = p;
     if (!p) { /* nothing to free later */
@@ -95,12 +93,11 @@ bool pluggable_info(void *ptr, int32_t *device, uint64_t *stream, size_t *size)
 /* Forgets the allocator and what it handed out (the memory went with the devices). */
 static void forget(void)
 {
-    atomic_store(&pluggable_current, false);
+    atomic_store(&pluggable_alloc_fn, NULL);
     for (size_t i = 0; allocations.mask && i <= allocations.mask; i++)
         if (allocations.slots[i].key)
             free(allocations.slots[i].value);
     ptr_map_free(&allocations);
-    alloc_fn = NULL;
     free_fn = NULL;
 }
 

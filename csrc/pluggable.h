@@ -21,10 +21,14 @@
 
 #include "npualloc.h"
 
-/* Set while a pluggable allocator is current: the hot paths check this one flag. */
-extern atomic_bool pluggable_current;
+/* The current pluggable allocator's alloc function, NULL while the caching allocator is current:
+ * the hot paths check this one word.  Its free function is written before it (release). */
+extern _Atomic(npualloc_alloc_fn) pluggable_alloc_fn;
 
-static inline bool pluggable_active(void) { return atomic_load_explicit(&pluggable_current, memory_order_acquire); }
+static inline bool pluggable_active(void)
+{
+    return atomic_load_explicit(&pluggable_alloc_fn, memory_order_acquire) != NULL;
+}
 
 /* Makes alloc/release current (the caller checked that no allocator is initialized). */
 void pluggable_install(npualloc_alloc_fn alloc, npualloc_free_fn release);
