@@ -429,9 +429,80 @@ static void synchronize_device_unlocked(device_cache *dc)
 
 /* ---- segments ---- */
 
-/* Makes b the new segment at ptr of the request's size, counted and traced. */
-static void add_segment(device_cache *dc, alloc_params *p, cache_block *b, void *ptr)
+/* The private pool whose own allocator gives the pool's segments (torch's MemPool(allocator)),
+ * or NULL: they come from the device. */
+static const private_pool *segment_source(const block_pool *pool)
 {
+    const private_pool *owner = pool->owner;
+    return owner && owner->segment_alloc_fn ? owner : NULL;
+}
+
+/* Memory for a new plain segment of the request's size, from its pool's allocator or the device.
+ * A pool allocator's memory must be mapped memory of the device, all of it: a block's pointer
+ * leads back to its cache by the device, and the blocks will be written.  A NULL from it is out
+ * of memory, as torch takes a NULL from raw_alloc. */
+static aclError segment_take(device_cache *dc, const alloc_params *p, void **ptr)
+{
+    const cache_backend *be = dc->backend;
+    const private_pool *source = segment_source(p->pool);
+    if (source) {
+        aclrtStream stream = (aclrtStream)(uintptr_t)p->stream;
+        *ptr = source->segment_alloc_fn(p->alloc_size, dc->device, stream);
+        if (*ptr && be->segment_valid && !be->segment_valid(dc->backend_ctx, dc->device, *ptr, p->alloc_size)) {
+            source->segment_free_fn(*ptr, p->alloc_size, dc->device, stream);
+            cache_push_warning("npualloc: a pool's allocator returned memory that is not the device's: not used");
+            *ptr = NULL;
+        }
+        return *ptr ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    if (p->pool->is_small || !dc->settings->page_size_1g)
+        return be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, false, ptr);
+    aclError rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, true, ptr);
+    if (rc != ACL_ERROR_RT_MEMORY_ALLOCATION)
+        return rc;
+    cache_push_warning("The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M memory "
+                       "page may result in performance degradation. This warning occurs because the "
+                       "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated number "
+                       "of 1G large pages is insufficient or 1G large-page memory pre-allocation is not enabled.");
+    return be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, false, ptr);
+}
+
+/* Gives a plain segment's memory back where segment_take got it. */
+static void segment_give_back(device_cache *dc, const block_pool *pool, uint64_t stream, void *ptr, size_t size)
+{
+    const private_pool *source = segment_source(pool);
+    if (source)
+        source->segment_free_fn(ptr, size, dc->device, (aclrtStream)(uintptr_t)stream);
+    else
+        dc->backend->segment_free(dc->backend_ctx, dc->device, ptr, size);
+}
+
+static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
+{
+    if (is_retry)
+        dc->stats.num_alloc_retries++;
+    if (dc->set_fraction && dc->total_allocated_memory + p->alloc_size > dc->allowed_memory_maximum) {
+        p->err = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        return false;
+    }
+    /* A pool with its own allocator has plain segments only, as in torch. */
+    if (dc->settings->expandable_segments && expandable_supported(dc) && !segment_source(p->pool)) {
+        /* Pages are mapped for the rounded size; stats and the trace come from the mapping. */
+        p->block = expandable_allocate(dc, p->pool, p->stream, p->size);
+        p->err = p->block ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
+        return p->block != NULL;
+    }
+    void *ptr = NULL;
+    aclError rc = segment_take(dc, p, &ptr);
+    cache_block *b = NULL;
+    if (rc == ACL_SUCCESS && !(b = cache_block_new(dc))) {
+        segment_give_back(dc, p->pool, p->stream, ptr, p->alloc_size);
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    if (rc != ACL_SUCCESS) {
+        p->err = rc;
+        return false;
+    }
     dc->total_allocated_memory += p->alloc_size;
     owner_segments(p->pool, 1);
     b->pool = p->pool;
@@ -450,93 +521,14 @@ static void add_segment(device_cache *dc, alloc_params *p, cache_block *b, void 
     }
     cache_history_record(dc, TRACE_SEGMENT_ALLOC, b->ptr, b->size, b->stream);
     p->block = b;
-}
-
-/* A segment from a pool's own allocator (torch's MemPool(allocator): raw_alloc).  It must be
- * mapped memory of the device, all of it: a block's pointer leads back to its cache by the
- * device, and the blocks will be written. */
-static bool alloc_pool_allocator_block(device_cache *dc, alloc_params *p, const private_pool *owner)
-{
-    aclrtStream stream = (aclrtStream)(uintptr_t)p->stream;
-    void *ptr = owner->segment_alloc_fn(p->alloc_size, dc->device, stream);
-    const cache_backend *be = dc->backend;
-    if (ptr && be->segment_valid && !be->segment_valid(dc->backend_ctx, dc->device, ptr, p->alloc_size)) {
-        owner->segment_free_fn(ptr, p->alloc_size, dc->device, stream);
-        cache_push_warning("npualloc: a pool's allocator returned memory that is not the device's: not used");
-        ptr = NULL;
-    }
-    cache_block *b = ptr ? cache_block_new(dc) : NULL;
-    if (ptr && !b)
-        owner->segment_free_fn(ptr, p->alloc_size, dc->device, stream);
-    if (!b) {
-        p->err = ACL_ERROR_RT_MEMORY_ALLOCATION; /* as torch: a NULL from raw_alloc is out of memory */
-        return false;
-    }
-    add_segment(dc, p, b, ptr);
     return true;
-}
-
-static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
-{
-    if (is_retry)
-        dc->stats.num_alloc_retries++;
-    if (dc->set_fraction && dc->total_allocated_memory + p->alloc_size > dc->allowed_memory_maximum) {
-        p->err = ACL_ERROR_RT_MEMORY_ALLOCATION;
-        return false;
-    }
-    const private_pool *owner = p->pool->owner;
-    if (owner && owner->segment_alloc_fn)
-        return alloc_pool_allocator_block(dc, p, owner);
-    if (dc->settings->expandable_segments && expandable_supported(dc)) {
-        /* Pages are mapped for the rounded size; stats and the trace come from the mapping. */
-        p->block = expandable_allocate(dc, p->pool, p->stream, p->size);
-        p->err = p->block ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
-        return p->block != NULL;
-    }
-    void *ptr = NULL;
-    aclError rc;
-    const cache_backend *be = dc->backend;
-    if (!p->pool->is_small && dc->settings->page_size_1g) {
-        rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, true, &ptr);
-        if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION) {
-            cache_push_warning(
-                "The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M memory "
-                "page may result in performance degradation. This warning occurs because the "
-                "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated number of "
-                "1G large pages is insufficient or 1G large-page memory pre-allocation is not enabled.");
-            rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, false, &ptr);
-        }
-    } else {
-        rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, false, &ptr);
-    }
-    cache_block *b = NULL;
-    if (rc == ACL_SUCCESS && !(b = cache_block_new(dc))) {
-        be->segment_free(dc->backend_ctx, dc->device, ptr, p->alloc_size);
-        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
-    }
-    if (rc != ACL_SUCCESS) {
-        p->err = rc;
-        return false;
-    }
-    add_segment(dc, p, b, ptr);
-    return true;
-}
-
-/* Gives a plain segment's memory back where it came from: its pool's allocator, or the device. */
-static void segment_give_back(device_cache *dc, const cache_block *head, size_t size)
-{
-    const private_pool *owner = head->pool->owner;
-    if (owner && owner->segment_free_fn)
-        owner->segment_free_fn((void *)head->ptr, size, dc->device, (aclrtStream)(uintptr_t)head->stream);
-    else
-        dc->backend->segment_free(dc->backend_ctx, dc->device, (void *)head->ptr, size);
 }
 
 /* Returns a whole free segment to the device (or to its pool's allocator). */
 static void release_block(device_cache *dc, cache_block *b)
 {
     cache_history_record_ctx(dc, TRACE_SEGMENT_FREE, b->ptr, b->size, b->stream, b->segment_ctx);
-    segment_give_back(dc, b, b->size);
+    segment_give_back(dc, b->pool, b->stream, (void *)b->ptr, b->size);
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
     owner_segments(pool, -1);
@@ -1133,10 +1125,6 @@ aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id, npua
         cache_set_error(NPUALLOC_ERR_RUNTIME, "the default pool id (0, 0) is not a private pool");
         return ACL_ERROR_INVALID_PARAM;
     }
-    if (!alloc_fn != !free_fn) {
-        cache_set_error(NPUALLOC_ERR_VALUE, "a pool's allocator needs both alloc_fn and free_fn");
-        return ACL_ERROR_INVALID_PARAM;
-    }
     private_pool *pp = cache_pool_find(dc, id);
     if (pp) {
         if (alloc_fn && (pp->segment_alloc_fn != alloc_fn || pp->segment_free_fn != free_fn)) {
@@ -1369,7 +1357,8 @@ static void release_everything(device_cache *dc, bool return_memory)
     collect_heads(dc, &heads);
     for (size_t i = 0; i < heads.count; i++) {
         if (return_memory && !heads.items[i]->es)
-            segment_give_back(dc, heads.items[i], segment_size(heads.items[i]));
+            segment_give_back(dc, heads.items[i]->pool, heads.items[i]->stream, (void *)heads.items[i]->ptr,
+                              segment_size(heads.items[i]));
         for (cache_block *b = heads.items[i]; b; b = b->next) {
             free(b->uses);
             npualloc_context_release(b->ctx);
