@@ -368,10 +368,7 @@ def change_current_allocator(allocator) -> None:
     if not isinstance(allocator, _NPUAllocator) or not isinstance(allocator.allocator(), tuple):
         raise TypeError(f"allocator should be an NPUPluggableAllocator, could not be {type(allocator)}"
                         + _pta_error("TYPE"))
-    try:
-        _M._change_current_allocator(*allocator.allocator())
-    except RuntimeError as e:
-        raise RuntimeError(str(e) + _pta_error("PTR")) from None
+    _M._change_current_allocator(*allocator.allocator())
     _current = allocator.allocator()
 
 

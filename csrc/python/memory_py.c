@@ -180,15 +180,22 @@ static PyObject *raise_cache_error(aclError rc)
     return NULL;
 }
 
-/* A failed free.  A pluggable allocator's ("Trying to free a pointer not allocated here") carries
- * torch_npu's PTR suffix; the caching allocator's "invalid device pointer" has none. */
-static PyObject *raise_free_error(aclError rc)
+/* A failed call of the pluggable allocator's layer: torch_npu raises its RuntimeErrors ("Trying to
+ * free a pointer not allocated here", "Can't swap an already initialized allocator") with the PTR
+ * suffix. */
+static PyObject *raise_pluggable_error(aclError rc)
 {
-    if (!npualloc_allocator_is_pluggable())
-        return raise_cache_error(rc);
     npualloc_error_kind kind;
     const char *msg = npualloc_last_error(&kind);
-    return raise_pta(PyExc_RuntimeError, "PTR", "%s", msg && msg[0] ? msg : "npualloc: the free failed");
+    if (kind != NPUALLOC_ERR_RUNTIME)
+        return raise_cache_error(rc);
+    return raise_pta(PyExc_RuntimeError, "PTR", "%s", msg);
+}
+
+/* A failed free: the caching allocator's "invalid device pointer" has no suffix. */
+static PyObject *raise_free_error(aclError rc)
+{
+    return npualloc_allocator_is_pluggable() ? raise_pluggable_error(rc) : raise_cache_error(rc);
 }
 
 static int drain_warnings(void);
@@ -1581,7 +1588,6 @@ static PyObject *m_current_device(PyObject *self, PyObject *unused)
     return PyLong_FromLong(dev);
 }
 
-/* _local_device() -> the thread's device, or -1 (never starts the runtime or a device). */
 /* _change_current_allocator(alloc_fn_address, free_fn_address) */
 static PyObject *m_change_current_allocator(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1596,7 +1602,7 @@ static PyObject *m_change_current_allocator(PyObject *self, PyObject *const *arg
     aclError rc = npualloc_allocator_change((npualloc_alloc_fn)(uintptr_t)alloc_addr,
                                             (npualloc_free_fn)(uintptr_t)free_addr);
     if (rc != ACL_SUCCESS)
-        return raise_cache_error(rc);
+        return raise_pluggable_error(rc);
     Py_RETURN_NONE;
 }
 
@@ -1607,6 +1613,7 @@ static PyObject *m_allocator_is_pluggable(PyObject *self, PyObject *unused)
     return PyBool_FromLong(npualloc_allocator_is_pluggable());
 }
 
+/* _local_device() -> the thread's device, or -1 (never starts the runtime or a device). */
 static PyObject *m_local_device(PyObject *self, PyObject *unused)
 {
     (void)self;
