@@ -690,7 +690,11 @@ class Comparison:
     def least_waste(self):
         """The setting that reserved the least device memory at its peak, per trace and device: a dict
         ``{(trace, device): ReplayResult}``.  See :func:`least_waste`."""
-        return {key: best for key, (best, _) in _verdicts(self.results).items() if best is not None}
+        groups = {}
+        for r in self.results:
+            groups.setdefault((r.trace, r.device), []).append(r)
+        winners = {key: _least_waste(rs)[0] for key, rs in groups.items()}
+        return {key: best for key, best in winners.items() if best is not None}
 
     def format(self):
         return format_table(self.results)
@@ -726,13 +730,6 @@ def _least_waste(rs):
     default = next((r for r in ranked if _is_default(r)), None)
     winner = default if default in tied else tied[0]
     return winner, default
-
-
-def _verdicts(results):
-    groups = {}
-    for r in results:
-        groups.setdefault((r.trace, r.device), []).append(r)
-    return {key: _least_waste(rs) for key, rs in groups.items()}
 
 
 def least_waste(results):
