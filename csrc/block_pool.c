@@ -158,6 +158,7 @@ void block_pool_init(block_pool *p, bool is_small, private_pool *owner)
     memset(p, 0, sizeof *p);
     avl_init(&p->unmapped);
     p->is_small = is_small;
+    p->stat_kind = is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
     p->owner = owner;
 }
 
@@ -340,7 +341,8 @@ static inline void insert_into(block_pool *p, stream_bins *sb, cache_block *b)
     bin_insert(&sb->bins[c], b);
     b->pool_bin = c;
     b->pool_bins = sb;
-    mark(sb, c);
+    if (sb->bins[c].count == 1) /* the bin was empty: nearly always it was not */
+        mark(sb, c);
     sb->count++;
     p->count++;
     b->in_pool = true;

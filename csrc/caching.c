@@ -509,8 +509,8 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     b->stream = p->stream;
     b->ptr = (uintptr_t)ptr;
     b->size = p->alloc_size;
-    cache_stat_inc(dc->stats.segment, p->pool, 1);
-    cache_stat_inc(dc->stats.reserved_bytes, p->pool, (int64_t)p->alloc_size);
+    cache_stat_inc(dc->stats.segment, p->pool->stat_kind, 1);
+    cache_stat_inc(dc->stats.reserved_bytes, p->pool->stat_kind, (int64_t)p->alloc_size);
     b->oversize_segment = p->alloc_size >= max_split_size(dc);
     if (b->oversize_segment)
         cache_stat_one_inc(&dc->stats.oversize_segments, 1);
@@ -532,8 +532,8 @@ static void release_block(device_cache *dc, cache_block *b)
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
     owner_segments(pool, -1);
-    cache_stat_dec(dc->stats.segment, pool, 1);
-    cache_stat_dec(dc->stats.reserved_bytes, pool, (int64_t)b->size);
+    cache_stat_dec(dc->stats.segment, pool->stat_kind, 1);
+    cache_stat_dec(dc->stats.reserved_bytes, pool->stat_kind, (int64_t)b->size);
     if (b->oversize_segment) /* counted when allocated, whatever max_split is now */
         cache_stat_one_dec(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_free++;
@@ -715,9 +715,9 @@ static void align_block_start_slow(device_cache *dc, alloc_params *p)
          * exact: the front stays free and split, the aligned part is now split too.  (torch_npu
          * changes no stats here and lets them drift for plain blocks.) */
         bool was_split = block_is_split(b);
-        cache_stat_inc(dc->stats.inactive_split, b->pool, was_split ? 1 : 2);
+        cache_stat_inc(dc->stats.inactive_split, b->pool->stat_kind, was_split ? 1 : 2);
         if (!was_split)
-            cache_stat_inc(dc->stats.inactive_split_bytes, b->pool, (int64_t)b->size);
+            cache_stat_inc(dc->stats.inactive_split_bytes, b->pool->stat_kind, (int64_t)b->size);
     }
     aligned->pool = b->pool;
     aligned->stream = b->stream;
@@ -751,6 +751,7 @@ static ALWAYS_INLINE aclError alloc_found_block(device_cache *dc, alloc_params *
 {
     cache_block *b = p->block;
     block_pool *pool = p->pool;
+    const unsigned kind = pool->stat_kind; /* a local: stores to the stats would make it reload */
     bool already_split = block_is_split(b);
     bool split = should_split(dc, b, p->size);
     cache_block *front = split ? cache_block_new(dc) : NULL;
@@ -790,17 +791,17 @@ static ALWAYS_INLINE aclError alloc_found_block(device_cache *dc, alloc_params *
         if (b->es) {
             /* expandable segments keep no inactive-split stats */
         } else if (already_split) {
-            cache_stat_dec(dc->stats.inactive_split_bytes, pool, (int64_t)b->size);
+            cache_stat_dec(dc->stats.inactive_split_bytes, kind, (int64_t)b->size);
         } else {
-            cache_stat_inc(dc->stats.inactive_split_bytes, pool, (int64_t)rest->size);
-            cache_stat_inc(dc->stats.inactive_split, pool, 1);
+            cache_stat_inc(dc->stats.inactive_split_bytes, kind, (int64_t)rest->size);
+            cache_stat_inc(dc->stats.inactive_split, kind, 1);
         }
     } else {
         if (b->in_pool)
             block_pool_remove(pool, b);
         if (already_split && !b->es) {
-            cache_stat_dec(dc->stats.inactive_split_bytes, pool, (int64_t)b->size);
-            cache_stat_dec(dc->stats.inactive_split, pool, 1);
+            cache_stat_dec(dc->stats.inactive_split_bytes, kind, (int64_t)b->size);
+            cache_stat_dec(dc->stats.inactive_split, kind, 1);
         }
     }
     ptr_map_put_reserved(&dc->allocated_blocks, b->ptr, b);
@@ -811,11 +812,11 @@ static ALWAYS_INLINE aclError alloc_found_block(device_cache *dc, alloc_params *
         npualloc_context_retain(b->ctx);
     }
     cache_history_record(dc, TRACE_ALLOC, b->ptr, orig_size, b->stream);
-    cache_stat_inc(dc->stats.allocation, pool, 1);
-    cache_stat_inc(dc->stats.allocated_bytes, pool, (int64_t)b->size);
-    cache_stat_inc(dc->stats.active, pool, 1);
-    cache_stat_inc(dc->stats.active_bytes, pool, (int64_t)b->size);
-    cache_stat_inc(dc->stats.requested_bytes, pool, (int64_t)orig_size);
+    cache_stat_inc(dc->stats.allocation, kind, 1);
+    cache_stat_inc(dc->stats.allocated_bytes, kind, (int64_t)b->size);
+    cache_stat_inc(dc->stats.active, kind, 1);
+    cache_stat_inc(dc->stats.active_bytes, kind, (int64_t)b->size);
+    cache_stat_inc(dc->stats.requested_bytes, kind, (int64_t)orig_size);
     b->oversize_alloc = b->size >= max_split_size(dc);
     if (b->oversize_alloc)
         cache_stat_one_inc(&dc->stats.oversize_allocations, 1);
@@ -871,6 +872,7 @@ static ALWAYS_INLINE void complete_free(device_cache *dc, cache_block *b)
     cache_history_record_ctx(dc, TRACE_FREE_COMPLETED, b->ptr, b->requested_size, b->stream, b->ctx);
     size_t original_size = b->size, requested = b->requested_size;
     block_pool *pool = b->pool;
+    const unsigned kind = pool->stat_kind;
     int64_t net_splits = 0, net_split_bytes = 0;
     cache_context_drop(b->ctx); /* a cached block has no allocation context */
     b->ctx = NULL;
@@ -892,12 +894,12 @@ static ALWAYS_INLINE void complete_free(device_cache *dc, cache_block *b)
         net_split_bytes += (int64_t)b->size;
     }
     if (net_splits && !b->es)
-        cache_stat_update(dc->stats.inactive_split, pool, net_splits);
+        cache_stat_update(dc->stats.inactive_split, kind, net_splits);
     if (net_split_bytes && !b->es)
-        cache_stat_update(dc->stats.inactive_split_bytes, pool, net_split_bytes);
-    cache_stat_dec(dc->stats.active, pool, 1);
-    cache_stat_dec(dc->stats.active_bytes, pool, (int64_t)original_size);
-    cache_stat_dec(dc->stats.requested_bytes, pool, (int64_t)requested);
+        cache_stat_update(dc->stats.inactive_split_bytes, kind, net_split_bytes);
+    cache_stat_dec(dc->stats.active, kind, 1);
+    cache_stat_dec(dc->stats.active_bytes, kind, (int64_t)original_size);
+    cache_stat_dec(dc->stats.requested_bytes, kind, (int64_t)requested);
 }
 
 static void free_block(device_cache *dc, cache_block *b) { complete_free(dc, b); }
@@ -935,8 +937,8 @@ void cache_free_locked(device_cache *dc, cache_block *b)
         }
     }
     block_pool *pool = b->pool;
-    cache_stat_dec(dc->stats.allocation, pool, 1);
-    cache_stat_dec(dc->stats.allocated_bytes, pool, (int64_t)b->size);
+    cache_stat_dec(dc->stats.allocation, pool->stat_kind, 1);
+    cache_stat_dec(dc->stats.allocated_bytes, pool->stat_kind, (int64_t)b->size);
     cache_history_record_ctx(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream, b->ctx);
     if (b->oversize_alloc) /* counted when allocated, whatever max_split is now */
         cache_stat_one_dec(&dc->stats.oversize_allocations, 1);

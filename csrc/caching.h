@@ -256,17 +256,17 @@ static inline void cache_stat_one_dec(npualloc_stat *s, int64_t n)
     s->freed += n;
 }
 
-static inline void cache_stat_inc(npualloc_stat *arr, const block_pool *pool, int64_t n)
+static inline void cache_stat_inc(npualloc_stat *arr, unsigned kind, int64_t n)
 {
-    cache_stat_one_inc(&arr[pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL], n);
+    cache_stat_one_inc(&arr[kind], n);
     int64_t all = arr[NPUALLOC_STAT_SMALL_POOL].current + arr[NPUALLOC_STAT_LARGE_POOL].current;
     if (all > arr[NPUALLOC_STAT_ALL].peak)
         arr[NPUALLOC_STAT_ALL].peak = all;
 }
 
-static inline void cache_stat_dec(npualloc_stat *arr, const block_pool *pool, int64_t n)
+static inline void cache_stat_dec(npualloc_stat *arr, unsigned kind, int64_t n)
 {
-    cache_stat_one_dec(&arr[pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL], n);
+    cache_stat_one_dec(&arr[kind], n);
 }
 
 /* An array's aggregate entry, complete. */
@@ -283,12 +283,12 @@ void cache_stats_read(const npualloc_stats *stats, npualloc_stats *out);
 void cache_stats_reset_peak(npualloc_stats *stats);
 
 /* A net change of either sign. */
-static inline void cache_stat_update(npualloc_stat *arr, const block_pool *pool, int64_t n)
+static inline void cache_stat_update(npualloc_stat *arr, unsigned kind, int64_t n)
 {
     if (n >= 0)
-        cache_stat_inc(arr, pool, n);
+        cache_stat_inc(arr, kind, n);
     else
-        cache_stat_dec(arr, pool, -n);
+        cache_stat_dec(arr, kind, -n);
 }
 /* Expandable segments (caching_expandable.c). */
 bool expandable_supported(const device_cache *dc);
