@@ -50,11 +50,12 @@ struct stream_bins {
 static inline unsigned size_class(size_t size)
 {
     size_t u = (size - 1) >> 9;
-    if (u < EXACT_CLASSES)
-        return (unsigned)u;
-    unsigned fl = 63u - (unsigned)__builtin_clzll((unsigned long long)u); /* >= 6 */
+    /* Both answers are computed and one selected (a cmov): a branch here was mispredicted on
+     * about a third of the synthetic benchmark's pairs.  u | EXACT_CLASSES keeps fl >= 6. */
+    unsigned fl = 63u - (unsigned)__builtin_clzll((unsigned long long)(u | EXACT_CLASSES));
     unsigned sl = (unsigned)(u >> (fl - SUB_BITS)) & ((1u << SUB_BITS) - 1);
-    return EXACT_CLASSES + (fl - 6) * (1u << SUB_BITS) + sl;
+    unsigned coarse = EXACT_CLASSES + (fl - 6) * (1u << SUB_BITS) + sl;
+    return u < EXACT_CLASSES ? (unsigned)u : coarse;
 }
 
 static inline cache_block *entry(avl_node *n) { return n ? AVL_ENTRY(n, cache_block, pool_node) : NULL; }
