@@ -53,9 +53,11 @@ static bool add_spare_blocks(device_cache *dc)
 {
     if (!ARRAY_RESERVE(dc->chunks, dc->chunk_capacity, dc->chunk_count + 1, 16))
         return false;
-    cache_block *chunk = calloc(BLOCKS_PER_CHUNK, sizeof *chunk);
+    /* Line-aligned, so a block's fields fall into the lines its layout intends (caching.h). */
+    cache_block *chunk = aligned_alloc(64, BLOCKS_PER_CHUNK * sizeof *chunk);
     if (!chunk)
         return false;
+    memset(chunk, 0, BLOCKS_PER_CHUNK * sizeof *chunk);
     dc->chunks[dc->chunk_count++] = chunk;
     for (int i = 0; i < BLOCKS_PER_CHUNK; i++) {
         chunk[i].free_link = dc->spare_blocks;

@@ -46,32 +46,36 @@
 typedef struct expandable_segment expandable_segment;
 
 struct cache_block {
-    avl_node pool_node;       /* in pool->blocks while free and mapped, in pool->unmapped while unmapped */
-    uint32_t pool_bin;        /* the size-class bin holding it while in_pool (block_pool.c) */
-    stream_bins *pool_bins;   /* and its stream's bins (kept when it leaves): no stream lookups */
-    cache_block *prev, *next; /* neighbours in the segment, address order */
-    block_pool *pool;
-    uint64_t stream;          /* stream handle the block belongs to (0 = default stream) */
+    /* Laid out by use, in three 64-byte lines (the structs are line-aligned, caching.c): the
+     * first holds what a bin walk and a merge read, the second the rest of a cache hit's
+     * fields, the third what only history, record_stream, sharing and shutdown use. */
+    _Alignas(64) avl_node pool_node; /* in pool->blocks while free and mapped, in pool->unmapped while unmapped */
     uintptr_t ptr;
     size_t size;
-    size_t requested_size;    /* the size asked for at the last allocation (stale once freed) */
-    uint64_t gc_base;         /* pool->search_count when the block last became free */
-    int32_t event_count;      /* events still to complete before the free finishes */
+    cache_block *prev, *next; /* neighbours in the segment, address order */
     bool allocated;
     bool in_pool;
     bool mapped;              /* false only for the unmapped address space of an expandable segment */
     bool oversize_alloc;      /* counted in oversize_allocations when allocated */
     bool oversize_segment;    /* its segment was counted in oversize_segments (same on every block) */
+    bool shared;              /* a share of this allocation exists (cache_share_freed is told) */
+    int32_t event_count;      /* events still to complete before the free finishes */
+    uint32_t use_count;
+    uint32_t pool_bin;        /* the size-class bin holding it while in_pool (block_pool.c) */
+    stream_bins *pool_bins;   /* and its stream's bins (kept when it leaves): no stream lookups */
+    block_pool *pool;
+    uint64_t stream;          /* stream handle the block belongs to (0 = default stream) */
+    size_t requested_size;    /* the size asked for at the last allocation (stale once freed) */
+    uint64_t gc_base;         /* pool->search_count when the block last became free */
     expandable_segment *es;   /* the expandable segment the block lies in, or NULL */
-    uint32_t use_count, use_capacity;
-    uint64_t *uses;           /* streams recorded with record_stream while allocated */
     npualloc_context *ctx;    /* where it was allocated, while allocated (history) */
-    npualloc_context *segment_ctx; /* on a segment's first block: where the segment was allocated */
-    cache_block *free_link;   /* the device's list of spare block structs */
+    uint64_t *uses;           /* streams recorded with record_stream while allocated */
+    uint32_t use_capacity;
     /* sharing pin (npualloc.share, ipc_share.c): while another process has the block open, a
      * free by its owner waits (like a block waiting for events) until the last one closed. */
     uint32_t share_pins;      /* opens in other processes */
-    bool shared;              /* a share of this allocation exists (cache_share_freed is told) */
+    npualloc_context *segment_ctx; /* on a segment's first block: where the segment was allocated */
+    cache_block *free_link;   /* the device's list of spare block structs */
     cache_block *pinned_next; /* the device's list of freed blocks waiting for their pins */
 };
 
