@@ -47,8 +47,10 @@ typedef struct expandable_segment expandable_segment;
 
 struct cache_block {
     /* Laid out by use, in three 64-byte lines (the structs are line-aligned, caching.c): the
-     * first holds what a bin walk and a merge read, the second the rest of a cache hit's
-     * fields, the third what only history, record_stream, sharing and shutdown use. */
+     * first holds what a bin walk reads (links, address, size) and the segment neighbours, the
+     * second the state flags and the rest of what a cache hit writes, the third what a hit at
+     * most reads (expandable segment, context) and what record_stream, sharing and the spare
+     * list use.  Measured: 12% fewer L1 misses than the previous order (README). */
     _Alignas(64) avl_node pool_node; /* in pool->blocks while free and mapped, in pool->unmapped while unmapped */
     uintptr_t ptr;
     size_t size;
