@@ -27,7 +27,7 @@ ASAN_TESTS := $(TEST_SRC:tests/c/%.c=$(BUILD)/asan/tests/%)
 TSAN_TESTS := $(TEST_SRC:tests/c/%.c=$(BUILD)/tsan/tests/%)
 BENCHES    := $(BENCH_SRC:benchmarks/%.c=$(BUILD)/release/bench/%)
 
-.PHONY: all deps lib ctest ctest-asan ctest-tsan ext pytest test demo bench clean
+.PHONY: all deps lib ctest ctest-asan ctest-tsan ext pytest test demo bench bench-count clean
 .PHONY: fuzz fuzz-ci fuzzers stress valgrind pytest-asan
 
 all: lib ext
@@ -103,6 +103,14 @@ demo: ext
 bench: deps $(BENCHES) ext
 	@bash tools/ensure-deps.sh bench
 	$(PYTHON) benchmarks/run.py --bin $(BUILD)/release/bench --json $(BUILD)/bench-results.json
+
+# Instructions, and simulated branch mispredictions and L1 misses, per hot-path pair (callgrind):
+# exact where the timings of `make bench` are noisy.
+bench-count: deps $(BUILD)/release/bench/bench_hotpath ext
+	@bash tools/ensure-deps.sh bench
+	@command -v valgrind >/dev/null || { SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq valgrind >/dev/null; }
+	$(PYTHON) benchmarks/count_hotpath.py --bin $(BUILD)/release/bench --allocator npualloc --allocator mimalloc
 
 clean:
 	rm -rf $(BUILD) npualloc/_C*.so *.egg-info
