@@ -581,6 +581,13 @@ static void test_eight_threads_out_of_memory(void **state)
 static void test_fork_while_eight_threads_run(void **state)
 {
     (void)state;
+#if defined(__SANITIZE_ADDRESS__)
+    /* This ASan runtime (gcc's libasan) does not hold its allocator's locks across fork: a child forked
+     * while another thread was inside malloc hangs in its first malloc (measured: about one run in ten,
+     * the child's stream worker waiting on a size class's mutex; google/sanitizers#1814).  Plain glibc
+     * malloc does hold them, so the release, ThreadSanitizer and valgrind runs keep this test. */
+    skip();
+#endif
     run_quick_on(NULL, GiB_, true);
     if (S.n.forks == 0)
         fail_msg("the run ended before the first fork: the test lost its point");
