@@ -62,7 +62,7 @@ struct cache_block {
     bool oversize_segment;    /* its segment was counted in oversize_segments (same on every block) */
     bool shared;              /* a share of this allocation exists (cache_share_freed is told) */
     int32_t event_count;      /* events still to complete before the free finishes */
-    uint32_t use_count;
+    uint32_t use_count;       /* streams in uses (record_stream) */
     uint32_t pool_bin;        /* the size-class bin holding it while in_pool (block_pool.c) */
     stream_bins *pool_bins;   /* and its stream's bins (kept when it leaves): no stream lookups */
     block_pool *pool;
@@ -71,7 +71,7 @@ struct cache_block {
     uint64_t gc_base;         /* pool->search_count when the block last became free */
     expandable_segment *es;   /* the expandable segment the block lies in, or NULL */
     npualloc_context *ctx;    /* where it was allocated, while allocated (history) */
-    uint64_t *uses;           /* streams recorded with record_stream while allocated */
+    uint64_t *uses;           /* streams recorded with record_stream while allocated (use_capacity of room) */
     uint32_t use_capacity;
     /* sharing pin (npualloc.share, ipc_share.c): while another process has the block open, a
      * free by its owner waits (like a block waiting for events) until the last one closed. */
