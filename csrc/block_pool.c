@@ -159,7 +159,6 @@ void block_pool_init(block_pool *p, bool is_small, private_pool *owner)
     memset(p, 0, sizeof *p);
     avl_init(&p->unmapped);
     p->is_small = is_small;
-    p->stat_kind = is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
     p->owner = owner;
 }
 

@@ -32,7 +32,6 @@ typedef struct block_pool {
     size_t count;          /* free blocks indexed */
     avl_tree unmapped;     /* unmapped address space of expandable segments, ordered (stream, ptr) */
     bool is_small;
-    uint8_t stat_kind;     /* NPUALLOC_STAT_SMALL_POOL or _LARGE_POOL: the stats entry of its blocks */
     uint64_t search_count; /* free-block searches while garbage collection is on: a block's age
                               is search_count - block->gc_base */
     private_pool *owner;   /* NULL for the device's default pools */

@@ -512,8 +512,8 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     b->stream = p->stream;
     b->ptr = (uintptr_t)ptr;
     b->size = p->alloc_size;
-    cache_stat_inc(dc->stats.segment, p->pool->stat_kind, 1);
-    cache_stat_inc(dc->stats.reserved_bytes, p->pool->stat_kind, (int64_t)p->alloc_size);
+    cache_stat_inc(dc->stats.segment, pool_stat_kind(p->pool), 1);
+    cache_stat_inc(dc->stats.reserved_bytes, pool_stat_kind(p->pool), (int64_t)p->alloc_size);
     b->oversize_segment = p->alloc_size >= max_split_size(dc);
     if (b->oversize_segment)
         cache_stat_one_inc(&dc->stats.oversize_segments, 1);
@@ -535,8 +535,8 @@ static void release_block(device_cache *dc, cache_block *b)
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
     owner_segments(pool, -1);
-    cache_stat_dec(dc->stats.segment, pool->stat_kind, 1);
-    cache_stat_dec(dc->stats.reserved_bytes, pool->stat_kind, (int64_t)b->size);
+    cache_stat_dec(dc->stats.segment, pool_stat_kind(pool), 1);
+    cache_stat_dec(dc->stats.reserved_bytes, pool_stat_kind(pool), (int64_t)b->size);
     if (b->oversize_segment) /* counted when allocated, whatever max_split is now */
         cache_stat_one_dec(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_free++;
@@ -718,9 +718,9 @@ static void align_block_start_slow(device_cache *dc, alloc_params *p)
          * exact: the front stays free and split, the aligned part is now split too.  (torch_npu
          * changes no stats here and lets them drift for plain blocks.) */
         bool was_split = block_is_split(b);
-        cache_stat_inc(dc->stats.inactive_split, b->pool->stat_kind, was_split ? 1 : 2);
+        cache_stat_inc(dc->stats.inactive_split, pool_stat_kind(b->pool), was_split ? 1 : 2);
         if (!was_split)
-            cache_stat_inc(dc->stats.inactive_split_bytes, b->pool->stat_kind, (int64_t)b->size);
+            cache_stat_inc(dc->stats.inactive_split_bytes, pool_stat_kind(b->pool), (int64_t)b->size);
     }
     aligned->pool = b->pool;
     aligned->stream = b->stream;
@@ -754,7 +754,7 @@ static ALWAYS_INLINE aclError alloc_found_block(device_cache *dc, alloc_params *
 {
     cache_block *b = p->block;
     block_pool *pool = p->pool;
-    const unsigned kind = pool->stat_kind; /* a local: stores to the stats would make it reload */
+    const unsigned kind = pool_stat_kind(pool);
     bool already_split = block_is_split(b);
     bool split = should_split(dc, b, p->size);
     cache_block *front = split ? cache_block_new(dc) : NULL;
@@ -875,7 +875,7 @@ static ALWAYS_INLINE void complete_free(device_cache *dc, cache_block *b)
     cache_history_record_ctx(dc, TRACE_FREE_COMPLETED, b->ptr, b->requested_size, b->stream, b->ctx);
     size_t original_size = b->size, requested = b->requested_size;
     block_pool *pool = b->pool;
-    const unsigned kind = pool->stat_kind;
+    const unsigned kind = pool_stat_kind(pool);
     int64_t net_splits = 0, net_split_bytes = 0;
     cache_context_drop(b->ctx); /* a cached block has no allocation context */
     b->ctx = NULL;
@@ -939,9 +939,9 @@ void cache_free_locked(device_cache *dc, cache_block *b)
             dc->pinned = b;
         }
     }
-    block_pool *pool = b->pool;
-    cache_stat_dec(dc->stats.allocation, pool->stat_kind, 1);
-    cache_stat_dec(dc->stats.allocated_bytes, pool->stat_kind, (int64_t)b->size);
+    const unsigned kind = pool_stat_kind(b->pool);
+    cache_stat_dec(dc->stats.allocation, kind, 1);
+    cache_stat_dec(dc->stats.allocated_bytes, kind, (int64_t)b->size);
     cache_history_record_ctx(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream, b->ctx);
     if (b->oversize_alloc) /* counted when allocated, whatever max_split is now */
         cache_stat_one_dec(&dc->stats.oversize_allocations, 1);

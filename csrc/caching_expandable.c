@@ -241,7 +241,7 @@ static bool map_block(device_cache *dc, cache_block *b, size_t size)
     if (pool->owner)
         pool->owner->segments++;
     dc->total_allocated_memory += mapped;
-    cache_stat_inc(dc->stats.reserved_bytes, pool->stat_kind, (int64_t)mapped);
+    cache_stat_inc(dc->stats.reserved_bytes, pool_stat_kind(pool), (int64_t)mapped);
     dc->stats.num_device_alloc++;
     cache_history_record(dc, TRACE_SEGMENT_MAP, at, mapped, b->stream);
     return true;
@@ -360,7 +360,7 @@ void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
     if (b->pool->owner)
         b->pool->owner->segments--;
     dc->total_allocated_memory -= us;
-    cache_stat_dec(dc->stats.reserved_bytes, b->pool->stat_kind, (int64_t)us);
+    cache_stat_dec(dc->stats.reserved_bytes, pool_stat_kind(b->pool), (int64_t)us);
     dc->stats.num_device_free++;
     cache_history_record(dc, TRACE_SEGMENT_UNMAP, up, us, b->stream);
     if (!b->prev && !b->next) { /* nothing of the segment is mapped any more */
