@@ -357,7 +357,6 @@ aclError npualloc_allocator_change(npualloc_alloc_fn alloc_fn, npualloc_free_fn 
 
 bool npualloc_allocator_is_pluggable(void) { return pluggable_active(); }
 
-
 /* The started cache owning a device pointer, or NULL. */
 static device_cache *cache_of_ptr(const void *ptr)
 {

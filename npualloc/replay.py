@@ -693,8 +693,7 @@ class Comparison:
         groups = {}
         for r in self.results:
             groups.setdefault((r.trace, r.device), []).append(r)
-        winners = {key: _least_waste(rs)[0] for key, rs in groups.items()}
-        return {key: best for key, best in winners.items() if best is not None}
+        return {key: winner for key, rs in groups.items() if (winner := _least_waste(rs)[0]) is not None}
 
     def format(self):
         return format_table(self.results)
