@@ -185,7 +185,8 @@ def main(argv=None):
         if "threads" not in args.skip:
             res["threads"] = run_json([binary("bench_threads"), "--json"], env)
             print_rows("threads: pairs/s", res["threads"],
-                       lambda r: f"{r['placement']:<20} {r['threads']} thr {r['pairs_per_s']:14.0f}")
+                       lambda r: f"{r['placement']:<20} {r['threads']} thr {r['pairs_per_s']:14.0f}"
+                       f"  fairness {r['fairness']:.2f}")
         if "replay" not in args.skip:
             res["replay"] = run_json([binary("bench_replay"), "--json", *events.values()], env)
             for r in res["replay"]:
