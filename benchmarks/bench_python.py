@@ -1,5 +1,6 @@
 """Python-level costs: a caching_allocator_alloc + caching_allocator_delete pair, an npualloc.empty()
-buffer, and acl.rt.malloc + acl.rt.free.  Prints ns per pair (median of 7 rounds); --json prints
+buffer, acl.rt.malloc + acl.rt.free, and the statistics readers memory_stats() and memory_allocated()
+(one call each, with blocks held).  Prints ns per pair or call (median of 7 rounds); --json prints
 one JSON object per line."""
 import json
 import statistics
@@ -38,6 +39,18 @@ def acl_pairs(n):
         free(ptr)
 
 
+def stats_calls(n):
+    stats = npualloc.memory_stats
+    for _ in range(n):
+        stats()
+
+
+def allocated_calls(n):
+    allocated = npualloc.memory_allocated
+    for _ in range(n):
+        allocated()
+
+
 def main():
     as_json = "--json" in sys.argv
     acl.rt.set_device(0)
@@ -47,11 +60,16 @@ def main():
         ("npualloc.empty().free()", per_pair(empty_pairs, 100000)),
         ("acl.rt.malloc+free (4 KiB)", per_pair(acl_pairs, 2000)),
     ]
-    for name, ns in rows:
+    held = [npualloc.caching_allocator_alloc(size) for size in (512, 4096, 3 << 20)]
+    readers = [("memory_stats()", per_pair(stats_calls, 5000)),
+               ("memory_allocated()", per_pair(allocated_calls, 100000))]
+    for ptr in held:
+        npualloc.caching_allocator_delete(ptr)
+    for (name, ns), per in [(row, "pair") for row in rows] + [(row, "call") for row in readers]:
         if as_json:
-            print(json.dumps({"bench": "python", "what": name, "ns_per_pair": round(ns, 1)}))
+            print(json.dumps({"bench": "python", "what": name, "ns": round(ns, 1), "per": per}))
         else:
-            print(f"{name:<36} {ns:10.1f} ns/pair")
+            print(f"{name:<36} {ns:10.1f} ns/{per}")
 
 
 if __name__ == "__main__":

@@ -232,22 +232,22 @@ def empty_virt_addr_cache():
 
 
 def memory_stats(device=None):
-    """torch_npu's flattened, sorted statistics (an OrderedDict of 123 ints)."""
-    result = []
+    """torch_npu's flattened, sorted statistics (an OrderedDict of 123 ints): the keys of
+    memory_stats_as_nested_dict() joined with dots, as torch_npu flattens them."""
+    if not is_initialized():
+        return collections.OrderedDict()
+    device = _get_device_index(device, optional=True)
+    _unsupported_by_pluggable("getDeviceStats")  # then the caching allocator's: it served nothing
+    return collections.OrderedDict(_M._flat_stats(device))
 
-    def _recurse_add_to_result(prefix, obj):
-        if isinstance(obj, dict):
-            if len(prefix) > 0:
-                prefix += "."
-            for k, v in obj.items():
-                _recurse_add_to_result(prefix + k, v)
-        else:
-            result.append((prefix, obj))
 
-    stats = memory_stats_as_nested_dict(device=device)
-    _recurse_add_to_result("", stats)
-    result.sort()
-    return collections.OrderedDict(result)
+def _stat(device, key):
+    """memory_stats(device).get(key, 0), reading that one value."""
+    if not is_initialized():
+        return 0
+    device = _get_device_index(device, optional=True)
+    _unsupported_by_pluggable("getDeviceStats")
+    return _M._stat(device, key)
 
 
 def memory_stats_as_nested_dict(device=None):
@@ -292,19 +292,19 @@ def reset_max_memory_cached(device=None):
 
 
 def memory_allocated(device=None):
-    return memory_stats(device=device).get("allocated_bytes.all.current", 0)
+    return _stat(device, "allocated_bytes.all.current")
 
 
 def max_memory_allocated(device=None):
-    return memory_stats(device=device).get("allocated_bytes.all.peak", 0)
+    return _stat(device, "allocated_bytes.all.peak")
 
 
 def memory_reserved(device=None):
-    return memory_stats(device=device).get("reserved_bytes.all.current", 0)
+    return _stat(device, "reserved_bytes.all.current")
 
 
 def max_memory_reserved(device=None):
-    return memory_stats(device=device).get("reserved_bytes.all.peak", 0)
+    return _stat(device, "reserved_bytes.all.peak")
 
 
 def memory_cached(device=None):

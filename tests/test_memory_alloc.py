@@ -391,6 +391,41 @@ def test_stats_keys_exact(mem):
     assert st["max_split_size"] == -1
 
 
+def _flatten(nested, prefix=""):
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, prefix + key + ".")
+        else:
+            yield prefix + key, value
+
+
+def test_flat_stats_are_the_nested_dict_flattened(mem):
+    """memory_stats() (built in C from a sorted key table) and the one-value readers agree with
+    the nested dict, flattened as torch_npu flattens it, on a state where the values differ."""
+    held = [alloc(n) for n in (100, 3 * MiB, 700, 12 * MiB)]
+    free(held.pop(1))
+    npualloc.reset_accumulated_memory_stats()
+    held.append(alloc(5 * MiB))
+    free(held.pop(0))
+    st, nested = npualloc.memory_stats(), npualloc.memory_stats_as_nested_dict()
+    assert list(st.items()) == sorted(_flatten(nested))
+    assert len(set(st.values())) > 10  # a table read at wrong offsets could not pass
+    assert npualloc.memory_allocated() == nested["allocated_bytes"]["all"]["current"] > 0
+    assert npualloc.max_memory_allocated() == nested["allocated_bytes"]["all"]["peak"]
+    assert npualloc.memory_reserved() == nested["reserved_bytes"]["all"]["current"] > 0
+    assert npualloc.max_memory_reserved() == nested["reserved_bytes"]["all"]["peak"]
+    for key, value in st.items():
+        assert npualloc.memory._stat(None, key) == value, key
+    with pytest.raises(KeyError):
+        npualloc.memory._stat(None, "allocated_bytes.all")
+    with pytest.raises(KeyError):
+        npualloc.memory._stat(None, "x" * 100)
+    with pytest.raises(TypeError, match=r"argument 'key' must be str, not int"):
+        npualloc.memory._stat(None, 1)
+    for p in held:
+        free(p)
+
+
 def test_stats_readers_and_resets(mem):
     p = alloc(5 * MiB)
     q = alloc(100)

@@ -1177,6 +1177,150 @@ static PyObject *m_stats(PyObject *self, PyObject *arg)
     return d;
 }
 
+/* ---- memory_stats(): torch_npu's flat keys ---- */
+
+/* Every key of memory_stats() ("allocated_bytes.all.current", ...) with where its value lives in
+ * npualloc_stats, sorted as memory_stats() returns them.  Built once: memory_stats() then costs a
+ * list of pairs (about 70 -> 15 us), and memory_allocated() and its kin read one value instead of
+ * flattening all 123. */
+typedef struct flat_stat {
+    char name[48];
+    size_t offset;
+    PyObject *key; /* the interned name */
+} flat_stat;
+
+enum { STAT_ARRAYS = 9, STAT_FIELDS = 4, STAT_SCALARS = 7 };
+enum { FLAT_STAT_COUNT = STAT_ARRAYS * NPUALLOC_STAT_TYPES * STAT_FIELDS + 2 * STAT_FIELDS + STAT_SCALARS };
+static flat_stat flat_stats[FLAT_STAT_COUNT];
+
+static int flat_stat_cmp(const void *a, const void *b)
+{
+    return strcmp(((const flat_stat *)a)->name, ((const flat_stat *)b)->name);
+}
+
+static int build_flat_stats(void)
+{
+    static const struct {
+        const char *name;
+        size_t offset;
+    } arrays[STAT_ARRAYS] = {
+        {"allocation", offsetof(npualloc_stats, allocation)},
+        {"segment", offsetof(npualloc_stats, segment)},
+        {"active", offsetof(npualloc_stats, active)},
+        {"inactive_split", offsetof(npualloc_stats, inactive_split)},
+        {"allocated_bytes", offsetof(npualloc_stats, allocated_bytes)},
+        {"reserved_bytes", offsetof(npualloc_stats, reserved_bytes)},
+        {"active_bytes", offsetof(npualloc_stats, active_bytes)},
+        {"inactive_split_bytes", offsetof(npualloc_stats, inactive_split_bytes)},
+        {"requested_bytes", offsetof(npualloc_stats, requested_bytes)},
+    },
+      singles[2] = {{"oversize_allocations", offsetof(npualloc_stats, oversize_allocations)},
+                    {"oversize_segments", offsetof(npualloc_stats, oversize_segments)}},
+      scalars[STAT_SCALARS] = {
+          {"num_alloc_retries", offsetof(npualloc_stats, num_alloc_retries)},
+          {"num_ooms", offsetof(npualloc_stats, num_ooms)},
+          {"max_split_size", offsetof(npualloc_stats, max_split_size)},
+          {"num_sync_all_streams", offsetof(npualloc_stats, num_sync_all_streams)},
+          {"num_device_alloc", offsetof(npualloc_stats, num_device_alloc)},
+          {"num_device_free", offsetof(npualloc_stats, num_device_free)},
+          {"num_oom_rejections", offsetof(npualloc_stats, num_oom_rejections)},
+      },
+      fields[STAT_FIELDS] = {{"current", offsetof(npualloc_stat, current)},
+                             {"peak", offsetof(npualloc_stat, peak)},
+                             {"allocated", offsetof(npualloc_stat, allocated)},
+                             {"freed", offsetof(npualloc_stat, freed)}};
+    static const char *const pools[NPUALLOC_STAT_TYPES] = {"all", "small_pool", "large_pool"};
+    size_t n = 0;
+    for (int a = 0; a < STAT_ARRAYS; a++)
+        for (int p = 0; p < NPUALLOC_STAT_TYPES; p++)
+            for (int f = 0; f < STAT_FIELDS; f++, n++) {
+                snprintf(flat_stats[n].name, sizeof flat_stats[n].name, "%s.%s.%s", arrays[a].name, pools[p],
+                         fields[f].name);
+                flat_stats[n].offset = arrays[a].offset + (size_t)p * sizeof(npualloc_stat) + fields[f].offset;
+            }
+    for (int a = 0; a < 2; a++)
+        for (int f = 0; f < STAT_FIELDS; f++, n++) {
+            snprintf(flat_stats[n].name, sizeof flat_stats[n].name, "%s.%s", singles[a].name, fields[f].name);
+            flat_stats[n].offset = singles[a].offset + fields[f].offset;
+        }
+    for (int a = 0; a < STAT_SCALARS; a++, n++) {
+        snprintf(flat_stats[n].name, sizeof flat_stats[n].name, "%s", scalars[a].name);
+        flat_stats[n].offset = scalars[a].offset;
+    }
+    qsort(flat_stats, n, sizeof flat_stats[0], flat_stat_cmp); /* ASCII: strcmp's order is Python's */
+    for (size_t i = 0; i < n; i++)
+        if (!(flat_stats[i].key = PyUnicode_InternFromString(flat_stats[i].name)))
+            return -1;
+    return 0;
+}
+
+static int64_t flat_stat_value(const npualloc_stats *s, const flat_stat *f)
+{
+    int64_t v;
+    memcpy(&v, (const char *)s + f->offset, sizeof v);
+    return v;
+}
+
+static int read_stats(int32_t dev, npualloc_stats *s)
+{
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_get_stats(dev, s));
+    if (rc != ACL_SUCCESS) {
+        raise_cache_error(rc);
+        return -1;
+    }
+    return 0;
+}
+
+/* _flat_stats(device) -> [(key, value), ...] in memory_stats()'s order. */
+static PyObject *m_flat_stats(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    npualloc_stats s;
+    if (as_i32(arg, "memory_stats", "device", &dev) < 0 || read_stats(dev, &s) < 0)
+        return NULL;
+    PyObject *list = PyList_New(FLAT_STAT_COUNT);
+    for (size_t i = 0; list && i < FLAT_STAT_COUNT; i++) {
+        PyObject *pair = Py_BuildValue("(OL)", flat_stats[i].key, (long long)flat_stat_value(&s, &flat_stats[i]));
+        if (!pair)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, pair);
+    }
+    return list;
+}
+
+/* _stat(device, key) -> memory_stats()[key], without building the others. */
+static PyObject *m_stat(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    int32_t dev;
+    if (!check_count("_stat", nargs, 2) || as_i32(args[0], "memory_stats", "device", &dev) < 0)
+        return NULL;
+    const char *name = PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8(args[1]) : NULL;
+    if (!name) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "_stat(): argument 'key' must be str, not %.80s", Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    flat_stat probe;
+    if (strlen(name) >= sizeof probe.name) {
+        PyErr_Format(PyExc_KeyError, "%s", name);
+        return NULL;
+    }
+    strcpy(probe.name, name);
+    const flat_stat *f = bsearch(&probe, flat_stats, FLAT_STAT_COUNT, sizeof flat_stats[0], flat_stat_cmp);
+    if (!f) {
+        PyErr_SetObject(PyExc_KeyError, args[1]);
+        return NULL;
+    }
+    npualloc_stats s;
+    if (read_stats(dev, &s) < 0)
+        return NULL;
+    return PyLong_FromLongLong(flat_stat_value(&s, f));
+}
+
 static PyObject *m_reset_peak(PyObject *self, PyObject *arg)
 {
     (void)self;
@@ -1920,6 +2064,8 @@ static PyMethodDef memory_methods[] = {
     {"_empty_cache", m_empty_cache, METH_NOARGS, NULL},
     {"_empty_virt_addr_cache", m_empty_virt_addr_cache, METH_NOARGS, NULL},
     {"_stats", m_stats, METH_O, "_stats(device) -> nested dict"},
+    {"_flat_stats", m_flat_stats, METH_O, "_flat_stats(device) -> [(key, value), ...] sorted by key"},
+    {"_stat", FAST(m_stat), METH_FASTCALL, "_stat(device, key) -> one value of memory_stats()"},
     {"_reset_peak", m_reset_peak, METH_O, NULL},
     {"_reset_accumulated", m_reset_accumulated, METH_O, NULL},
     {"_set_fraction", FAST(m_set_fraction), METH_FASTCALL, NULL},
@@ -1981,6 +2127,8 @@ int memory_py_attach(PyObject *module)
             goto fail;
     }
     if (!oom_observers && !(oom_observers = PyList_New(0)))
+        goto fail;
+    if (!flat_stats[0].key && build_flat_stats() < 0)
         goto fail;
     if (!str_npu_stream && !(str_npu_stream = PyUnicode_InternFromString("npu_stream")))
         goto fail;
