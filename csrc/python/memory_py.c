@@ -1096,6 +1096,59 @@ static PyObject *m_empty_virt_addr_cache(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* torch_npu's statistics: the scalars, the arrays (an entry per pool) and the single Stats, each in the
+ * order of its nested dict (memory_stats_as_nested_dict), with where its value lives in npualloc_stats. */
+typedef struct stat_place {
+    const char *name;
+    size_t offset;
+} stat_place;
+
+enum { STAT_SCALARS = 7, STAT_ARRAYS = 9, STAT_SINGLES = 2, STAT_FIELDS = 4 };
+static const stat_place stat_scalars[STAT_SCALARS] = {
+    {"num_alloc_retries", offsetof(npualloc_stats, num_alloc_retries)},
+    {"num_ooms", offsetof(npualloc_stats, num_ooms)},
+    {"max_split_size", offsetof(npualloc_stats, max_split_size)},
+    {"num_sync_all_streams", offsetof(npualloc_stats, num_sync_all_streams)},
+    {"num_device_alloc", offsetof(npualloc_stats, num_device_alloc)},
+    {"num_device_free", offsetof(npualloc_stats, num_device_free)},
+    {"num_oom_rejections", offsetof(npualloc_stats, num_oom_rejections)},
+};
+static const stat_place stat_arrays[STAT_ARRAYS] = {
+    {"allocation", offsetof(npualloc_stats, allocation)},
+    {"segment", offsetof(npualloc_stats, segment)},
+    {"active", offsetof(npualloc_stats, active)},
+    {"inactive_split", offsetof(npualloc_stats, inactive_split)},
+    {"allocated_bytes", offsetof(npualloc_stats, allocated_bytes)},
+    {"reserved_bytes", offsetof(npualloc_stats, reserved_bytes)},
+    {"active_bytes", offsetof(npualloc_stats, active_bytes)},
+    {"inactive_split_bytes", offsetof(npualloc_stats, inactive_split_bytes)},
+    {"requested_bytes", offsetof(npualloc_stats, requested_bytes)},
+};
+static const stat_place stat_singles[STAT_SINGLES] = {
+    {"oversize_allocations", offsetof(npualloc_stats, oversize_allocations)},
+    {"oversize_segments", offsetof(npualloc_stats, oversize_segments)},
+};
+static const stat_place stat_fields[STAT_FIELDS] = {
+    {"current", offsetof(npualloc_stat, current)},
+    {"peak", offsetof(npualloc_stat, peak)},
+    {"allocated", offsetof(npualloc_stat, allocated)},
+    {"freed", offsetof(npualloc_stat, freed)},
+};
+static const char *const stat_pools[NPUALLOC_STAT_TYPES] = {"all", "small_pool", "large_pool"};
+
+static const void *stat_at(const npualloc_stats *s, size_t offset) { return (const char *)s + offset; }
+
+static int read_stats(int32_t dev, npualloc_stats *s)
+{
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_get_stats(dev, s));
+    if (rc != ACL_SUCCESS) {
+        raise_cache_error(rc);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *stat_dict(const npualloc_stat *s)
 {
     return Py_BuildValue("{s:L,s:L,s:L,s:L}", "current", (long long)s->current, "peak", (long long)s->peak,
@@ -1104,13 +1157,12 @@ static PyObject *stat_dict(const npualloc_stat *s)
 
 static int put_stat_array(PyObject *d, const char *key, const npualloc_stat *arr)
 {
-    static const char *const pools[NPUALLOC_STAT_TYPES] = {"all", "small_pool", "large_pool"};
     PyObject *sub = PyDict_New();
     if (!sub)
         return -1;
     for (int i = 0; i < NPUALLOC_STAT_TYPES; i++) {
         PyObject *s = stat_dict(&arr[i]);
-        if (!s || PyDict_SetItemString(sub, pools[i], s) < 0) {
+        if (!s || PyDict_SetItemString(sub, stat_pools[i], s) < 0) {
             Py_XDECREF(s);
             Py_DECREF(sub);
             return -1;
@@ -1146,51 +1198,38 @@ static PyObject *m_stats(PyObject *self, PyObject *arg)
 {
     (void)self;
     int32_t dev;
-    if (as_i32(arg, "memory_stats", "device", &dev) < 0)
-        return NULL;
     npualloc_stats s;
-    aclError rc;
-    LOCKING_CALL(rc = npualloc_cache_get_stats(dev, &s));
-    if (rc != ACL_SUCCESS)
-        return raise_cache_error(rc);
+    if (as_i32(arg, "memory_stats", "device", &dev) < 0 || read_stats(dev, &s) < 0)
+        return NULL;
     PyObject *d = PyDict_New();
-    if (!d)
-        return NULL;
-    if (put_i64(d, "num_alloc_retries", s.num_alloc_retries) < 0 || put_i64(d, "num_ooms", s.num_ooms) < 0 ||
-        put_i64(d, "max_split_size", s.max_split_size) < 0 ||
-        put_i64(d, "num_sync_all_streams", s.num_sync_all_streams) < 0 ||
-        put_i64(d, "num_device_alloc", s.num_device_alloc) < 0 ||
-        put_i64(d, "num_device_free", s.num_device_free) < 0 ||
-        put_i64(d, "num_oom_rejections", s.num_oom_rejections) < 0 ||
-        put_stat_array(d, "allocation", s.allocation) < 0 || put_stat_array(d, "segment", s.segment) < 0 ||
-        put_stat_array(d, "active", s.active) < 0 || put_stat_array(d, "inactive_split", s.inactive_split) < 0 ||
-        put_stat_array(d, "allocated_bytes", s.allocated_bytes) < 0 ||
-        put_stat_array(d, "reserved_bytes", s.reserved_bytes) < 0 ||
-        put_stat_array(d, "active_bytes", s.active_bytes) < 0 ||
-        put_stat_array(d, "inactive_split_bytes", s.inactive_split_bytes) < 0 ||
-        put_stat_array(d, "requested_bytes", s.requested_bytes) < 0 ||
-        put_obj(d, "oversize_allocations", stat_dict(&s.oversize_allocations)) < 0 ||
-        put_obj(d, "oversize_segments", stat_dict(&s.oversize_segments)) < 0) {
-        Py_DECREF(d);
-        return NULL;
+    int rc = d ? 0 : -1;
+    for (int i = 0; rc == 0 && i < STAT_SCALARS; i++) {
+        int64_t v;
+        memcpy(&v, stat_at(&s, stat_scalars[i].offset), sizeof v);
+        rc = put_i64(d, stat_scalars[i].name, v);
     }
+    for (int i = 0; rc == 0 && i < STAT_ARRAYS; i++)
+        rc = put_stat_array(d, stat_arrays[i].name, stat_at(&s, stat_arrays[i].offset));
+    for (int i = 0; rc == 0 && i < STAT_SINGLES; i++)
+        rc = put_obj(d, stat_singles[i].name, stat_dict(stat_at(&s, stat_singles[i].offset)));
+    if (rc < 0)
+        Py_CLEAR(d);
     return d;
 }
 
 /* ---- memory_stats(): torch_npu's flat keys ---- */
 
-/* Every key of memory_stats() ("allocated_bytes.all.current", ...) with where its value lives in
- * npualloc_stats, sorted as memory_stats() returns them.  Built once: memory_stats() then costs a
- * list of pairs (about 70 -> 15 us), and memory_allocated() and its kin read one value instead of
- * flattening all 123. */
+/* Every key of memory_stats() ("allocated_bytes.all.current", ...) with where its value lives,
+ * sorted as memory_stats() returns them.  Built once: memory_stats() then costs a list of pairs
+ * (about 70 -> 16 us), and memory_allocated() and its kin read one value instead of flattening
+ * all 123. */
 typedef struct flat_stat {
     char name[48];
     size_t offset;
     PyObject *key; /* the interned name */
 } flat_stat;
 
-enum { STAT_ARRAYS = 9, STAT_FIELDS = 4, STAT_SCALARS = 7 };
-enum { FLAT_STAT_COUNT = STAT_ARRAYS * NPUALLOC_STAT_TYPES * STAT_FIELDS + 2 * STAT_FIELDS + STAT_SCALARS };
+enum { FLAT_STAT_COUNT = STAT_SCALARS + (STAT_ARRAYS * NPUALLOC_STAT_TYPES + STAT_SINGLES) * STAT_FIELDS };
 static flat_stat flat_stats[FLAT_STAT_COUNT];
 
 static int flat_stat_cmp(const void *a, const void *b)
@@ -1198,78 +1237,39 @@ static int flat_stat_cmp(const void *a, const void *b)
     return strcmp(((const flat_stat *)a)->name, ((const flat_stat *)b)->name);
 }
 
+static void flat_stat_set(flat_stat *f, const char *prefix, const char *pool, const stat_place *field,
+                          size_t offset)
+{
+    snprintf(f->name, sizeof f->name, "%s%s%s%s%s", prefix, pool ? "." : "", pool ? pool : "",
+             field ? "." : "", field ? field->name : "");
+    f->offset = offset + (field ? field->offset : 0);
+}
+
 static int build_flat_stats(void)
 {
-    static const struct {
-        const char *name;
-        size_t offset;
-    } arrays[STAT_ARRAYS] = {
-        {"allocation", offsetof(npualloc_stats, allocation)},
-        {"segment", offsetof(npualloc_stats, segment)},
-        {"active", offsetof(npualloc_stats, active)},
-        {"inactive_split", offsetof(npualloc_stats, inactive_split)},
-        {"allocated_bytes", offsetof(npualloc_stats, allocated_bytes)},
-        {"reserved_bytes", offsetof(npualloc_stats, reserved_bytes)},
-        {"active_bytes", offsetof(npualloc_stats, active_bytes)},
-        {"inactive_split_bytes", offsetof(npualloc_stats, inactive_split_bytes)},
-        {"requested_bytes", offsetof(npualloc_stats, requested_bytes)},
-    },
-      singles[2] = {{"oversize_allocations", offsetof(npualloc_stats, oversize_allocations)},
-                    {"oversize_segments", offsetof(npualloc_stats, oversize_segments)}},
-      scalars[STAT_SCALARS] = {
-          {"num_alloc_retries", offsetof(npualloc_stats, num_alloc_retries)},
-          {"num_ooms", offsetof(npualloc_stats, num_ooms)},
-          {"max_split_size", offsetof(npualloc_stats, max_split_size)},
-          {"num_sync_all_streams", offsetof(npualloc_stats, num_sync_all_streams)},
-          {"num_device_alloc", offsetof(npualloc_stats, num_device_alloc)},
-          {"num_device_free", offsetof(npualloc_stats, num_device_free)},
-          {"num_oom_rejections", offsetof(npualloc_stats, num_oom_rejections)},
-      },
-      fields[STAT_FIELDS] = {{"current", offsetof(npualloc_stat, current)},
-                             {"peak", offsetof(npualloc_stat, peak)},
-                             {"allocated", offsetof(npualloc_stat, allocated)},
-                             {"freed", offsetof(npualloc_stat, freed)}};
-    static const char *const pools[NPUALLOC_STAT_TYPES] = {"all", "small_pool", "large_pool"};
-    size_t n = 0;
+    flat_stat *f = flat_stats;
+    for (int a = 0; a < STAT_SCALARS; a++)
+        flat_stat_set(f++, stat_scalars[a].name, NULL, NULL, stat_scalars[a].offset);
     for (int a = 0; a < STAT_ARRAYS; a++)
         for (int p = 0; p < NPUALLOC_STAT_TYPES; p++)
-            for (int f = 0; f < STAT_FIELDS; f++, n++) {
-                snprintf(flat_stats[n].name, sizeof flat_stats[n].name, "%s.%s.%s", arrays[a].name, pools[p],
-                         fields[f].name);
-                flat_stats[n].offset = arrays[a].offset + (size_t)p * sizeof(npualloc_stat) + fields[f].offset;
-            }
-    for (int a = 0; a < 2; a++)
-        for (int f = 0; f < STAT_FIELDS; f++, n++) {
-            snprintf(flat_stats[n].name, sizeof flat_stats[n].name, "%s.%s", singles[a].name, fields[f].name);
-            flat_stats[n].offset = singles[a].offset + fields[f].offset;
-        }
-    for (int a = 0; a < STAT_SCALARS; a++, n++) {
-        snprintf(flat_stats[n].name, sizeof flat_stats[n].name, "%s", scalars[a].name);
-        flat_stats[n].offset = scalars[a].offset;
-    }
-    qsort(flat_stats, n, sizeof flat_stats[0], flat_stat_cmp); /* ASCII: strcmp's order is Python's */
-    for (size_t i = 0; i < n; i++)
+            for (int i = 0; i < STAT_FIELDS; i++)
+                flat_stat_set(f++, stat_arrays[a].name, stat_pools[p], &stat_fields[i],
+                              stat_arrays[a].offset + (size_t)p * sizeof(npualloc_stat));
+    for (int a = 0; a < STAT_SINGLES; a++)
+        for (int i = 0; i < STAT_FIELDS; i++)
+            flat_stat_set(f++, stat_singles[a].name, NULL, &stat_fields[i], stat_singles[a].offset);
+    qsort(flat_stats, FLAT_STAT_COUNT, sizeof flat_stats[0], flat_stat_cmp); /* ASCII: Python's order too */
+    for (int i = 0; i < FLAT_STAT_COUNT; i++)
         if (!(flat_stats[i].key = PyUnicode_InternFromString(flat_stats[i].name)))
             return -1;
     return 0;
 }
 
-static int64_t flat_stat_value(const npualloc_stats *s, const flat_stat *f)
+static long long flat_stat_value(const npualloc_stats *s, const flat_stat *f)
 {
     int64_t v;
-    memcpy(&v, (const char *)s + f->offset, sizeof v);
-    return v;
-}
-
-static int read_stats(int32_t dev, npualloc_stats *s)
-{
-    aclError rc;
-    LOCKING_CALL(rc = npualloc_cache_get_stats(dev, s));
-    if (rc != ACL_SUCCESS) {
-        raise_cache_error(rc);
-        return -1;
-    }
-    return 0;
+    memcpy(&v, stat_at(s, f->offset), sizeof v);
+    return (long long)v;
 }
 
 /* _flat_stats(device) -> [(key, value), ...] in memory_stats()'s order. */
@@ -1281,8 +1281,8 @@ static PyObject *m_flat_stats(PyObject *self, PyObject *arg)
     if (as_i32(arg, "memory_stats", "device", &dev) < 0 || read_stats(dev, &s) < 0)
         return NULL;
     PyObject *list = PyList_New(FLAT_STAT_COUNT);
-    for (size_t i = 0; list && i < FLAT_STAT_COUNT; i++) {
-        PyObject *pair = Py_BuildValue("(OL)", flat_stats[i].key, (long long)flat_stat_value(&s, &flat_stats[i]));
+    for (Py_ssize_t i = 0; list && i < FLAT_STAT_COUNT; i++) {
+        PyObject *pair = Py_BuildValue("(OL)", flat_stats[i].key, flat_stat_value(&s, &flat_stats[i]));
         if (!pair)
             Py_CLEAR(list);
         else
@@ -1298,19 +1298,19 @@ static PyObject *m_stat(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int32_t dev;
     if (!check_count("_stat", nargs, 2) || as_i32(args[0], "memory_stats", "device", &dev) < 0)
         return NULL;
-    const char *name = PyUnicode_Check(args[1]) ? PyUnicode_AsUTF8(args[1]) : NULL;
-    if (!name) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_TypeError, "_stat(): argument 'key' must be str, not %.80s", Py_TYPE(args[1])->tp_name);
+    if (!PyUnicode_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "_stat(): argument 'key' must be str, not %.80s", Py_TYPE(args[1])->tp_name);
         return NULL;
     }
+    const char *name = PyUnicode_AsUTF8(args[1]);
+    if (!name)
+        return NULL;
     flat_stat probe;
-    if (strlen(name) >= sizeof probe.name) {
-        PyErr_Format(PyExc_KeyError, "%s", name);
-        return NULL;
+    const flat_stat *f = NULL;
+    if (strlen(name) < sizeof probe.name) {
+        strcpy(probe.name, name);
+        f = bsearch(&probe, flat_stats, FLAT_STAT_COUNT, sizeof flat_stats[0], flat_stat_cmp);
     }
-    strcpy(probe.name, name);
-    const flat_stat *f = bsearch(&probe, flat_stats, FLAT_STAT_COUNT, sizeof flat_stats[0], flat_stat_cmp);
     if (!f) {
         PyErr_SetObject(PyExc_KeyError, args[1]);
         return NULL;
@@ -2128,7 +2128,7 @@ int memory_py_attach(PyObject *module)
     }
     if (!oom_observers && !(oom_observers = PyList_New(0)))
         goto fail;
-    if (!flat_stats[0].key && build_flat_stats() < 0)
+    if (!flat_stats[FLAT_STAT_COUNT - 1].key && build_flat_stats() < 0) /* every key, or build again */
         goto fail;
     if (!str_npu_stream && !(str_npu_stream = PyUnicode_InternFromString("npu_stream")))
         goto fail;
