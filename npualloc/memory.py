@@ -242,7 +242,7 @@ def memory_stats(device=None):
 
 
 def _stat(device, key):
-    """memory_stats(device).get(key, 0), reading that one value."""
+    """memory_stats(device)[key] (0 before the runtime starts), reading that one value."""
     if not is_initialized():
         return 0
     device = _get_device_index(device, optional=True)
