@@ -292,15 +292,6 @@ static int parse_args(const char *fn, PyObject *const *args, Py_ssize_t nargs, P
     return 0;
 }
 
-static bool check_count(const char *fn, Py_ssize_t nargs, Py_ssize_t want)
-{
-    if (nargs == want)
-        return true;
-    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd argument%s (%zd given)", fn, want, want == 1 ? "" : "s",
-                 nargs);
-    return false;
-}
-
 /* An int as a 64-bit pointer or handle; negative values wrap like PyLong_AsVoidPtr. */
 static int as_u64(PyObject *o, const char *fn, const char *arg, uint64_t *out)
 {
@@ -1296,7 +1287,7 @@ static PyObject *m_stat(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     int32_t dev;
-    if (!check_count("_stat", nargs, 2) || as_i32(args[0], "memory_stats", "device", &dev) < 0)
+    if (!check_nargs("_stat", nargs, 2) || as_i32(args[0], "memory_stats", "device", &dev) < 0)
         return NULL;
     if (!PyUnicode_Check(args[1])) {
         PyErr_Format(PyExc_TypeError, "_stat(): argument 'key' must be str, not %.80s", Py_TYPE(args[1])->tp_name);
@@ -1351,7 +1342,7 @@ static PyObject *m_reset_accumulated(PyObject *self, PyObject *arg)
 static PyObject *m_set_fraction(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_set_fraction", nargs, 2))
+    if (!check_nargs("_set_fraction", nargs, 2))
         return NULL;
     int32_t dev;
     if (as_i32(args[0], "_set_fraction", "device", &dev) < 0)
@@ -1384,7 +1375,7 @@ static PyObject *m_get_fraction(PyObject *self, PyObject *arg)
 static PyObject *m_record_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("record_stream", nargs, 2))
+    if (!check_nargs("record_stream", nargs, 2))
         return NULL;
     uint64_t p, h;
     if (as_u64(args[0], "record_stream", "ptr", &p) < 0 || resolve_stream(args[1], 0, &h) < 0)
@@ -1401,7 +1392,7 @@ static PyObject *m_record_stream(PyObject *self, PyObject *const *args, Py_ssize
 static PyObject *m_erase_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("erase_stream", nargs, 2))
+    if (!check_nargs("erase_stream", nargs, 2))
         return NULL;
     uint64_t p, h;
     if (as_u64(args[0], "erase_stream", "ptr", &p) < 0 || as_u64(args[1], "erase_stream", "stream", &h) < 0)
@@ -1593,7 +1584,7 @@ done:
 static PyObject *m_record_history(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_record_history", nargs, 3))
+    if (!check_nargs("_record_history", nargs, 3))
         return NULL;
     int enabled = PyObject_IsTrue(args[0]);
     if (enabled < 0)
@@ -1736,7 +1727,7 @@ static PyObject *m_current_device(PyObject *self, PyObject *unused)
 static PyObject *m_change_current_allocator(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_change_current_allocator", nargs, 2))
+    if (!check_nargs("_change_current_allocator", nargs, 2))
         return NULL;
     uint64_t alloc_addr, free_addr;
     if (as_u64(args[0], "_change_current_allocator", "alloc_fn", &alloc_addr) < 0 ||
@@ -1838,7 +1829,7 @@ static PyObject *m_get_current_stream(PyObject *self, PyObject *arg)
 static PyObject *m_set_current_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_set_current_stream", nargs, 2))
+    if (!check_nargs("_set_current_stream", nargs, 2))
         return NULL;
     int32_t dev;
     uint64_t h;
@@ -1875,7 +1866,7 @@ static PyObject *m_stream_create(PyObject *self, PyObject *arg)
 static PyObject *m_stream_destroy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_stream_destroy", nargs, 2))
+    if (!check_nargs("_stream_destroy", nargs, 2))
         return NULL;
     uint64_t h, g;
     if (as_u64(args[0], "_stream_destroy", "stream", &h) < 0 || as_u64(args[1], "_stream_destroy", "gen", &g) < 0)
@@ -1942,7 +1933,7 @@ static PyObject *m_stream_synchronize(PyObject *self, PyObject *const *args, Py_
 static PyObject *m_stream_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_stream_query", nargs, 2))
+    if (!check_nargs("_stream_query", nargs, 2))
         return NULL;
     uint64_t h;
     int32_t dev;
@@ -1959,7 +1950,7 @@ static PyObject *m_stream_query(PyObject *self, PyObject *const *args, Py_ssize_
 static PyObject *event_on_stream(PyObject *const *args, Py_ssize_t nargs, const char *name, const char *acl_name,
                                  stream_op op)
 {
-    if (!check_count(name, nargs, 3))
+    if (!check_nargs(name, nargs, 3))
         return NULL;
     uint64_t e;
     if (as_u64(args[2], name, "event", &e) < 0)
@@ -1999,7 +1990,7 @@ static PyObject *m_event_create(PyObject *self, PyObject *unused)
 static PyObject *m_event_destroy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_event_destroy", nargs, 2))
+    if (!check_nargs("_event_destroy", nargs, 2))
         return NULL;
     uint64_t e, g;
     if (as_u64(args[0], "_event_destroy", "event", &e) < 0 || as_u64(args[1], "_event_destroy", "gen", &g) < 0)
@@ -2040,7 +2031,7 @@ static PyObject *m_event_synchronize(PyObject *self, PyObject *arg)
 static PyObject *m_event_elapsed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_count("_event_elapsed", nargs, 2))
+    if (!check_nargs("_event_elapsed", nargs, 2))
         return NULL;
     uint64_t a, b;
     if (as_u64(args[0], "_event_elapsed", "start", &a) < 0 || as_u64(args[1], "_event_elapsed", "end", &b) < 0)
