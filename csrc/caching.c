@@ -512,8 +512,9 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     b->stream = p->stream;
     b->ptr = (uintptr_t)ptr;
     b->size = p->alloc_size;
-    cache_stat_inc(dc->stats.segment, pool_stat_kind(p->pool), 1);
-    cache_stat_inc(dc->stats.reserved_bytes, pool_stat_kind(p->pool), (int64_t)p->alloc_size);
+    const unsigned kind = pool_stat_kind(p->pool);
+    cache_stat_inc(dc->stats.segment, kind, 1);
+    cache_stat_inc(dc->stats.reserved_bytes, kind, (int64_t)p->alloc_size);
     b->oversize_segment = p->alloc_size >= max_split_size(dc);
     if (b->oversize_segment)
         cache_stat_one_inc(&dc->stats.oversize_segments, 1);
@@ -535,8 +536,9 @@ static void release_block(device_cache *dc, cache_block *b)
     dc->total_allocated_memory -= b->size;
     block_pool *pool = b->pool;
     owner_segments(pool, -1);
-    cache_stat_dec(dc->stats.segment, pool_stat_kind(pool), 1);
-    cache_stat_dec(dc->stats.reserved_bytes, pool_stat_kind(pool), (int64_t)b->size);
+    const unsigned kind = pool_stat_kind(pool);
+    cache_stat_dec(dc->stats.segment, kind, 1);
+    cache_stat_dec(dc->stats.reserved_bytes, kind, (int64_t)b->size);
     if (b->oversize_segment) /* counted when allocated, whatever max_split is now */
         cache_stat_one_dec(&dc->stats.oversize_segments, 1);
     dc->stats.num_device_free++;
@@ -718,9 +720,10 @@ static void align_block_start_slow(device_cache *dc, alloc_params *p)
          * exact: the front stays free and split, the aligned part is now split too.  (torch_npu
          * changes no stats here and lets them drift for plain blocks.) */
         bool was_split = block_is_split(b);
-        cache_stat_inc(dc->stats.inactive_split, pool_stat_kind(b->pool), was_split ? 1 : 2);
+        const unsigned kind = pool_stat_kind(b->pool);
+        cache_stat_inc(dc->stats.inactive_split, kind, was_split ? 1 : 2);
         if (!was_split)
-            cache_stat_inc(dc->stats.inactive_split_bytes, pool_stat_kind(b->pool), (int64_t)b->size);
+            cache_stat_inc(dc->stats.inactive_split_bytes, kind, (int64_t)b->size);
     }
     aligned->pool = b->pool;
     aligned->stream = b->stream;

@@ -241,13 +241,6 @@ void cache_block_delete(device_cache *dc, cache_block *b);
 void cache_pool_insert(cache_block *b);
 /* Merges src into dst when src is free (same mapped state); returns the bytes taken over. */
 size_t cache_try_merge(device_cache *dc, cache_block *dst, cache_block *src);
-/* torch's Stat: increase (current, peak, allocated) and decrease (current, freed); an array
- * is updated for the aggregate and for the pool's own kind.
- *
- * The aggregate (NPUALLOC_STAT_ALL) of an array always equals the sum of its small- and
- * large-pool entries in current, allocated and freed, so only its peak is kept in the array:
- * the other three are filled in when the stats are read (cache_stat_all, cache_stats_read).
- * Every allocation and free updates five arrays; this saves a third of that work. */
 /* The stats entry of a pool's blocks.  Callers that update several arrays keep it in a local: read
  * again after each store to the stats, it would be reloaded from the pool every time. */
 static inline unsigned pool_stat_kind(const block_pool *pool)
@@ -255,6 +248,13 @@ static inline unsigned pool_stat_kind(const block_pool *pool)
     return pool->is_small ? NPUALLOC_STAT_SMALL_POOL : NPUALLOC_STAT_LARGE_POOL;
 }
 
+/* torch's Stat: increase (current, peak, allocated) and decrease (current, freed); an array
+ * is updated for the aggregate and for the pool's own kind.
+ *
+ * The aggregate (NPUALLOC_STAT_ALL) of an array always equals the sum of its small- and
+ * large-pool entries in current, allocated and freed, so only its peak is kept in the array:
+ * the other three are filled in when the stats are read (cache_stat_all, cache_stats_read).
+ * Every allocation and free updates five arrays; this saves a third of that work. */
 static inline void cache_stat_one_inc(npualloc_stat *s, int64_t n)
 {
     s->current += n;
