@@ -231,32 +231,34 @@ def empty_virt_addr_cache():
         _M._empty_virt_addr_cache()
 
 
+def _stats_device(device):
+    """The device whose statistics are read, or None before the runtime has started (no stats yet).
+    With a pluggable allocator current, torch_npu's warning first, then the caching allocator's
+    figures: it served nothing."""
+    if not is_initialized():
+        return None
+    device = _get_device_index(device, optional=True)
+    _unsupported_by_pluggable("getDeviceStats", stacklevel=4)  # the warning names the caller's caller
+    return device
+
+
 def memory_stats(device=None):
     """torch_npu's flattened, sorted statistics (an OrderedDict of 123 ints): the keys of
     memory_stats_as_nested_dict() joined with dots, as torch_npu flattens them."""
-    if not is_initialized():
-        return collections.OrderedDict()
-    device = _get_device_index(device, optional=True)
-    _unsupported_by_pluggable("getDeviceStats")  # then the caching allocator's: it served nothing
-    return collections.OrderedDict(_M._flat_stats(device))
+    device = _stats_device(device)
+    return collections.OrderedDict() if device is None else collections.OrderedDict(_M._flat_stats(device))
 
 
 def _stat(device, key):
     """memory_stats(device)[key] (0 before the runtime starts), reading that one value."""
-    if not is_initialized():
-        return 0
-    device = _get_device_index(device, optional=True)
-    _unsupported_by_pluggable("getDeviceStats")
-    return _M._stat(device, key)
+    device = _stats_device(device)
+    return 0 if device is None else _M._stat(device, key)
 
 
 def memory_stats_as_nested_dict(device=None):
     """The statistics as torch_npu's nested dict ({} before the runtime started)."""
-    if not is_initialized():
-        return {}
-    device = _get_device_index(device, optional=True)
-    _unsupported_by_pluggable("getDeviceStats")  # then the caching allocator's: it served nothing
-    return _M._stats(device)
+    device = _stats_device(device)
+    return {} if device is None else _M._stats(device)
 
 
 def reset_accumulated_memory_stats(device=None):
@@ -377,13 +379,14 @@ def _get_current_allocator():
     return _NPUAllocator(_current if _M._allocator_is_pluggable() else _NATIVE)
 
 
-def _unsupported_by_pluggable(what):
+def _unsupported_by_pluggable(what, stacklevel=3):
     """True (after torch_npu's warning) when a pluggable allocator is current: it keeps no stats,
-    snapshots or history."""
+    snapshots or history.  The warning points at the public function's caller (stacklevel counts
+    this function as 1)."""
     if not _M._allocator_is_pluggable():
         return False
     warnings.warn(f"NPUPluggableAllocator does not yet support {what}. "
-                  "If you need it, please file an issue describing your use case.", stacklevel=3)
+                  "If you need it, please file an issue describing your use case.", stacklevel=stacklevel)
     return True
 
 
