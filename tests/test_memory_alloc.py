@@ -420,6 +420,8 @@ def test_flat_stats_are_the_nested_dict_flattened(mem):
         npualloc.memory._stat(None, "allocated_bytes.all")
     with pytest.raises(KeyError):
         npualloc.memory._stat(None, "x" * 100)
+    with pytest.raises(KeyError):  # not read as the name before the NUL
+        npualloc.memory._stat(None, "allocated_bytes.all.current\0peak")
     with pytest.raises(TypeError, match=r"argument 'key' must be str, not int"):
         npualloc.memory._stat(None, 1)
     for p in held:

@@ -1129,6 +1129,13 @@ static const char *const stat_pools[NPUALLOC_STAT_TYPES] = {"all", "small_pool",
 
 static const void *stat_at(const npualloc_stats *s, size_t offset) { return (const char *)s + offset; }
 
+static int64_t stat_value(const npualloc_stats *s, size_t offset)
+{
+    int64_t v;
+    memcpy(&v, stat_at(s, offset), sizeof v);
+    return v;
+}
+
 static int read_stats(int32_t dev, npualloc_stats *s)
 {
     aclError rc;
@@ -1194,11 +1201,8 @@ static PyObject *m_stats(PyObject *self, PyObject *arg)
         return NULL;
     PyObject *d = PyDict_New();
     int rc = d ? 0 : -1;
-    for (int i = 0; rc == 0 && i < STAT_SCALARS; i++) {
-        int64_t v;
-        memcpy(&v, stat_at(&s, stat_scalars[i].offset), sizeof v);
-        rc = put_i64(d, stat_scalars[i].name, v);
-    }
+    for (int i = 0; rc == 0 && i < STAT_SCALARS; i++)
+        rc = put_i64(d, stat_scalars[i].name, stat_value(&s, stat_scalars[i].offset));
     for (int i = 0; rc == 0 && i < STAT_ARRAYS; i++)
         rc = put_stat_array(d, stat_arrays[i].name, stat_at(&s, stat_arrays[i].offset));
     for (int i = 0; rc == 0 && i < STAT_SINGLES; i++)
@@ -1223,10 +1227,13 @@ typedef struct flat_stat {
 enum { FLAT_STAT_COUNT = STAT_SCALARS + (STAT_ARRAYS * NPUALLOC_STAT_TYPES + STAT_SINGLES) * STAT_FIELDS };
 static flat_stat flat_stats[FLAT_STAT_COUNT];
 
-static int flat_stat_cmp(const void *a, const void *b)
+/* A name against an entry (bsearch), and two entries (qsort). */
+static int flat_stat_name_cmp(const void *name, const void *entry)
 {
-    return strcmp(((const flat_stat *)a)->name, ((const flat_stat *)b)->name);
+    return strcmp(name, ((const flat_stat *)entry)->name);
 }
+
+static int flat_stat_cmp(const void *a, const void *b) { return flat_stat_name_cmp(((const flat_stat *)a)->name, b); }
 
 static void flat_stat_set(flat_stat *f, const char *prefix, const char *pool, const stat_place *field,
                           size_t offset)
@@ -1256,13 +1263,6 @@ static int build_flat_stats(void)
     return 0;
 }
 
-static long long flat_stat_value(const npualloc_stats *s, const flat_stat *f)
-{
-    int64_t v;
-    memcpy(&v, stat_at(s, f->offset), sizeof v);
-    return (long long)v;
-}
-
 /* _flat_stats(device) -> [(key, value), ...] in memory_stats()'s order. */
 static PyObject *m_flat_stats(PyObject *self, PyObject *arg)
 {
@@ -1273,7 +1273,8 @@ static PyObject *m_flat_stats(PyObject *self, PyObject *arg)
         return NULL;
     PyObject *list = PyList_New(FLAT_STAT_COUNT);
     for (Py_ssize_t i = 0; list && i < FLAT_STAT_COUNT; i++) {
-        PyObject *pair = Py_BuildValue("(OL)", flat_stats[i].key, flat_stat_value(&s, &flat_stats[i]));
+        PyObject *pair =
+            Py_BuildValue("(OL)", flat_stats[i].key, (long long)stat_value(&s, flat_stats[i].offset));
         if (!pair)
             Py_CLEAR(list);
         else
@@ -1293,23 +1294,19 @@ static PyObject *m_stat(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "_stat(): argument 'key' must be str, not %.80s", Py_TYPE(args[1])->tp_name);
         return NULL;
     }
-    const char *name = PyUnicode_AsUTF8(args[1]);
+    Py_ssize_t len;
+    const char *name = PyUnicode_AsUTF8AndSize(args[1], &len);
     if (!name)
         return NULL;
-    flat_stat probe;
-    const flat_stat *f = NULL;
-    if (strlen(name) < sizeof probe.name) {
-        strcpy(probe.name, name);
-        f = bsearch(&probe, flat_stats, FLAT_STAT_COUNT, sizeof flat_stats[0], flat_stat_cmp);
-    }
-    if (!f) {
+    const flat_stat *f = bsearch(name, flat_stats, FLAT_STAT_COUNT, sizeof flat_stats[0], flat_stat_name_cmp);
+    if (!f || strlen(f->name) != (size_t)len) { /* the length: a name with a NUL inside is no key */
         PyErr_SetObject(PyExc_KeyError, args[1]);
         return NULL;
     }
     npualloc_stats s;
     if (read_stats(dev, &s) < 0)
         return NULL;
-    return PyLong_FromLongLong(flat_stat_value(&s, f));
+    return PyLong_FromLongLong(stat_value(&s, f->offset));
 }
 
 static PyObject *m_reset_peak(PyObject *self, PyObject *arg)
