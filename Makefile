@@ -107,9 +107,7 @@ bench: deps $(BENCHES) ext
 # Instructions, and simulated branch mispredictions and L1 misses, per hot-path pair (callgrind):
 # exact where the timings of `make bench` are noisy.
 bench-count: deps $(BUILD)/release/bench/bench_hotpath ext
-	@bash tools/ensure-deps.sh bench
-	@command -v valgrind >/dev/null || { SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq valgrind >/dev/null; }
+	@bash tools/ensure-deps.sh bench valgrind
 	$(PYTHON) benchmarks/count_hotpath.py --bin $(BUILD)/release/bench --allocator npualloc --allocator mimalloc
 
 clean:
@@ -164,8 +162,7 @@ $(BUILD)/valgrind/libvgshim.so: tools/valgrind-shim.c
 
 # The C tests under valgrind memcheck (errors and definite leaks fail); VALGRIND_SKIP="test_x ..." leaves some out.
 valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
-	@command -v valgrind >/dev/null || { SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq valgrind >/dev/null; }
+	@bash tools/ensure-deps.sh valgrind
 	@VALGRIND_SKIP="$(VALGRIND_SKIP)" bash tools/run-valgrind.sh $(abspath $(BUILD))/valgrind/libvgshim.so $(REL_TESTS)
 
 # The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
