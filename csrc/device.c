@@ -232,6 +232,8 @@ aclError runtime_ensure_init(void)
     if (!atomic_load(&initialized)) {
         if (!configured)
             rc = npualloc_config_from_env(&config, init_error, sizeof init_error);
+        if (rc == ACL_SUCCESS && !runtime_check_env(init_error, sizeof init_error))
+            rc = ACL_ERROR_INVALID_PARAM;
         if (rc == ACL_SUCCESS && !fault_arm_from_env(init_error, sizeof init_error))
             rc = ACL_ERROR_INVALID_PARAM;
         if (rc == ACL_SUCCESS) {

@@ -34,6 +34,9 @@ size_t mem_kind_page_size(mem_kind kind);
  * Returns ACL_SUCCESS, or ACL_ERROR_UNINITIALIZE when the environment is malformed
  * (npualloc_init_error() says why). Cheap after the first success. */
 aclError runtime_ensure_init(void);
+/* Checks the NPUALLOC_* variables that modules above this one read on their own (runtime.c sees
+ * them all); false with a message naming the first malformed one. */
+bool runtime_check_env(char *err, size_t errlen);
 
 int device_count(void);
 bool device_valid(int32_t dev);

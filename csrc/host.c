@@ -20,15 +20,35 @@
 static atomic_int fd_budget = -1; /* -1: not decided yet */
 static atomic_int fds_kept;
 
+/* NPUALLOC_FD_BUDGET: a whole number from 0 to 2^30 - 1.  False when the text is not one. */
+static bool parse_fd_budget(const char *text, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (end == text || *end != '\0' || errno || v < 0 || v >= (1L << 30))
+        return false;
+    *out = (int)v;
+    return true;
+}
+
+bool host_check_env(char *err, size_t errlen)
+{
+    const char *env = getenv("NPUALLOC_FD_BUDGET");
+    int budget;
+    if (!env || !*env || parse_fd_budget(env, &budget))
+        return true;
+    snprintf(err, errlen, "NPUALLOC_FD_BUDGET='%s' is not a descriptor count: use a whole number from 0 to %ld",
+             env, (1L << 30) - 1);
+    return false;
+}
+
 static int default_fd_budget(void)
 {
     const char *env = getenv("NPUALLOC_FD_BUDGET");
-    if (env && *env) {
-        char *end;
-        long v = strtol(env, &end, 10);
-        if (*end == '\0' && v >= 0 && v < (1L << 30))
-            return (int)v;
-    }
+    int budget;
+    if (env && *env && parse_fd_budget(env, &budget))
+        return budget;
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
         return 4096;

@@ -67,6 +67,10 @@ uint64_t host_now_ns(void); /* CLOCK_MONOTONIC */
 int64_t host_epoch_us(void); /* microseconds since the Unix epoch (trace timestamps, as torch) */
 void host_sleep_ns(uint64_t ns);
 
+/* False (with a message naming the variable and its value) when NPUALLOC_FD_BUDGET is set and
+ * malformed; the runtime then refuses to start. */
+bool host_check_env(char *err, size_t errlen);
+
 /* How many memory-file descriptors are kept open now (at most NPUALLOC_FD_BUDGET, default half of
  * the open-file limit). */
 int host_fds_kept(void);

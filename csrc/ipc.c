@@ -261,11 +261,38 @@ static bool uid_allowed(uint32_t uid)
     return false;
 }
 
+#define DEFAULT_TIMEOUT_MS 10000
+#define MAX_TIMEOUT_MS 3600000 /* an hour */
+
+/* NPUALLOC_IPC_TIMEOUT_MS: a whole number of milliseconds from 1 to an hour.  False when the text
+ * is not one. */
+static bool parse_timeout(const char *text, int *ms)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (end == text || *end != '\0' || errno || v < 1 || v > MAX_TIMEOUT_MS)
+        return false;
+    *ms = (int)v;
+    return true;
+}
+
+bool ipc_check_env(char *err, size_t errlen)
+{
+    const char *env = getenv("NPUALLOC_IPC_TIMEOUT_MS");
+    int ms;
+    if (!env || !*env || parse_timeout(env, &ms))
+        return true;
+    snprintf(err, errlen, "NPUALLOC_IPC_TIMEOUT_MS='%s' is not a timeout: use a whole number of milliseconds from 1 to %d",
+             env, MAX_TIMEOUT_MS);
+    return false;
+}
+
 static int timeout_ms(void)
 {
     const char *env = getenv("NPUALLOC_IPC_TIMEOUT_MS");
-    long v = env ? strtol(env, NULL, 10) : 0;
-    return v > 0 && v < 3600000 ? (int)v : 10000;
+    int ms;
+    return env && *env && parse_timeout(env, &ms) ? ms : DEFAULT_TIMEOUT_MS;
 }
 
 int ipc_server_name(int32_t pid, uint32_t secret, char *buf, size_t len)

@@ -210,6 +210,10 @@ typedef struct ipc_counts {
 void ipc_get_counts(ipc_counts *out);
 
 /* ---- lifetime (runtime.c) ---- */
+/* False (with a message naming the variable and its value) when NPUALLOC_IPC_TIMEOUT_MS is set
+ * and malformed; the runtime then refuses to start. */
+bool ipc_check_env(char *err, size_t errlen);
+
 void ipc_atfork_prepare(void);
 void ipc_atfork_parent(void);
 void ipc_atfork_child(void);

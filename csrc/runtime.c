@@ -55,6 +55,11 @@ static void atfork_parent(void)
 
 /* Bumped when the runtime's objects go away (shutdown, fork child): handles and pointers of an
  * older generation may be handed out again and must not be used. */
+bool runtime_check_env(char *err, size_t errlen)
+{
+    return host_check_env(err, errlen) && va_space_check_env(err, errlen) && ipc_check_env(err, errlen);
+}
+
 static _Atomic uint64_t generation = 1;
 
 uint64_t npualloc_runtime_generation(void) { return atomic_load(&generation); }

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "avl.h"
@@ -79,13 +80,32 @@ static void range_remove(va_slice *sl, free_range *r)
     avl_remove(&sl->by_size, &r->by_size);
 }
 
+/* NPUALLOC_VA_SPACE: a size of at least 1 GiB (so that 64 device slices get 8 units each) and
+ * at most 128 TiB (a 47-bit user address space).  False when the text is not one. */
+static bool parse_window(const char *text, size_t *out)
+{
+    uint64_t v;
+    if (npualloc_parse_size(text, &v) != 0 || v < ((uint64_t)1 << 30) || v > ((uint64_t)128 << 40))
+        return false;
+    *out = round_up((size_t)v, VA_UNIT);
+    return true;
+}
+
+bool va_space_check_env(char *err, size_t errlen)
+{
+    const char *env = getenv("NPUALLOC_VA_SPACE");
+    size_t size;
+    if (!env || !*env || parse_window(env, &size))
+        return true;
+    snprintf(err, errlen, "NPUALLOC_VA_SPACE='%s' is not a window size: use a size from 1GiB to 128TiB", env);
+    return false;
+}
+
 static size_t window_size(void)
 {
     const char *env = getenv("NPUALLOC_VA_SPACE");
-    uint64_t v;
-    if (env && *env && npualloc_parse_size(env, &v) == 0 && v >= ((uint64_t)1 << 30))
-        return round_up((size_t)v, VA_UNIT);
-    return DEFAULT_WINDOW;
+    size_t size;
+    return env && *env && parse_window(env, &size) ? size : DEFAULT_WINDOW;
 }
 
 /* Reserves the window on first use and splits it into device slices (lock held). */

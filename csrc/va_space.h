@@ -37,6 +37,10 @@ bool va_overlaps(uintptr_t a, size_t n);
 /* The window (0, 0 before first use). */
 void va_window(uintptr_t *base, size_t *size);
 
+/* False (with a message naming the variable and its value) when NPUALLOC_VA_SPACE is set and
+ * malformed; the runtime then refuses to start. */
+bool va_space_check_env(char *err, size_t errlen);
+
 void va_atfork_prepare(void);
 void va_atfork_parent(void);
 /* The child has no window (it was not inherited): it reserves a new one on first use. */

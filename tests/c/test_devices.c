@@ -1,7 +1,9 @@
 /* test_devices.c - configuration, the current device, peer access. */
 #include <pthread.h>
+#include <stdio.h>
 
 #include "testutil.h"
+#include "va_space.h"
 
 static void test_parse_size_accepts_bytes_and_binary_units(void **state)
 {
@@ -43,6 +45,9 @@ static void clear_env(void)
     unsetenv("NPUALLOC_HUGE_MEMORY");
     unsetenv("NPUALLOC_HUGE1G_MEMORY");
     unsetenv("NPUALLOC_DDR_MEMORY");
+    unsetenv("NPUALLOC_VA_SPACE");
+    unsetenv("NPUALLOC_FD_BUDGET");
+    unsetenv("NPUALLOC_IPC_TIMEOUT_MS");
 }
 
 static void test_environment_defaults_and_overrides(void **state)
@@ -109,6 +114,47 @@ static void test_bad_environment_fails_start_with_message(void **state)
     clear_env();
     assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS); /* fixed environment: starts */
     assert_null(npualloc_init_error());
+}
+
+/* The variables read by the modules themselves (address window, descriptor budget, sharing
+ * timeout) stop the start too when malformed, even after npualloc_configure, instead of being
+ * replaced by their defaults. */
+static void test_malformed_module_variable_fails_start(void **state)
+{
+    (void)state;
+    static const char *const cases[][2] = {
+        {"NPUALLOC_VA_SPACE", "xyz"},     {"NPUALLOC_VA_SPACE", "512MiB"},    {"NPUALLOC_VA_SPACE", "200TiB"},
+        {"NPUALLOC_FD_BUDGET", "many"},   {"NPUALLOC_FD_BUDGET", "-1"},       {"NPUALLOC_FD_BUDGET", "12k"},
+        {"NPUALLOC_IPC_TIMEOUT_MS", "0"}, {"NPUALLOC_IPC_TIMEOUT_MS", "1s"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        npualloc_shutdown();
+        clear_env();
+        npualloc_config c = {2, GiB_, GiB_, 0, 0};
+        char err[256];
+        assert_int_equal(npualloc_configure(&c, err, sizeof err), ACL_SUCCESS);
+        setenv(cases[i][0], cases[i][1], 1);
+        assert_int_equal(aclrtSetDevice(0), ACL_ERROR_UNINITIALIZE);
+        char expected[64];
+        snprintf(expected, sizeof expected, "%s='%s'", cases[i][0], cases[i][1]);
+        assert_non_null(npualloc_init_error());
+        assert_non_null(strstr(npualloc_init_error(), expected));
+        assert_false(npualloc_initialized());
+    }
+    clear_env();
+    setenv("NPUALLOC_VA_SPACE", "8GiB", 1);
+    setenv("NPUALLOC_FD_BUDGET", "16", 1);
+    setenv("NPUALLOC_IPC_TIMEOUT_MS", "500", 1);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    void *p = NULL;
+    assert_int_equal(aclrtMalloc(&p, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    uintptr_t base;
+    size_t size;
+    va_window(&base, &size);
+    assert_int_equal(size, (size_t)8 << 30); /* the valid value is the one used */
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    npualloc_shutdown();
+    clear_env();
 }
 
 static void test_configure_only_before_start(void **state)
@@ -195,6 +241,7 @@ int main(void)
         cmocka_unit_test(test_parse_size_accepts_bytes_and_binary_units),
         cmocka_unit_test(test_environment_defaults_and_overrides),
         cmocka_unit_test(test_malformed_environment_names_variable_and_value),
+        cmocka_unit_test(test_malformed_module_variable_fails_start),
         cmocka_unit_test_teardown(test_bad_environment_fails_start_with_message, stop_runtime),
         cmocka_unit_test_teardown(test_configure_only_before_start, stop_runtime),
         cmocka_unit_test_teardown(test_current_device_is_per_thread_and_checked, stop_runtime),
