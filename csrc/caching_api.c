@@ -28,6 +28,11 @@ static conf_result settings_error; /* status != CONF_OK: the environment is malf
 static char settings_text[1024];
 static device_cache caches[NPU_MAX_DEVICES];
 static bool caches_ready; /* the device mutexes are initialised */
+/* torch builds every device's allocator at once, on first use, and each keeps in its stats the
+ * max_split_size of that moment.  Caches here start one by one: the first one records the value
+ * (until the runtime stops) and every later one reports it too. */
+static bool any_cache_started;
+static int64_t started_max_split_stat;
 
 /* ---- errors and warnings ---- */
 
@@ -323,8 +328,13 @@ static device_cache *cache_get(int32_t device)
     if (!lock_settings())
         return NULL;
     cache_lock_acquire(&dc->lock);
-    if (!dc->started)
+    if (!dc->started) {
         cache_device_init(dc, device, &cache_settings, &cache_npu_backend, NULL, K_PAD_SIZE);
+        if (!any_cache_started)
+            started_max_split_stat = dc->stats.max_split_size;
+        any_cache_started = true;
+        dc->stats.max_split_size = started_max_split_stat;
+    }
     cache_lock_release(&dc->lock);
     pthread_mutex_unlock(&api_lock);
     return dc;
@@ -415,6 +425,7 @@ aclError npualloc_cache_set_settings(const char *text)
     if (!lock_settings())
         return ACL_ERROR_INVALID_PARAM;
     alloc_settings next = cache_settings;
+    next.per_process_memory_fraction_set = false; /* set again only by a text that names the key */
     conf_result r;
     conf_status st = alloc_conf_parse_runtime(text, &next, expandable_probe, NULL, &r);
     if (st != CONF_OK) {
@@ -429,11 +440,17 @@ aclError npualloc_cache_set_settings(const char *text)
             (void)stream_synchronize_device(d);
     for (int d = 0; d < NPU_MAX_DEVICES; d++)
         cache_lock_acquire(&caches[d].lock);
-    cache_settings = next;
-    if (next.per_process_memory_fraction_set)
+    if (next.per_process_memory_fraction_set) {
         for (int d = 0; d < NPU_MAX_DEVICES; d++)
             if (caches[d].started)
                 cache_set_fraction_locked(&caches[d], next.per_process_memory_fraction);
+    } else {
+        /* A text without the key leaves every fraction alone, and caches started later still take
+         * the fraction the settings had (the environment's, or an earlier text's). */
+        next.per_process_memory_fraction_set = cache_settings.per_process_memory_fraction_set;
+        next.per_process_memory_fraction = cache_settings.per_process_memory_fraction;
+    }
+    cache_settings = next;
     snprintf(settings_text, sizeof settings_text, "%s", text);
     for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
         cache_lock_release(&caches[d].lock);
@@ -1033,6 +1050,7 @@ void caching_shutdown(void)
     ptr_map_free(&uncached_blocks);
     pthread_mutex_unlock(&uncached_lock);
     settings_loaded = false;
+    any_cache_started = false;
     memset(&settings_error, 0, sizeof settings_error);
     atomic_store_explicit(&caching_disabled, -1, memory_order_relaxed);
     pthread_mutex_unlock(&api_lock);

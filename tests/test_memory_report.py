@@ -231,6 +231,33 @@ def test_set_allocator_settings(mem):
         memory._set_allocator_settings(40)
 
 
+def test_settings_text_without_the_fraction_leaves_fractions_alone(mem):
+    mem(alloc_conf="per_process_memory_fraction:0.5")
+    free(alloc(1, device=0))
+    assert npualloc.get_per_process_memory_fraction(0) == 0.5      # the environment's, at the start
+    npualloc.set_per_process_memory_fraction(0.9, 0)
+    memory._set_allocator_settings("max_split_size_mb:30")
+    assert npualloc.get_per_process_memory_fraction(0) == 0.9      # not put back to 0.5
+    free(alloc(1, device=1))
+    assert npualloc.get_per_process_memory_fraction(1) == 0.5      # a cache started later: still the environment's
+    memory._set_allocator_settings("per_process_memory_fraction:0.25")
+    assert [npualloc.get_per_process_memory_fraction(d) for d in (0, 1)] == [0.25, 0.25]
+
+
+def test_max_split_size_stat_is_the_value_when_the_first_cache_started(mem):
+    mem(alloc_conf="max_split_size_mb:64")
+    free(alloc(1, device=0))
+    memory._set_allocator_settings("max_split_size_mb:30")
+    free(alloc(1, device=1))
+    # torch builds every device's allocator at once: both report the value of that moment
+    assert [npualloc.memory_stats(d)["max_split_size"] for d in (0, 1)] == [64 * MiB, 64 * MiB]
+    assert memory._snapshot()["allocator_settings"]["max_split_size"] == 30 * MiB   # the settings in force
+    mem(alloc_conf="max_split_size_mb:64")
+    memory._set_allocator_settings("max_split_size_mb:30")          # before any cache started
+    free(alloc(1, device=1))
+    assert npualloc.memory_stats(1)["max_split_size"] == 30 * MiB
+
+
 @pytest.mark.parametrize("conf, error", [
     ({"PYTORCH_NPU_ALLOC_CONF": "max_split_size_mb:10"},
      "ValueError: CachingAllocator option max_split_size_mb too small, must be >= 20"),
