@@ -9,6 +9,7 @@ import threading
 
 from . import _C
 from . import memory as _memory
+from .acl import ACL_ERROR_RT_FEATURE_NOT_SUPPORT as _SELF_WAIT
 
 _M = _C.memory
 
@@ -93,7 +94,11 @@ class Stream:
         if getattr(self, "_owned", False):
             self._owned = False
             try:
-                _M._stream_destroy(self.npu_stream, self._gen)
+                if _M._stream_destroy(self.npu_stream, self._gen) == _SELF_WAIT:
+                    # Collected by a task of this very stream (a callback holding the last reference):
+                    # the destroy would wait for its caller, so another thread does it once the task returns.
+                    threading.Thread(target=_M._stream_destroy, args=(self.npu_stream, self._gen),
+                                     name="npualloc-stream-destroy", daemon=True).start()
             except Exception:
                 pass
 

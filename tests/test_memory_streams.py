@@ -65,6 +65,19 @@ def test_current_stream_is_per_thread(mem):
     assert seen == [0]
 
 
+def test_stream_collected_by_its_own_callback_is_destroyed(mem):
+    from npualloc import acl
+    s = npualloc.Stream()
+    handle = s.npu_stream
+    # the callback's user_data holds the last reference: the Stream is collected on its own worker
+    assert acl.rt.launch_callback(lambda user_data: None, s, acl.ACL_CALLBACK_BLOCK, handle) == 0
+    del s
+    deadline = time.monotonic() + 10
+    while acl.rt.synchronize_stream(handle) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert acl.rt.synchronize_stream(handle) == acl.ACL_ERROR_INVALID_PARAM   # the handle is gone
+
+
 def test_events(mem):
     s1, s2 = npualloc.Stream(), npualloc.Stream()
     e = npualloc.Event()
