@@ -52,6 +52,7 @@ size_t mem_kind_page_size(mem_kind kind)
     case MEM_NORMAL:
         return 4 * KiB;
     case MEM_HUGE:
+    case MEM_DDR_HUGE:
         return 2 * MiB;
     case MEM_HUGE1G:
         return GiB;
@@ -436,7 +437,8 @@ static size_t available(const device *d, mem_kind kind)
     case MEM_HUGE1G:
         return c->huge1g_memory - d->used[MEM_HUGE1G];
     case MEM_DDR:
-        return c->ddr_memory - d->used[MEM_DDR];
+    case MEM_DDR_HUGE:
+        return c->ddr_memory - d->used[MEM_DDR] - d->used[MEM_DDR_HUGE];
     default:
         return 0;
     }

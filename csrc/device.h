@@ -25,7 +25,9 @@
 
 #define NPU_MAX_DEVICES 64
 
-typedef enum mem_kind { MEM_NORMAL, MEM_HUGE, MEM_HUGE1G, MEM_DDR, MEM_KIND_COUNT } mem_kind;
+/* Page kinds a device charges.  HBM: normal and huge pages share the HBM outside the 1 GiB pool.
+ * DDR (low bandwidth): normal and huge pages share the DDR pool, which has no 1 GiB pages. */
+typedef enum mem_kind { MEM_NORMAL, MEM_HUGE, MEM_HUGE1G, MEM_DDR, MEM_DDR_HUGE, MEM_KIND_COUNT } mem_kind;
 
 /* Page size of each kind: what a charge is rounded to. */
 size_t mem_kind_page_size(mem_kind kind);

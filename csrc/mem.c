@@ -27,7 +27,42 @@
 
 /* ---- aclrtMalloc family ---- */
 
-/* Which page kinds a policy tries, in order (HUGE_FIRST falls back to normal pages). */
+/* Which HBM page kinds a page policy tries, in order (HUGE_FIRST falls back to normal pages). */
+static void choose_hbm_kinds(uint32_t base, size_t size, vmm_kind_choice *choice)
+{
+    switch (base) {
+    case ACL_MEM_MALLOC_HUGE_FIRST:
+    case ACL_MEM_MALLOC_HUGE_FIRST_P2P:
+        if (size <= MiB)
+            *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
+        else
+            *choice = (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
+        return;
+    case ACL_MEM_MALLOC_HUGE_ONLY:
+    case ACL_MEM_MALLOC_HUGE_ONLY_P2P:
+        *choice = (vmm_kind_choice){{MEM_HUGE}, 1};
+        return;
+    case ACL_MEM_MALLOC_NORMAL_ONLY:
+    case ACL_MEM_MALLOC_NORMAL_ONLY_P2P:
+        *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
+        return;
+    case ACL_MEM_MALLOC_HUGE1G_ONLY:
+    case ACL_MEM_MALLOC_HUGE1G_ONLY_P2P:
+        *choice = (vmm_kind_choice){{MEM_HUGE1G}, 1};
+        return;
+    default:
+        /* CANN: an unknown policy uses huge pages from 2 MiB on, normal pages below. */
+        if (size >= 2 * MiB)
+            *choice = (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
+        else
+            *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
+        return;
+    }
+}
+
+/* The page kinds a policy tries, in order.  The bandwidth flag picks the pool (LOW: DDR); the page
+ * part works on either pool (the flag alone is HUGE_FIRST).  DDR has no 1 GiB pages: a 1 GiB
+ * policy takes normal DDR pages there. */
 static aclError choose_kinds(uint32_t policy, size_t size, vmm_kind_choice *choice)
 {
     const uint32_t flag_bits =
@@ -36,40 +71,13 @@ static aclError choose_kinds(uint32_t policy, size_t size, vmm_kind_choice *choi
     if (low && high)
         return ACL_ERROR_INVALID_PARAM;
     uint32_t base = policy & ~flag_bits;
-    if (low) { /* low bandwidth: DDR, whatever the page policy */
-        if (base > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
-            return ACL_ERROR_INVALID_PARAM;
-        *choice = (vmm_kind_choice){{MEM_DDR}, 1};
-        return ACL_SUCCESS;
-    }
-    switch (base) {
-    case ACL_MEM_MALLOC_HUGE_FIRST:
-    case ACL_MEM_MALLOC_HUGE_FIRST_P2P:
-        if (size <= MiB)
-            *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
-        else
-            *choice = (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
-        return ACL_SUCCESS;
-    case ACL_MEM_MALLOC_HUGE_ONLY:
-    case ACL_MEM_MALLOC_HUGE_ONLY_P2P:
-        *choice = (vmm_kind_choice){{MEM_HUGE}, 1};
-        return ACL_SUCCESS;
-    case ACL_MEM_MALLOC_NORMAL_ONLY:
-    case ACL_MEM_MALLOC_NORMAL_ONLY_P2P:
-        *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
-        return ACL_SUCCESS;
-    case ACL_MEM_MALLOC_HUGE1G_ONLY:
-    case ACL_MEM_MALLOC_HUGE1G_ONLY_P2P:
-        *choice = (vmm_kind_choice){{MEM_HUGE1G}, 1};
-        return ACL_SUCCESS;
-    default:
-        /* CANN: an unknown policy uses huge pages from 2 MiB on, normal pages below. */
-        if (size >= 2 * MiB)
-            *choice = (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
-        else
-            *choice = (vmm_kind_choice){{MEM_NORMAL}, 1};
-        return ACL_SUCCESS;
-    }
+    if (low && base > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
+        return ACL_ERROR_INVALID_PARAM;
+    choose_hbm_kinds(base, size, choice);
+    if (low)
+        for (int i = 0; i < choice->count; i++)
+            choice->kinds[i] = choice->kinds[i] == MEM_HUGE ? MEM_DDR_HUGE : MEM_DDR;
+    return ACL_SUCCESS;
 }
 
 static bool is_1g_policy(uint32_t policy)

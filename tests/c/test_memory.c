@@ -109,10 +109,20 @@ static void test_bandwidth_types_choose_ddr_or_hbm(void **state)
 {
     (void)state;
     start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 16 * MiB_);
-    void *a, *b;
+    void *a, *b, *c, *d;
     assert_int_equal(aclrtMalloc(&a, 8 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST | ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_SUCCESS);
-    assert_int_equal(free_of(ACL_DDR_MEM), 8 * MiB_ - 4096); /* 8 MiB + 32 pad in 4 KiB pages */
+    assert_int_equal(free_of(ACL_DDR_MEM), 6 * MiB_); /* 8 MiB + 32 pad in 2 MiB DDR pages */
     assert_int_equal(free_of(ACL_HBM_MEM), 64 * MiB_);
+    /* The page part of the policy holds on DDR too; the flag alone is HUGE_FIRST. */
+    assert_int_equal(aclrtMalloc(&c, 1, ACL_MEM_MALLOC_HUGE_ONLY | ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_SUCCESS);
+    assert_int_equal(free_of(ACL_DDR_MEM), 4 * MiB_);
+    assert_int_equal(aclrtMalloc(&d, 100 * 1024, ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_SUCCESS);
+    assert_int_equal(free_of(ACL_DDR_MEM), 4 * MiB_ - 104 * 1024); /* 1 MiB or less: 4 KiB pages */
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtMalloc(&d, 2 * MiB_, ACL_MEM_MALLOC_NORMAL_ONLY | ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_SUCCESS);
+    assert_int_equal(free_of(ACL_DDR_MEM), 2 * MiB_ - 4096);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(c), ACL_SUCCESS);
     assert_int_equal(aclrtMalloc(&b, 8 * MiB_, ACL_MEM_TYPE_HIGH_BAND_WIDTH), ACL_SUCCESS);
     assert_int_equal(free_of(ACL_HBM_MEM), 64 * MiB_ - 10 * MiB_);
     assert_int_equal(aclrtMalloc(&b, 9 * MiB_, ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_ERROR_RT_MEMORY_ALLOCATION);
