@@ -184,6 +184,9 @@ def _bad(name, where, what):
     raise TraceError(f"{name}: malformed snapshot: {where}: {what}")
 
 
+_U64 = (1 << 64) - 1
+
+
 def _int_field(entry, key, name, where):
     v = entry.get(key)
     if type(v) is not int:  # noqa: E721 (bool is not a size)
@@ -195,10 +198,17 @@ def _int_field(entry, key, name, where):
     return v
 
 
+def _u64_field(entry, key, name, where):
+    """_int_field for a value that goes to C as an unsigned 64-bit integer (an address or a size)."""
+    v = _int_field(entry, key, name, where)
+    if v > _U64:
+        _bad(name, where, f"'{key}' is too large")
+    return v
+
+
 _RESERVE_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 _KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
                   "segment_unmap", "snapshot", "oom", "annotate", "user_defined", "free"}
-_U64 = (1 << 64) - 1
 
 
 def _extract_device(name, device, entries, segments):
@@ -281,12 +291,12 @@ def _extract_device(name, device, entries, segments):
             state = b.get("state")
             if state not in ("active_allocated", "active_pending_free", "active_awaiting_free"):
                 continue
-            addr = _int_field(b, "address", name, f"{where}.blocks[{bi}]")
+            addr = _u64_field(b, "address", name, f"{where}.blocks[{bi}]")
             if addr in live:
                 continue
-            size = b.get("requested_size") or _int_field(b, "size", name, f"{where}.blocks[{bi}]")
-            if not isinstance(size, int) or size < 0:
-                _bad(name, f"{where}.blocks[{bi}]", "'requested_size' must be a non-negative int")
+            # the bytes the allocation asked for; snapshots without it (or with 0) give the block's size
+            size_key = "requested_size" if b.get("requested_size") else "size"
+            size = _u64_field(b, size_key, name, f"{where}.blocks[{bi}]")
             pre_end.append((addr, size, seg_stream))
     # The reconstructed allocations go first, in address order (blocks of one recorded segment together).
     pre_all = sorted(pre + pre_end)

@@ -260,6 +260,14 @@ def test_unreadable_and_malformed_traces_raise_trace_errors(tmp_path):
                      ({"device_traces": {"0": []}}, "list of lists"),
                      ({"device_traces": [[{"action": "alloc", "addr": "x", "size": 1}]]}, "'addr' must be an int"),
                      ({"device_traces": [[7]]}, "must be a dict"),
+                     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]],
+                       "segments": [{"total_size": 512, "blocks": [{"address": 2**64, "size": 512,
+                                                                    "state": "active_allocated"}]}]},
+                      r"blocks\[0\]: 'address' is too large"),
+                     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]],
+                       "segments": [{"total_size": 512, "blocks": [{"address": 4096, "size": 2**64,
+                                                                    "state": "active_allocated"}]}]},
+                      r"blocks\[0\]: 'size' is too large"),
                      ({"device_traces": [[]], "segments": []}, "no alloc or free events")]:
         with pytest.raises(replay.TraceError, match=msg):
             replay.replay(bad)

@@ -129,6 +129,15 @@ def test_unreadable_file(tmp_path):
       "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]}, "'allocated_size' must be an int"),
     ({"segments": [{"total_size": 10, "allocated_size": [1], "blocks": []}],
       "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]}, "segments[0]: 'allocated_size'"),
+    # a block alive at the end is reconstructed as an allocation: its address and size go to C as uint64
+    ({"segments": [{"total_size": 2 << 20, "blocks": [{"address": 2**64, "size": 512, "state": "active_allocated"}]}],
+      "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]}, "segments[0].blocks[0]: 'address' is too large"),
+    ({"segments": [{"total_size": 2 << 20, "blocks": [{"address": 4096, "size": 2**70, "state": "active_allocated"}]}],
+      "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]}, "segments[0].blocks[0]: 'size' is too large"),
+    ({"segments": [{"total_size": 2 << 20, "blocks": [{"address": 4096, "size": 512, "requested_size": 2**64,
+                                                       "state": "active_pending_free"}]}],
+      "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]},
+     "segments[0].blocks[0]: 'requested_size' is too large"),
 ])
 def test_malformed_snapshot(tmp_path, obj, needle):
     path = tmp_path / "bad.pickle"
