@@ -190,9 +190,9 @@ _U64 = (1 << 64) - 1
 def _int_field(entry, key, name, where):
     v = entry.get(key)
     if type(v) is not int:  # noqa: E721 (bool is not a size)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return int(v)
-        _bad(name, where, f"'{key}' must be an int, not {type(v).__name__}")
+        if not isinstance(v, int) or isinstance(v, bool):
+            _bad(name, where, f"'{key}' must be an int, not {type(v).__name__}")
+        v = int(v)  # an int subclass (IntEnum) from a snapshot dict built in Python: checked like an int
     if v < 0:
         _bad(name, where, f"'{key}' is negative")
     return v

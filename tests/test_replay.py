@@ -1,6 +1,7 @@
 """npualloc.replay: exact peaks on hand-written traces, the reconstruction of memory alive before recording,
 the recorded run's reservations, pickle round trips, the restricted unpickler, results and plots, and the
 PyTorch traces in ../shared/traces/ (skipped when absent)."""
+import enum
 import json
 import os
 import pickle
@@ -275,6 +276,21 @@ def test_unreadable_and_malformed_traces_raise_trace_errors(tmp_path):
         pickle.dump(42, f)
     with pytest.raises(replay.TraceError, match="holds an int"):
         replay.replay(tmp_path / "int.pickle")
+
+
+def test_int_subclass_fields_are_range_checked_like_ints():
+    class Offset(enum.IntEnum):
+        BELOW_ZERO = -1
+        PAST_U64 = 2**64
+
+    def with_final_block(**block):
+        return {"device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]],
+                "segments": [{"total_size": 512, "blocks": [dict({"state": "active_allocated"}, **block)]}]}
+
+    with pytest.raises(replay.TraceError, match="'address' is negative"):
+        replay.Trace(with_final_block(address=Offset.BELOW_ZERO, size=512))
+    with pytest.raises(replay.TraceError, match="'size' is too large"):
+        replay.Trace(with_final_block(address=4096, size=Offset.PAST_U64))
 
 
 # ---- settings, OOM, results ----
