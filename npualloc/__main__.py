@@ -4,7 +4,7 @@
     python -m npualloc replay TRACE [TRACE ...] [--conf SETTINGS ...] [--device-memory 80GiB]
                               [--rounding npu|cuda] [--fraction F] [--huge1g-memory SIZE]
                               [--on-oom continue|stop] [--device N]
-                              [--json FILE] [--plot FILE.png] [--progress] [--export-events FILE]
+                              [--json FILE] [--plot FILE] [--progress] [--export-events FILE]
     python -m npualloc include
 
 ``include`` prints the directory of npualloc's C headers (``-I`` for a pluggable allocator's build).
@@ -12,7 +12,9 @@
 ``replay`` prints one row per configuration (peak requested, allocated, active and reserved, fragmentation,
 device allocations and frees, retries, OOMs, wall time, replay speed) under a row with the recorded run's own
 reservations, and where the first OOM of each configuration happened (position in ``device_traces``).  A missing, unreadable or
-malformed trace is reported on one line (exit status 2).
+malformed trace is reported on one line (exit status 2).  ``--plot FILE`` writes the timeline in the format its
+extension names (none: ``FILE.png``, and the last line names it); an extension matplotlib cannot write or a
+directory is refused the same way, before the replay runs.
 
 ``demo`` (what ``make demo`` runs) generates a transformer training trace with npualloc's workload model,
 replays it under a set of allocator settings, prints the comparison, writes a timeline plot and the trace as a
@@ -114,13 +116,38 @@ def _run_settings(trace, settings, device_memory, rounding, on_oom, device, prog
     return rp.Comparison(results)
 
 
-def _plot(groups, path):
-    """Writes one PNG: a panel per (trace, device) group of results."""
+def _agg_canvas():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
     except ImportError:
         raise CliError("the timeline plot needs matplotlib (pip install matplotlib)") from None
+    return FigureCanvasAgg
+
+
+def _plot_target(path):
+    """Checks a --plot path before the replay runs (so a bad one fails at once); returns (file, format).
+
+    The extension picks the format; without one, ``.png`` is appended (matplotlib's own default, made
+    explicit here so the message names the file actually written).  A directory is refused rather than
+    turned into ``DIR.png`` next to it."""
+    supported = _agg_canvas().get_supported_filetypes()
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise CliError(f"--plot {path}: is a directory; give a file name such as "
+                       f"{os.path.join(path, 'timeline.png')}")
+    extension = os.path.splitext(path)[1][1:].lower()
+    if not extension:
+        return path.rstrip(".") + ".png", "png"
+    if extension not in supported:
+        raise CliError(f"--plot {path}: matplotlib cannot write .{extension} files (it writes "
+                       f"{', '.join('.' + e for e in sorted(supported))})")
+    return path, extension
+
+
+def _plot(groups, path, file_format):
+    """Writes one figure in file_format: a panel per (trace, device) group of results."""
+    FigureCanvasAgg = _agg_canvas()
+    from matplotlib.figure import Figure
+
     from . import replay as rp
 
     fig = Figure(figsize=(13, 4.2 * len(groups)))
@@ -130,9 +157,11 @@ def _plot(groups, path):
         rp.plot_timeline(results, ax=ax)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, format=file_format)
     except OSError as e:
         raise CliError(f"{path}: cannot write the plot ({e.strerror or e})") from None
+    except RuntimeError as e:  # a listed format whose writer is missing, e.g. .pgf without xelatex
+        raise CliError(f"{path}: cannot write the plot ({e})") from None
 
 
 def _groups(comparison):
@@ -176,6 +205,7 @@ def cmd_replay(args):
     device_memory = _parse_memory(args.device_memory)
     if args.fraction is not None and not 0.0 < args.fraction <= 1.0:
         raise CliError(f"--fraction must be in (0, 1], got {args.fraction}")
+    plot_path, plot_format = _plot_target(args.plot) if args.plot else (None, None)
     traces = [_load(p) for p in args.trace]
     if args.export_events:
         if len(traces) != 1:
@@ -203,9 +233,9 @@ def cmd_replay(args):
     if args.json:
         _write_json(args.json, comp.to_dict())
         print(f"results: {args.json}")
-    if args.plot:
-        _plot(_groups(comp), args.plot)
-        print(f"timeline plot: {args.plot}")
+    if plot_path:
+        _plot(_groups(comp), plot_path, plot_format)
+        print(f"timeline plot: {plot_path}")
     return 0
 
 
@@ -314,7 +344,7 @@ def cmd_demo(args):
 
 def _demo_plot(comp, path, plots):
     try:
-        _plot(_groups(comp), path)
+        _plot(_groups(comp), path, "png")
     except CliError as e:
         print(f"no plot: {e}")
         return False
@@ -365,7 +395,9 @@ def main(argv=None):
     r.add_argument("--on-oom", default="continue", choices=["continue", "stop"], help="on an OOM (default continue)")
     r.add_argument("--device", type=int, default=None, help="replay one device's events (default: all)")
     r.add_argument("--json", metavar="FILE", help="write every result as JSON")
-    r.add_argument("--plot", metavar="FILE.png", help="write the allocated/reserved timeline (needs matplotlib)")
+    r.add_argument("--plot", metavar="FILE",
+                   help="write the allocated/reserved timeline to FILE (needs matplotlib); its extension picks the "
+                        "format (.png, .pdf, .svg, ...), none means .png appended (--plot t writes t.png)")
     r.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a tty")
     r.add_argument("--export-events", metavar="FILE",
                    help="write the replay events as a binary file for benchmarks/bench_replay.c, and stop")

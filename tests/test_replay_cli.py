@@ -3,6 +3,7 @@ errors (exit status 2, no traceback) for missing, unreadable and malformed trace
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,46 @@ def test_replay_prints_a_row_per_setting_next_to_the_recorded_run(tiny_trace, tm
                                     "peak_reserved": best["peak_reserved"]}]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "%" not in p.stderr  # no progress bar: not a tty, short trace
+
+
+@pytest.mark.parametrize("given, written, magic", [
+    ("t", "t.png", b"\x89PNG"),      # no extension: .png appended, and the message says so
+    ("t.", "t.png", b"\x89PNG"),
+    ("t.SVG", "t.SVG", b"<?xml"),     # the extension picks the format, in any case
+    ("t.pdf", "t.pdf", b"%PDF"),
+])
+def test_plot_names_the_file_it_wrote(tiny_trace, tmp_path, given, written, magic):
+    p = cli("replay", tiny_trace, "--plot", tmp_path / given)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == f"timeline plot: {tmp_path / written}"
+    assert (tmp_path / written).read_bytes().startswith(magic)
+    assert sorted(f.name for f in tmp_path.iterdir()) == [written]
+
+
+def test_plot_with_an_unknown_extension_fails_before_the_replay(tiny_trace, tmp_path):
+    p = cli("replay", tiny_trace, "--plot", tmp_path / "t.xyz")
+    assert_one_line_error(p, "--plot", "t.xyz", "cannot write .xyz files", ".png", ".svg")
+    assert p.stdout == ""  # no table: the replay did not run
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_plot_to_a_directory_is_refused_before_the_replay(tiny_trace, tmp_path, existing):
+    plots = tmp_path / "plots"
+    if existing:
+        plots.mkdir()
+    given = plots if existing else f"{plots}{os.sep}"  # a path ending in a separator names a directory
+    p = cli("replay", tiny_trace, "--plot", given)
+    assert_one_line_error(p, "is a directory", f"such as {plots / 'timeline.png'}")
+    assert p.stdout == ""
+    assert [f.name for f in tmp_path.iterdir()] == (["plots"] if existing else [])  # no plots.png beside it
+    assert not existing or list(plots.iterdir()) == []
+
+
+@pytest.mark.skipif(shutil.which("xelatex") is not None, reason="xelatex installed: .pgf can be written")
+def test_plot_format_whose_writer_is_missing_is_a_one_line_error(tiny_trace, tmp_path):
+    assert_one_line_error(cli("replay", tiny_trace, "--plot", tmp_path / "t.pgf"), "t.pgf: cannot write the plot",
+                          "xelatex")
 
 
 def test_replay_progress_bar_on_request(tiny_trace):
