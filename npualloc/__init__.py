@@ -89,3 +89,19 @@ from .graph import (Graph, GraphExec, GraphMemoryError, get_graph_mem_access, is
 __all__ += ["mempool", "graph", "MemPool", "use_mem_pool", "graph_pool_handle", "mempool_stats", "mempool_summary",
             "Graph", "GraphExec", "GraphMemoryError", "set_graph_mem_access", "get_graph_mem_access",
             "is_current_stream_capturing"]
+
+# ---- submodules imported on first attribute access (PEP 562) ----
+# `npualloc.replay.replay(...)` works after a plain `import npualloc`, but the import does not pay for modules
+# only the allocator lab (replay, workload) or tests (faults, testing, which imports pytest) need.
+_LAZY_SUBMODULES = frozenset({"faults", "replay", "testing", "workload"})
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)  # also binds it here: later lookups skip this
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _LAZY_SUBMODULES)
