@@ -198,18 +198,27 @@ class GraphExec:
 
     @property
     def destroyed(self):
+        """True once destroy() (or leaving ``with exe:``) released it: it can no longer be launched."""
         return self._e.destroyed
 
     def launch(self, stream=None):
+        """Runs the graph on ``stream`` (default: the current stream; ``replay`` is the same method, torch's
+        ``CUDAGraph.replay``): maps the stream's shared pages behind the graph's address range (after waiting
+        for its launches on another stream, if any) and queues the nodes on the stream in capture order, then
+        returns without waiting for them.  RuntimeError once destroyed or if the launch fails."""
         s = _as_stream(stream)
         self._e.launch(s.npu_stream, s.device)
 
     replay = launch
 
     def memory_plan(self):
+        """The memory plan of the graph it was instantiated from: :meth:`Graph.memory_plan` (a dict;
+        sizes and offsets in bytes)."""
         return self.graph.memory_plan()
 
     def destroy(self):
+        """Waits for the graph's launches, unmaps its memory and frees it (also done when it is collected);
+        calling it again does nothing."""
         self._e.destroy()
 
     def __enter__(self):

@@ -278,6 +278,8 @@ def reset_peak_memory_stats(device=None):
 
 
 def reset_max_memory_allocated(device=None):
+    """Deprecated, as in torch_npu: warns (DeprecationWarning) and calls reset_peak_memory_stats(device),
+    which resets every peak, not only max_memory_allocated()'s."""
     warnings.warn(
         "torch_npu.npu.reset_max_memory_allocated now calls torch_npu.npu.reset_peak_memory_stats, "
         "which resets /all/ peak memory stats.",
@@ -286,6 +288,8 @@ def reset_max_memory_allocated(device=None):
 
 
 def reset_max_memory_cached(device=None):
+    """Deprecated, as in torch_npu: warns (DeprecationWarning) and calls reset_peak_memory_stats(device),
+    which resets every peak, not only max_memory_reserved()'s."""
     warnings.warn(
         "torch_npu.npu.reset_max_memory_cached now calls torch_npu.npu.reset_peak_memory_stats, "
         "which resets /all/ peak memory stats.",
@@ -294,34 +298,50 @@ def reset_max_memory_cached(device=None):
 
 
 def memory_allocated(device=None):
+    """Bytes the caching allocator has handed out on ``device`` (default: the current one) and not yet
+    freed, counted in block sizes (a 1-byte request counts 512); 0 before the runtime starts.
+    ``torch.npu.memory_allocated``: ``memory_stats()["allocated_bytes.all.current"]``."""
     return _stat(device, "allocated_bytes.all.current")
 
 
 def max_memory_allocated(device=None):
+    """The peak of memory_allocated(device) in bytes since the runtime started or reset_peak_memory_stats().
+    ``torch.npu.max_memory_allocated``: ``memory_stats()["allocated_bytes.all.peak"]``."""
     return _stat(device, "allocated_bytes.all.peak")
 
 
 def memory_reserved(device=None):
+    """Bytes of device memory the caching allocator holds on ``device`` (default: the current one): its
+    segments, allocated blocks and cached free ones alike; 0 before the runtime starts.
+    ``torch.npu.memory_reserved``: ``memory_stats()["reserved_bytes.all.current"]``."""
     return _stat(device, "reserved_bytes.all.current")
 
 
 def max_memory_reserved(device=None):
+    """The peak of memory_reserved(device) in bytes since the runtime started or reset_peak_memory_stats().
+    ``torch.npu.max_memory_reserved``: ``memory_stats()["reserved_bytes.all.peak"]``."""
     return _stat(device, "reserved_bytes.all.peak")
 
 
 def memory_cached(device=None):
+    """Deprecated name of memory_reserved(), as in torch_npu: warns (DeprecationWarning) and returns
+    memory_reserved(device), in bytes."""
     warnings.warn("torch_npu.npu.memory_cached has been renamed to torch_npu.npu.memory_reserved",
                   DeprecationWarning)
     return memory_reserved(device=device)
 
 
 def max_memory_cached(device=None):
+    """Deprecated name of max_memory_reserved(), as in torch_npu: warns (DeprecationWarning) and returns
+    max_memory_reserved(device), in bytes."""
     warnings.warn("torch_npu.npu.max_memory_cached has been renamed to torch_npu.npu.max_memory_reserved",
                   DeprecationWarning)
     return max_memory_reserved(device=device)
 
 
 def get_allocator_backend() -> str:
+    """``torch.npu.get_allocator_backend()``: the name of the caching allocator's backend, always
+    ``"native"`` (npualloc has no other; a pluggable allocator made current does not change it)."""
     return "native"
 
 
@@ -334,6 +354,9 @@ class _NPUAllocator:
         self._allocator = allocator
 
     def allocator(self):
+        """The allocator to hand to change_current_allocator() or MemPool(allocator=): for an
+        NPUPluggableAllocator, its library's (alloc, free) function addresses; for the caching allocator
+        (_get_current_allocator()), the string "native"."""
         return self._allocator
 
 

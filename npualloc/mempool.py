@@ -97,6 +97,7 @@ class MemPool:
 
     @property
     def device(self):
+        """The index of the pool's device: the current device when the pool was created."""
         return self._device
 
     def _live(self):

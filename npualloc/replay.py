@@ -159,6 +159,8 @@ class RecordedRun:
             setattr(self, k, kw.get(k))
 
     def to_dict(self):
+        """The attributes as a JSON-ready dict (bytes and counts as ints); ``timeline`` becomes
+        ``{"event": [...], "reserved": [...]}``, the reserved bytes after each replay event index."""
         d = {k: getattr(self, k) for k in self.__slots__ if k != "timeline"}
         d["timeline"] = {"event": list(self.timeline[0]), "reserved": list(self.timeline[1])}
         return d
@@ -382,9 +384,15 @@ class Trace:
 
     @classmethod
     def load(cls, path):
+        """The Trace of the snapshot pickle at ``path`` (read by :func:`load_trace`: no global is loaded),
+        named after the file; TraceError for a file that is not a snapshot with events to replay."""
         return cls(load_trace(path), name=os.path.basename(os.fspath(path)))
 
     def device_events(self, device=None):
+        """The events :func:`replay` runs for ``device`` (None: the trace's only device): parallel arrays
+        ``action``, ``addr``, ``size``, ``stream`` (bytes and addresses), the ``prefix`` reconstructed
+        allocations first, and the recorded run in ``recorded``.  ValueError when ``device`` is None and the
+        trace has several devices, or when it has no events on ``device``."""
         if device is None:
             if len(self.devices) > 1:
                 raise ValueError(f"{self.name}: the trace has events on devices {sorted(self.devices)}: "
@@ -440,6 +448,8 @@ class Setting:
 
     @classmethod
     def of(cls, item):
+        """A Setting from what :func:`compare` accepts: a Setting (returned as is), a settings text (None:
+        the defaults), a dict of Setting's arguments, or a ``(label, conf)`` tuple."""
         if isinstance(item, Setting):
             return item
         if item is None or isinstance(item, str):
@@ -507,6 +517,9 @@ class ReplayResult:
             self.trace_events = len(events) - events.prefix
 
     def to_dict(self):
+        """Every attribute as a JSON-ready dict (bytes, counts and seconds as numbers): the peaks, the
+        counters, ``oom_events``, ``warnings``, ``timeline`` as ``{"event", "allocated", "reserved"}`` lists
+        and ``recorded`` as :meth:`RecordedRun.to_dict`."""
         d = {
             "trace": self.trace, "device": self.device, "label": self.label, "conf": self.conf,
             "fraction": self.fraction, "rounding": self.rounding, "device_memory": self.device_memory,
@@ -672,6 +685,9 @@ class Comparison:
         return self.results[i]
 
     def to_dict(self):
+        """``{"results": [ReplayResult.to_dict(), ...], "least_waste": [{"trace", "device", "label",
+        "peak_reserved"}, ...]}`` (one winner per trace and device, see :meth:`least_waste`): what the CLI's
+        ``--json`` writes."""
         return {"results": [r.to_dict() for r in self.results],
                 "least_waste": [{"trace": trace, "device": device, "label": r.label, "peak_reserved": r.peak_reserved}
                                 for (trace, device), r in self.least_waste().items()]}
@@ -706,6 +722,8 @@ class Comparison:
         return {key: winner for key, rs in groups.items() if (winner := _least_waste(rs)[0]) is not None}
 
     def format(self):
+        """The plain-text table :func:`format_table` makes of the results (also ``str()`` of the comparison):
+        sizes in GiB, a row per configuration under the recorded run's, a least-waste line per trace and device."""
         return format_table(self.results)
 
     __str__ = format

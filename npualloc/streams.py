@@ -54,6 +54,7 @@ class Stream:
 
     @property
     def device_index(self):
+        """The device index, as ``device`` (torch_npu's Stream has both; its ``device`` is a torch.device)."""
         return self._device
 
     def synchronize(self):
@@ -122,6 +123,8 @@ class Event:
 
     @property
     def npu_event(self):
+        """The aclrt event handle (an int); 0 until the event is first recorded, waited for or timed, since it
+        is created then, as torch creates its events lazily."""
         return self._handle
 
     def record(self, stream=None):
