@@ -1,14 +1,21 @@
 """Captured graphs with planned memory (CUDA graph memory nodes; seed 003).  The model and its limits are
 described in ``csrc/include/npualloc_graph.h``; in short::
 
+    import npualloc
+    from npualloc import acl
+
+    n = 1 << 20
+    s = npualloc.Stream()
     g = npualloc.Graph()                    # Graph(checked=True) detects use outside lifetimes
-    with g.capture():                       # the current stream (or stream=s) records instead of running
+    with g.capture(stream=s):               # s (current in the block) records instead of running; capture()
+                                            # alone captures the current stream
         a = npualloc.caching_allocator_alloc(n)          # an ALLOC node: a graph address
         acl.rt.memset_async(a, n, 1, n, s.npu_stream)    # a MEMSET node
         npualloc.caching_allocator_delete(a)             # a FREE node
     exe = g.instantiate()
-    exe.memory_plan()                       # {"allocations": [(offset, size, node)], "footprint", "lower_bound", ...}
-    exe.launch(stream)                      # maps the stream's shared pages behind the graph's range, runs it
+    plan = exe.memory_plan()                # {"allocations": [(offset, size, node)], "footprint", "lower_bound", ...}
+    exe.launch(s)                           # maps s's shared pages behind the graph's range, queues the nodes on s
+    s.synchronize()
 
 * Addresses are assigned at capture: an allocation takes the range of an earlier one only when that one's
   FREE is an ancestor of its ALLOC in the graph (stream order and event waits), best fit.  So the pointer a

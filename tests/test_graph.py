@@ -1,7 +1,9 @@
 """Captured graphs with planned memory (npualloc.Graph; seed 003): address reuse by dependencies, physical
 aliasing between graphs of one stream, access descriptors frozen at capture, checked mode."""
 import gc
+import json
 import re
+import textwrap
 
 import numpy as np
 import pytest
@@ -445,6 +447,20 @@ def test_readme_graph_example_runs_as_written():
     assert proc.stdout.strip() == expected == "True 1024"
 
 
+def test_module_docstring_example_runs():
+    doc = npualloc.graph.__doc__
+    example = textwrap.dedent(doc[doc.index("::\n") + 3:doc.index("\n* ")])
+    p = run_python(example + textwrap.dedent("""
+        import json
+        print(json.dumps({"nodes": [(x["kind"], x.get("dst")) for x in g.nodes()], "a": a,
+                          "allocations": plan["allocations"], "destroyed": exe.destroyed}))
+    """))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["nodes"] == [["alloc", None], ["memset", out["a"]], ["free", None]]
+    assert out["allocations"] == [[0, 1 << 20, 0]] and out["destroyed"] is False
+
+
 # ---- the planner on a real trace ----
 
 TRACE = "/work/shared/traces/cs336-ctx128-fullstep.pickle"
@@ -607,3 +623,4 @@ def test_graph_memory_stats_and_use_result_after_destroy_graph(mem, nbytes, case
     npualloc.synchronize()
     npualloc.empty_cache()
     assert npualloc.memory_reserved() == 0
+
