@@ -1,6 +1,7 @@
 """Command line: the allocator lab.
 
-    python -m npualloc demo [--out DIR] [--size tiny|small|default] [--traces DIR]
+    python -m npualloc demo [--out DIR] [--size tiny|small|default] [--seed N] [--device-memory 8GiB]
+                            [--traces DIR] [--traces-device-memory 80GiB] [--no-traces]
     python -m npualloc replay TRACE [TRACE ...] [--conf SETTINGS ...] [--device-memory 80GiB]
                               [--rounding npu|cuda] [--fraction F] [--huge1g-memory SIZE]
                               [--on-oom continue|stop] [--device N]

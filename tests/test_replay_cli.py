@@ -3,6 +3,7 @@ errors (exit status 2, no traceback) for missing, unreadable and malformed trace
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,19 @@ def test_plot_to_a_directory_is_refused_before_the_replay(tiny_trace, tmp_path, 
 def test_plot_format_whose_writer_is_missing_is_a_one_line_error(tiny_trace, tmp_path):
     assert_one_line_error(cli("replay", tiny_trace, "--plot", tmp_path / "t.pgf"), "t.pgf: cannot write the plot",
                           "xelatex")
+
+
+@pytest.mark.parametrize("command", ["demo", "replay", "include"])
+def test_module_usage_lists_every_option_of_the_command(command, capsys):
+    from npualloc import __main__ as cli_module
+
+    with pytest.raises(SystemExit):
+        cli_module.main([command, "--help"])
+    parsed = set(re.findall(r"\[(--[a-z0-9-]+)", capsys.readouterr().out)) - {"--help"}
+    usage = cli_module.__doc__.split("\n\n")[1]  # the block after the title
+    documented = re.split(r"^    python -m npualloc ", usage, flags=re.M)
+    (entry,) = [e for e in documented if e.split(None, 1)[:1] == [command]]
+    assert set(re.findall(r"\[(--[a-z0-9-]+)", entry)) == parsed
 
 
 def test_replay_progress_bar_on_request(tiny_trace):
