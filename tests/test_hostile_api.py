@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import npualloc
+from conftest import run_python
 from npualloc import acl
 
 rt = acl.rt
@@ -391,6 +392,45 @@ def test_acl_util_hostile_arguments(world):
         with pytest.raises(TypeError):
             acl.util.numpy_to_ptr(bad)
     assert_consistent(w, "acl.util")
+
+
+# ---- acl.rt arguments that change while they are read ----
+# An int's __index__ runs Python code in the middle of the conversion; it may empty the pid list or
+# delete a prop dict that holds it.  Each case runs in a child process, so a crash is a failure here.
+
+PROP_LITERAL = repr(PROP)
+
+
+def test_acl_rt_pid_list_emptied_by_an_items_index_is_read_as_given():
+    """mem_set_pid_to_shareable_handle / ipc_mem_set_import_pid read the list as it was passed: the
+    call succeeds with all 1001 pids though the first pid's __index__ empties the list."""
+    r = run_python(f"""
+from npualloc import acl
+rt = acl.rt
+assert rt.set_device(0) == 0
+handle, ret = rt.malloc_physical(2 << 20, {PROP_LITERAL}, 0)
+assert ret == 0
+value, ret = rt.mem_export_to_shareable_handle(handle, 0, 0)
+assert ret == 0
+ptr, ret = rt.malloc(2 << 20, 0)
+key, ret = rt.ipc_mem_get_export_key(ptr, 2 << 20, 65, 0)
+assert ret == 0
+
+class Emptier:
+    def __init__(self, pids):
+        self.pids = pids
+    def __index__(self):
+        self.pids.clear()
+        return 4242
+
+for fn, target in ((rt.mem_set_pid_to_shareable_handle, value), (rt.ipc_mem_set_import_pid, key)):
+    pids = []
+    pids += [Emptier(pids)] + list(range(1000, 2000))
+    assert fn(target, pids) == 0
+    assert pids == []
+print("survived")
+""")
+    assert r.returncode == 0 and r.stdout == "survived\n", (r.returncode, r.stdout, r.stderr)
 
 
 # ---- the torch-style API ----

@@ -18,26 +18,34 @@
 
 /* A pid list: pyACL wants a list (ValueError otherwise); items are ints (TypeError otherwise).
  * Returns a PyMem buffer (NULL with an exception); *n receives the count; *bad is set when an
- * item does not fit an int32. */
+ * item does not fit an int32.  The items are read from a tuple copy of the list: an item's
+ * __index__ may change the list, and the copy keeps every item alive until it is converted. */
 static int32_t *pid_list(PyObject *o, const char *fn, size_t *n, bool *bad)
 {
     if (!PyList_Check(o)) {
         PyErr_SetString(PyExc_ValueError, "argument 2 only support the format of list");
         return NULL;
     }
-    Py_ssize_t len = PyList_GET_SIZE(o);
+    PyObject *items = PyList_AsTuple(o);
+    if (!items)
+        return NULL;
+    Py_ssize_t len = PyTuple_GET_SIZE(items);
     int32_t *pids = PyMem_Malloc((size_t)(len ? len : 1) * sizeof *pids);
-    if (!pids)
+    if (!pids) {
+        Py_DECREF(items);
         return (int32_t *)PyErr_NoMemory();
+    }
     for (Py_ssize_t i = 0; i < len; i++) {
-        int rc = arg_i32(PyList_GET_ITEM(o, i), fn, "pid_list item", &pids[i]);
+        int rc = arg_i32(PyTuple_GET_ITEM(items, i), fn, "pid_list item", &pids[i]);
         if (rc == ARG_TYPE_ERROR) {
             PyMem_Free(pids);
+            Py_DECREF(items);
             return NULL;
         }
         if (rc == ARG_OUT_OF_RANGE)
             *bad = true;
     }
+    Py_DECREF(items);
     *n = (size_t)len;
     return pids;
 }
