@@ -433,6 +433,35 @@ print("survived")
     assert r.returncode == 0 and r.stdout == "survived\n", (r.returncode, r.stdout, r.stderr)
 
 
+def test_acl_rt_prop_dict_deleted_by_a_values_index_is_read_as_given():
+    """malloc_physical / mem_get_allocation_granularity read prop["location"] as it was passed: the
+    calls succeed although location.id's __index__ deletes (and frees) the location dict, whose
+    memory other dicts then reuse."""
+    r = run_python(f"""
+from npualloc import acl
+rt = acl.rt
+assert rt.set_device(0) == 0
+
+def hostile_prop():
+    prop = {PROP_LITERAL}
+    class Deleter:
+        def __index__(self):
+            del prop["location"]  # the last reference to the location dict
+            junk = [{{"x%d" % k: k}} for k in range(50)]  # reuses its memory
+            return 0
+    prop["location"] = {{"id": Deleter(), "type": 1}}
+    return prop
+
+for i in range(100):
+    handle, ret = rt.malloc_physical(2 << 20, hostile_prop(), 0)
+    assert ret == 0 and handle != 0, (i, ret)
+    assert rt.free_physical(handle) == 0
+    assert rt.mem_get_allocation_granularity(hostile_prop(), 0) == (2 << 20, 0), i
+print("survived")
+""")
+    assert r.returncode == 0 and r.stdout == "survived\n", (r.returncode, r.stdout, r.stderr)
+
+
 # ---- the torch-style API ----
 
 ALLOWED = (TypeError, ValueError, RuntimeError, OverflowError)  # OutOfMemoryError is a RuntimeError

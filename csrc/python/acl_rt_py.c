@@ -254,19 +254,52 @@ static PyObject *rt_get_mem_info(PyObject *self, PyObject *const *args, Py_ssize
 
 /* ---- virtual memory management ---- */
 
-/* Looks up prop[key] (borrowed); TypeError naming the argument and the key when missing. */
-static PyObject *prop_item(PyObject *dict, const char *fn, const char *arg, const char *key, const char *shown)
+/* prop[key] as a new reference: converting a value may run Python code (__index__) that changes
+ * the dicts, so no value is borrowed across a conversion.  TypeError naming the argument and the
+ * key when it is missing; an error a key's comparison raised passes through. */
+static PyObject *prop_item(PyObject *dict, const char *fn, const char *key, const char *shown)
 {
-    PyObject *v = PyDict_GetItemString(dict, key);
+    PyObject *k = PyUnicode_FromString(key);
+    if (!k)
+        return NULL;
+    PyObject *v = PyDict_GetItemWithError(dict, k);
+    Py_DECREF(k);
+    if (v)
+        return Py_NewRef(v);
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "%s() argument 'prop' has no key '%s'", fn, shown);
+    return NULL;
+}
+
+/* Converts dict[key] (dict is prop or prop["location"]) with arg_i32 / arg_u64: `shown` names
+ * the key when it is missing, `value` the value when it is not an int. */
+static int prop_i32(PyObject *dict, const char *fn, const char *key, const char *shown, const char *value,
+                    int32_t *out)
+{
+    PyObject *v = prop_item(dict, fn, key, shown);
     if (!v)
-        PyErr_Format(PyExc_TypeError, "%s() argument '%s' has no key '%s'", fn, arg, shown);
-    return v;
+        return ARG_TYPE_ERROR;
+    int rc = arg_i32(v, fn, value, out);
+    Py_DECREF(v);
+    return rc;
+}
+
+static int prop_u64(PyObject *dict, const char *fn, const char *key, const char *shown, const char *value,
+                    uint64_t *out)
+{
+    PyObject *v = prop_item(dict, fn, key, shown);
+    if (!v)
+        return ARG_TYPE_ERROR;
+    int rc = arg_u64(v, fn, value, out);
+    Py_DECREF(v);
+    return rc;
 }
 
 /* Converts the pyACL property dict {"handleType", "allocationType", "memAttr",
  * "location": {"id", "type"}, "reserve"}.  Not a dict, a missing key or a value that is not
  * an int raise TypeError.  A value out of its C type's range becomes a value the C function
- * rejects (an enum -1, a location id 2**32 - 1); an out-of-range reserve sets *bad. */
+ * rejects (an enum -1, a location id 2**32 - 1); an out-of-range reserve sets *bad.  Keys are
+ * looked up in this order, each when its turn comes (a value's __index__ may remove later ones). */
 static int prop_from_dict(PyObject *o, const char *fn, aclrtPhysicalMemProp *prop, bool *bad)
 {
     static const char arg[] = "prop";
@@ -280,46 +313,36 @@ static int prop_from_dict(PyObject *o, const char *fn, aclrtPhysicalMemProp *pro
                  {"memAttr", "prop.memAttr"}};
     int32_t values[3];
     for (size_t i = 0; i < 3; i++) {
-        PyObject *v = prop_item(o, fn, arg, enums[i].key, enums[i].key);
-        if (!v)
-            return ARG_TYPE_ERROR;
-        int rc = arg_i32(v, fn, enums[i].shown, &values[i]);
+        int rc = prop_i32(o, fn, enums[i].key, enums[i].key, enums[i].shown, &values[i]);
         if (rc == ARG_TYPE_ERROR)
             return rc;
         if (rc == ARG_OUT_OF_RANGE)
             values[i] = -1;
     }
-    PyObject *loc = prop_item(o, fn, arg, "location", "location");
+    PyObject *loc = prop_item(o, fn, "location", "location");
     if (!loc)
         return ARG_TYPE_ERROR;
     if (!PyDict_Check(loc)) {
         PyErr_Format(PyExc_TypeError, "%s() argument '%s' key 'location' must be dict, not %.80s", fn, arg,
                      Py_TYPE(loc)->tp_name);
+        Py_DECREF(loc);
         return ARG_TYPE_ERROR;
     }
-    PyObject *id_obj = prop_item(loc, fn, arg, "id", "location.id");
-    if (!id_obj)
-        return ARG_TYPE_ERROR;
     uint64_t id = 0;
-    int rc = arg_u64(id_obj, fn, "prop.location.id", &id);
-    if (rc == ARG_TYPE_ERROR)
-        return rc;
-    if (rc == ARG_OUT_OF_RANGE || id > UINT32_MAX)
-        id = UINT32_MAX; /* no such device */
-    PyObject *type_obj = prop_item(loc, fn, arg, "type", "location.type");
-    if (!type_obj)
-        return ARG_TYPE_ERROR;
     int32_t type = 0;
-    rc = arg_i32(type_obj, fn, "prop.location.type", &type);
-    if (rc == ARG_TYPE_ERROR)
-        return rc;
-    if (rc == ARG_OUT_OF_RANGE)
-        type = -1;
-    PyObject *reserve_obj = prop_item(o, fn, arg, "reserve", "reserve");
-    if (!reserve_obj)
+    int id_rc = prop_u64(loc, fn, "id", "location.id", "prop.location.id", &id);
+    int type_rc = ARG_TYPE_ERROR;
+    if (id_rc != ARG_TYPE_ERROR)
+        type_rc = prop_i32(loc, fn, "type", "location.type", "prop.location.type", &type);
+    Py_DECREF(loc);
+    if (type_rc == ARG_TYPE_ERROR)
         return ARG_TYPE_ERROR;
+    if (id_rc == ARG_OUT_OF_RANGE || id > UINT32_MAX)
+        id = UINT32_MAX; /* no such device */
+    if (type_rc == ARG_OUT_OF_RANGE)
+        type = -1;
     uint64_t reserve = 0;
-    rc = arg_u64(reserve_obj, fn, "prop.reserve", &reserve);
+    int rc = prop_u64(o, fn, "reserve", "reserve", "prop.reserve", &reserve);
     if (rc == ARG_TYPE_ERROR)
         return rc;
     if (rc == ARG_OUT_OF_RANGE)
