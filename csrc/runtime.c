@@ -83,11 +83,6 @@ __attribute__((constructor)) static void register_fork_handlers(void)
     pthread_atfork(atfork_prepare, atfork_parent, atfork_child);
 }
 
-/* CANN's acl_base.h code for aclFinalize without a matching aclInit (not in acl_rt.h). */
-#ifndef ACL_ERROR_REPEAT_FINALIZE
-#define ACL_ERROR_REPEAT_FINALIZE 100037
-#endif
-
 /* aclInit was called and aclFinalize not since.  The runtime does not need aclInit (it starts on
  * first use); the flag only gives aclInit/aclFinalize CANN's repeat codes. */
 static atomic_bool acl_session;

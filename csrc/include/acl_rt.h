@@ -29,6 +29,7 @@ typedef void (*aclrtCallback)(void *userData);
 #define ACL_ERROR_INVALID_PARAM 100000
 #define ACL_ERROR_UNINITIALIZE 100001
 #define ACL_ERROR_REPEAT_INITIALIZE 100002
+#define ACL_ERROR_REPEAT_FINALIZE 100037 /* aclFinalize without a matching aclInit */
 #define ACL_ERROR_DUMP_NOT_RUN 100045
 /* acl_base.h declares these four; CANN's current runtime returns the 1070xx codes below
  * instead (ACL passes runtime codes through), and so does npualloc. */

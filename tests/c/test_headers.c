@@ -25,6 +25,9 @@ static void test_a_cann_style_program_runs(void **state)
     assert_int_equal(aclrtFree(d), ACL_SUCCESS);
     assert_int_equal(aclrtResetDevice(0), ACL_SUCCESS);
     assert_int_equal(aclFinalize(), ACL_SUCCESS);
+    /* a second aclFinalize: the header names CANN's code for it */
+    assert_int_equal(ACL_ERROR_REPEAT_FINALIZE, 100037);
+    assert_int_equal(aclFinalize(), ACL_ERROR_REPEAT_FINALIZE);
 }
 
 int main(void)
