@@ -17,7 +17,7 @@
 
 typedef struct device {
     size_t used[MEM_KIND_COUNT]; /* usage_lock */
-    atomic_int set_count;                     /* aclrtSetDevice minus aclrtResetDevice */
+    atomic_int set_count;                     /* aclrtSetDevice minus aclrtResetDevice; 0 after a forced reset */
     atomic_uint epoch;                        /* bumped when the device is reset */
     atomic_bool peer_enabled[NPU_MAX_DEVICES]; /* this device may access peer i */
 } device;
@@ -313,6 +313,14 @@ aclError aclrtSetDevice(int32_t dev)
     return ACL_SUCCESS;
 }
 
+/* The last reference to a device went: every thread's context on it ends, and its peer access. */
+static void device_end_contexts(device *d)
+{
+    atomic_fetch_add(&d->epoch, 1);
+    for (int j = 0; j < NPU_MAX_DEVICES; j++)
+        atomic_store(&d->peer_enabled[j], false);
+}
+
 aclError aclrtResetDevice(int32_t dev)
 {
     aclError rc = runtime_ensure_init();
@@ -324,12 +332,22 @@ aclError aclrtResetDevice(int32_t dev)
     int count = atomic_load(&d->set_count);
     while (count > 0 && !atomic_compare_exchange_weak(&d->set_count, &count, count - 1)) {
     }
-    if (count == 1) {
-        /* Last reference: every thread's context on this device ends. */
-        atomic_fetch_add(&d->epoch, 1);
-        for (int j = 0; j < NPU_MAX_DEVICES; j++)
-            atomic_store(&d->peer_enabled[j], false);
-    }
+    if (count == 1)
+        device_end_contexts(d);
+    return ACL_SUCCESS;
+}
+
+/* Drops every aclrtSetDevice reference at once, however many there were. */
+aclError aclrtResetDeviceForce(int32_t dev)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (!device_valid(dev))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    device *d = &devices[dev];
+    if (atomic_exchange(&d->set_count, 0) > 0)
+        device_end_contexts(d);
     return ACL_SUCCESS;
 }
 

@@ -89,6 +89,7 @@ def test_set_and_get_device():
 def test_set_device_out_of_range(dev):
     assert rt.set_device(dev) == acl.ACL_ERROR_RT_INVALID_DEVICEID
     assert rt.reset_device(dev) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+    assert rt.reset_device_force(dev) == acl.ACL_ERROR_RT_INVALID_DEVICEID
     assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
 
 
@@ -119,6 +120,18 @@ def test_reset_device_is_reference_counted():
     assert rt.reset_device(2) == 0
     assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
     assert rt.reset_device(2) == 0  # resetting an unused device is harmless
+
+
+def test_reset_device_force_ignores_the_reference_count():
+    for _ in range(3):
+        assert rt.set_device(2) == 0
+    assert in_thread(lambda: rt.set_device(2)) == 0
+    assert rt.reset_device_force(2) == 0  # one call drops all four references
+    assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.set_device(2) == 0  # none is left over: one reset ends the next context
+    assert rt.reset_device(2) == 0
+    assert rt.get_device() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.reset_device_force(2) == 0  # an unused device
 
 
 def test_reset_device_ends_other_threads_context():

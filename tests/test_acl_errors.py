@@ -17,6 +17,7 @@ CALLBACK = (lambda data: None)
 SIGNATURES = {
     "set_device": ["device_id"],
     "reset_device": ["device_id"],
+    "reset_device_force": ["device_id"],
     "get_device": [],
     "get_device_count": [],
     "synchronize_device": [],
@@ -156,6 +157,7 @@ BAD_VALUES = [
     ("set_device", (-1,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
     ("set_device", (BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
     ("reset_device", (-BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
+    ("reset_device_force", (BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
     ("malloc", (-1, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
     ("malloc", (BIG, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
     ("malloc", (BIG - 1, 0), (0, acl.ACL_ERROR_RT_MEMORY_ALLOCATION)),

@@ -143,8 +143,8 @@ def assert_consistent(w, what):
 # name -> argument kinds: i (int), p (pointer looked up), d (device data pointer), h (handle), s (stream),
 # e (event), prop, fn, data, key (str), pids (list of ints), dev (device id), n (size/count/enum/flags)
 RT = {
-    "set_device": ["dev"], "reset_device": ["dev"], "get_device": [], "get_device_count": [],
-    "synchronize_device": [], "device_can_access_peer": ["dev", "dev"], "device_enable_peer_access": ["dev", "n"],
+    "set_device": ["dev"], "reset_device": ["dev"], "reset_device_force": ["dev"], "get_device": [],
+    "get_device_count": [], "synchronize_device": [], "device_can_access_peer": ["dev", "dev"], "device_enable_peer_access": ["dev", "n"],
     "device_disable_peer_access": ["dev"], "device_get_bare_tgid": [],
     "malloc": ["n", "n"], "malloc_align32": ["n", "n"], "malloc_cached": ["n", "n"], "free": ["p"],
     "malloc_host": ["n"], "free_host": ["p"], "memset": ["d", "n", "n", "n"], "memcpy": ["d", "n", "d", "n", "n"],
@@ -256,7 +256,7 @@ def test_acl_rt_hostile_values_give_codes_or_type_errors(world, name, index):
             continue  # -1 would wait for a report forever (CANN's meaning); the thread is not subscribed anyway
         args = valid_args(world, kinds)
         args[index] = value
-        if name == "reset_device" and value in range(DEVICES):
+        if name in ("reset_device", "reset_device_force") and value in range(DEVICES):
             continue
         expected = RAISES_FOR_INTS.get((name, index))
         if expected is not None:

@@ -208,6 +208,8 @@ aclError aclFinalize(void);
 /* ---- devices ---- */
 aclError aclrtSetDevice(int32_t deviceId);
 aclError aclrtResetDevice(int32_t deviceId);
+/* Resets the device whatever the number of aclrtSetDevice calls (aclrtResetDevice undoes one). */
+aclError aclrtResetDeviceForce(int32_t deviceId);
 aclError aclrtGetDevice(int32_t *deviceId);
 aclError aclrtGetDeviceCount(uint32_t *count);
 aclError aclrtSynchronizeDevice(void);

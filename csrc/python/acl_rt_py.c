@@ -54,17 +54,28 @@ static PyObject *rt_set_device(PyObject *self, PyObject *const *args, Py_ssize_t
     return ret_or_init_error(aclrtSetDevice(dev));
 }
 
-static PyObject *rt_reset_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *do_reset(const char *fn, aclError (*reset)(int32_t), PyObject *const *args)
 {
-    RT_BEGIN("reset_device", 1);
     bool bad = false;
     int32_t dev = 0;
     RT_ARG(arg_i32, 0, "device_id", dev);
     if (bad)
         return ret_or_init_error(ACL_ERROR_RT_INVALID_DEVICEID);
     aclError rc;
-    CALL_NOGIL(rc = aclrtResetDevice(dev));
+    CALL_NOGIL(rc = reset(dev));
     return ret_or_init_error(rc);
+}
+
+static PyObject *rt_reset_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("reset_device", 1);
+    return do_reset(fn, aclrtResetDevice, args);
+}
+
+static PyObject *rt_reset_device_force(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    RT_BEGIN("reset_device_force", 1);
+    return do_reset(fn, aclrtResetDeviceForce, args);
 }
 
 static PyObject *rt_get_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -681,6 +692,7 @@ static PyObject *rt_stream_wait_event(PyObject *self, PyObject *const *args, Py_
 static PyMethodDef rt_methods[] = {
     RT_METHOD(set_device),
     RT_METHOD(reset_device),
+    RT_METHOD(reset_device_force),
     RT_METHOD(get_device),
     RT_METHOD(get_device_count),
     RT_METHOD(synchronize_device),

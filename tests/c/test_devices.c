@@ -218,6 +218,38 @@ static void test_reset_device_ends_context_after_last_reference(void **state)
     assert_int_equal(aclrtMalloc(&p, 100, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_CONTEXT_NULL);
 }
 
+static void *set_device_1_in_thread(void *arg)
+{
+    *(aclError *)arg = aclrtSetDevice(1);
+    return NULL;
+}
+
+static void test_reset_device_force_drops_every_reference(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    aclError in_thread = -1;
+    pthread_t t;
+    pthread_create(&t, NULL, set_device_1_in_thread, &in_thread); /* a fourth reference, another thread's */
+    pthread_join(t, NULL);
+    assert_int_equal(in_thread, ACL_SUCCESS);
+    assert_int_equal(aclrtResetDeviceForce(1), ACL_SUCCESS); /* once is enough */
+    int32_t dev;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_RT_CONTEXT_NULL);
+    void *p;
+    assert_int_equal(aclrtMalloc(&p, 100, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_CONTEXT_NULL);
+    /* no reference is left over: one set and one reset end the next context */
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtResetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_RT_CONTEXT_NULL);
+    /* a device nobody set, and devices that do not exist */
+    assert_int_equal(aclrtResetDeviceForce(1), ACL_SUCCESS);
+    assert_int_equal(aclrtResetDeviceForce(2), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtResetDeviceForce(-1), ACL_ERROR_RT_INVALID_DEVICEID);
+}
+
 static void test_peer_access_rules(void **state)
 {
     (void)state;
@@ -246,6 +278,7 @@ int main(void)
         cmocka_unit_test_teardown(test_configure_only_before_start, stop_runtime),
         cmocka_unit_test_teardown(test_current_device_is_per_thread_and_checked, stop_runtime),
         cmocka_unit_test_teardown(test_reset_device_ends_context_after_last_reference, stop_runtime),
+        cmocka_unit_test_teardown(test_reset_device_force_drops_every_reference, stop_runtime),
         cmocka_unit_test_teardown(test_peer_access_rules, stop_runtime),
     };
     return cmocka_run_group_tests_name("devices", tests, NULL, NULL);
