@@ -3,9 +3,11 @@ and CANN's constants.
 
 Conventions as pyACL: arguments are positional, outputs come first and ``ret`` last
 (``ptr, ret = acl.rt.malloc(size, policy)``); pointers, handles, streams and events are ints
-(0 = NULL, or the current device's default stream).  A wrong Python type raises TypeError
-naming the function and the argument; a value of the right type that is out of range is not an
-exception but the ACL error code the C function returns for it.  A runtime that cannot start
+(0 = NULL, or the current device's default stream).  A wrong Python type, a wrong number of
+arguments or a keyword argument raises TypeError with pyACL's message, followed by the reason:
+``acl.rt.malloc args parse failed: acl.rt.malloc() argument 'size' must be int, not str``.  A value
+of the right type that is out of range is not an exception but the ACL error code the C function
+returns for it.  A runtime that cannot start
 because an ``NPUALLOC_*`` variable is malformed raises ValueError.
 """
 import types as _types

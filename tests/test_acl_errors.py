@@ -106,6 +106,24 @@ def test_wrong_argument_count_raises_type_error(name):
 
 
 @pytest.mark.usefixtures("npu")
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_argument_errors_start_with_pyacls_args_parse_failed(name):
+    """A wrong argument count, a keyword argument and a wrong type: TypeError with pyACL's message
+    "acl.rt.NAME args parse failed", then ": " and npualloc's reason."""
+    fn = getattr(rt, name)
+    args = [valid_value(a) for a in SIGNATURES[name]]
+    cases = [(args + [0], {}, f"takes exactly {len(args)} argument{'' if len(args) == 1 else 's'} "
+                              f"({len(args) + 1} given)"),
+             (args, {"keyword": 1}, "takes no keyword arguments")]
+    if args:
+        cases.append(([object()] + args[1:], {}, f"argument '{SIGNATURES[name][0]}' must be "))
+    for call_args, kwargs, reason in cases:
+        with pytest.raises(TypeError) as err:
+            fn(*call_args, **kwargs)
+        assert str(err.value).startswith(f"acl.rt.{name} args parse failed: acl.rt.{name}() {reason}"), err.value
+
+
+@pytest.mark.usefixtures("npu")
 def test_int_subclasses_and_index_objects_are_ints():
     class Index:
         def __index__(self):

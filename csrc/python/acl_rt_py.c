@@ -3,7 +3,8 @@
  *
  * Outputs come first and `ret` last: `(dev_ptr, ret) = acl.rt.malloc(size, policy)`.
  * Arguments are positional.  A wrong type raises TypeError naming the function and the
- * argument; a value of the right type that is out of range returns an ACL error code.
+ * argument, after pyACL's "acl.rt.NAME args parse failed: "; a value of the right type that is
+ * out of range returns an ACL error code.
  * Every call that may block or make system calls releases the GIL.
  */
 #include <string.h>
@@ -18,10 +19,10 @@
 /* The functions of one pointer or handle argument that return only `ret`.  A value out of range
  * becomes BAD_HANDLE, which the C function rejects with its own code; the call releases the GIL
  * (it may wait for a stream or make system calls). */
-static PyObject *call_on_handle(const char *fn, PyObject *const *args, Py_ssize_t nargs, const char *argname,
-                                aclError (*call)(void *))
+static PyObject *call_on_handle(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                                const char *argname, aclError (*call)(void *))
 {
-    if (!check_nargs(fn, nargs, 1))
+    if (!check_no_kwargs(fn, kwnames) || !check_nargs(fn, nargs, 1))
         return NULL;
     void *handle = NULL;
     int conv_rc = arg_ptr(args[0], fn, argname, &handle);
@@ -35,15 +36,15 @@ static PyObject *call_on_handle(const char *fn, PyObject *const *args, Py_ssize_
 }
 
 #define RT_ON_HANDLE(name, argname, call)                                                                          \
-    static PyObject *rt_##name(PyObject *self, PyObject *const *args, Py_ssize_t nargs)                            \
+    static PyObject *rt_##name(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)         \
     {                                                                                                              \
         (void)self;                                                                                                \
-        return call_on_handle("acl.rt." #name, args, nargs, argname, call);                                        \
+        return call_on_handle("acl.rt." #name, args, nargs, kwnames, argname, call);                               \
     }
 
 /* ---- devices ---- */
 
-static PyObject *rt_set_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_set_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("set_device", 1);
     bool bad = false;
@@ -66,19 +67,19 @@ static PyObject *do_reset(const char *fn, aclError (*reset)(int32_t), PyObject *
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_reset_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_reset_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("reset_device", 1);
     return do_reset(fn, aclrtResetDevice, args);
 }
 
-static PyObject *rt_reset_device_force(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_reset_device_force(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("reset_device_force", 1);
     return do_reset(fn, aclrtResetDeviceForce, args);
 }
 
-static PyObject *rt_get_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_get_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("get_device", 0);
     (void)args;
@@ -87,7 +88,7 @@ static PyObject *rt_get_device(PyObject *self, PyObject *const *args, Py_ssize_t
     return ret_i64(dev, rc);
 }
 
-static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("get_device_count", 0);
     (void)args;
@@ -96,7 +97,7 @@ static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_s
     return ret_u64(count, rc);
 }
 
-static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("synchronize_device", 0);
     (void)args;
@@ -105,7 +106,7 @@ static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_device_can_access_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_device_can_access_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("device_can_access_peer", 2);
     int32_t dev = 0, peer = 0, can = 0;
@@ -128,7 +129,8 @@ static int arg_u32(PyObject *o, const char *fn, const char *arg, uint32_t *out)
     return rc;
 }
 
-static PyObject *rt_device_enable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_device_enable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                              PyObject *kwnames)
 {
     RT_BEGIN("device_enable_peer_access", 2);
     int32_t peer = 0;
@@ -138,7 +140,8 @@ static PyObject *rt_device_enable_peer_access(PyObject *self, PyObject *const *a
     return ret_or_init_error(aclrtDeviceEnablePeerAccess(peer, flags));
 }
 
-static PyObject *rt_device_disable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_device_disable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                               PyObject *kwnames)
 {
     RT_BEGIN("device_disable_peer_access", 1);
     int32_t peer = 0;
@@ -165,25 +168,25 @@ static PyObject *do_malloc(const char *fn, malloc_fn alloc, PyObject *const *arg
     return ret_u64((uintptr_t)p, rc);
 }
 
-static PyObject *rt_malloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_malloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc", 2);
     return do_malloc(fn, aclrtMalloc, args);
 }
 
-static PyObject *rt_malloc_align32(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_malloc_align32(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_align32", 2);
     return do_malloc(fn, aclrtMallocAlign32, args);
 }
 
-static PyObject *rt_malloc_cached(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_malloc_cached(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_cached", 2);
     return do_malloc(fn, aclrtMallocCached, args);
 }
 
-static PyObject *rt_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("free", 1);
     bool bad = false;
@@ -196,7 +199,7 @@ static PyObject *rt_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_host", 1);
     bool bad = false;
@@ -212,7 +215,7 @@ static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_
 
 RT_ON_HANDLE(free_host, "host_ptr", aclrtFreeHost) /* BAD_HANDLE is no pinned block: ACL_ERROR_RT_MEMORY_FREE */
 
-static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memset", 4);
     bool bad = false;
@@ -230,7 +233,7 @@ static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memcpy", 5);
     bool bad = false;
@@ -249,7 +252,7 @@ static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_get_mem_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_get_mem_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("get_mem_info", 1);
     int32_t attr = 0;
@@ -278,7 +281,7 @@ static PyObject *prop_item(PyObject *dict, const char *fn, const char *key, cons
     if (v)
         return Py_NewRef(v);
     if (!PyErr_Occurred())
-        PyErr_Format(PyExc_TypeError, "%s() argument 'prop' has no key '%s'", fn, shown);
+        arg_type_error(fn, "argument 'prop' has no key '%s'", shown);
     return NULL;
 }
 
@@ -315,8 +318,7 @@ static int prop_from_dict(PyObject *o, const char *fn, aclrtPhysicalMemProp *pro
 {
     static const char arg[] = "prop";
     if (!PyDict_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s() argument '%s' must be dict, not %.80s", fn, arg, Py_TYPE(o)->tp_name);
-        return ARG_TYPE_ERROR;
+        return arg_type_error(fn, "argument '%s' must be dict, not %.80s", arg, Py_TYPE(o)->tp_name);
     }
     static const struct {
         const char *key, *shown;
@@ -334,8 +336,7 @@ static int prop_from_dict(PyObject *o, const char *fn, aclrtPhysicalMemProp *pro
     if (!loc)
         return ARG_TYPE_ERROR;
     if (!PyDict_Check(loc)) {
-        PyErr_Format(PyExc_TypeError, "%s() argument '%s' key 'location' must be dict, not %.80s", fn, arg,
-                     Py_TYPE(loc)->tp_name);
+        arg_type_error(fn, "argument '%s' key 'location' must be dict, not %.80s", arg, Py_TYPE(loc)->tp_name);
         Py_DECREF(loc);
         return ARG_TYPE_ERROR;
     }
@@ -368,7 +369,8 @@ static int prop_from_dict(PyObject *o, const char *fn, aclrtPhysicalMemProp *pro
     return ARG_OK;
 }
 
-static PyObject *rt_mem_get_allocation_granularity(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_mem_get_allocation_granularity(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                                   PyObject *kwnames)
 {
     RT_BEGIN("mem_get_allocation_granularity", 2);
     bool bad = false;
@@ -384,7 +386,7 @@ static PyObject *rt_mem_get_allocation_granularity(PyObject *self, PyObject *con
     return ret_u64(granularity, rc);
 }
 
-static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_physical", 3);
     bool bad = false;
@@ -404,7 +406,7 @@ static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ss
 
 RT_ON_HANDLE(free_physical, "handle", aclrtFreePhysical)
 
-static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("reserve_mem_address", 4);
     bool bad = false;
@@ -424,7 +426,7 @@ static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, P
 
 RT_ON_HANDLE(release_mem_address, "vir_ptr", aclrtReleaseMemAddress)
 
-static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("map_mem", 5);
     void *p = NULL, *handle = NULL;
@@ -443,7 +445,7 @@ RT_ON_HANDLE(unmap_mem, "vir_ptr", aclrtUnmapMem)
 
 /* ---- streams ---- */
 
-static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("create_stream", 0);
     (void)args;
@@ -456,7 +458,7 @@ RT_ON_HANDLE(destroy_stream, "stream", aclrtDestroyStream) /* waits for the stre
 
 RT_ON_HANDLE(synchronize_stream, "stream", aclrtSynchronizeStream)
 
-static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memcpy_async", 6);
     bool bad = false;
@@ -476,7 +478,7 @@ static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_memset_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_memset_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memset_async", 5);
     bool bad = false;
@@ -559,12 +561,11 @@ static void py_callback_free(void *arg)
     PyMem_RawFree(c);
 }
 
-static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("launch_callback", 4);
     if (!PyCallable_Check(args[0])) {
-        PyErr_Format(PyExc_TypeError, "%s() argument 'fn' must be callable, not %.80s", fn,
-                     Py_TYPE(args[0])->tp_name);
+        arg_type_error(fn, "argument 'fn' must be callable, not %.80s", Py_TYPE(args[0])->tp_name);
         return NULL;
     }
     int32_t block_type = 0;
@@ -601,19 +602,19 @@ static PyObject *subscription(PyObject *const *args, const char *fn, bool subscr
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_subscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_subscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("subscribe_report", 2);
     return subscription(args, fn, true);
 }
 
-static PyObject *rt_unsubscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_unsubscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("unsubscribe_report", 2);
     return subscription(args, fn, false);
 }
 
-static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("process_report", 1);
     int32_t timeout = 0;
@@ -625,7 +626,7 @@ static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssi
 
 /* ---- events ---- */
 
-static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("create_event", 0);
     (void)args;
@@ -636,7 +637,7 @@ static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize
 
 RT_ON_HANDLE(destroy_event, "event", aclrtDestroyEvent)
 
-static PyObject *rt_record_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_record_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("record_event", 2);
     void *event = NULL, *stream = NULL;
@@ -645,7 +646,7 @@ static PyObject *rt_record_event(PyObject *self, PyObject *const *args, Py_ssize
     return ret_or_init_error(aclrtRecordEvent(event, stream));
 }
 
-static PyObject *rt_query_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_query_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("query_event", 1);
     void *event = NULL;
@@ -655,7 +656,7 @@ static PyObject *rt_query_event(PyObject *self, PyObject *const *args, Py_ssize_
     return ret_i64(status, rc);
 }
 
-static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("query_event_status", 1);
     void *event = NULL;
@@ -667,7 +668,7 @@ static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py
 
 RT_ON_HANDLE(synchronize_event, "event", aclrtSynchronizeEvent)
 
-static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("event_elapsed_time", 2);
     void *start = NULL, *end = NULL;
@@ -680,7 +681,7 @@ static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py
     return Py_BuildValue("(di)", rc == ACL_SUCCESS ? (double)ms : 0.0, rc);
 }
 
-static PyObject *rt_stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("stream_wait_event", 2);
     void *stream = NULL, *event = NULL;

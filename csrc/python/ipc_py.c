@@ -54,7 +54,7 @@ static int32_t *pid_list(PyObject *o, const char *fn, size_t *n, bool *bad)
 static const char *key_arg(PyObject *o, const char *fn)
 {
     if (!PyUnicode_Check(o)) {
-        PyErr_Format(PyExc_TypeError, "%s() argument 'key' must be str, not %.80s", fn, Py_TYPE(o)->tp_name);
+        arg_type_error(fn, "argument 'key' must be str, not %.80s", Py_TYPE(o)->tp_name);
         return NULL;
     }
     return PyUnicode_AsUTF8(o);
@@ -62,7 +62,8 @@ static const char *key_arg(PyObject *o, const char *fn)
 
 /* ---- acl.rt ---- */
 
-static PyObject *rt_mem_export_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_mem_export_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                                   PyObject *kwnames)
 {
     RT_BEGIN("mem_export_to_shareable_handle", 3);
     void *handle = NULL;
@@ -77,7 +78,8 @@ static PyObject *rt_mem_export_to_shareable_handle(PyObject *self, PyObject *con
     return ret_u64(value, rc);
 }
 
-static PyObject *rt_mem_set_pid_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_mem_set_pid_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                                    PyObject *kwnames)
 {
     RT_BEGIN("mem_set_pid_to_shareable_handle", 2);
     uint64_t value = 0;
@@ -96,7 +98,8 @@ static PyObject *rt_mem_set_pid_to_shareable_handle(PyObject *self, PyObject *co
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                                     PyObject *kwnames)
 {
     RT_BEGIN("mem_import_from_shareable_handle", 2);
     uint64_t value = 0;
@@ -109,7 +112,7 @@ static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *c
     return ret_u64((uintptr_t)h, rc);
 }
 
-static PyObject *rt_device_get_bare_tgid(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_device_get_bare_tgid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("device_get_bare_tgid", 0);
     (void)args;
@@ -118,7 +121,7 @@ static PyObject *rt_device_get_bare_tgid(PyObject *self, PyObject *const *args, 
     return ret_i64(pid, rc);
 }
 
-static PyObject *rt_ipc_mem_get_export_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_ipc_mem_get_export_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_get_export_key", 4);
     void *ptr = NULL;
@@ -139,7 +142,7 @@ static PyObject *rt_ipc_mem_get_export_key(PyObject *self, PyObject *const *args
     return Py_BuildValue("(si)", rc == ACL_SUCCESS ? key : "", rc);
 }
 
-static PyObject *rt_ipc_mem_set_import_pid(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_ipc_mem_set_import_pid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_set_import_pid", 2);
     const char *key = key_arg(args[0], fn);
@@ -159,7 +162,7 @@ static PyObject *rt_ipc_mem_set_import_pid(PyObject *self, PyObject *const *args
     return ret_or_init_error(rc);
 }
 
-static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_import_by_key", 2);
     const char *key = key_arg(args[0], fn);
@@ -173,7 +176,7 @@ static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args,
     return ret_u64((uintptr_t)p, rc);
 }
 
-static PyObject *rt_ipc_mem_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *rt_ipc_mem_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_close", 1);
     const char *key = key_arg(args[0], fn);

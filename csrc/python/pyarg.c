@@ -1,12 +1,31 @@
 /* pyarg.c - see pyarg.h. */
 #include "pyarg.h"
 
+#include <stdarg.h>
+#include <string.h>
+
 #include "npualloc.h"
+
+int arg_type_error(const char *fn, const char *format, ...)
+{
+    va_list ap;
+    va_start(ap, format);
+    PyObject *detail = PyUnicode_FromFormatV(format, ap);
+    va_end(ap);
+    if (!detail)
+        return ARG_TYPE_ERROR;
+    static const char pyacl_rt[] = "acl.rt.";
+    if (strncmp(fn, pyacl_rt, sizeof pyacl_rt - 1) == 0)
+        PyErr_Format(PyExc_TypeError, "%s args parse failed: %s() %U", fn, fn, detail);
+    else
+        PyErr_Format(PyExc_TypeError, "%s() %U", fn, detail);
+    Py_DECREF(detail);
+    return ARG_TYPE_ERROR;
+}
 
 static int type_error(PyObject *o, const char *fn, const char *arg)
 {
-    PyErr_Format(PyExc_TypeError, "%s() argument '%s' must be int, not %.80s", fn, arg, Py_TYPE(o)->tp_name);
-    return ARG_TYPE_ERROR;
+    return arg_type_error(fn, "argument '%s' must be int, not %.80s", arg, Py_TYPE(o)->tp_name);
 }
 
 int arg_u64(PyObject *o, const char *fn, const char *arg, uint64_t *out)
@@ -87,8 +106,15 @@ bool check_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want)
 {
     if (nargs == want)
         return true;
-    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd argument%s (%zd given)", fn, want, want == 1 ? "" : "s",
-                 nargs);
+    arg_type_error(fn, "takes exactly %zd argument%s (%zd given)", want, want == 1 ? "" : "s", nargs);
+    return false;
+}
+
+bool check_no_kwargs(const char *fn, PyObject *kwnames)
+{
+    if (!kwnames || PyTuple_GET_SIZE(kwnames) == 0)
+        return true;
+    arg_type_error(fn, "takes no keyword arguments");
     return false;
 }
 

@@ -25,8 +25,16 @@ int arg_i32(PyObject *o, const char *fn, const char *arg, int32_t *out);
 /* A pointer or handle: an int in [0, 2**64). */
 int arg_ptr(PyObject *o, const char *fn, const char *arg, void **out);
 
+/* Raises TypeError "FN() " + the detail (formatted as PyUnicode_FromFormat does) and returns
+ * ARG_TYPE_ERROR.  A function of pyACL's acl.rt face (fn "acl.rt.NAME") words it as pyACL does,
+ * "acl.rt.NAME args parse failed", followed by ": " and npualloc's message.  The converters, the
+ * argument checks below and the acl.rt bindings raise every argument TypeError with it. */
+int arg_type_error(const char *fn, const char *format, ...);
+
 /* TypeError unless exactly `want` positional arguments were given. */
 bool check_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want);
+/* TypeError when keyword arguments were given (kwnames of a METH_FASTCALL | METH_KEYWORDS call). */
+bool check_no_kwargs(const char *fn, PyObject *kwnames);
 
 /* Returns `ret` as a Python int, or raises ValueError when the runtime could not start
  * because of a malformed NPUALLOC_* environment (not a bad argument of this call). */

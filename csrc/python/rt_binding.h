@@ -1,7 +1,8 @@
 /*
  * rt_binding.h - the conventions of the acl.rt functions, shared by acl_rt_py.c and ipc_py.c:
- * METH_FASTCALL functions named rt_NAME, positional arguments checked by count, converted with
- * pyarg.h's converters, `fn` ("acl.rt.NAME") naming the function in every TypeError.
+ * METH_FASTCALL functions named rt_NAME, positional arguments only, checked by count, converted with
+ * pyarg.h's converters, `fn` ("acl.rt.NAME") naming the function in every TypeError, which starts with
+ * pyACL's "acl.rt.NAME args parse failed: " (pyarg.h).
  */
 #ifndef NPUALLOC_RT_BINDING_H
 #define NPUALLOC_RT_BINDING_H
@@ -9,11 +10,11 @@
 #include "binding.h"
 #include "pyarg.h"
 
-/* Declares `fn`, checks the argument count. */
+/* Declares `fn`, refuses keyword arguments, checks the argument count. */
 #define RT_BEGIN(name, n)                                                                                          \
     static const char fn[] = "acl.rt." name;                                                                       \
     (void)self;                                                                                                    \
-    if (!check_nargs(fn, nargs, (n)))                                                                              \
+    if (!check_no_kwargs(fn, kwnames) || !check_nargs(fn, nargs, (n)))                                            \
         return NULL
 
 /* Converts argument i with conv into var; a TypeError returns NULL, a bad value sets `bad`. */
@@ -49,6 +50,7 @@
         Py_END_ALLOW_THREADS                                                                                       \
     } while (0)
 
-#define RT_METHOD(name) {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL, NULL}
+/* METH_KEYWORDS so that RT_BEGIN, not CPython, words the error for a keyword argument. */
+#define RT_METHOD(name) {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL | METH_KEYWORDS, NULL}
 
 #endif
