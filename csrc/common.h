@@ -2,6 +2,7 @@
 #ifndef NPUALLOC_COMMON_H
 #define NPUALLOC_COMMON_H
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -23,6 +24,19 @@ static inline size_t round_up(size_t x, size_t align) { return (x + align - 1) /
 
 /* True when x + y would overflow size_t. */
 static inline int add_overflows(size_t x, size_t y) { return x > SIZE_MAX - y; }
+
+/* A whole decimal number from min to max filling all of `text` (an environment variable's value);
+ * false when the text is anything else. */
+static inline bool parse_whole_number(const char *text, long min, long max, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (end == text || *end != '\0' || errno || v < min || v > max)
+        return false;
+    *out = v;
+    return true;
+}
 
 /* Makes room for `need` items of `elem` bytes in a growable array: `array` is the address of the
  * array's pointer (any object pointer type), *cap its capacity, which doubles from `first`.

@@ -146,9 +146,8 @@ aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen
     npualloc_config c = default_config;
     const char *count = getenv("NPUALLOC_DEVICE_COUNT");
     if (count && *count) {
-        char *end;
-        long n = strtol(count, &end, 10);
-        if (*end != '\0' || end == count || n < 1 || n > NPU_MAX_DEVICES) {
+        long n;
+        if (!parse_whole_number(count, 1, NPU_MAX_DEVICES, &n)) {
             snprintf(err, errlen, "NPUALLOC_DEVICE_COUNT='%s' is not a device count: use a whole number from 1 to %d",
                      count, NPU_MAX_DEVICES);
             return ACL_ERROR_INVALID_PARAM;

@@ -3,6 +3,7 @@
  */
 #include "host.h"
 
+#include "common.h"
 #include "fault.h"
 
 #include <errno.h>
@@ -20,13 +21,13 @@
 static atomic_int fd_budget = -1; /* -1: not decided yet */
 static atomic_int fds_kept;
 
-/* NPUALLOC_FD_BUDGET: a whole number from 0 to 2^30 - 1.  False when the text is not one. */
+#define MAX_FD_BUDGET ((1L << 30) - 1)
+
+/* NPUALLOC_FD_BUDGET: a whole number from 0 to MAX_FD_BUDGET.  False when the text is not one. */
 static bool parse_fd_budget(const char *text, int *out)
 {
-    char *end;
-    errno = 0;
-    long v = strtol(text, &end, 10);
-    if (end == text || *end != '\0' || errno || v < 0 || v >= (1L << 30))
+    long v;
+    if (!parse_whole_number(text, 0, MAX_FD_BUDGET, &v))
         return false;
     *out = (int)v;
     return true;
@@ -39,7 +40,7 @@ bool host_check_env(char *err, size_t errlen)
     if (!env || !*env || parse_fd_budget(env, &budget))
         return true;
     snprintf(err, errlen, "NPUALLOC_FD_BUDGET='%s' is not a descriptor count: use a whole number from 0 to %ld",
-             env, (1L << 30) - 1);
+             env, MAX_FD_BUDGET);
     return false;
 }
 

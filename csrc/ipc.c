@@ -268,10 +268,8 @@ static bool uid_allowed(uint32_t uid)
  * is not one. */
 static bool parse_timeout(const char *text, int *ms)
 {
-    char *end;
-    errno = 0;
-    long v = strtol(text, &end, 10);
-    if (end == text || *end != '\0' || errno || v < 1 || v > MAX_TIMEOUT_MS)
+    long v;
+    if (!parse_whole_number(text, 1, MAX_TIMEOUT_MS, &v))
         return false;
     *ms = (int)v;
     return true;
