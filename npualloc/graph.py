@@ -104,7 +104,9 @@ class Graph:
         self._g = _G.Graph(bool(checked))
         self.checked = bool(checked)
         self._exec = None   # weak reference to the executable graph instantiate() returned
-        self._owned = None  # the one launch() made (the graph keeps it, like torch's replay)
+        self._owned = None  # the C executable launch() made (the graph keeps it, like torch's replay); not a
+                            # GraphExec, which points back at the graph: that cycle would keep the memory
+                            # mapped until the cycle collector ran
         self.pool = None
 
     # ---- capture ----
@@ -153,11 +155,13 @@ class Graph:
         """Launches on ``stream`` (default: the current stream) the executable graph instantiate() returned if
         it is still alive, else one the graph instantiates on first use and keeps."""
         exe = self._exec() if self._exec is not None else None
-        if exe is None or exe.destroyed:
-            if self._owned is None or self._owned.destroyed:
-                self._owned = self.instantiate()
-            exe = self._owned
-        exe.launch(stream)
+        if exe is not None and not exe.destroyed:
+            exe.launch(stream)
+            return
+        if self._owned is None or self._owned.destroyed:
+            self._owned = self._g.instantiate()
+        s = _as_stream(stream)
+        self._owned.launch(s.npu_stream, s.device)
 
     replay = launch
 

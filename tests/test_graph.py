@@ -261,6 +261,29 @@ def test_dropping_the_executable_graph_unmaps_its_memory(mem):
     assert npualloc._C.vmm_counts()["mappings"] == before["mappings"] + 1
 
 
+def test_dropping_a_replayed_graph_frees_its_memory_without_the_collector(mem):
+    import gc
+    s = npualloc.Stream()
+    baseline = npualloc._C.vmm_counts()
+    pool = npualloc.graph_pool_handle()
+    planned, pooled = npualloc.Graph(), npualloc.Graph()
+    with planned.capture(stream=s):
+        free(alloc(4096))
+    with pooled.capture(stream=s, pool=pool):
+        free(alloc(4096))
+    gc.disable()   # refcounting alone must do it, as for torch's CUDAGraph
+    try:
+        planned.replay(s)
+        pooled.replay(s)
+        s.synchronize()
+        del planned, pooled
+        npualloc.empty_cache()
+        assert npualloc._C.vmm_counts() == baseline
+        assert npualloc.memory_reserved() == 0
+    finally:
+        gc.enable()
+
+
 # ---- multi-device access ----
 
 def test_access_descriptors_are_frozen_at_capture(mem):
