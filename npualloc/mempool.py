@@ -171,18 +171,20 @@ def mempool_stats(pool, device=None):
         if device is not None and seg["device"] != device:
             continue
         kind = "small_pool" if seg["segment_type"] == "small" else "large_pool"
+        expandable = seg.get("is_expandable", False)
         add("reserved_bytes", kind, seg["total_size"])
-        add("segment", kind, 1)
+        if not expandable:      # torch counts no segments and no inactive splits in expandable ones
+            add("segment", kind, 1)
         blocks = seg["blocks"]
         for b in blocks:
             if b["state"] == "active_allocated":
                 add("allocation", kind, 1)
                 add("allocated_bytes", kind, b["size"])
-                add("requested_bytes", kind, b["requested_size"])
-            if b["state"] != "inactive":
+            if b["state"] != "inactive":   # a pending free still counts as active and requested, as in torch
                 add("active", kind, 1)
                 add("active_bytes", kind, b["size"])
-            elif len(blocks) > 1:
+                add("requested_bytes", kind, b["requested_size"])
+            elif len(blocks) > 1 and not expandable:
                 add("inactive_split", kind, 1)
                 add("inactive_split_bytes", kind, b["size"])
     flat = [(f"{m}.{p}.current", v) for m, per in counts.items() for p, v in per.items()]

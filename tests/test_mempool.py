@@ -201,6 +201,33 @@ def test_pool_stats_and_summary(mem):
     assert set(empty.values()) == {0} and len(empty) == 27
 
 
+def _current_stats(stats):
+    return {k: v for k, v in stats.items() if k.endswith(".current") and k.split(".")[0] in
+            ("allocated_bytes", "active_bytes", "reserved_bytes", "requested_bytes", "inactive_split_bytes",
+             "allocation", "active", "segment", "inactive_split")}
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_pool_stats_equal_the_device_stats_when_the_pool_holds_everything(mem, conf):
+    """With every block in the pool, mempool_stats is memory_stats' current values: split blocks of
+    expandable segments and a free still waiting for its stream included."""
+    mem(alloc_conf=conf)
+    pool = npualloc.MemPool()
+    s, late = npualloc.Stream(), npualloc.Stream()
+    with npualloc.use_mem_pool(pool):
+        a, b, c = alloc(30 * MiB), alloc(1000), alloc(50 * MiB)
+        pending = alloc(5000, stream=s)
+    npualloc._sleep(0.5, late.npu_stream)
+    npualloc.record_stream(pending, late.npu_stream)
+    free(pending)                       # waits for `late`: still active, still requested
+    free(b)                             # a split remainder in the small pool
+    assert block_of(pending)["state"] == "active_pending_free"
+    assert _current_stats(npualloc.mempool_stats(pool)) == _current_stats(npualloc.memory_stats())
+    late.synchronize()
+    for p in (a, c):
+        free(p)
+
+
 def test_pool_capture_shares_a_pool_between_graphs(mem):
     """torch-style captures: allocations of the capturing stream come from the pool at real addresses."""
     from npualloc import acl
