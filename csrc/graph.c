@@ -831,8 +831,17 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
         set_err("capture_end: the graph is not being captured");
         return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     }
-    /* Every joined stream must have been joined back into the origin stream. */
+    /* A graph of a runtime that was shut down: its address range and pool routes went with that
+     * runtime, and the new runtime may hand out the same addresses and pool ids, so the capture
+     * ends broken without finalizing, trimming, releasing or ending anything; its streams (kept
+     * alive by their pins) only leave capture mode. */
+    bool stale = graph_stale(g);
     aclError rc = ACL_SUCCESS;
+    if (stale) {
+        set_err("capture_end: the graph belongs to a runtime that was shut down");
+        rc = ACL_ERROR_INVALID_PARAM;
+    }
+    /* Every joined stream must have been joined back into the origin stream. */
     const frontier *origin = &g->streams[0].f;
     for (size_t i = 1; i < g->nstreams && rc == ACL_SUCCESS; i++) {
         const frontier *f = &g->streams[i].f;
@@ -878,7 +887,7 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     pthread_mutex_unlock(&graph_lock);
     if (pins) {
         for (size_t i = 0; i < ns; i++) {
-            if (routed && routed[i])
+            if (routed && routed[i] && !stale)
                 (void)npualloc_cache_pool_end(stream_device(pins[i]), g->pool);
             stream_release(pins[i]);
         }

@@ -397,6 +397,21 @@ static void test_pool_capture_uses_the_private_pool(void **state)
     assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
 }
 
+/* Is x in a segment of pool id? */
+static bool in_pool(const void *x, npualloc_mempool_id id)
+{
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    bool found = false;
+    for (size_t i = 0; i < snap->segment_count; i++) {
+        const npualloc_segment_info *seg = &snap->segments[i];
+        if ((uintptr_t)x >= seg->address && (uintptr_t)x < seg->address + seg->total_size)
+            found = seg->pool_id[0] == id.first && seg->pool_id[1] == id.second;
+    }
+    npualloc_snapshot_free(snap);
+    return found;
+}
+
 /* Pool captures: a stream joining the capture allocates from its pool; a second capture into
  * the same pool while the first records is refused (torch) and leaves the use count alone. */
 static void test_pool_capture_joined_stream_and_no_second_recording(void **state)
@@ -418,16 +433,7 @@ static void test_pool_capture_joined_stream_and_no_second_recording(void **state
     fork_to(s2, s1);
     end(g);
     assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
-    npualloc_snapshot *snap;
-    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
-    bool in_pool = false;
-    for (size_t i = 0; i < snap->segment_count; i++) {
-        const npualloc_segment_info *seg = &snap->segments[i];
-        if ((uintptr_t)x >= seg->address && (uintptr_t)x < seg->address + seg->total_size)
-            in_pool = seg->pool_id[0] == id.first && seg->pool_id[1] == id.second;
-    }
-    npualloc_snapshot_free(snap);
-    assert_true(in_pool);
+    assert_true(in_pool(x, id));
     /* The recording ended: the next capture shares the pool. */
     assert_int_equal(npualloc_graph_capture_begin(g2, s3, 0, &p), ACL_SUCCESS);
     end(g2);
@@ -455,6 +461,68 @@ static void test_stale_graph_after_shutdown(void **state)
     assert_int_not_equal(npualloc_graph_launch(e, NULL, 0), ACL_SUCCESS);
     npualloc_graph_exec_destroy(e);
     npualloc_graph_destroy(g);
+}
+
+/* A graph still capturing when the runtime is shut down and restarted: dropping it must not touch
+ * the new runtime's address range, which starts where the stale graph's did. */
+static void test_stale_capture_end_keeps_the_new_graphs_range(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *old = new_graph(0);
+    begin(old, s);
+    void *x = galloc_on(s, 3 * MiB_); /* the stale plan would map 4 MiB, the new one maps 2 MiB */
+    start();
+    aclrtStream s2 = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s2);
+    void *y = galloc_on(s2, 4096);
+    assert_ptr_equal(x, y);
+    assert_int_equal(aclrtMemsetAsync(y, 4096, 7, 4096, s2), ACL_SUCCESS); /* an output of g */
+    end(g);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.reservations, 1);
+    npualloc_graph_destroy(old); /* ends the stale capture */
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.reservations, 1); /* g's range is still reserved */
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s2, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s2), ACL_SUCCESS);
+    char b[4];
+    assert_int_equal(aclrtMemcpy(b, 4, y, 4, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(b[0], 7);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+}
+
+/* The same for a pool capture: ending the stale capture must not end the new runtime's recording
+ * to a pool of the same id. */
+static void test_stale_pool_capture_end_keeps_the_new_recording(void **state)
+{
+    (void)state;
+    start();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    npualloc_capture_params p = {.use_pool = true, .pool = id};
+    aclrtStream s = new_stream();
+    npualloc_graph *old = new_graph(0);
+    assert_int_equal(npualloc_graph_capture_begin(old, s, 0, &p), ACL_SUCCESS);
+    start();
+    aclrtStream s2 = new_stream();
+    npualloc_graph *g = new_graph(0);
+    assert_int_equal(npualloc_graph_capture_begin(g, s2, 0, &p), ACL_SUCCESS);
+    int uses = npualloc_cache_pool_use_count(0, id);
+    assert_int_equal(npualloc_graph_capture_end(old), ACL_ERROR_INVALID_PARAM);
+    assert_string_equal(npualloc_graph_last_error(), "capture_end: the graph belongs to a runtime that was shut down");
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), uses);
+    void *x = galloc_on(s2, 1000);
+    assert_true(in_pool(x, id)); /* g still records to the pool */
+    end(g);
+    npualloc_graph_destroy(old);
+    npualloc_graph_destroy(g);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
 }
 
 /* Captures, launches and ordinary work on several threads at once (locks, under ASAN/TSAN). */
@@ -561,6 +629,8 @@ int main(void)
         cmocka_unit_test_teardown(test_pool_capture_uses_the_private_pool, stop_runtime),
         cmocka_unit_test_teardown(test_pool_capture_joined_stream_and_no_second_recording, stop_runtime),
         cmocka_unit_test_teardown(test_stale_graph_after_shutdown, stop_runtime),
+        cmocka_unit_test_teardown(test_stale_capture_end_keeps_the_new_graphs_range, stop_runtime),
+        cmocka_unit_test_teardown(test_stale_pool_capture_end_keeps_the_new_recording, stop_runtime),
         cmocka_unit_test_teardown(test_concurrent_captures, stop_runtime),
         cmocka_unit_test_teardown(test_access_setting_is_forgotten_on_restart, stop_runtime),
     };
