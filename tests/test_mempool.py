@@ -228,6 +228,32 @@ def test_pool_stats_equal_the_device_stats_when_the_pool_holds_everything(mem, c
         free(p)
 
 
+def test_capture_refuses_pool_ids_out_of_range_as_use_mem_pool_does(mem):
+    """A pool id half outside [0, 2**64) is a ValueError for a capture as for use_mem_pool, instead of
+    wrapping onto another pool's id; a pool argument that is not a (first, second) tuple is a TypeError."""
+    pool = npualloc.MemPool()
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    for bad in [(2**64 + pool.id[0], pool.id[1]), (-1, 5), (pool.id[0], 2**64 + pool.id[1])]:
+        with pytest.raises(ValueError, match=r"^pool_begin_thread\(\): an argument is out of range$"):
+            with npualloc.use_mem_pool(bad):
+                pass
+        with pytest.raises(ValueError, match=r"^capture_begin\(\): an argument is out of range$"):
+            g.capture_begin(s, pool=bad)
+        assert g.pool is None and pool.use_count() == 1
+    raw = npualloc._C.graph.Graph(False)
+    for bad, why in [(5, "or None, not int"), (pool.id + (0,), "not a tuple of 3"), (("a", 1), "'first' must be int")]:
+        with pytest.raises(TypeError, match=f"^capture_begin\\(\\) argument .*{why}"):
+            raw.capture_begin(s.npu_stream, s.device, None, bad)
+    with g.capture(stream=s, pool=pool):  # the refused calls left the graph and the stream free
+        x = alloc(1000)
+    assert pool_of(x) == pool.id
+    free(x)
+    del g
+    gc.collect()
+    assert pool.use_count() == 1
+
+
 def test_pool_capture_shares_a_pool_between_graphs(mem):
     """torch-style captures: allocations of the capturing stream come from the pool at real addresses."""
     from npualloc import acl

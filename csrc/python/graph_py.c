@@ -52,17 +52,30 @@ static PyObject *cache_error(aclError rc, const char *what)
     return NULL;
 }
 
-static int parse_id(PyObject *const *args, const char *fn, int32_t *dev, npualloc_mempool_id *id)
+/* ValueError for an argument the converters found out of range (their TypeError stands). */
+static int out_of_range(const char *fn)
+{
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "%s(): an argument is out of range", fn);
+    return -1;
+}
+
+/* A pool id's two halves, each in [0, 2**64): larger or negative ints are refused, not wrapped
+ * onto another pool's id. */
+static int parse_pool_id(PyObject *first, PyObject *second, const char *fn, npualloc_mempool_id *id)
 {
     uint64_t a, b;
-    if (arg_i32(args[0], fn, "device", dev) != ARG_OK || arg_u64(args[1], fn, "first", &a) != ARG_OK ||
-        arg_u64(args[2], fn, "second", &b) != ARG_OK) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_ValueError, "%s(): an argument is out of range", fn);
-        return -1;
-    }
+    if (arg_u64(first, fn, "first", &a) != ARG_OK || arg_u64(second, fn, "second", &b) != ARG_OK)
+        return out_of_range(fn);
     *id = (npualloc_mempool_id){a, b};
     return 0;
+}
+
+static int parse_id(PyObject *const *args, const char *fn, int32_t *dev, npualloc_mempool_id *id)
+{
+    if (arg_i32(args[0], fn, "device", dev) != ARG_OK)
+        return out_of_range(fn);
+    return parse_pool_id(args[1], args[2], fn, id);
 }
 
 /* ---- private pools ---- */
@@ -297,11 +310,19 @@ static PyObject *Graph_capture_begin(GraphObject *self, PyObject *const *args, P
         p.has_access = true;
     }
     if (args[3] != Py_None) {
-        unsigned long long a, b;
-        if (!PyArg_ParseTuple(args[3], "KK:capture_begin pool", &a, &b))
+        if (!PyTuple_Check(args[3])) {
+            arg_type_error("capture_begin", "argument 'pool' must be a (first, second) tuple or None, not %.80s",
+                           Py_TYPE(args[3])->tp_name);
+            return NULL;
+        }
+        if (PyTuple_GET_SIZE(args[3]) != 2) {
+            arg_type_error("capture_begin", "argument 'pool' must be a (first, second) tuple, not a tuple of %zd",
+                           PyTuple_GET_SIZE(args[3]));
+            return NULL;
+        }
+        if (parse_pool_id(PyTuple_GET_ITEM(args[3], 0), PyTuple_GET_ITEM(args[3], 1), "capture_begin", &p.pool) < 0)
             return NULL;
         p.use_pool = true;
-        p.pool = (npualloc_mempool_id){a, b};
     }
     aclError rc;
     NOGIL(rc = npualloc_graph_capture_begin(g, stream, dev, &p));
