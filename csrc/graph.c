@@ -1136,17 +1136,25 @@ bool graph_capture_memop(aclrtStream stream, void *dst, const void *src, size_t 
         stream_release(s);
         return false;
     }
-    /* Classify the pointers first (the vmm lock is never taken under graph_lock). */
+    /* Classify the pointers first (the vmm lock is never taken under graph_lock), and apply the
+     * ordinary rules (other checked graphs' lifetimes, device access) to the operands that are
+     * valid memory: this capture's range is not mapped until launch, so an operand there is
+     * RANGE_INVALID and left to the capture's own checks below, while the other operand (say,
+     * another checked graph's freed range) still answers to its rules. */
     const void *ptrs[2] = {dst, copy ? src : NULL};
     range_class cls[2] = {RANGE_INVALID, RANGE_INVALID};
     int32_t devs[2] = {-1, -1};
-    aclError other_rc = ACL_SUCCESS;
+    const void *valid[2] = {NULL, NULL};
     vmm_read_lock();
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 2; i++) {
         if (ptrs[i])
             cls[i] = vmm_classify_locked(ptrs[i], count, &devs[i]);
-    if (cls[0] != RANGE_INVALID && (!copy || cls[1] != RANGE_INVALID))
-        other_rc = check_rules_locked(ptrs[0], cls[0], devs[0], ptrs[1], cls[1], devs[1], count, NULL);
+        if (cls[i] != RANGE_INVALID)
+            valid[i] = ptrs[i];
+    }
+    aclError other_rc = ACL_SUCCESS;
+    if (valid[0] || valid[1])
+        other_rc = check_rules_locked(valid[0], cls[0], devs[0], valid[1], cls[1], devs[1], count, NULL);
     vmm_read_unlock();
 
     pthread_mutex_lock(&graph_lock);
@@ -1190,8 +1198,8 @@ bool graph_capture_memop(aclrtStream stream, void *dst, const void *src, size_t 
             masks[i] = capture_access(g, off, count);
         }
     }
-    if (r == ACL_SUCCESS && !mine[0] && !mine[1] && other_rc != ACL_SUCCESS)
-        r = other_rc; /* no graph memory of this capture: the ordinary rules */
+    if (r == ACL_SUCCESS && other_rc != ACL_SUCCESS)
+        r = other_rc;
     if (r == ACL_SUCCESS && copy && (mine[0] || mine[1])) {
         /* Device access: the capture's memory by its allocations' access, other memory as usual. */
         bool dev_side[2] = {mine[0] || cls[0] == RANGE_DEVICE, mine[1] || cls[1] == RANGE_DEVICE};

@@ -433,6 +433,35 @@ def test_checked_graph_detects_host_access_after_launch(mem):
     assert rt.memcpy(got.ctypes.data, 4096, t2, 4096, D2H) == 0
 
 
+def test_checked_graph_refuses_another_checked_graphs_freed_memory_at_capture(mem):
+    """A capture's copy touching a checked graph's freed range fails at capture with PARAM_INVALID (a violation
+    of that graph) whether the other operand is ordinary memory or the capture's own allocation, instead of
+    being captured and failing at launch."""
+    s = npualloc.Stream()
+    ga = npualloc.Graph(checked=True)
+    with ga.capture(stream=s):
+        t = alloc(4096)
+        assert rt.memset_async(t, 4096, 3, 4096, s.npu_stream) == 0
+        free(t)  # t is dead after ga's launch
+    ea = ga.instantiate()  # (kept: ga's range stays mapped)
+    ea.launch(s)
+    s.synchronize()
+    plain = alloc(4096, stream=s)
+    gb = npualloc.Graph(checked=True)
+    with gb.capture(stream=s):
+        u = alloc(4096)
+        assert rt.memcpy_async(plain, 4096, t, 4096, D2D, s.npu_stream) == PARAM_INVALID
+        assert rt.memcpy_async(u, 4096, t, 4096, D2D, s.npu_stream) == PARAM_INVALID
+        assert rt.memcpy_async(t, 4096, u, 4096, D2D, s.npu_stream) == PARAM_INVALID
+        assert rt.memcpy_async(u, 4096, plain, 4096, D2D, s.npu_stream) == 0  # gb's own memory as such is fine
+        free(u)
+    assert len(ga.violations()) == 3 and all("outside the lifetime" in v for v in ga.violations())
+    assert gb.violations() == []
+    gb.instantiate().launch(s)
+    s.synchronize()  # only the accepted copy was captured
+    free(plain)
+
+
 def test_errors(mem):
     s = npualloc.Stream()
     g = npualloc.Graph()

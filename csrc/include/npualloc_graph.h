@@ -40,8 +40,9 @@
  * lifetime: at capture, a MEMCPY/MEMSET touching graph memory not covered by an allocation whose
  * ALLOC node is an ancestor and which has no FREE node yet fails with ACL_ERROR_RT_PARAM_INVALID;
  * a FREE node that is not ordered after every use of its allocation is recorded; after launch,
- * aclrtMemcpy/aclrtMemset (and the async forms on ordinary streams) touching the graph's range
- * outside its outputs fail with ACL_ERROR_RT_PARAM_INVALID.  Every violation is recorded
+ * aclrtMemcpy/aclrtMemset (and the async forms, on ordinary streams or captured into another
+ * graph, whatever the other operand) touching the graph's range outside its outputs fail with
+ * ACL_ERROR_RT_PARAM_INVALID.  Every violation is recorded
  * (npualloc_graph_violation), and instantiating a graph whose capture recorded one fails.
  *
  * Multi-device access.  An allocation records, when captured, the devices that may access it:
