@@ -621,11 +621,21 @@ static void pool_destroy(device_cache *dc, private_pool *pp)
     free(pp);
 }
 
+static bool pool_routed(const device_cache *dc, const private_pool *pp)
+{
+    for (size_t i = 0; i < dc->route_count; i++)
+        if (dc->routes[i].pool == pp)
+            return true;
+    return false;
+}
+
 /* Releases a private pool's free memory if nothing uses the pool any more; forgets the pool
- * once it owns no memory. */
+ * once it owns no memory.  A pool a route points at is in use whatever its count says: the
+ * count is the holders' to release (npualloc_cache_pool_release), and one released too often
+ * must not leave the route pointing at a freed pool. */
 static void release_freeable_pool(device_cache *dc, private_pool *pp, bool keep_pages)
 {
-    if (pp->use_count > 0)
+    if (pp->use_count > 0 || pool_routed(dc, pp))
         return;
     release_blocks(dc, &pp->large, keep_pages);
     release_blocks(dc, &pp->small, keep_pages);

@@ -211,6 +211,28 @@ static void test_pool_empty_releases_that_pool_only_when_freeable(void **state)
     check();
 }
 
+/* A route's reference released by someone else (the count is public): the pool stays while the
+ * route points at it, and its memory returns once the route ended. */
+static void test_a_routed_pool_outlives_an_over_released_count(void **state)
+{
+    (void)state;
+    start_cache();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_release(0, id), ACL_SUCCESS); /* the route's reference */
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 0);
+    npualloc_cache_empty(); /* the pool is routed: not freed */
+    void *a = alloc(1000);
+    assert_true(is_pool(pool_of(a), id));
+    npualloc_cache_free(a);
+    check();
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_ERROR_INVALID_PARAM); /* no reference left to drop */
+    npualloc_cache_empty();
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    check();
+}
+
 static void test_frees_with_stream_uses_wait_for_the_capture_to_end(void **state)
 {
     (void)state;
@@ -255,6 +277,7 @@ int main(void)
         cmocka_unit_test_teardown(test_one_recording_per_pool_and_streams_joining_it, stop_runtime),
         cmocka_unit_test_teardown(test_pool_memory_returns_only_when_released_and_free, stop_runtime),
         cmocka_unit_test_teardown(test_pool_empty_releases_that_pool_only_when_freeable, stop_runtime),
+        cmocka_unit_test_teardown(test_a_routed_pool_outlives_an_over_released_count, stop_runtime),
         cmocka_unit_test_teardown(test_frees_with_stream_uses_wait_for_the_capture_to_end, stop_runtime),
         cmocka_unit_test_teardown(test_default_pool_id_is_not_a_private_pool, stop_runtime),
     };
