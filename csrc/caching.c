@@ -1180,18 +1180,12 @@ aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id)
     return ACL_SUCCESS;
 }
 
-/* Appends a route to the pool, taking a reference for it. */
-static aclError add_route(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter, uint64_t value)
+static bool reserve_route(device_cache *dc)
 {
-    if (!ARRAY_RESERVE(dc->routes, dc->route_capacity, dc->route_count + 1, 4)) {
-        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for a pool route");
-        return ACL_ERROR_BAD_ALLOC;
-    }
-    aclError rc = cache_pool_create_locked(dc, id, NULL, NULL); /* creates, or takes a reference */
-    if (rc != ACL_SUCCESS)
-        return rc;
-    dc->routes[dc->route_count++] = (pool_route){id, cache_pool_find(dc, id), filter, value};
-    return ACL_SUCCESS;
+    if (ARRAY_RESERVE(dc->routes, dc->route_capacity, dc->route_count + 1, 4))
+        return true;
+    cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for a pool route");
+    return false;
 }
 
 aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
@@ -1205,14 +1199,29 @@ aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npual
             return ACL_ERROR_INVALID_PARAM;
         }
     }
-    return add_route(dc, id, filter, value);
+    if (!reserve_route(dc))
+        return ACL_ERROR_BAD_ALLOC;
+    aclError rc = cache_pool_create_locked(dc, id, NULL, NULL); /* creates, or takes a reference */
+    if (rc != ACL_SUCCESS)
+        return rc;
+    dc->routes[dc->route_count++] = (pool_route){id, cache_pool_find(dc, id), filter, value, true};
+    return ACL_SUCCESS;
 }
 
 aclError cache_pool_join_locked(device_cache *dc, npualloc_mempool_id id, uint64_t stream)
 {
-    for (size_t i = 0; i < dc->route_count; i++)
-        if (same_id(dc->routes[i].id, id) && dc->routes[i].filter == NPUALLOC_POOL_FILTER_STREAM)
-            return add_route(dc, id, NPUALLOC_POOL_FILTER_STREAM, stream);
+    for (size_t i = 0; i < dc->route_count; i++) {
+        if (same_id(dc->routes[i].id, id) && dc->routes[i].filter == NPUALLOC_POOL_FILTER_STREAM) {
+            /* torch: the capture's filter matches every stream of the capture under the one
+             * reference beginAllocateToPool took, so a joined route takes none and its end drops
+             * none (the pool stays while any route points at it: release_freeable_pool). */
+            if (!reserve_route(dc))
+                return ACL_ERROR_BAD_ALLOC;
+            dc->routes[dc->route_count++] = (pool_route){id, dc->routes[i].pool, NPUALLOC_POOL_FILTER_STREAM, stream,
+                                                         false};
+            return ACL_SUCCESS;
+        }
+    }
     cache_set_error(NPUALLOC_ERR_RUNTIME, "joinAllocateToPool: no capture is recording to mempool_id");
     return ACL_ERROR_INVALID_PARAM;
 }
@@ -1222,9 +1231,10 @@ aclError cache_pool_end_locked(device_cache *dc, npualloc_mempool_id id)
     /* The newest route to this pool ends (routes nest like context managers). */
     for (size_t i = dc->route_count; i-- > 0;) {
         if (same_id(dc->routes[i].id, id)) {
+            bool owns_ref = dc->routes[i].owns_ref;
             memmove(&dc->routes[i], &dc->routes[i + 1], (dc->route_count - i - 1) * sizeof *dc->routes);
             dc->route_count--;
-            return cache_pool_release_locked(dc, id);
+            return owns_ref ? cache_pool_release_locked(dc, id) : ACL_SUCCESS;
         }
     }
     cache_set_error(NPUALLOC_ERR_RUNTIME, "endAllocatePool: not currently recording to mempool_id");

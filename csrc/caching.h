@@ -159,6 +159,7 @@ typedef struct pool_route {
     private_pool *pool;
     npualloc_pool_filter filter;
     uint64_t filter_value; /* the thread (pthread_t) or stream handle */
+    bool owns_ref;         /* a begin's route holds a reference; a joined one is covered by it */
 } pool_route;
 
 /* Physical pages unmapped by empty_virt_addr_cache, kept for the next map. */

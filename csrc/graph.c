@@ -117,7 +117,7 @@ struct npualloc_graph {
     int32_t device;
     uintptr_t base; /* address range (planned mode) */
     size_t reserved;
-    bool pool_mode, pool_ref;
+    bool pool_mode, pool_ref; /* pool_ref: the graph holds a reference to its pool (from capture_end) */
     npualloc_mempool_id pool;
     bool has_access;
     uint64_t access;
@@ -757,15 +757,11 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
     uintptr_t base = 0;
     size_t reserved = 0;
     if (p.use_pool) {
-        rc = npualloc_cache_pool_create(dev, p.pool); /* the graph's own reference */
-        if (rc != ACL_SUCCESS) {
-            set_err("capture_begin: %s", npualloc_last_error(NULL));
-            goto unpin;
-        }
+        /* torch's beginAllocateToPool: one reference for the recording, which the graph keeps
+         * from capture_end on (routes of streams joining the capture take none). */
         rc = npualloc_cache_pool_begin(dev, p.pool, NPUALLOC_POOL_FILTER_STREAM, stream_id(s));
         if (rc != ACL_SUCCESS) {
             set_err("capture_begin: %s", npualloc_last_error(NULL));
-            (void)npualloc_cache_pool_release(dev, p.pool);
             goto unpin;
         }
     } else {
@@ -784,12 +780,10 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
         pthread_mutex_unlock(&graph_lock);
         set_err("capture_begin: the stream is already capturing");
         rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
-        if (p.use_pool) {
+        if (p.use_pool)
             (void)npualloc_cache_pool_end(dev, p.pool);
-            (void)npualloc_cache_pool_release(dev, p.pool);
-        } else {
+        else
             (void)aclrtReleaseMemAddress((void *)base);
-        }
         goto unpin;
     }
     g->device = dev;
@@ -797,7 +791,6 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
     g->reserved = reserved;
     g->pool_mode = p.use_pool;
     g->pool = p.pool;
-    g->pool_ref = p.use_pool;
     g->has_access = p.has_access;
     g->access = p.access_mask;
     g->streams[0] = (cap_stream){.s = s, .handle = stream_id(s), .device = dev, .routed = p.use_pool};
@@ -885,6 +878,11 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     if (rc == ACL_SUCCESS && !g->pool_mode)
         finalize(g);
     pthread_mutex_unlock(&graph_lock);
+    /* torch's endAllocateToPool keeps beginAllocateToPool's reference for the graph, which
+     * releases it when it goes (releasePool): the graph takes its own before the recording's
+     * route ends and gives that one back. */
+    if (g->pool_mode && !stale)
+        g->pool_ref = npualloc_cache_pool_create(g->device, g->pool) == ACL_SUCCESS;
     if (pins) {
         for (size_t i = 0; i < ns; i++) {
             if (routed && routed[i] && !stale)

@@ -6,7 +6,8 @@ Semantics (torch's, reference section 3.14):
 
 * ``MemPool()`` creates a pool on the current device with a user id ``(0, n)``; ``graph_pool_handle()``
   draws from the same counter.  ``use_count()`` counts the references: the MemPool object, each active
-  ``use_mem_pool`` and each capture routed to it.
+  ``use_mem_pool`` and each graph captured into it (from its ``capture_begin`` until the graph goes; streams
+  joining the capture take none).
 * ``with use_mem_pool(pool, device=None):`` sends the calling thread's allocations on ``device`` to the
   pool (torch's beginAllocateCurrentThreadToPool / endAllocateToPool + releasePool).  Uses nest: the
   innermost pool wins.  As in torch, one recording per pool at a time: using a pool while it is

@@ -300,7 +300,8 @@ aclError npualloc_cache_pool_begin(int32_t device, npualloc_mempool_id id, npual
                                    uint64_t value);
 /* A stream joining a capture that records to the pool (begun with a stream filter): its
  * allocations go to the pool as part of that recording (torch's capture filter matches every
- * stream of the capture).  Takes a reference; ended by npualloc_cache_pool_end like a begin. */
+ * stream of the capture).  Takes no reference (the begin's covers the recording); ended by
+ * npualloc_cache_pool_end like a begin, newest route first, which then drops none. */
 aclError npualloc_cache_pool_join(int32_t device, npualloc_mempool_id id, uint64_t stream);
 aclError npualloc_cache_pool_end(int32_t device, npualloc_mempool_id id);
 /* Releases what a pool no longer uses (torch's emptyCache(mempool_id)). */

@@ -56,7 +56,8 @@
  * Pool captures (use_pool): the torch-style alternative.  Allocations on the capturing streams
  * come from the private pool (npualloc_cache_pool_begin with a stream filter), at real, stable
  * addresses; no ALLOC/FREE nodes are recorded and there is no plan.  Several captures may share
- * one pool.
+ * one pool.  As in torch, the graph holds one reference to the pool from capture_begin until it
+ * is destroyed; streams joining the capture take none.
  *
  * Limits: one device's memory per graph (allocations on another device's capturing stream fail);
  * one live executable graph per graph; a launch cannot be captured; nodes run one after another
