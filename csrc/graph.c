@@ -964,6 +964,16 @@ static cap_event *find_event(npualloc_graph *g, uint64_t handle)
     return NULL;
 }
 
+/* c or the next capturing graph of the running runtime (graph_lock held).  A graph that was capturing
+ * when the runtime shut down stays listed until its capture ends, but the new runtime hands out the
+ * same event handles and addresses: those are not the old graph's. */
+static npualloc_graph *live_capture(npualloc_graph *c)
+{
+    while (c && graph_stale(c))
+        c = c->cap_next;
+    return c;
+}
+
 bool graph_capture_record(npu_stream *s, uint64_t event, aclError *rc)
 {
     pthread_mutex_lock(&graph_lock);
@@ -971,7 +981,7 @@ bool graph_capture_record(npu_stream *s, uint64_t event, aclError *rc)
     int si = g ? stream_index(g, s) : -1;
     if (si < 0) {
         /* A record outside every capture supersedes the event's captured records. */
-        for (npualloc_graph *c = capturing; c; c = c->cap_next) {
+        for (npualloc_graph *c = live_capture(capturing); c; c = live_capture(c->cap_next)) {
             cap_event *e = find_event(c, event);
             if (e) {
                 frontier_free(&e->f);
@@ -982,7 +992,7 @@ bool graph_capture_record(npu_stream *s, uint64_t event, aclError *rc)
         return false;
     }
     /* The record is the event's, in whichever capture it was recorded before. */
-    for (npualloc_graph *c = capturing; c; c = c->cap_next) {
+    for (npualloc_graph *c = live_capture(capturing); c; c = live_capture(c->cap_next)) {
         cap_event *e = c != g ? find_event(c, event) : NULL;
         if (e) {
             frontier_free(&e->f);
@@ -1009,7 +1019,7 @@ bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
     pthread_mutex_lock(&graph_lock);
     npualloc_graph *g = stream_capture_get(s), *owner = NULL;
     cap_event *e = NULL;
-    for (npualloc_graph *c = capturing; c && !e; c = c->cap_next)
+    for (npualloc_graph *c = live_capture(capturing); c && !e; c = live_capture(c->cap_next))
         if ((e = find_event(c, event)))
             owner = c;
     if (!e) {
@@ -1321,7 +1331,7 @@ bool graph_capture_malloc(int32_t device, size_t size, uint64_t stream, void **p
 /* The unfreed allocation of a capturing graph that starts at p (graph_lock held). */
 static npualloc_graph *capturing_owner(const void *p, long *ai)
 {
-    for (npualloc_graph *g = capturing; g; g = g->cap_next) {
+    for (npualloc_graph *g = live_capture(capturing); g; g = live_capture(g->cap_next)) {
         if (!in_graph_range(g, p, 1))
             continue;
         uint64_t off = (uintptr_t)p - g->base;

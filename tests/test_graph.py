@@ -261,6 +261,26 @@ def test_dropping_the_executable_graph_unmaps_its_memory(mem):
     assert npualloc._C.vmm_counts()["mappings"] == before["mappings"] + 1
 
 
+def test_a_capture_left_by_a_restart_takes_no_new_events_or_pointers(mem):
+    old_stream = npualloc.Stream()
+    old = npualloc.Graph()
+    old.capture_begin(old_stream)
+    with npualloc.stream(old_stream):
+        captured = alloc(4096)
+    old_event = npualloc.Event()
+    old_event.record(old_stream)
+    mem()  # a restart: the old graph is still capturing, and the new runtime reuses handles and addresses
+    s = npualloc.Stream()
+    event = npualloc.Event()
+    s.wait_event(event)
+    assert not npualloc._C.graph.capture_status(s.npu_stream, s.device)   # s joined no capture
+    p = alloc(4096)
+    assert p == captured                   # the same address as the old graph's allocation ...
+    free(p)                                # ... is freed as the new runtime's block
+    assert npualloc.memory_allocated() == 0
+    del old
+
+
 def test_dropping_a_replayed_graph_frees_its_memory_without_the_collector(mem):
     import gc
     s = npualloc.Stream()
