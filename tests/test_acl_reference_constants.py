@@ -91,3 +91,11 @@ def test_every_reference_constant_is_in_acl_rt_h(reference):
     wrong = {name: (value, header.get(name, "missing")) for name, value in reference.items()
              if header.get(name) != value}
     assert not wrong, f"acl_rt.h differs from the reference (name: (reference, header)): {wrong}"
+
+
+def test_shared_handle_types_have_cann_names(reference):
+    # the reference gives these without their C prefix (DEFAULT=1, FABRIC=2); CANN's header spells them so
+    assert "`DEFAULT=1`, `FABRIC=2`" in REFERENCE.read_text(encoding="utf-8")
+    header = header_constants(HEADER.read_text(encoding="utf-8"))
+    for name, value in {"ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT": 1, "ACL_MEM_SHARE_HANDLE_TYPE_FABRIC": 2}.items():
+        assert getattr(acl, name) == value and header[name] == value, name

@@ -150,6 +150,12 @@ typedef enum aclrtMemLocationType {
 typedef enum aclrtMemAllocationType { ACL_MEM_ALLOCATION_TYPE_PINNED = 0 } aclrtMemAllocationType;
 
 typedef enum aclrtMemHandleType { ACL_MEM_HANDLE_TYPE_NONE = 0, ACL_MEM_HANDLE_TYPE_POSIX = 2 } aclrtMemHandleType;
+/* The sharing scope CANN's V2 export and import calls take.  npualloc has the V1 calls, whose scope is
+ * DEFAULT's (processes of one machine); FABRIC (across machines) has no counterpart here. */
+typedef enum aclrtMemSharedHandleType {
+    ACL_MEM_SHARE_HANDLE_TYPE_DEFAULT = 0x1,
+    ACL_MEM_SHARE_HANDLE_TYPE_FABRIC = 0x2
+} aclrtMemSharedHandleType;
 
 typedef enum aclrtMemGranularityOptions {
     ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
