@@ -163,6 +163,13 @@ static struct {
 /* Server-thread state (and ipc_shutdown's, after the thread is joined). */
 static client *clients;
 static size_t nclients, clients_cap;
+/* A descriptor (/dev/null) the server keeps in reserve.  When the process has no free
+ * descriptor, accept() fails and the connection stays queued: the listener would poll ready for
+ * ever.  Closing the spare makes room to accept the connection, answer it 507022 and close it
+ * (the importer learns at once), then the spare is taken back.  Opened with the server; the
+ * server thread alone changes it (atomic for the fork handler, which closes the child's copy). */
+static _Atomic int spare_fd = -1;
+#define LISTEN_REST_NS 100000000u /* no spare either: the listener rests 100 ms, then retries */
 
 /* Failed lookups per peer process in the current one-second window (server thread only). */
 typedef struct rate_slot {
@@ -804,12 +811,50 @@ static bool serve_client(size_t index)
     return ok && (c->failures < MAX_CLIENT_FAILURES || c->pin_count > 0);
 }
 
-static void accept_clients(int lfd)
+/* accept() fails with EMFILE when the process has no free descriptor, whether or not a
+ * connection waits.  The spare makes room: a waiting connection is accepted, answered 507022
+ * unread and closed, and the spare is taken back. */
+typedef enum { SPARE_REFUSED, SPARE_QUEUE_EMPTY, SPARE_STUCK } spare_result;
+
+static spare_result refuse_for_want_of_descriptors(int lfd)
 {
+    int spare = atomic_exchange(&spare_fd, -1);
+    if (spare < 0)
+        return SPARE_STUCK;
+    close(spare);
+    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    int err = fd < 0 ? errno : 0;
+    if (fd >= 0) {
+        ipc_reply rp = {IPC_MAGIC, ACL_ERROR_RT_IPC_ERROR, -1, 0, 0};
+        (void)send_reply(fd, &rp, -1);
+        close(fd);
+    }
+    /* -1 when another thread took the slot meanwhile: accept_clients tries again later */
+    atomic_store(&spare_fd, open("/dev/null", O_RDONLY | O_CLOEXEC));
+    return fd >= 0 ? SPARE_REFUSED : err == EAGAIN || err == EWOULDBLOCK ? SPARE_QUEUE_EMPTY : SPARE_STUCK;
+}
+
+/* Accepts and serves the queued connections.  False when one stays queued for want of
+ * descriptors (and of the spare) or of memory: the listener must rest, or the server would spin
+ * on it. */
+static bool accept_clients(int lfd)
+{
+    if (atomic_load(&spare_fd) < 0)
+        atomic_store(&spare_fd, open("/dev/null", O_RDONLY | O_CLOEXEC));
     for (;;) {
         int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
-        if (fd < 0)
-            return;
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return true;
+            if (errno != EMFILE && errno != ENFILE)
+                return false;
+            spare_result r = refuse_for_want_of_descriptors(lfd);
+            if (r == SPARE_REFUSED)
+                continue;
+            return r == SPARE_QUEUE_EMPTY;
+        }
         struct ucred cr;
         socklen_t len = sizeof cr;
         if (nclients >= MAX_CLIENTS || getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 || cr.pid <= 0) {
@@ -853,6 +898,7 @@ static void *server_main(void *arg)
     (void)arg;
     struct pollfd *pfds = NULL;
     size_t pcap = 0;
+    uint64_t rest_until = 0; /* the listener is left out of the poll until then (0: it is not) */
     for (;;) {
         size_t want = nclients + 2;
         if (want > pcap) {
@@ -869,7 +915,17 @@ static void *server_main(void *arg)
         for (size_t i = 0; i < nclients; i++)
             pfds[i + 2] = (struct pollfd){clients[i].fd, POLLIN, 0};
         size_t polled = nclients;
-        if (poll(pfds, polled + 2, -1) < 0) {
+        int wait_ms = -1;
+        if (rest_until) {
+            uint64_t now = host_now_ns();
+            if (now < rest_until) {
+                pfds[1].fd = -1; /* ignored by poll */
+                wait_ms = (int)((rest_until - now + 999999) / 1000000);
+            } else {
+                rest_until = 0;
+            }
+        }
+        if (poll(pfds, polled + 2, wait_ms) < 0) {
             if (errno == EINTR)
                 continue;
             break;
@@ -890,8 +946,8 @@ static void *server_main(void *arg)
             if (!keep)
                 client_drop(i);
         }
-        if (pfds[1].revents)
-            accept_clients(ipc.listen_fd);
+        if (pfds[1].revents && !accept_clients(ipc.listen_fd))
+            rest_until = host_now_ns() + LISTEN_REST_NS;
     }
     free(pfds);
     return NULL;
@@ -923,12 +979,16 @@ static aclError ensure_server_locked(void)
     if (lfd < 0)
         return ACL_ERROR_RT_IPC_ERROR;
     int wfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (wfd < 0 || listen(lfd, 256) != 0) {
+    int spare = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (wfd < 0 || spare < 0 || listen(lfd, 256) != 0) {
         close(lfd);
         if (wfd >= 0)
             close(wfd);
+        if (spare >= 0)
+            close(spare);
         return ACL_ERROR_RT_IPC_ERROR;
     }
+    atomic_store(&spare_fd, spare);
     ipc.listen_fd = lfd;
     ipc.wake_fd = wfd;
     ipc.secret = secret;
@@ -941,6 +1001,7 @@ static aclError ensure_server_locked(void)
     if (err) {
         close(lfd);
         close(wfd);
+        close(atomic_exchange(&spare_fd, -1));
         ipc.listen_fd = ipc.wake_fd = -1;
         return ACL_ERROR_RT_IPC_ERROR;
     }
@@ -990,8 +1051,8 @@ static aclError connect_exporter(int32_t pid, uint32_t secret, bool no_wait, int
     return ACL_SUCCESS;
 }
 
-/* Sends a request and receives the reply (and a descriptor, if one comes). */
-static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *token, ipc_reply *rp, int *fd)
+/* Sends a request: 0, or the errno of the failure. */
+static int send_request(int sock, uint16_t op, uint64_t value, const uint8_t *token, int flags)
 {
     ipc_request rq;
     memset(&rq, 0, sizeof rq);
@@ -1004,22 +1065,39 @@ static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *
         memcpy(rq.token, token, 16);
     ssize_t n;
     do
-        n = send(sock, &rq, sizeof rq, MSG_NOSIGNAL);
+        n = send(sock, &rq, sizeof rq, MSG_NOSIGNAL | flags);
     while (n < 0 && errno == EINTR);
-    if (n != (ssize_t)sizeof rq)
-        return n < 0 && (errno == EAGAIN || errno == ETIMEDOUT) ? ACL_ERROR_RT_IPC_ERROR
-                                                                : ACL_ERROR_RT_INVALID_HANDLE;
+    return n == (ssize_t)sizeof rq ? 0 : n < 0 ? errno : EPROTO;
+}
+
+/* Receives a reply (and a descriptor, if one comes).  ACL_ERROR_RT_INVALID_HANDLE when the
+ * exporter hung up without one, 507022 when none came in time or it is malformed; with
+ * MSG_DONTWAIT, *waiting tells a reply not there yet (507022 then) from the rest. */
+static aclError recv_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *waiting)
+{
     struct iovec iov = {rp, sizeof *rp};
     union {
         char buf[CMSG_SPACE(sizeof(int) * 4)];
         struct cmsghdr align;
     } u;
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    ssize_t n;
     do
-        n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+        n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
     while (n < 0 && errno == EINTR);
+    int err = n < 0 ? errno : 0;
+    if (err == ECONNRESET) {
+        /* The exporter closed with our request unread (one that could not serve answers before
+         * reading): the kernel reports the reset first, then the answer still queued. */
+        msg.msg_controllen = sizeof u.buf;
+        n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+        if (n >= 0)
+            err = 0;
+    }
+    if (waiting)
+        *waiting = n < 0 && (err == EAGAIN || err == EWOULDBLOCK);
     int got = -1;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
+    for (struct cmsghdr *cm = n >= 0 ? CMSG_FIRSTHDR(&msg) : NULL; cm; cm = CMSG_NXTHDR(&msg, cm)) {
         if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
             size_t count = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
             for (size_t i = 0; i < count; i++) {
@@ -1032,21 +1110,33 @@ static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *
             }
         }
     }
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != ETIMEDOUT)) {
+    aclError rc = ACL_SUCCESS;
+    if (n == 0 || (n < 0 && err != EAGAIN && err != EWOULDBLOCK && err != ETIMEDOUT))
+        rc = ACL_ERROR_RT_INVALID_HANDLE; /* the exporter went away */
+    else if (n != (ssize_t)sizeof *rp || rp->magic != IPC_MAGIC || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+        rc = ACL_ERROR_RT_IPC_ERROR;
+    if (rc != ACL_SUCCESS || !fd) {
         if (got >= 0)
             close(got);
-        return ACL_ERROR_RT_INVALID_HANDLE; /* the exporter went away */
-    }
-    if (n != (ssize_t)sizeof *rp || rp->magic != IPC_MAGIC || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
-        if (got >= 0)
-            close(got);
-        return ACL_ERROR_RT_IPC_ERROR;
-    }
-    if (fd)
+    } else {
         *fd = got;
-    else if (got >= 0)
-        close(got);
-    return ACL_SUCCESS;
+    }
+    return rc;
+}
+
+/* Sends a request and waits for the reply (and a descriptor, if one comes). */
+static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *token, ipc_reply *rp, int *fd)
+{
+    int err = send_request(sock, op, value, token, 0);
+    if (err == EAGAIN || err == ETIMEDOUT)
+        return ACL_ERROR_RT_IPC_ERROR;
+    if (!err)
+        return recv_reply(sock, 0, rp, fd, NULL);
+    /* An exporter that could not serve (out of descriptors) answers before reading and hangs
+     * up: its answer may be here although the send failed. */
+    bool none;
+    aclError rc = recv_reply(sock, MSG_DONTWAIT, rp, fd, &none);
+    return none ? ACL_ERROR_RT_INVALID_HANDLE : rc;
 }
 
 /* ---- finding the server that exported a value (see ipc.h) ---- */
@@ -2104,6 +2194,12 @@ void ipc_atfork_child(void)
         ipc.listen_fd = ipc.wake_fd = -1;
         ipc.server_running = false;
     }
+    /* The child's copy of the spare.  Forked while the server thread had it out (between taking
+     * it and putting it back), the child reads -1 and may keep one /dev/null descriptor; it
+     * never closes a descriptor that is not the spare. */
+    int spare = atomic_exchange(&spare_fd, -1);
+    if (spare >= 0)
+        close(spare);
     for (size_t i = 0; i < nclients; i++) {
         close(clients[i].fd);
         free(clients[i].pins);
@@ -2134,6 +2230,9 @@ void ipc_shutdown(void)
         close(ipc.listen_fd);
         close(ipc.wake_fd);
         ipc.listen_fd = ipc.wake_fd = -1;
+        int spare = atomic_exchange(&spare_fd, -1);
+        if (spare >= 0)
+            close(spare);
     }
     /* Pins held by other processes go: pending frees complete. */
     while (nclients)

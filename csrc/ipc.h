@@ -72,6 +72,10 @@
  *     set, and the process must be the one that had that pid when it was set (its start time
  *     is compared, so a recycled pid does not inherit the permission, like CANN's time check);
  * and answers with the file's descriptor (SCM_RIGHTS), its size, page kind and device.
+ * The server keeps a spare descriptor (/dev/null): when its process has none free, accept()
+ * fails and the connection would stay queued, the listener polling ready for ever; the server
+ * then closes the spare, accepts, answers 507022 unread, closes and takes the spare back.  With
+ * no spare to give (another thread took the slot) the listener rests 100 ms between attempts.
  *
  * Messages (little-endian, fixed size; one request or reply per SEQPACKET message):
  *   request  { u32 magic 'NPUI' (0x4955504e); u16 version 1; u16 op; i32 claimed_pid (ignored);
@@ -102,8 +106,9 @@
  *   ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000  import for another device without peer access
  *                                    between the two (the code of a copy between such devices),
  *                                    export of host-resident physical memory
- *   ACL_ERROR_RT_IPC_ERROR 507022     the exporter broke the protocol or did not answer in time
- *                                    (NPUALLOC_IPC_TIMEOUT_MS, default 10000)
+ *   ACL_ERROR_RT_IPC_ERROR 507022     the exporter broke the protocol, did not answer in time
+ *                                    (NPUALLOC_IPC_TIMEOUT_MS, default 10000) or had no free
+ *                                    descriptor to take the connection
  *
  * ---- Importing ----
  * An imported handle is a normal physical handle of the importing process, charged to no

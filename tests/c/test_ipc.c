@@ -2,10 +2,13 @@
  * The second process is a fork() child (which starts with a fresh runtime); it reports through
  * its exit status, never through cmocka. */
 #include <dirent.h>
+#include <errno.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdio.h>
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -280,7 +283,7 @@ static void test_forged_values_are_refused_and_leak_nothing(void **state)
     uint64_t v = 0;
     assert_int_equal(aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v),
                      ACL_SUCCESS);
-    int fds = open_fds(); /* with the server's two */
+    int fds = open_fds(); /* with the server's three */
     ipc_counts before;
     ipc_get_counts(&before);
     child c = spawn(child_import_forged, NULL);
@@ -476,7 +479,8 @@ static void test_child_imports_with_whitelist(void **state)
     assert_int_equal(export_and_run(ACL_RT_VMM_EXPORT_FLAG_DEFAULT, true, false, &a, &status, &first), ACL_SUCCESS);
     assert_int_equal(status, 0);
     assert_int_equal(first, 'C'); /* the child's write is seen here: nothing was copied */
-    assert_int_equal(open_fds_settled(fds + 2), fds + 2); /* only the server's socket and wake fd remain */
+    /* only the server's socket, wake-up descriptor and spare descriptor remain */
+    assert_int_equal(open_fds_settled(fds + 3), fds + 3);
 }
 
 static void test_child_not_on_whitelist_is_refused(void **state)
@@ -822,6 +826,171 @@ static void test_expandable_pages_of_a_pinned_block_stay_mapped(void **state)
     assert_int_equal(npualloc_cache_check(0, why, sizeof why), ACL_SUCCESS);
 }
 
+/* ---- an exporter with no free descriptor ---- */
+
+/* CPU time a process used so far (all its threads), in seconds. */
+static double cpu_seconds_of(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    assert_non_null(p);
+    unsigned long long utime = 0, stime = 0; /* fields 14 and 15 */
+    assert_int_equal(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime, &stime), 2);
+    return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* Child: exports 'F' memory (DISABLE_PID_VALIDATION), then fills its descriptor table and sends
+ * the value and its server's secret.  `*no_spare`: the limit is set below the server's own
+ * descriptors, so the server cannot get its spare back once it gave it up.  On the parent's
+ * word it closes 16 descriptors, says so, and waits to be told to go. */
+static int child_export_out_of_fds(int in, int out, void *arg)
+{
+    const bool no_spare = *(const bool *)arg;
+    aclrtDrvMemHandle h = NULL;
+    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    void *va = NULL;
+    if (aclrtMallocPhysical(&h, G2, &p, 0) || aclrtReserveMemAddress(&va, G2, 0, NULL, 0) ||
+        aclrtMapMem(va, G2, 0, h, 0))
+        return 1;
+    memset(va, 'F', G2);
+    enum { LOW = 64 };
+    int low[LOW];
+    for (int i = 0; no_spare && i < LOW; i++) /* the server's descriptors go above these */
+        if ((low[i] = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
+            return 2;
+    uint64_t v = 0;
+    if (aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v))
+        return 3;
+    int limit = open_fds() + 32;
+    if (no_spare) {
+        limit = low[LOW - 1] + 1; /* the server's descriptors stay open above the limit */
+        for (int i = 0; i < LOW; i++)
+            close(low[i]);
+    }
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) || (rlim_t)limit > rl.rlim_cur)
+        return 4;
+    rl.rlim_cur = (rlim_t)limit;
+    if (setrlimit(RLIMIT_NOFILE, &rl))
+        return 5;
+    int held[4096], nheld = 0;
+    while (nheld < 4096 && (held[nheld] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0)
+        nheld++;
+    if (nheld == 4096 || errno != EMFILE || nheld < 16)
+        return 6;
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    if (cput64(out, v) || cput64(out, ic.secret))
+        return 7;
+    (void)get64(in); /* free some */
+    for (int i = 0; i < 16; i++)
+        close(held[--nheld]);
+    if (cput64(out, 1))
+        return 8;
+    (void)get64(in); /* until told to go */
+    return 0;
+}
+
+/* Imports a value with a 20 s timeout; the code, and how long it took in *secs. */
+static aclError import_timed(uint64_t v, aclrtDrvMemHandle *h, double *secs)
+{
+    assert_int_equal(setenv("NPUALLOC_IPC_TIMEOUT_MS", "20000", 1), 0);
+    uint64_t t0 = host_now_ns();
+    aclError rc = aclrtMemImportFromShareableHandle(v, 0, h);
+    *secs = (double)(host_now_ns() - t0) / 1e9;
+    assert_int_equal(unsetenv("NPUALLOC_IPC_TIMEOUT_MS"), 0);
+    return rc;
+}
+
+static void check_imported_bytes(aclrtDrvMemHandle h, char byte)
+{
+    void *va = map_new(h, G2);
+    assert_true(((char *)va)[0] == byte && ((char *)va)[G2 - 1] == byte);
+    unmap_release(va);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
+/* The server used to poll its listener ready for ever while accept() failed with EMFILE (100%
+ * of a CPU), and the importer waited out its timeout.  Now the spare descriptor lets the server
+ * answer 507022 at once and drop the connection: the importer learns promptly and the server
+ * stays idle; once descriptors are free again, imports work. */
+static void test_exporter_out_of_descriptors_refuses_promptly_and_stays_idle(void **state)
+{
+    (void)state;
+    setup_runtime();
+    bool no_spare = false;
+    child c = spawn(child_export_out_of_fds, &no_spare);
+    uint64_t v = get64(c.from_child);
+    (void)get64(c.from_child); /* secret */
+    double cpu0 = cpu_seconds_of(c.pid);
+    uint64_t t0 = host_now_ns();
+    aclrtDrvMemHandle h = NULL;
+    double took = 0;
+    aclError rc = import_timed(v, &h, &took);
+    usleep(1000000); /* and a second more, the descriptor table still full */
+    double wall = (double)(host_now_ns() - t0) / 1e9, cpu = cpu_seconds_of(c.pid) - cpu0;
+    print_message("exporter out of descriptors: import %d after %.3f s; exporter CPU %.2f s in %.2f s\n", rc, took,
+                  cpu, wall);
+    assert_int_equal(rc, ACL_ERROR_RT_IPC_ERROR);
+    assert_true(took < 10.0);       /* well under the 20 s timeout (it used to wait it out) */
+    assert_true(cpu < 0.3 * wall);  /* the server used to spin: 60-90% of the wall time */
+    put64(c.to_child, 1);           /* the exporter frees 16 descriptors */
+    assert_int_equal(get64(c.from_child), 1);
+    assert_int_equal(import_timed(v, &h, &took), ACL_SUCCESS);
+    check_imported_bytes(h, 'F');
+    put64(c.to_child, 1);
+    assert_int_equal(finish(&c), 0);
+}
+
+/* Without even the spare (the limit was lowered under the server's own descriptors), the
+ * listener rests between attempts instead of spinning, and a connection left queued is served
+ * once descriptors are free. */
+static void test_exporter_without_a_spare_descriptor_rests_instead_of_spinning(void **state)
+{
+    (void)state;
+    setup_runtime();
+    bool no_spare = true;
+    child c = spawn(child_export_out_of_fds, &no_spare);
+    uint64_t v = get64(c.from_child);
+    uint32_t secret = (uint32_t)get64(c.from_child);
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    int n = ipc_server_name((int32_t)c.pid, secret, a.sun_path + 1, sizeof a.sun_path - 1);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    assert_true(s >= 0);
+    struct timeval tv = {20, 0};
+    assert_int_equal(setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv), 0);
+    double cpu0 = cpu_seconds_of(c.pid);
+    uint64_t t0 = host_now_ns();
+    /* a probe for the value, queued: the server cannot accept it */
+    assert_int_equal(connect(s, (struct sockaddr *)&a, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)), 0);
+    ipc_request rq = {.magic = IPC_MAGIC, .version = IPC_VERSION, .op = IPC_OP_PROBE, .value = v};
+    assert_int_equal(send(s, &rq, sizeof rq, MSG_NOSIGNAL), (ssize_t)sizeof rq);
+    usleep(1000000);
+    double wall = (double)(host_now_ns() - t0) / 1e9, cpu = cpu_seconds_of(c.pid) - cpu0;
+    print_message("exporter without a spare: CPU %.2f s in %.2f s\n", cpu, wall);
+    assert_true(cpu < 0.3 * wall);
+    put64(c.to_child, 1); /* the exporter frees 16 descriptors */
+    assert_int_equal(get64(c.from_child), 1);
+    ipc_reply rp;
+    assert_int_equal(recv(s, &rp, sizeof rp, 0), (ssize_t)sizeof rp); /* the queued probe is served */
+    assert_int_equal(rp.status, ACL_SUCCESS);
+    close(s);
+    aclrtDrvMemHandle h = NULL;
+    double took = 0;
+    assert_int_equal(import_timed(v, &h, &took), ACL_SUCCESS);
+    check_imported_bytes(h, 'F');
+    put64(c.to_child, 1);
+    assert_int_equal(finish(&c), 0);
+}
+
 /* ---- threads ---- */
 
 typedef struct export_job {
@@ -922,6 +1091,8 @@ int main(void)
         cmocka_unit_test_teardown(test_share_pin_released_when_opener_dies, stop_runtime),
         cmocka_unit_test_teardown(test_share_of_freed_block_cannot_be_opened, stop_runtime),
         cmocka_unit_test_teardown(test_expandable_pages_of_a_pinned_block_stay_mapped, stop_runtime),
+        cmocka_unit_test_teardown(test_exporter_out_of_descriptors_refuses_promptly_and_stays_idle, stop_runtime),
+        cmocka_unit_test_teardown(test_exporter_without_a_spare_descriptor_rests_instead_of_spinning, stop_runtime),
         cmocka_unit_test_teardown(test_concurrent_exports_are_distinct, stop_runtime),
         cmocka_unit_test_teardown(test_shutdown_releases_everything, stop_runtime),
     };
