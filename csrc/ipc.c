@@ -1011,12 +1011,23 @@ static aclError ensure_server_locked(void)
 
 /* ---- the importing side ---- */
 
-/* Connects to an exporter's server and checks that it is that process, of an accepted user.
- * `no_wait`: a listener whose queue is full counts as absent (the search for a value's
- * exporter must not be stalled by a socket that never accepts). */
-static aclError connect_exporter(int32_t pid, uint32_t secret, bool no_wait, int *out)
+/* Checks that the listener a socket connected to is process `pid`, of a user this process
+ * accepts: ACL_SUCCESS, ACL_ERROR_RT_INVALID_HANDLE (somebody else holds the name) or
+ * ACL_ERROR_RT_DRV_INTERNAL_ERROR (not an accepted user). */
+static aclError check_listener(int fd, int32_t pid)
 {
-    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | (no_wait ? SOCK_NONBLOCK : 0), 0);
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 || cr.pid != pid)
+        return ACL_ERROR_RT_INVALID_HANDLE; /* not the exporter the name names */
+    return uid_allowed(cr.uid) ? ACL_SUCCESS : ACL_ERROR_RT_DRV_INTERNAL_ERROR;
+}
+
+/* Connects to the server a key or share names and checks that it is that process, of an
+ * accepted user; requests on the connection then wait up to NPUALLOC_IPC_TIMEOUT_MS. */
+static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
+{
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
     int ms = timeout_ms();
@@ -1029,23 +1040,16 @@ static aclError connect_exporter(int32_t pid, uint32_t secret, bool no_wait, int
     do
         rc = connect(fd, (struct sockaddr *)&a, alen);
     while (rc != 0 && errno == EINTR);
-    if (rc == 0 && no_wait && fcntl(fd, F_SETFL, 0) != 0)
-        rc = -1; /* the request and reply wait (with the timeouts above) */
     if (rc != 0) {
         int err = errno;
         close(fd);
-        /* nobody listens there: the exporter exited, never exported, or the value is forged */
+        /* nobody listens there: the exporter exited, never exported, or the key is forged */
         return err == EAGAIN || err == ETIMEDOUT ? ACL_ERROR_RT_IPC_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
     }
-    struct ucred cr;
-    socklen_t len = sizeof cr;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 || cr.pid != pid) {
-        close(fd); /* somebody else holds the name: not the exporter the value names */
-        return ACL_ERROR_RT_INVALID_HANDLE;
-    }
-    if (!uid_allowed(cr.uid)) {
+    aclError checked = check_listener(fd, pid);
+    if (checked != ACL_SUCCESS) {
         close(fd);
-        return ACL_ERROR_RT_DRV_INTERNAL_ERROR;
+        return checked;
     }
     *out = fd;
     return ACL_SUCCESS;
@@ -1207,16 +1211,48 @@ static server_id *list_servers(size_t *count)
     return out;
 }
 
-typedef enum { ASK_ANSWER, ASK_MISS, ASK_BUSY, ASK_DENIED, ASK_GONE } ask_result;
+/* What asking one server came to.  ASK_SENT: the request is on its way; ASK_NO_FD: this
+ * process had no descriptor for the connection. */
+typedef enum { ASK_SENT, ASK_ANSWER, ASK_MISS, ASK_BUSY, ASK_DENIED, ASK_GONE, ASK_NO_FD } ask_result;
 
-static ask_result ask_one(server_id id, uint16_t op, uint64_t value, ipc_reply *rp, int *fd)
+/* Connects to a server without waiting (a listener whose queue is full counts as busy), checks
+ * it, and sends the request without waiting. */
+static ask_result ask_start(server_id id, uint16_t op, uint64_t value, int *out)
 {
-    int sock;
-    aclError rc = connect_exporter(id.pid, id.secret, true, &sock);
-    if (rc != ACL_SUCCESS) /* not an accepted user (the value is never sent), or nobody there */
-        return rc == ACL_ERROR_RT_DRV_INTERNAL_ERROR ? ASK_DENIED : ASK_GONE;
-    rc = roundtrip(sock, op, value, NULL, rp, fd);
-    close(sock);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return ASK_NO_FD;
+    struct sockaddr_un a;
+    socklen_t alen = make_addr(id.pid, id.secret, &a);
+    int rc;
+    do
+        rc = connect(fd, (struct sockaddr *)&a, alen);
+    while (rc != 0 && errno == EINTR);
+    aclError checked = rc == 0 ? check_listener(fd, id.pid) : ACL_SUCCESS;
+    int err = rc != 0 ? errno : checked == ACL_SUCCESS ? send_request(fd, op, value, NULL, MSG_DONTWAIT) : 0;
+    ask_result r = ASK_SENT;
+    if (rc != 0) /* EAGAIN: its queue is full; otherwise nobody listens there any more */
+        r = err == EAGAIN ? ASK_BUSY : ASK_GONE;
+    else if (checked != ACL_SUCCESS) /* the value is never sent to such a listener */
+        r = checked == ACL_ERROR_RT_DRV_INTERNAL_ERROR ? ASK_DENIED : ASK_GONE;
+    else if (err == EAGAIN)
+        r = ASK_BUSY;
+    /* Any other send failure: the server hung up, maybe after an answer (one that could not
+     * serve answers before reading): the reply, or the hang-up, is read like any other. */
+    if (r != ASK_SENT)
+        close(fd);
+    else
+        *out = fd;
+    return r;
+}
+
+/* Reads a server's answer: ASK_SENT when it is not there yet. */
+static ask_result ask_finish(int sock, ipc_reply *rp, int *fd)
+{
+    bool waiting;
+    aclError rc = recv_reply(sock, MSG_DONTWAIT, rp, fd, &waiting);
+    if (waiting)
+        return ASK_SENT;
     if (rc != ACL_SUCCESS)
         return rc == ACL_ERROR_RT_IPC_ERROR ? ASK_BUSY : ASK_GONE;
     if (rp->status == ACL_SUCCESS)
@@ -1230,8 +1266,23 @@ static ask_result ask_one(server_id id, uint16_t op, uint64_t value, ipc_reply *
                                                      : ASK_ANSWER;
 }
 
-/* Asks the servers this process may reach, known ones first, until one knows the value: its
- * reply (status 0 or the exporter's refusal), or the error of nobody knowing it. */
+#define SEARCH_AT_ONCE 32              /* servers asked at the same time */
+#define SEARCH_KNOWN_ALONE_NS 10000000u /* the known servers are asked alone for 10 ms at most */
+
+/* A server asked and not answered yet. */
+typedef struct asking {
+    int fd;
+    server_id id;
+    uint64_t deadline; /* ns: silent until then, it counts as busy */
+} asking;
+
+static bool same_server(server_id a, server_id b) { return a.pid == b.pid && a.secret == b.secret; }
+
+/* Asks the servers this process may reach until one knows the value: its reply (status 0 or the
+ * exporter's refusal), or the error of nobody knowing it.  Servers are asked at the same time
+ * (SEARCH_AT_ONCE of them), the known ones first and alone for up to 10 ms, and each gets a tenth
+ * of NPUALLOC_IPC_TIMEOUT_MS to answer: a listener that never answers costs that window, not the
+ * timeout, and delays nothing when another server has the value. */
 static aclError ask_servers(uint16_t op, uint64_t value, ipc_reply *rp, int *fd)
 {
     server_id first[KNOWN_SERVERS];
@@ -1239,37 +1290,85 @@ static aclError ask_servers(uint16_t op, uint64_t value, ipc_reply *rp, int *fd)
     size_t nfirst = nknown;
     memcpy(first, known, nknown * sizeof known[0]);
     pthread_mutex_unlock(&ipc.lock);
-    bool busy = false, denied = false;
-    size_t nlisted = 0;
+    const uint64_t window = (uint64_t)timeout_ms() * 100000u; /* a tenth of the timeout, in ns */
+    const uint64_t list_at = host_now_ns() + SEARCH_KNOWN_ALONE_NS;
     server_id *listed = NULL;
-    aclError rc = ACL_ERROR_RT_INVALID_HANDLE;
-    for (size_t i = 0;; i++) {
-        if (i == nfirst) /* the cache did not know it: every server then */
+    size_t nlisted = 0, next_first = 0, next_listed = 0;
+    bool listing = false, busy = false, denied = false, found = false;
+    asking flight[SEARCH_AT_ONCE];
+    struct pollfd pfds[SEARCH_AT_ONCE];
+    size_t nflight = 0;
+    *fd = -1;
+    while (!found) {
+        uint64_t now = host_now_ns();
+        /* everybody else once the known servers all answered, or after 10 ms */
+        if (!listing && next_first == nfirst && (nflight == 0 || now >= list_at)) {
             listed = list_servers(&nlisted);
-        if (i >= nfirst + nlisted)
-            break;
-        server_id id = i < nfirst ? first[i] : listed[i - nfirst];
-        bool tried = false;
-        for (size_t j = 0; j < nfirst && i >= nfirst && !tried; j++)
-            tried = first[j].pid == id.pid && first[j].secret == id.secret;
-        if (tried)
-            continue;
-        *fd = -1;
-        ask_result r = ask_one(id, op, value, rp, fd);
-        if (r == ASK_ANSWER) {
-            known_remember(id);
-            rc = ACL_SUCCESS;
-            break;
+            listing = true;
         }
-        if (r == ASK_GONE && i < nfirst)
-            known_forget(id);
-        busy |= r == ASK_BUSY;
-        denied |= r == ASK_DENIED;
+        while (nflight < SEARCH_AT_ONCE && (next_first < nfirst || next_listed < nlisted)) {
+            bool is_known = next_first < nfirst;
+            server_id id = is_known ? first[next_first] : listed[next_listed];
+            bool asked = false;
+            for (size_t j = 0; j < nfirst && !is_known && !asked; j++)
+                asked = same_server(first[j], id);
+            int sock = -1;
+            ask_result r = asked ? ASK_MISS : ask_start(id, op, value, &sock);
+            if (r == ASK_NO_FD && nflight > 0)
+                break; /* again once a connection in flight is closed */
+            next_first += is_known;
+            next_listed += !is_known;
+            if (r == ASK_SENT)
+                flight[nflight++] = (asking){sock, id, now + window};
+            else if (r == ASK_GONE)
+                known_forget(id);
+            busy |= r == ASK_BUSY || r == ASK_NO_FD;
+            denied |= r == ASK_DENIED;
+        }
+        if (nflight == 0) {
+            if (listing)
+                break; /* everybody answered */
+            continue;
+        }
+        uint64_t until = listing ? UINT64_MAX : list_at;
+        for (size_t i = 0; i < nflight; i++)
+            if (flight[i].deadline < until)
+                until = flight[i].deadline;
+        for (size_t i = 0; i < nflight; i++)
+            pfds[i] = (struct pollfd){flight[i].fd, POLLIN, 0};
+        int wait_ms = until > now ? (int)((until - now + 999999) / 1000000) : 0;
+        bool cannot_wait = poll(pfds, nflight, wait_ms) < 0 && errno != EINTR;
+        now = host_now_ns();
+        for (size_t i = nflight; i-- > 0;) {
+            ipc_reply got;
+            int got_fd = -1;
+            ask_result r = pfds[i].revents ? ask_finish(flight[i].fd, &got, &got_fd) : ASK_SENT;
+            if (r == ASK_SENT && now < flight[i].deadline && !cannot_wait)
+                continue;
+            if (r == ASK_SENT)
+                r = ASK_BUSY; /* silent for its whole window (or poll failed) */
+            close(flight[i].fd);
+            server_id id = flight[i].id;
+            flight[i] = flight[--nflight];
+            if (r == ASK_GONE)
+                known_forget(id);
+            if (r == ASK_ANSWER && !found) {
+                found = true;
+                *rp = got;
+                *fd = got_fd;
+                known_remember(id);
+            } else if (r == ASK_ANSWER && got_fd >= 0) {
+                close(got_fd); /* a second server claims it: the first answer stands */
+            }
+            busy |= r == ASK_BUSY;
+        }
     }
+    for (size_t i = 0; i < nflight; i++)
+        close(flight[i].fd);
     free(listed);
-    if (rc != ACL_SUCCESS)
-        rc = busy ? ACL_ERROR_RT_IPC_ERROR : denied ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
-    return rc;
+    if (found)
+        return ACL_SUCCESS;
+    return busy ? ACL_ERROR_RT_IPC_ERROR : denied ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
 }
 
 typedef struct import_spec {
@@ -1348,7 +1447,7 @@ static aclError import_handle(const import_spec *sp, uint64_t *handle_out, size_
         rc = ask_servers(IPC_OP_IMPORT, sp->value, &rp, &fd); /* nothing in a value names its exporter */
     } else {
         if (sock < 0)
-            rc = connect_exporter(sp->exporter, sp->secret, false, &sock);
+            rc = connect_exporter(sp->exporter, sp->secret, &sock);
         if (rc == ACL_SUCCESS)
             rc = roundtrip(sock, sp->is_key ? IPC_OP_IMPORT_KEY : IPC_OP_IMPORT,
                            sp->is_key ? (uint64_t)sp->key_device : sp->value, sp->is_key ? sp->token : NULL, &rp,
@@ -1906,7 +2005,7 @@ static aclError session_get(int32_t pid, uint32_t secret, session **out)
     }
     pthread_mutex_unlock(&ipc.lock);
     int fd;
-    aclError rc = connect_exporter(pid, secret, false, &fd);
+    aclError rc = connect_exporter(pid, secret, &fd);
     if (rc != ACL_SUCCESS)
         return rc;
     session *s = calloc(1, sizeof *s);

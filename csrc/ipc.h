@@ -26,17 +26,23 @@
  * socket names), which left 24 secret bits: found by brute force within hours.
  *
  * ---- Finding the exporter of a value ----
- * The importer asks the npualloc servers it can reach, in turn, until one knows the value:
- * first the servers that answered this process before (a small cache, most recent first), then
- * every other listening socket named "npualloc-ipc-*" in /proc/net/unix (abstract sockets
- * live in the network namespace, and /proc/net/unix lists exactly those of the importer's
- * namespace: the ones it can connect to).  Each server is checked before the value is sent:
- * SO_PEERCRED must name the pid in the socket's name and a user the importer accepts (so a
- * value is only ever shown to processes of accepted users, which could read this process's
- * memory anyway); connects are non-blocking (a listener that never accepts cannot stall the
- * search).  A server that does not know the value answers 107017 and the search goes on; the
- * first other answer is final.  No server knows it: 107017 (507899 when servers of users not
- * accepted were skipped: the value may be theirs; 507022 when a server refused as busy).
+ * The importer asks the npualloc servers it can reach until one knows the value: first the
+ * servers that answered this process before (a small cache, most recent first), then every
+ * other listening socket named "npualloc-ipc-*" in /proc/net/unix (abstract sockets live in the
+ * network namespace, and /proc/net/unix lists exactly those of the importer's namespace: the
+ * ones it can connect to).  Each server is checked before the value is sent: SO_PEERCRED must
+ * name the pid in the socket's name and a user the importer accepts (so a value is only ever
+ * shown to processes of accepted users, which could read this process's memory anyway).
+ * Servers are asked at the same time, up to 32 at once, over non-blocking connections and one
+ * poll(): the cached ones alone for up to 10 ms (until they all answered), then everybody.  A
+ * Unix connect completes into the listener's queue whether or not anybody ever accepts, so a
+ * listener that never answers (a stopped process, a squatter) can only be waited for: each
+ * server gets a search window of a tenth of NPUALLOC_IPC_TIMEOUT_MS, after which it counts as
+ * busy.  It delays nothing when another server knows the value.  A server that does not know
+ * the value answers 107017; the first other answer is final.  No server knows it: 107017
+ * (507899 when servers of users not accepted were skipped: the value may be theirs; 507022 when
+ * a server refused as busy or stayed silent for its window: it may have been the owner; also
+ * when this process had no descriptor to ask one).
  * The cost is one connect and one round trip per server asked; the cache makes the usual
  * case (several imports from one exporter) a single round trip.
  *

@@ -991,6 +991,72 @@ static void test_exporter_without_a_spare_descriptor_rests_instead_of_spinning(v
     assert_int_equal(finish(&c), 0);
 }
 
+/* ---- a listener that never answers ---- */
+
+/* Child: listens on a socket named like an npualloc server of its own pid, and never accepts. */
+static int child_squat(int in, int out, void *arg)
+{
+    (void)arg;
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    int n = ipc_server_name((int32_t)getpid(), 1, a.sun_path + 1, sizeof a.sun_path - 1);
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (s < 0 || bind(s, (struct sockaddr *)&a, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)) ||
+        listen(s, 64))
+        return 1;
+    if (cput64(out, 1))
+        return 2;
+    (void)get64(in); /* until told to go */
+    return 0;
+}
+
+/* docs/sharing.md: a listener that never answers cannot stall the search.  A Unix connect
+ * completes into the listener's queue, so the wait used to move to the reply: each silent
+ * listener asked before the owner cost the whole timeout (10 s by default), and a value nobody
+ * has cost it once per silent listener.  Here a plain listener named like a server never
+ * accepts, and an exporter this process imported from before (so it is asked first) is stopped;
+ * with a 20 s timeout, a live exporter's value imports at once and a value nobody has fails
+ * with 507022 (a silent server may have been its owner) after the search window, a tenth of the
+ * timeout. */
+static void test_a_listener_that_never_answers_does_not_stall_the_search(void **state)
+{
+    (void)state;
+    setup_runtime();
+    child squatter = spawn(child_squat, NULL);
+    assert_int_equal(get64(squatter.from_child), 1);
+    child stopped = spawn(child_export, NULL);
+    uint64_t v_stopped = get64(stopped.from_child);
+    aclrtDrvMemHandle h = NULL;
+    double took = 0;
+    assert_int_equal(import_timed(v_stopped, &h, &took), ACL_SUCCESS); /* now a known server */
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    assert_int_equal(kill(stopped.pid, SIGSTOP), 0);
+    child live = spawn(child_export, NULL);
+    uint64_t v = get64(live.from_child);
+
+    aclError rc = import_timed(v, &h, &took);
+    uint64_t unknown = v ^ ((uint64_t)0x5A5A5A << 40);
+    aclrtDrvMemHandle none = NULL;
+    double took_unknown = 0;
+    aclError rc_unknown = import_timed(unknown, &none, &took_unknown);
+    /* the children go first: a stopped one would outlive a failed assertion */
+    assert_int_equal(kill(stopped.pid, SIGCONT), 0);
+    put64(stopped.to_child, 1);
+    assert_int_equal(finish(&stopped), 0);
+    put64(live.to_child, 1);
+    assert_int_equal(finish(&live), 0);
+    put64(squatter.to_child, 1);
+    assert_int_equal(finish(&squatter), 0);
+    print_message("import of a live exporter's value with two silent listeners around: %d after %.3f s\n", rc, took);
+    print_message("import of a value nobody has: %d after %.3f s\n", rc_unknown, took_unknown);
+    assert_int_equal(rc, ACL_SUCCESS);
+    assert_true(took < 10.0); /* well under the 20 s timeout (it used to wait it out) */
+    check_imported_bytes(h, 'X'); /* the exporter has exited since: the memory lives on */
+    assert_int_equal(rc_unknown, ACL_ERROR_RT_IPC_ERROR);
+    assert_true(took_unknown < 10.0); /* it used to take the timeout once per silent listener */
+}
+
 /* ---- threads ---- */
 
 typedef struct export_job {
@@ -1093,6 +1159,7 @@ int main(void)
         cmocka_unit_test_teardown(test_expandable_pages_of_a_pinned_block_stay_mapped, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_out_of_descriptors_refuses_promptly_and_stays_idle, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_without_a_spare_descriptor_rests_instead_of_spinning, stop_runtime),
+        cmocka_unit_test_teardown(test_a_listener_that_never_answers_does_not_stall_the_search, stop_runtime),
         cmocka_unit_test_teardown(test_concurrent_exports_are_distinct, stop_runtime),
         cmocka_unit_test_teardown(test_shutdown_releases_everything, stop_runtime),
     };
