@@ -39,7 +39,7 @@ void host_memfile_destroy(host_memfile *mf);
 int host_memfile_adopt(int fd, size_t size, host_memfile *out);
 /* Returns a new descriptor for the memory file (caller closes it): a dup of the kept one, or
  * one reopened through /proc/self/map_files when the budget had been exhausted (this needs
- * CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE; EMFILE-like errors are reported otherwise). */
+ * CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE: EPERM or EACCES without them).  Returns 0 or errno. */
 int host_memfile_dup_fd(const host_memfile *mf, int *fd_out);
 
 /* Reserves `size` bytes of address space aligned to `align` (a power of two).  When `hint` is

@@ -444,7 +444,11 @@ static aclError ensure_server_locked(void);
 static aclError export_create(const vmm_share_ref *ref, const vmm_share_info *info, bool is_key, bool user,
                               uint64_t flags, export_entry **out)
 {
-    aclError rc = ensure_server_locked();
+    /* Memory created past the descriptor budget is served through a reopen that needs
+     * capabilities: an export that could never be served fails here, not at the import. */
+    aclError rc = vmm_share_check_reopen(ref);
+    if (rc == ACL_SUCCESS)
+        rc = ensure_server_locked();
     if (rc != ACL_SUCCESS)
         return rc;
     export_entry *e = calloc(1, sizeof *e);

@@ -108,6 +108,10 @@
  *                                    the exporter (-EACCES), a second export of one handle
  *                                    ("Blk has been shared", -EINVAL: CANN allows one value per
  *                                    handle), exporting an imported handle
+ *   ACL_ERROR_RT_RESOURCE_ALLOC_FAIL 207005  export of memory created past the descriptor budget
+ *                                    when the reopen through /proc/self/map_files is refused
+ *                                    (no CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE: export_create
+ *                                    tries it); the exporter out of descriptors at an import
  *   ACL_ERROR_RT_NO_PERMISSION 207006  set-pid after a DISABLE_PID_VALIDATION export
  *   ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000  import for another device without peer access
  *                                    between the two (the code of a copy between such devices),

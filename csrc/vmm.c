@@ -125,6 +125,14 @@ static aclError resource_error(int err)
                                                              : ACL_ERROR_RT_MEMORY_ALLOCATION;
 }
 
+/* A descriptor for sharing that could not be had: out of descriptors, or the reopen through
+ * /proc/self/map_files refused (EPERM or EACCES: the process lacks CAP_SYS_ADMIN and
+ * CAP_CHECKPOINT_RESTORE) are a resource failure (docs/runtime.md, "Open files"). */
+static aclError share_fd_error(int err)
+{
+    return err == EPERM || err == EACCES ? ACL_ERROR_RT_RESOURCE_ALLOC_FAIL : resource_error(err);
+}
+
 /* ---- physical handles ---- */
 
 /* Creates a handle's memory and charges it; the handle is not yet in the table. */
@@ -688,7 +696,22 @@ aclError vmm_share_dup_fd(const vmm_share_ref *ref, int *fd, vmm_share_info *inf
     pthread_rwlock_unlock(&vmm.lock);
     if (!h)
         return ACL_ERROR_RT_INVALID_HANDLE;
-    return err ? resource_error(err) : ACL_SUCCESS;
+    return err ? share_fd_error(err) : ACL_SUCCESS;
+}
+
+aclError vmm_share_check_reopen(const vmm_share_ref *ref)
+{
+    pthread_rwlock_rdlock(&vmm.lock);
+    phys_handle *h = share_ref_resolve_locked(ref);
+    int err = 0, fd = -1;
+    if (h && h->mem.fd < 0)
+        err = host_memfile_dup_fd(&h->mem, &fd);
+    pthread_rwlock_unlock(&vmm.lock);
+    if (fd >= 0)
+        close(fd);
+    if (!h)
+        return ACL_ERROR_RT_INVALID_HANDLE;
+    return err ? share_fd_error(err) : ACL_SUCCESS;
 }
 
 aclError vmm_physical_adopt(int32_t device, mem_kind kind, size_t size, int fd, aclrtDrvMemHandle *out,

@@ -97,6 +97,11 @@ bool vmm_share_ref_live(const vmm_share_ref *ref);
 /* A new descriptor (close-on-exec) for the memory of a reference its owner still holds;
  * ACL_ERROR_RT_INVALID_HANDLE once the owner freed it. */
 aclError vmm_share_dup_fd(const vmm_share_ref *ref, int *fd, vmm_share_info *info);
+/* Whether a descriptor can be handed out for it: always when the memory file's descriptor was
+ * kept; past the descriptor budget it tries the reopen through /proc/self/map_files (and closes
+ * it).  ACL_ERROR_RT_RESOURCE_ALLOC_FAIL when that is refused (no CAP_SYS_ADMIN or
+ * CAP_CHECKPOINT_RESTORE) or descriptors ran out; ACL_ERROR_RT_INVALID_HANDLE once freed. */
+aclError vmm_share_check_reopen(const vmm_share_ref *ref);
 /* A user handle for memory received from another process (takes `fd` in every case).  It is
  * charged to no device (the exporter's device carries it) and belongs to `device`. */
 aclError vmm_physical_adopt(int32_t device, mem_kind kind, size_t size, int fd, aclrtDrvMemHandle *out,

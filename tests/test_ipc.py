@@ -289,6 +289,60 @@ assert r == 0
     assert _C.ipc.counts()["exports"] == 0
 
 
+DROP_REOPEN_CAPS = r"""
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+libc = ctypes.CDLL(None, use_errno=True)
+header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+assert libc.capget(ctypes.byref(header), data) == 0
+for cap in (21, 40):  # CAP_SYS_ADMIN, CAP_CHECKPOINT_RESTORE
+    for field in ("effective", "permitted", "inheritable"):
+        setattr(data[cap // 32], field, getattr(data[cap // 32], field) & ~(1 << (cap % 32)))
+assert libc.capset(ctypes.byref(header), data) == 0
+"""
+
+MAP_FILES_REOPEN = r"""
+start, end = (int(x, 16) for x in open("/proc/self/maps").readline().split()[0].split("-"))
+try:
+    os.close(os.open("/proc/self/map_files/%x-%x" % (start, end), os.O_RDONLY))
+    ret = "reopened"
+except PermissionError:
+    ret = "refused"
+"""
+
+EXPORT_PAST_THE_BUDGET = """
+assert rt.set_device(0) == 0
+h, r = rt.malloc_physical(size, prop, 0)
+assert r == 0 and _C.vmm_counts()["fds_kept"] == 0  # past the budget: no descriptor kept
+value, r_value = rt.mem_export_to_shareable_handle(h, 0, 1)
+p, r = rt.malloc(size, 0)
+assert r == 0
+key, r_key = rt.ipc_mem_get_export_key(p, size, 65, 0)
+ret = (r_value, r_key, _C.ipc.counts()["exports"])
+"""
+
+
+def test_export_past_the_descriptor_budget_needs_the_reopen_capabilities(workers):
+    # Memory created past NPUALLOC_FD_BUDGET is served through /proc/self/map_files, which needs
+    # CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE.  Without them the export itself fails with 207005
+    # (docs/runtime.md); it used to succeed, and every import then failed with 207001.
+    budget0 = {"NPUALLOC_FD_BUDGET": "0"}
+    (w,) = workers(env=budget0)
+    w.call(DROP_REOPEN_CAPS)
+    if w.call(MAP_FILES_REOPEN) != "refused":
+        pytest.skip("/proc/self/map_files still reopens without CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE")
+    assert w.call(EXPORT_PAST_THE_BUDGET, size=G2, prop=PROP) == (
+        acl.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, acl.ACL_ERROR_RT_RESOURCE_ALLOC_FAIL, 0)
+    # with the capabilities (root), the same exports work and serve an import
+    (w2, importer) = workers(2, env=budget0)
+    if w2.call(MAP_FILES_REOPEN) != "reopened":
+        return  # not privileged here: the failing half is what this test is about
+    assert w2.call(EXPORT_PAST_THE_BUDGET, size=G2, prop=PROP) == (0, 0, 2)
+    assert importer.call("ret = rt.mem_import_from_shareable_handle(v, 0)[1]", v=w2.call("ret = value")) == 0
+
+
 def test_double_import_returns_the_same_handle(dev0, workers):
     (w,) = workers()
     handle, va, value = exported(flags=1)
