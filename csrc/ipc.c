@@ -20,7 +20,10 @@
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -43,9 +46,17 @@
 
 /* ---- state ---- */
 
+/* Who a process is (see proc_identity): the pidfs inode number of its pidfd, exact, where
+ * the kernel has pidfs; else its start time in clock ticks since boot, which two processes
+ * that get one pid within one tick share. */
+typedef struct proc_id {
+    uint64_t ino;   /* 0: unknown */
+    uint64_t start; /* 0: unknown */
+} proc_id;
+
 typedef struct pid_grant {
     int32_t pid;
-    uint64_t start; /* the process's start time (clock ticks since boot) when granted */
+    proc_id who; /* the process that had the pid when it was granted (all 0: none had it) */
 } pid_grant;
 
 /* Something this process exports: a shareable-handle value or an IPC key. */
@@ -136,7 +147,7 @@ typedef struct client {
     int fd;
     int32_t pid;   /* SO_PEERCRED: the kernel's word, fixed at connect time */
     uint32_t uid;
-    uint64_t start; /* its start time, read at accept (0: unknown, no whitelist admits it) */
+    proc_id who;   /* read at accept (all 0: unknown, no whitelist admits it) */
     bool uid_ok;
     uint32_t failures;
     client_pin *pins;
@@ -243,6 +254,70 @@ static uint64_t proc_start(int32_t pid)
     for (int field = 3; field < 22 && p; field++) /* then before field `field + 1` */
         p = strchr(p + 1, ' ');
     return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+/* Linux 6.5; older C library headers lack it.  77 in the generic numbering of x86 and arm64
+ * (some architectures number socket options otherwise: they rely on their headers). */
+#if !defined(SO_PEERPIDFD) && (defined(__x86_64__) || defined(__aarch64__))
+#define SO_PEERPIDFD 77
+#endif
+#define PIDFS_MAGIC 0x50494446 /* "PIDF": the pidfs file system, Linux 6.9 */
+
+/* The inode number of a pidfd, which pidfs (Linux 6.9) makes unique to one process for the
+ * life of the system on 64-bit kernels; 0 on other kernels (their pidfds share one inode).
+ * Closes the pidfd. */
+static uint64_t pidfd_ino(int pidfd)
+{
+    struct statfs fs;
+    struct stat st;
+    uint64_t ino = 0;
+    if (sizeof(void *) >= 8 && fstatfs(pidfd, &fs) == 0 && fs.f_type == PIDFS_MAGIC && fstat(pidfd, &st) == 0)
+        ino = (uint64_t)st.st_ino;
+    close(pidfd);
+    return ino;
+}
+
+/* The process that has `pid` now: its pidfs inode (0 where there is no pidfs) and start time.
+ * False when no process has it: pidfd_open says so (ESRCH; EINVAL for a thread that leads no
+ * process).  Where pidfd_open is missing or fails otherwise (no descriptor free), the start
+ * time alone tells. */
+static bool proc_identity(int32_t pid, proc_id *out)
+{
+    int fd = (int)syscall(SYS_pidfd_open, pid, 0u);
+    if (fd < 0 && (errno == ESRCH || errno == EINVAL))
+        return false;
+    out->ino = fd >= 0 ? pidfd_ino(fd) : 0;
+    out->start = proc_start(pid);
+    return true;
+}
+
+/* The process at the other end of an accepted connection, as the kernel recorded it at connect
+ * time (SO_PEERPIDFD, Linux 6.5; the pid of SO_PEERCRED could name a newer process by now). */
+static proc_id peer_identity(int sock, int32_t pid)
+{
+    proc_id who = {0, 0};
+#ifdef SO_PEERPIDFD
+    int pidfd = -1;
+    socklen_t len = sizeof pidfd;
+    if (getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) == 0 && len == sizeof pidfd && pidfd >= 0)
+        who.ino = pidfd_ino(pidfd);
+#else
+    (void)sock;
+#endif
+    /* now, while the connecting process most likely lives: read later, its pid could name a
+     * newer process by then */
+    who.start = proc_start(pid);
+    return who;
+}
+
+/* Is the process `c` the one a grant names?  With pidfs inodes on both sides, exactly; else by
+ * start time (CANN's time check), which cannot tell apart two processes that got the pid within
+ * one clock tick (10 ms). */
+static bool same_process(const proc_id *granted, const proc_id *c)
+{
+    if (granted->ino)
+        return granted->ino == c->ino;
+    return c->start != 0 && c->start <= granted->start;
 }
 
 static uint64_t boot_ticks_now(void)
@@ -483,10 +558,8 @@ static aclError export_create(const vmm_share_ref *ref, const vmm_share_info *in
 
 static bool whitelisted(const export_entry *e, const client *c)
 {
-    if (c->start == 0)
-        return false;
     for (size_t i = 0; i < e->pid_count; i++)
-        if (e->pids[i].pid == c->pid && c->start <= e->pids[i].start)
+        if (e->pids[i].pid == c->pid && same_process(&e->pids[i].who, &c->who))
             return true;
     return false;
 }
@@ -499,18 +572,21 @@ static aclError add_pids(export_entry *e, const int32_t *pids, size_t n)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     uint64_t now = boot_ticks_now();
     for (size_t i = 0; i < n; i++) {
-        /* The process that has the pid now; a pid nobody has yet admits no process started
-         * later (CANN's time check: the pid must be set after the importer started). */
-        uint64_t start = proc_start(pids[i]);
+        /* The process that has the pid now.  A pid nobody has admits nobody (CANN's time
+         * check: the pid must be set after the importer started); without pidfd_open, it
+         * admits no process started later. */
+        proc_id who = {0, 0};
+        if (proc_identity(pids[i], &who) && !who.ino && !who.start)
+            who.start = now;
         bool seen = false;
         for (size_t j = 0; j < e->pid_count && !seen; j++) {
             if (e->pids[j].pid == pids[i]) {
-                e->pids[j].start = start ? start : now;
+                e->pids[j].who = who;
                 seen = true;
             }
         }
         if (!seen)
-            e->pids[e->pid_count++] = (pid_grant){pids[i], start ? start : now};
+            e->pids[e->pid_count++] = (pid_grant){pids[i], who};
     }
     return ACL_SUCCESS;
 }
@@ -886,9 +962,7 @@ static bool accept_clients(int lfd)
         clients[nclients++] = (client){.fd = fd,
                                        .pid = cr.pid,
                                        .uid = cr.uid,
-                                       /* now, while the connecting process surely lives: read
-                                        * later, its pid could name a newer process by then */
-                                       .start = proc_start(cr.pid),
+                                       .who = peer_identity(fd, cr.pid),
                                        .uid_ok = uid_ok};
         atomic_store(&ipc.client_count, nclients);
         /* The request usually follows the connect at once: serve it without another poll round. */

@@ -69,14 +69,19 @@
  * An importer connects and checks, with SO_PEERCRED, that the listener really
  * is process <pid> of an accepted user (nobody else can impersonate the exporter).  The
  * exporter reads the importer's pid and uid from SO_PEERCRED, which the kernel fills in at
- * connect time, and the importer's start time from /proc when it accepts the connection: the
- * importer never states who it is (the request's `claimed_pid` field is only informational
- * and is never read), so it cannot be talked around.  It then checks:
+ * connect time, and which process it is (SO_PEERPIDFD, also recorded at connect time, and its
+ * start time from /proc) when it accepts the connection: the importer never states who it is
+ * (the request's `claimed_pid` field is only informational and is never read), so it cannot be
+ * talked around.  It then checks:
  *   - the value: it must name a live export of this process (its owner has not freed it);
  *   - the uid: the exporter's own, or one listed in NPUALLOC_IPC_ALLOW_UIDS ("1001,1002");
  *   - the pid whitelist (unless exported with DISABLE_PID_VALIDATION): the pid must have been
- *     set, and the process must be the one that had that pid when it was set (its start time
- *     is compared, so a recycled pid does not inherit the permission, like CANN's time check);
+ *     set, and the process must be the one that had that pid when it was set, so a recycled
+ *     pid does not inherit the permission.  Processes are told apart by the inode number of
+ *     their pidfd where pidfs exists (Linux 6.9+: unique per process on 64-bit; the pidfd is
+ *     opened, read and closed, so no descriptor is kept per listed pid), else by start time
+ *     in clock ticks like CANN's time check (two processes that get one pid within one 10 ms
+ *     tick look alike there).  A pid nobody has when it is set admits nobody;
  * and answers with the file's descriptor (SCM_RIGHTS), its size, page kind and device.
  * The server keeps a spare descriptor (/dev/null): when its process has none free, accept()
  * fails and the connection would stay queued, the listener polling ready for ever; the server
