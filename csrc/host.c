@@ -21,23 +21,13 @@
 static atomic_int fd_budget = -1; /* -1: not decided yet */
 static atomic_int fds_kept;
 
-#define MAX_FD_BUDGET ((1L << 30) - 1)
-
-/* NPUALLOC_FD_BUDGET: a whole number from 0 to MAX_FD_BUDGET.  False when the text is not one. */
-static bool parse_fd_budget(const char *text, int *out)
-{
-    long v;
-    if (!parse_whole_number(text, 0, MAX_FD_BUDGET, &v))
-        return false;
-    *out = (int)v;
-    return true;
-}
+#define MAX_FD_BUDGET ((1L << 30) - 1) /* NPUALLOC_FD_BUDGET is a whole number from 0 to this */
 
 bool host_check_env(char *err, size_t errlen)
 {
     const char *env = getenv("NPUALLOC_FD_BUDGET");
-    int budget;
-    if (!env || !*env || parse_fd_budget(env, &budget))
+    long budget;
+    if (!env || !*env || parse_whole_number(env, 0, MAX_FD_BUDGET, &budget))
         return true;
     snprintf(err, errlen, "NPUALLOC_FD_BUDGET='%s' is not a descriptor count: use a whole number from 0 to %ld",
              env, MAX_FD_BUDGET);
@@ -47,9 +37,9 @@ bool host_check_env(char *err, size_t errlen)
 static int default_fd_budget(void)
 {
     const char *env = getenv("NPUALLOC_FD_BUDGET");
-    int budget;
-    if (env && *env && parse_fd_budget(env, &budget))
-        return budget;
+    long budget;
+    if (env && *env && parse_whole_number(env, 0, MAX_FD_BUDGET, &budget))
+        return (int)budget;
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)
         return 4096;

@@ -346,22 +346,12 @@ static bool uid_allowed(uint32_t uid)
 #define DEFAULT_TIMEOUT_MS 10000
 #define MAX_TIMEOUT_MS 3600000 /* an hour */
 
-/* NPUALLOC_IPC_TIMEOUT_MS: a whole number of milliseconds from 1 to an hour.  False when the text
- * is not one. */
-static bool parse_timeout(const char *text, int *ms)
-{
-    long v;
-    if (!parse_whole_number(text, 1, MAX_TIMEOUT_MS, &v))
-        return false;
-    *ms = (int)v;
-    return true;
-}
-
+/* NPUALLOC_IPC_TIMEOUT_MS: a whole number of milliseconds from 1 to MAX_TIMEOUT_MS. */
 bool ipc_check_env(char *err, size_t errlen)
 {
     const char *env = getenv("NPUALLOC_IPC_TIMEOUT_MS");
-    int ms;
-    if (!env || !*env || parse_timeout(env, &ms))
+    long ms;
+    if (!env || !*env || parse_whole_number(env, 1, MAX_TIMEOUT_MS, &ms))
         return true;
     snprintf(err, errlen, "NPUALLOC_IPC_TIMEOUT_MS='%s' is not a timeout: use a whole number of milliseconds from 1 to %d",
              env, MAX_TIMEOUT_MS);
@@ -371,8 +361,8 @@ bool ipc_check_env(char *err, size_t errlen)
 static int timeout_ms(void)
 {
     const char *env = getenv("NPUALLOC_IPC_TIMEOUT_MS");
-    int ms;
-    return env && *env && parse_timeout(env, &ms) ? ms : DEFAULT_TIMEOUT_MS;
+    long ms;
+    return env && *env && parse_whole_number(env, 1, MAX_TIMEOUT_MS, &ms) ? (int)ms : DEFAULT_TIMEOUT_MS;
 }
 
 int ipc_server_name(int32_t pid, uint32_t secret, char *buf, size_t len)
