@@ -51,7 +51,16 @@ static aclError sim_segment_alloc(void *ctx, int32_t device, size_t size, bool h
     bool pool;
     if (!sim_charge(s, size, huge1g, &pool))
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    /* Each region ends where the next begins.  Addresses are never reused, so a device whose
+     * segments came and went until they reached the end of the region (about 2 EiB each) is out
+     * of memory, as a used-up address space is for reservations; past the end, a segment would be
+     * taken for the next region's and uncharged from the wrong count. */
     uintptr_t *next = pool ? &s->next_huge1g : &s->next_paged;
+    uintptr_t end = pool ? SIM_RESERVE_BASE : SIM_HUGE1G_BASE;
+    if (size > end - *next || round_up(size, pool ? GiB : 2 * MiB) > end - *next) {
+        sim_uncharge(s, size, pool);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
     *ptr = (void *)*next;
     *next += round_up(size, pool ? GiB : 2 * MiB);
     return ACL_SUCCESS;

@@ -21,7 +21,8 @@
 #include "npualloc_replay.h"
 #include "ptr_map.h"
 
-/* Address regions of the simulated device (bump allocated; address space is never reused). */
+/* Address regions of the simulated device (bump allocated; address space is never reused, and a
+ * region used up is out of memory). */
 #define SIM_PAGED_BASE ((uintptr_t)1 << 44)
 #define SIM_HUGE1G_BASE ((uintptr_t)1 << 61)
 #define SIM_RESERVE_BASE ((uintptr_t)1 << 62)

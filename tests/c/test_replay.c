@@ -480,6 +480,27 @@ static void test_simulated_address_space_runs_out_and_is_reused(void **state)
     npualloc_replay_destroy(r);
 }
 
+/* Segment addresses are never reused: on a 1 EiB device, three segments of most of it that come
+ * and go use up the 2 EiB of the segment region, and the third is out of memory (the region is
+ * used up) instead of taking addresses of the 1 GiB pool's region. */
+static void test_segment_address_region_runs_out(void **state)
+{
+    (void)state;
+    static const ev list[] = {
+        {A, 0x1000, (uint64_t)3 << 58, 0},  {F, 0x1000, 0, 0},  /* 0.75 EiB */
+        {A, 0x2000, (uint64_t)13 << 56, 0}, {F, 0x2000, 0, 0},  /* 0.81 EiB: the first is released first */
+        {A, 0x3000, (uint64_t)7 << 57, 0},  {F, 0x3000, 0, 0},  /* 0.88 EiB: past the region's 2 EiB */
+    };
+    npualloc_replay *r = session("", (uint64_t)1 << 60, NPUALLOC_REPLAY_PAD_NPU, false);
+    npualloc_replay_result res = run(r, list, N(list), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.allocs, 2);
+    assert_int_equal(res.ooms, 1);
+    npualloc_replay_oom o;
+    assert_true(npualloc_replay_get_oom(r, 0, &o));
+    assert_int_equal(o.event, 4);
+    npualloc_replay_destroy(r);
+}
+
 static void test_expandable_segments_when_available(void **state)
 {
     (void)state;
@@ -635,6 +656,7 @@ int main(void)
         cmocka_unit_test(test_page_size_1g_uses_the_pool_then_falls_back),
         cmocka_unit_test(test_expandable_page_table_is_bounded),
         cmocka_unit_test(test_simulated_address_space_runs_out_and_is_reused),
+        cmocka_unit_test(test_segment_address_region_runs_out),
         cmocka_unit_test(test_expandable_segments_when_available),
         cmocka_unit_test(test_snapshot_has_segments_and_history),
         cmocka_unit_test(test_expandable_snapshot_lists_mapped_ranges_only),
