@@ -304,7 +304,9 @@ assert libc.capset(ctypes.byref(header), data) == 0
 """
 
 MAP_FILES_REOPEN = r"""
-start, end = (int(x, 16) for x in open("/proc/self/maps").readline().split()[0].split("-"))
+# a file-backed mapping (the first line may be anonymous, e.g. ASan's shadow, which has no entry there)
+line = next(l for l in open("/proc/self/maps") if l.split()[-1].startswith("/"))
+start, end = (int(x, 16) for x in line.split()[0].split("-"))
 try:
     os.close(os.open("/proc/self/map_files/%x-%x" % (start, end), os.O_RDONLY))
     ret = "reopened"
