@@ -25,17 +25,20 @@ static inline size_t round_up(size_t x, size_t align) { return (x + align - 1) /
 /* True when x + y would overflow size_t. */
 static inline int add_overflows(size_t x, size_t y) { return x > SIZE_MAX - y; }
 
-/* A whole decimal number from min to max filling all of `text` (an environment variable's value);
- * false when the text is anything else. */
-static inline bool parse_whole_number(const char *text, long min, long max, long *out)
+/* Reads environment variable `name` as a whole decimal number from min to max: 1 with *out set,
+ * 0 when it is unset or empty, -1 when it is anything else (malformed). */
+static inline int env_whole_number(const char *name, long min, long max, long *out)
 {
+    const char *text = getenv(name);
+    if (!text || !*text)
+        return 0;
     char *end;
     errno = 0;
     long v = strtol(text, &end, 10);
     if (end == text || *end != '\0' || errno || v < min || v > max)
-        return false;
+        return -1;
     *out = v;
-    return true;
+    return 1;
 }
 
 /* Makes room for `need` items of `elem` bytes in a growable array: `array` is the address of the

@@ -144,16 +144,15 @@ static int env_size(const char *name, uint64_t *value, char *err, size_t errlen)
 aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen)
 {
     npualloc_config c = default_config;
-    const char *count = getenv("NPUALLOC_DEVICE_COUNT");
-    if (count && *count) {
-        long n;
-        if (!parse_whole_number(count, 1, NPU_MAX_DEVICES, &n)) {
-            snprintf(err, errlen, "NPUALLOC_DEVICE_COUNT='%s' is not a device count: use a whole number from 1 to %d",
-                     count, NPU_MAX_DEVICES);
-            return ACL_ERROR_INVALID_PARAM;
-        }
-        c.device_count = (int32_t)n;
+    long count;
+    int given = env_whole_number("NPUALLOC_DEVICE_COUNT", 1, NPU_MAX_DEVICES, &count);
+    if (given < 0) {
+        snprintf(err, errlen, "NPUALLOC_DEVICE_COUNT='%s' is not a device count: use a whole number from 1 to %d",
+                 getenv("NPUALLOC_DEVICE_COUNT"), NPU_MAX_DEVICES);
+        return ACL_ERROR_INVALID_PARAM;
     }
+    if (given > 0)
+        c.device_count = (int32_t)count;
     const char *huge = getenv("NPUALLOC_HUGE_MEMORY");
     bool huge_given = huge && *huge;
     if (env_size("NPUALLOC_DEVICE_MEMORY", &c.device_memory, err, errlen) ||
@@ -320,14 +319,21 @@ static void device_end_contexts(device *d)
         atomic_store(&d->peer_enabled[j], false);
 }
 
+/* The device a reset names, once the runtime runs; NULL with the error in *rc. */
+static device *reset_target(int32_t dev, aclError *rc)
+{
+    *rc = runtime_ensure_init();
+    if (*rc == ACL_SUCCESS && !device_valid(dev))
+        *rc = ACL_ERROR_RT_INVALID_DEVICEID;
+    return *rc == ACL_SUCCESS ? &devices[dev] : NULL;
+}
+
 aclError aclrtResetDevice(int32_t dev)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
+    aclError rc;
+    device *d = reset_target(dev, &rc);
+    if (!d)
         return rc;
-    if (!device_valid(dev))
-        return ACL_ERROR_RT_INVALID_DEVICEID;
-    device *d = &devices[dev];
     int count = atomic_load(&d->set_count);
     while (count > 0 && !atomic_compare_exchange_weak(&d->set_count, &count, count - 1)) {
     }
@@ -339,12 +345,10 @@ aclError aclrtResetDevice(int32_t dev)
 /* Drops every aclrtSetDevice reference at once, however many there were. */
 aclError aclrtResetDeviceForce(int32_t dev)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
+    aclError rc;
+    device *d = reset_target(dev, &rc);
+    if (!d)
         return rc;
-    if (!device_valid(dev))
-        return ACL_ERROR_RT_INVALID_DEVICEID;
-    device *d = &devices[dev];
     if (atomic_exchange(&d->set_count, 0) > 0)
         device_end_contexts(d);
     return ACL_SUCCESS;

@@ -25,20 +25,18 @@ static atomic_int fds_kept;
 
 bool host_check_env(char *err, size_t errlen)
 {
-    const char *env = getenv("NPUALLOC_FD_BUDGET");
     long budget;
-    if (!env || !*env || parse_whole_number(env, 0, MAX_FD_BUDGET, &budget))
+    if (env_whole_number("NPUALLOC_FD_BUDGET", 0, MAX_FD_BUDGET, &budget) >= 0)
         return true;
     snprintf(err, errlen, "NPUALLOC_FD_BUDGET='%s' is not a descriptor count: use a whole number from 0 to %ld",
-             env, MAX_FD_BUDGET);
+             getenv("NPUALLOC_FD_BUDGET"), MAX_FD_BUDGET);
     return false;
 }
 
 static int default_fd_budget(void)
 {
-    const char *env = getenv("NPUALLOC_FD_BUDGET");
     long budget;
-    if (env && *env && parse_whole_number(env, 0, MAX_FD_BUDGET, &budget))
+    if (env_whole_number("NPUALLOC_FD_BUDGET", 0, MAX_FD_BUDGET, &budget) > 0)
         return (int)budget;
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY)

@@ -349,20 +349,18 @@ static bool uid_allowed(uint32_t uid)
 /* NPUALLOC_IPC_TIMEOUT_MS: a whole number of milliseconds from 1 to MAX_TIMEOUT_MS. */
 bool ipc_check_env(char *err, size_t errlen)
 {
-    const char *env = getenv("NPUALLOC_IPC_TIMEOUT_MS");
     long ms;
-    if (!env || !*env || parse_whole_number(env, 1, MAX_TIMEOUT_MS, &ms))
+    if (env_whole_number("NPUALLOC_IPC_TIMEOUT_MS", 1, MAX_TIMEOUT_MS, &ms) >= 0)
         return true;
     snprintf(err, errlen, "NPUALLOC_IPC_TIMEOUT_MS='%s' is not a timeout: use a whole number of milliseconds from 1 to %d",
-             env, MAX_TIMEOUT_MS);
+             getenv("NPUALLOC_IPC_TIMEOUT_MS"), MAX_TIMEOUT_MS);
     return false;
 }
 
 static int timeout_ms(void)
 {
-    const char *env = getenv("NPUALLOC_IPC_TIMEOUT_MS");
     long ms;
-    return env && *env && parse_whole_number(env, 1, MAX_TIMEOUT_MS, &ms) ? (int)ms : DEFAULT_TIMEOUT_MS;
+    return env_whole_number("NPUALLOC_IPC_TIMEOUT_MS", 1, MAX_TIMEOUT_MS, &ms) > 0 ? (int)ms : DEFAULT_TIMEOUT_MS;
 }
 
 int ipc_server_name(int32_t pid, uint32_t secret, char *buf, size_t len)
