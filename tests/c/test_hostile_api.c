@@ -1,0 +1,413 @@
+/* test_hostile_api.c - every aclrt* function of acl_rt.h called as a careless or hostile C program
+ * would: NULL pointers, zero and huge sizes, unaligned addresses, forged, stale and twice-freed
+ * handles, calls without a current device, after aclFinalize and after aclrtResetDevice, from
+ * several threads at once and in a forked child.  Each returns its documented error code
+ * (docs/runtime.md, the reference's B2/B3) and nothing crashes, leaks or races. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+#define FORGED ((void *)(uintptr_t)0x4800000012345601ull) /* a plausible but unknown handle value */
+
+static aclrtPhysicalMemProp good_prop(void) { return hbm_prop(ACL_HBM_MEM_HUGE, 0); }
+
+static aclrtDrvMemHandle physical(size_t size)
+{
+    aclrtPhysicalMemProp p = good_prop();
+    aclrtDrvMemHandle h = NULL;
+    assert_int_equal(aclrtMallocPhysical(&h, size, &p, 0), ACL_SUCCESS);
+    return h;
+}
+
+static void *reserved(size_t size)
+{
+    void *va = NULL;
+    assert_int_equal(aclrtReserveMemAddress(&va, size, 0, NULL, 0), ACL_SUCCESS);
+    return va;
+}
+
+static void assert_nothing_live(void)
+{
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 0);
+    assert_int_equal(c.mappings, 0);
+    assert_int_equal(free_of(ACL_HBM_MEM), GiB_);
+}
+
+static void test_devices_reject_bad_ids_and_null_outputs(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0);
+    const int32_t bad_ids[] = {-1, 2, 64, INT32_MAX, INT32_MIN};
+    for (size_t i = 0; i < sizeof bad_ids / sizeof *bad_ids; i++) {
+        assert_int_equal(aclrtSetDevice(bad_ids[i]), ACL_ERROR_RT_INVALID_DEVICEID);
+        assert_int_equal(aclrtResetDevice(bad_ids[i]), ACL_ERROR_RT_INVALID_DEVICEID);
+        assert_int_equal(aclrtResetDeviceForce(bad_ids[i]), ACL_ERROR_RT_INVALID_DEVICEID);
+        int32_t can = -5;
+        assert_int_equal(aclrtDeviceCanAccessPeer(&can, 0, bad_ids[i]), ACL_ERROR_RT_INVALID_DEVICEID);
+        assert_int_equal(aclrtDeviceCanAccessPeer(&can, bad_ids[i], 0), ACL_ERROR_RT_INVALID_DEVICEID);
+        assert_int_equal(can, -5);
+        assert_int_equal(aclrtDeviceEnablePeerAccess(bad_ids[i], 0), ACL_ERROR_RT_INVALID_DEVICEID);
+        assert_int_equal(aclrtDeviceDisablePeerAccess(bad_ids[i]), ACL_ERROR_RT_INVALID_DEVICEID);
+    }
+    assert_int_equal(aclrtGetDevice(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtGetDeviceCount(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDeviceCanAccessPeer(NULL, 0, 1), ACL_ERROR_INVALID_PARAM);
+    int32_t can;
+    assert_int_equal(aclrtDeviceCanAccessPeer(&can, 1, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(0, 0), ACL_ERROR_INVALID_PARAM); /* itself */
+    assert_int_equal(aclrtDeviceEnablePeerAccess(1, 1), ACL_ERROR_FEATURE_UNSUPPORTED);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(1, UINT32_MAX), ACL_ERROR_FEATURE_UNSUPPORTED);
+    assert_int_equal(aclrtDeviceDisablePeerAccess(0), ACL_ERROR_INVALID_PARAM);
+    /* the device still works after all that */
+    int32_t dev = -1;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS);
+    assert_int_equal(dev, 0);
+}
+
+static void test_plain_memory_rejects_bad_arguments(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    void *p = (void *)0x1;
+    assert_int_equal(aclrtMalloc(NULL, 64, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMalloc(&p, 0, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocAlign32(&p, 0, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocCached(&p, 0, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_INVALID_PARAM);
+    const size_t huge_sizes[] = {SIZE_MAX, SIZE_MAX - 31, SIZE_MAX / 2, (size_t)1 << 60, 2 * GiB_};
+    for (size_t i = 0; i < sizeof huge_sizes / sizeof *huge_sizes; i++) {
+        assert_int_equal(aclrtMalloc(&p, huge_sizes[i], ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_MEMORY_ALLOCATION);
+        assert_int_equal(aclrtMallocAlign32(&p, huge_sizes[i], ACL_MEM_MALLOC_HUGE1G_ONLY),
+                         ACL_ERROR_RT_MEMORY_ALLOCATION);
+    }
+    assert_int_equal(aclrtMallocHost(&p, SIZE_MAX), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtMallocHost(&p, (size_t)1 << 60), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_ptr_equal(p, (void *)0x1); /* failures leave the output alone */
+    /* both bandwidth flags at once */
+    assert_int_equal(aclrtMalloc(&p, 64, (aclrtMemMallocPolicy)(ACL_MEM_TYPE_LOW_BAND_WIDTH | ACL_MEM_TYPE_HIGH_BAND_WIDTH)),
+                     ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtFree(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocHost(NULL, 64), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocHost(&p, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtFreeHost(NULL), ACL_ERROR_INVALID_PARAM);
+
+    void *d, *h;
+    assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost(&h, 4096), ACL_SUCCESS);
+    /* the wrong kind of pointer, an interior pointer, a stack address */
+    int local = 0;
+    assert_int_equal(aclrtFree(h), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFree((char *)d + 64), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFree(&local), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFreeHost(d), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFreeHost((char *)h + 64), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFreeHost(&local), ACL_ERROR_RT_MEMORY_FREE);
+    void *va = reserved(2 * MiB_);
+    assert_int_equal(aclrtFree(va), ACL_ERROR_RT_MEMORY_FREE); /* a reservation goes with Release */
+    assert_int_equal(aclrtReleaseMemAddress(va), ACL_SUCCESS);
+    /* freed twice */
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(d), ACL_ERROR_RT_MEMORY_FREE);
+    assert_int_equal(aclrtFreeHost(h), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(h), ACL_ERROR_RT_MEMORY_FREE);
+    assert_nothing_live();
+}
+
+static void test_copies_and_memsets_reject_bad_arguments(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    void *d;
+    char host[64] = {0};
+    assert_int_equal(aclrtMalloc(&d, 64, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(NULL, 64, host, 64, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemcpy(d, 64, NULL, 64, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemcpy(d, 32, host, 64, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(d, 0, host, 1, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(d, 64, host, 0, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS); /* no work */
+    const int bad_kinds[] = {-1, ACL_MEMCPY_INNER_DEVICE_TO_DEVICE, ACL_MEMCPY_INTER_DEVICE_TO_DEVICE, 8, INT32_MAX};
+    for (size_t i = 0; i < sizeof bad_kinds / sizeof *bad_kinds; i++)
+        assert_int_equal(aclrtMemcpy(d, 64, host, 64, (aclrtMemcpyKind)bad_kinds[i]), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemcpyAsync(d, 64, host, 64, (aclrtMemcpyKind)8, NULL), ACL_ERROR_INVALID_PARAM);
+    /* past the end of the allocation, from unmapped host memory, at the very top of the address space */
+    assert_int_equal(aclrtMemcpy(d, SIZE_MAX, host, 64 * KiB_, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(d, 64, (void *)0x10, 64, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(host, 64, (void *)(UINTPTR_MAX - 15), 64, ACL_MEMCPY_DEVICE_TO_HOST),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(host, SIZE_MAX, d, SIZE_MAX, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    /* unaligned device addresses inside the allocation are fine */
+    assert_int_equal(aclrtMemcpy((char *)d + 3, 61, host, 61, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(NULL, 64, 0, 64), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemset(d, 8, 0, 64), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemset(d, SIZE_MAX, 0, SIZE_MAX), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemset(NULL, 0, 0, 0), ACL_SUCCESS); /* count 0: no work */
+    assert_int_equal(aclrtMemsetAsync(NULL, 64, 0, 64, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemsetAsync(d, 8, 0, 64, NULL), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemsetAsync(d, 64, 0, 64, FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemcpyAsync(d, 64, host, 64, ACL_MEMCPY_HOST_TO_DEVICE, FORGED), ACL_ERROR_INVALID_PARAM);
+    size_t f, t;
+    assert_int_equal(aclrtGetMemInfo(ACL_HBM_MEM, NULL, &t), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtGetMemInfo(ACL_HBM_MEM, &f, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtGetMemInfo((aclrtMemAttr)999, &f, &t), ACL_SUCCESS); /* an attribute it lacks: 0/0 */
+    assert_true(f == 0 && t == 0);
+    assert_int_equal(aclrtGetMemInfo((aclrtMemAttr)-1, &f, &t), ACL_SUCCESS);
+    assert_true(f == 0 && t == 0);
+    /* a freed pointer is an error code, never a fault */
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(d, 64, host, 64, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(host, 64, d, 64, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemset(d, 64, 0, 64), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemsetAsync(d, 64, 0, 64, NULL), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtSynchronizeDevice(), ACL_SUCCESS);
+    assert_nothing_live();
+}
+
+static void test_physical_memory_rejects_bad_arguments(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0);
+    aclrtPhysicalMemProp prop = good_prop();
+    aclrtDrvMemHandle h = FORGED;
+    size_t g = 7;
+    assert_int_equal(aclrtMemGetAllocationGranularity(NULL, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &g),
+                     ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, NULL),
+                     ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_UNDEF, &g),
+                     ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemGetAllocationGranularity(&prop, (aclrtMemGranularityOptions)-1, &g),
+                     ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(g, 7);
+    assert_int_equal(aclrtMallocPhysical(NULL, 2 * MiB_, &prop, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocPhysical(&h, 0, &prop, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, NULL, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &prop, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &prop, UINT64_MAX), ACL_ERROR_INVALID_PARAM);
+    /* every field out of range, one at a time */
+    const uint32_t garbage[] = {0x7FFFFFFFu, 0xFFFFFFFFu, 18, 3};
+    for (size_t i = 0; i < sizeof garbage / sizeof *garbage; i++) {
+        aclrtPhysicalMemProp bad = good_prop();
+        bad.handleType = (aclrtMemHandleType)garbage[i];
+        assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &bad, 0), ACL_ERROR_INVALID_PARAM);
+        bad = good_prop();
+        bad.allocationType = (aclrtMemAllocationType)garbage[i];
+        assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &bad, 0), ACL_ERROR_INVALID_PARAM);
+        bad = good_prop();
+        bad.memAttr = (aclrtMemAttr)garbage[i];
+        if (garbage[i] != ACL_DDR_MEM_NORMAL) /* (DDR on a device location is refused too, below) */
+            assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &bad, 0), ACL_ERROR_INVALID_PARAM);
+        bad = good_prop();
+        bad.location.type = (aclrtMemLocationType)garbage[i];
+        assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &bad, 0), ACL_ERROR_INVALID_PARAM);
+        bad = good_prop();
+        bad.location.id = garbage[i];
+        assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &bad, 0), ACL_ERROR_RT_INVALID_DEVICEID);
+        assert_int_equal(aclrtMemGetAllocationGranularity(&bad, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &g),
+                         ACL_ERROR_RT_INVALID_DEVICEID);
+    }
+    aclrtPhysicalMemProp ddr_on_device = good_prop();
+    ddr_on_device.memAttr = ACL_DDR_MEM_HUGE;
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &ddr_on_device, 0), ACL_ERROR_INVALID_PARAM);
+    /* sizes: not a multiple of the granularity, more than the device has, the largest values */
+    assert_int_equal(aclrtMallocPhysical(&h, MiB_, &prop, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMallocPhysical(&h, SIZE_MAX, &prop, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * GiB_, &prop, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtMallocPhysical(&h, SIZE_MAX & ~(2 * MiB_ - 1), &prop, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_ptr_equal(h, FORGED);
+    /* bad handles: NULL, forged, a stream's, freed twice */
+    assert_int_equal(aclrtFreePhysical(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtFreePhysical(FORGED), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)1), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtFreePhysical((aclrtDrvMemHandle)UINTPTR_MAX), ACL_ERROR_RT_INVALID_HANDLE);
+    aclrtStream s;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical((aclrtDrvMemHandle)s), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    h = physical(2 * MiB_);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h), ACL_ERROR_RT_INVALID_HANDLE);
+    /* a new handle in the freed one's slot does not answer to the old value */
+    aclrtDrvMemHandle again = physical(2 * MiB_);
+    assert_ptr_not_equal(again, h);
+    assert_int_equal(aclrtFreePhysical(h), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtFreePhysical(again), ACL_SUCCESS);
+    assert_nothing_live();
+}
+
+static void test_reservations_and_mappings_reject_bad_arguments(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    void *va = (void *)0x1;
+    assert_int_equal(aclrtReserveMemAddress(NULL, 2 * MiB_, 0, NULL, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtReserveMemAddress(&va, 0, 0, NULL, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 1, NULL, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 0, NULL, 2), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 0, (void *)0x1001, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtReserveMemAddress(&va, SIZE_MAX, 0, NULL, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtReserveMemAddress(&va, (size_t)1 << 62, 0, NULL, 1), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_ptr_equal(va, (void *)0x1);
+    /* a chosen address that is taken, or outside the device window */
+    void *a = reserved(4 * MiB_);
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 0, a, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 0, (char *)a + 2 * MiB_, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 0, (void *)(uintptr_t)(2 * MiB_), 0),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReserveMemAddress(&va, 2 * MiB_, 0, (void *)(UINTPTR_MAX & ~(2 * MiB_ - 1)), 0),
+                     ACL_ERROR_RT_PARAM_INVALID);
+
+    aclrtDrvMemHandle h = physical(2 * MiB_);
+    assert_int_equal(aclrtMapMem(NULL, 2 * MiB_, 0, h, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMapMem(a, 0, 0, h, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMapMem(a, 2 * MiB_, 2 * MiB_, h, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMapMem(a, 2 * MiB_, 0, NULL, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMapMem(a, 2 * MiB_, 0, h, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMapMem(a, 2 * MiB_, 0, FORGED, 0), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMapMem(a, 4 * MiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID);     /* not the handle's size */
+    assert_int_equal(aclrtMapMem(a, SIZE_MAX, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMapMem((char *)a + 4096, 2 * MiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID); /* unaligned */
+    assert_int_equal(aclrtMapMem((char *)a + 4 * MiB_, 2 * MiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID); /* outside */
+    int local;
+    assert_int_equal(aclrtMapMem(&local, 2 * MiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID);
+    void *d;
+    assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtMapMem(d, 2 * MiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID); /* aclrtMalloc memory */
+    assert_int_equal(aclrtUnmapMem(d), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReleaseMemAddress(d), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    /* mapped twice at one place; unmapped where nothing starts; released while mapped */
+    assert_int_equal(aclrtMapMem((char *)a + 2 * MiB_, 2 * MiB_, 0, h, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMapMem((char *)a + 2 * MiB_, 2 * MiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtUnmapMem(a), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtUnmapMem((char *)a + 2 * MiB_ + 4096), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReleaseMemAddress(a), ACL_ERROR_RT_PARAM_INVALID);
+    /* the handle freed while mapped: no longer named, the mapping still works until unmapped */
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    assert_int_equal(aclrtMapMem(a, 2 * MiB_, 0, h, 0), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemset((char *)a + 2 * MiB_, 2 * MiB_, 1, 2 * MiB_), ACL_SUCCESS);
+    assert_int_equal(aclrtUnmapMem((char *)a + 2 * MiB_), ACL_SUCCESS);
+    assert_int_equal(aclrtUnmapMem((char *)a + 2 * MiB_), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtUnmapMem(NULL), ACL_ERROR_INVALID_PARAM);
+    /* released: NULL, an interior address, twice */
+    assert_int_equal(aclrtReleaseMemAddress(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtReleaseMemAddress((char *)a + 2 * MiB_), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReleaseMemAddress(&local), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReleaseMemAddress(a), ACL_SUCCESS);
+    assert_int_equal(aclrtReleaseMemAddress(a), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMapMem(a, 2 * MiB_, 0, physical(2 * MiB_), 0), ACL_ERROR_RT_PARAM_INVALID);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 1); /* the last handle, which the released range refused */
+    assert_int_equal(c.reservations, 0);
+}
+
+static void test_streams_and_events_reject_bad_handles(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    aclrtStream s;
+    aclrtEvent e, e2;
+    char host[16];
+    assert_int_equal(aclrtCreateStream(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtCreateEvent(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyStream(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyStream(FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeStream(FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyEvent(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyEvent(FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateEvent(&e), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateEvent(&e2), ACL_SUCCESS);
+    /* a stream where an event belongs, and the other way round */
+    assert_int_equal(aclrtDestroyEvent((aclrtEvent)s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyStream((aclrtStream)e), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtRecordEvent(s, e), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtRecordEvent(FORGED, s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtRecordEvent(NULL, s), ACL_ERROR_INVALID_PARAM);
+    aclrtEventStatus st;
+    aclrtEventRecordedStatus rst;
+    float ms;
+    assert_int_equal(aclrtQueryEvent(e, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEvent(FORGED, &st), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEventStatus(e, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEventStatus(FORGED, &rst), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeEvent(FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeEvent(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtEventElapsedTime(NULL, e, e2), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtEventElapsedTime(&ms, FORGED, e2), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtEventElapsedTime(&ms, e, FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtStreamWaitEvent(s, FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtStreamWaitEvent(s, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtStreamWaitEvent(FORGED, e), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtLaunchCallback(NULL, NULL, ACL_CALLBACK_BLOCK, s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtProcessReport(0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtProcessReport(-2), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSubscribeReport(1, FORGED), ACL_ERROR_INVALID_PARAM);
+    /* destroyed twice; then every use of the old value */
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtRecordEvent(e, s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemsetAsync(host, sizeof host, 0, sizeof host, s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEvent(e, &st), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeEvent(e), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyEvent(e2), ACL_SUCCESS);
+}
+
+static void test_sharing_rejects_bad_arguments(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    aclrtDrvMemHandle h = physical(2 * MiB_);
+    uint64_t sh = 0;
+    int32_t pid = (int32_t)getpid();
+    char key[65];
+    void *d;
+    assert_int_equal(aclrtMemExportToShareableHandle(NULL, ACL_MEM_HANDLE_TYPE_NONE, 0, &sh), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_NONE, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_POSIX, 0, &sh), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_NONE, 2, &sh), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemExportToShareableHandle(FORGED, ACL_MEM_HANDLE_TYPE_NONE, 0, &sh),
+                     ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemImportFromShareableHandle(1, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemImportFromShareableHandle(1, -1, &h), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(1, NULL, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(1, &pid, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDeviceGetBareTgid(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemGetExportKey(NULL, 4096, key, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemGetExportKey(d, 0, key, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, NULL, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, key, sizeof key, 2), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtIpcMemGetExportKey((char *)d + 64, 64, key, sizeof key, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtIpcMemGetExportKey(d, SIZE_MAX, key, sizeof key, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtIpcMemImportByKey(NULL, "x", 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemImportByKey(&d, NULL, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemImportByKey(&d, "", 0), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtIpcMemSetImportPid(NULL, &pid, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemSetImportPid("x", NULL, 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemSetImportPid("x", &pid, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemClose(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_teardown(test_devices_reject_bad_ids_and_null_outputs, stop_runtime),
+        cmocka_unit_test_teardown(test_plain_memory_rejects_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_copies_and_memsets_reject_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_physical_memory_rejects_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_reservations_and_mappings_reject_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_streams_and_events_reject_bad_handles, stop_runtime),
+        cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
