@@ -17,9 +17,14 @@
 
 typedef struct device {
     size_t used[MEM_KIND_COUNT]; /* usage_lock */
-    atomic_int set_count;                     /* aclrtSetDevice minus aclrtResetDevice; 0 after a forced reset */
-    atomic_uint epoch;                        /* bumped when the device is reset */
-    atomic_bool peer_enabled[NPU_MAX_DEVICES]; /* this device may access peer i */
+    /* The references and the epoch in one word, changed together by compare-and-swap, so that a
+     * reference taken while another thread drops the last one is never lost to that reset: low
+     * 32 bits aclrtSetDevice minus aclrtResetDevice (0 after a forced reset), high 32 bits the
+     * epoch, bumped when the last reference goes (every context on the device ends). */
+    _Atomic uint64_t contexts;
+    /* 1 + the epoch in which access to peer i was enabled, 0 if it was not: a reset ends it
+     * without touching these, so it cannot wipe an enable made in the next epoch. */
+    _Atomic uint64_t peer_since[NPU_MAX_DEVICES];
 } device;
 
 static const npualloc_config default_config = {
@@ -44,7 +49,12 @@ static pthread_mutex_t usage_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* The current device of this thread, valid while the device's epoch is unchanged. */
 static _Thread_local int32_t current_dev = -1;
-static _Thread_local unsigned current_epoch;
+static _Thread_local uint32_t current_epoch;
+
+static uint32_t context_refs(uint64_t contexts) { return (uint32_t)contexts; }
+static uint32_t context_epoch(uint64_t contexts) { return (uint32_t)(contexts >> 32); }
+/* The word after the last reference went: no references, the next epoch. */
+static uint64_t contexts_ended(uint64_t contexts) { return (uint64_t)(context_epoch(contexts) + 1u) << 32; }
 
 size_t mem_kind_page_size(mem_kind kind)
 {
@@ -215,10 +225,10 @@ static void reset_devices(void)
     for (int i = 0; i < NPU_MAX_DEVICES; i++) {
         device *d = &devices[i];
         memset(d->used, 0, sizeof d->used);
-        atomic_store(&d->set_count, 0);
-        atomic_fetch_add(&d->epoch, 1); /* forget every thread's current device */
+        /* forget every thread's current device, and every peer access */
+        atomic_store(&d->contexts, contexts_ended(atomic_load(&d->contexts)));
         for (int j = 0; j < NPU_MAX_DEVICES; j++)
-            atomic_store(&d->peer_enabled[j], false);
+            atomic_store(&d->peer_since[j], 0);
     }
 }
 
@@ -305,18 +315,14 @@ aclError aclrtSetDevice(int32_t dev)
         return rc;
     if (!device_valid(dev))
         return ACL_ERROR_RT_INVALID_DEVICEID;
-    atomic_fetch_add(&devices[dev].set_count, 1);
+    device *d = &devices[dev];
+    uint64_t w = atomic_load(&d->contexts), next;
+    do /* (the count saturates rather than carry into the epoch) */
+        next = context_refs(w) == UINT32_MAX ? w : w + 1;
+    while (!atomic_compare_exchange_weak(&d->contexts, &w, next));
     current_dev = dev;
-    current_epoch = atomic_load(&devices[dev].epoch);
+    current_epoch = context_epoch(next);
     return ACL_SUCCESS;
-}
-
-/* The last reference to a device went: every thread's context on it ends, and its peer access. */
-static void device_end_contexts(device *d)
-{
-    atomic_fetch_add(&d->epoch, 1);
-    for (int j = 0; j < NPU_MAX_DEVICES; j++)
-        atomic_store(&d->peer_enabled[j], false);
 }
 
 /* The device a reset names, once the runtime runs; NULL with the error in *rc. */
@@ -328,17 +334,20 @@ static device *reset_target(int32_t dev, aclError *rc)
     return *rc == ACL_SUCCESS ? &devices[dev] : NULL;
 }
 
+/* Drops one aclrtSetDevice reference; the last one ends every thread's context on the device,
+ * and its peer access. */
 aclError aclrtResetDevice(int32_t dev)
 {
     aclError rc;
     device *d = reset_target(dev, &rc);
     if (!d)
         return rc;
-    int count = atomic_load(&d->set_count);
-    while (count > 0 && !atomic_compare_exchange_weak(&d->set_count, &count, count - 1)) {
-    }
-    if (count == 1)
-        device_end_contexts(d);
+    uint64_t w = atomic_load(&d->contexts), next;
+    do {
+        if (context_refs(w) == 0)
+            return ACL_SUCCESS;
+        next = context_refs(w) == 1 ? contexts_ended(w) : w - 1;
+    } while (!atomic_compare_exchange_weak(&d->contexts, &w, next));
     return ACL_SUCCESS;
 }
 
@@ -349,15 +358,16 @@ aclError aclrtResetDeviceForce(int32_t dev)
     device *d = reset_target(dev, &rc);
     if (!d)
         return rc;
-    if (atomic_exchange(&d->set_count, 0) > 0)
-        device_end_contexts(d);
+    uint64_t w = atomic_load(&d->contexts);
+    while (context_refs(w) > 0 && !atomic_compare_exchange_weak(&d->contexts, &w, contexts_ended(w))) {
+    }
     return ACL_SUCCESS;
 }
 
 aclError device_current(int32_t *dev)
 {
     if (current_dev < 0 || !atomic_load(&initialized) ||
-        atomic_load(&devices[current_dev].epoch) != current_epoch)
+        context_epoch(atomic_load(&devices[current_dev].contexts)) != current_epoch)
         return ACL_ERROR_RT_CONTEXT_NULL;
     *dev = current_dev;
     return ACL_SUCCESS;
@@ -416,7 +426,8 @@ aclError aclrtDeviceEnablePeerAccess(int32_t peer, uint32_t flags)
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (peer == dev)
         return ACL_ERROR_INVALID_PARAM;
-    atomic_store(&devices[dev].peer_enabled[peer], true);
+    /* tagged with the caller's context: if a reset ended it meanwhile, the enable ends with it */
+    atomic_store(&devices[dev].peer_since[peer], 1u + (uint64_t)current_epoch);
     return ACL_SUCCESS;
 }
 
@@ -430,13 +441,20 @@ aclError aclrtDeviceDisablePeerAccess(int32_t peer)
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (peer == dev)
         return ACL_ERROR_INVALID_PARAM;
-    atomic_store(&devices[dev].peer_enabled[peer], false);
+    atomic_store(&devices[dev].peer_since[peer], 0);
     return ACL_SUCCESS;
+}
+
+/* Whether `dev` enabled access to `peer` in its current epoch. */
+static bool peer_enabled_now(int32_t dev, int32_t peer)
+{
+    const device *d = &devices[dev];
+    return atomic_load(&d->peer_since[peer]) == 1u + (uint64_t)context_epoch(atomic_load(&d->contexts));
 }
 
 bool device_peer_enabled(int32_t a, int32_t b)
 {
-    return a == b || atomic_load(&devices[a].peer_enabled[b]) || atomic_load(&devices[b].peer_enabled[a]);
+    return a == b || peer_enabled_now(a, b) || peer_enabled_now(b, a);
 }
 
 /* ---- capacity ---- */

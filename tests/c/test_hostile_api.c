@@ -398,6 +398,43 @@ static void test_sharing_rejects_bad_arguments(void **state)
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
+/* Two threads each take and drop a reference on one device, over and over.  While a thread holds
+ * its reference (between aclrtSetDevice and aclrtResetDevice) the device's context cannot end, so
+ * its aclrtGetDevice always succeeds, however the other thread's reset interleaves. */
+typedef struct context_arg {
+    atomic_int *stop;
+    int lost; /* times the context was gone while this thread held a reference */
+} context_arg;
+
+static void *set_get_reset(void *p)
+{
+    context_arg *a = p;
+    for (int i = 0; i < 200000 && !atomic_load(a->stop); i++) {
+        int32_t dev = -1;
+        if (aclrtSetDevice(0) != ACL_SUCCESS || aclrtGetDevice(&dev) != ACL_SUCCESS || dev != 0) {
+            a->lost++;
+            atomic_store(a->stop, 1);
+        }
+        aclrtResetDevice(0);
+    }
+    return NULL;
+}
+
+static void test_a_reference_keeps_the_context_whatever_other_threads_reset(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    assert_int_equal(aclrtResetDevice(0), ACL_SUCCESS); /* start_runtime's reference */
+    atomic_int stop = 0;
+    pthread_t t[2];
+    context_arg args[2] = {{&stop, 0}, {&stop, 0}};
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(pthread_create(&t[i], NULL, set_get_reset, &args[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    assert_int_equal(args[0].lost + args[1].lost, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -408,6 +445,7 @@ int main(void)
         cmocka_unit_test_teardown(test_reservations_and_mappings_reject_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_streams_and_events_reject_bad_handles, stop_runtime),
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_a_reference_keeps_the_context_whatever_other_threads_reset, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
