@@ -398,6 +398,201 @@ static void test_sharing_rejects_bad_arguments(void **state)
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
+/* Calls that need a current device say so (107002) on a thread that never set one, and after the
+ * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
+static void test_calls_without_a_context(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0);
+    void *d, *p = (void *)0x1;
+    aclrtStream s;
+    aclrtDrvMemHandle h = physical(2 * MiB_);
+    assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_int_equal(aclrtResetDevice(0), ACL_SUCCESS);
+    assert_int_equal(aclrtResetDevice(0), ACL_SUCCESS); /* one reset too many: harmless */
+    int32_t dev = 7;
+    size_t f, t;
+    aclrtStream s2;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(dev, 7);
+    assert_int_equal(aclrtMalloc(&p, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtMallocAlign32(&p, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtMallocCached(&p, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtGetMemInfo(ACL_HBM_MEM, &f, &t), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtCreateStream(&s2), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtSynchronizeDevice(), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_ERROR_RT_CONTEXT_NULL); /* the default stream */
+    assert_int_equal(aclrtMemsetAsync(d, 4096, 0, 4096, NULL), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtDeviceEnablePeerAccess(1, 0), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtDeviceDisablePeerAccess(1), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_ptr_equal(p, (void *)0x1);
+    /* what needs no context, and what was made in the ended one */
+    assert_int_equal(aclrtMemset(d, 4096, 3, 4096), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(d, 4096, 4, 4096, s), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    /* a reset of a device nobody set, and a forced one */
+    assert_int_equal(aclrtResetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtResetDeviceForce(1), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS);
+    assert_int_equal(dev, 1);
+}
+
+/* aclInit and aclFinalize pair up with CANN's repeat codes; the runtime does not depend on them
+ * (it starts on first use, and aclFinalize ends the session only: docs/runtime.md). */
+static void test_init_and_finalize_repeat_codes(void **state)
+{
+    (void)state;
+    npualloc_shutdown();
+    assert_int_equal(aclFinalize(), ACL_ERROR_REPEAT_FINALIZE); /* before any aclInit */
+    void *d;
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS); /* before aclInit */
+    assert_int_equal(aclrtMalloc(&d, 64, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclInit(NULL), ACL_SUCCESS);
+    assert_int_equal(aclInit("/nonexistent/acl.json"), ACL_ERROR_REPEAT_INITIALIZE);
+    assert_int_equal(aclFinalize(), ACL_SUCCESS);
+    assert_int_equal(aclFinalize(), ACL_ERROR_REPEAT_FINALIZE);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS); /* after aclFinalize */
+    assert_int_equal(aclInit(NULL), ACL_SUCCESS);
+    assert_int_equal(aclFinalize(), ACL_SUCCESS);
+}
+
+/* Eight threads race to free, unmap, release or destroy the same object: exactly one wins, the
+ * others get the stale-object code. */
+enum { RACERS = 8 };
+
+typedef struct race {
+    pthread_barrier_t start;
+    void *ptr, *host, *va, *mapped;
+    aclrtDrvMemHandle handle;
+    aclrtStream stream;
+    aclrtEvent event;
+    atomic_int wins[7];
+    atomic_int wrong; /* any other code */
+} race;
+
+static void tally(race *r, int which, aclError rc, aclError loser)
+{
+    if (rc == ACL_SUCCESS)
+        atomic_fetch_add(&r->wins[which], 1);
+    else if (rc != loser)
+        atomic_fetch_add(&r->wrong, 1);
+}
+
+static void *racer(void *p)
+{
+    race *r = p;
+    pthread_barrier_wait(&r->start);
+    tally(r, 0, aclrtFree(r->ptr), ACL_ERROR_RT_MEMORY_FREE);
+    tally(r, 1, aclrtFreeHost(r->host), ACL_ERROR_RT_MEMORY_FREE);
+    tally(r, 2, aclrtFreePhysical(r->handle), ACL_ERROR_RT_INVALID_HANDLE);
+    tally(r, 3, aclrtUnmapMem(r->mapped), ACL_ERROR_RT_PARAM_INVALID);
+    tally(r, 4, aclrtReleaseMemAddress(r->va), ACL_ERROR_RT_PARAM_INVALID);
+    tally(r, 5, aclrtDestroyStream(r->stream), ACL_ERROR_INVALID_PARAM);
+    tally(r, 6, aclrtDestroyEvent(r->event), ACL_ERROR_INVALID_PARAM);
+    return NULL;
+}
+
+static void test_threads_race_to_free_the_same_objects(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    for (int round = 0; round < 20; round++) {
+        race r = {.wrong = 0};
+        for (int i = 0; i < 7; i++)
+            atomic_init(&r.wins[i], 0);
+        assert_int_equal(aclrtMalloc(&r.ptr, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+        assert_int_equal(aclrtMallocHost(&r.host, 4096), ACL_SUCCESS);
+        r.handle = physical(2 * MiB_);
+        r.va = reserved(4 * MiB_);
+        r.mapped = (char *)r.va + 2 * MiB_;
+        assert_int_equal(aclrtMapMem(r.mapped, 2 * MiB_, 0, r.handle, 0), ACL_SUCCESS);
+        assert_int_equal(aclrtCreateStream(&r.stream), ACL_SUCCESS);
+        assert_int_equal(aclrtCreateEvent(&r.event), ACL_SUCCESS);
+        assert_int_equal(aclrtMemsetAsync(r.ptr, 4096, 1, 4096, r.stream), ACL_SUCCESS);
+        assert_int_equal(aclrtRecordEvent(r.event, r.stream), ACL_SUCCESS);
+        pthread_barrier_init(&r.start, NULL, RACERS);
+        pthread_t t[RACERS];
+        for (int i = 0; i < RACERS; i++)
+            assert_int_equal(pthread_create(&t[i], NULL, racer, &r), 0);
+        for (int i = 0; i < RACERS; i++)
+            pthread_join(t[i], NULL);
+        pthread_barrier_destroy(&r.start);
+        for (int i = 0; i < 7; i++)
+            assert_int_equal(atomic_load(&r.wins[i]), 1);
+        assert_int_equal(atomic_load(&r.wrong), 0);
+    }
+    assert_nothing_live();
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.reservations, 0);
+}
+
+/* A forked child starts with fresh devices: nothing the parent made answers there, each with its
+ * error code, and the child can make its own. */
+static void test_parent_objects_are_stale_in_a_forked_child(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    void *d, *host;
+    aclrtStream s;
+    aclrtEvent e;
+    assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost(&host, 4096), ACL_SUCCESS);
+    aclrtDrvMemHandle h = physical(2 * MiB_);
+    void *va = reserved(2 * MiB_);
+    assert_int_equal(aclrtMapMem(va, 2 * MiB_, 0, h, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateEvent(&e), ACL_SUCCESS);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int32_t dev;
+        char buf[16];
+        int bad = 0;
+        bad += aclrtGetDevice(&dev) != ACL_ERROR_RT_CONTEXT_NULL;
+        bad += aclrtMalloc(&d, 64, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_ERROR_RT_CONTEXT_NULL;
+        bad += aclrtFree(d) != ACL_ERROR_RT_MEMORY_FREE;
+        bad += aclrtMemcpy(buf, sizeof buf, d, sizeof buf, ACL_MEMCPY_DEVICE_TO_HOST) != ACL_ERROR_RT_PARAM_INVALID;
+        bad += aclrtMemset(va, 16, 0, 16) != ACL_ERROR_RT_PARAM_INVALID;
+        bad += aclrtFreePhysical(h) != ACL_ERROR_RT_INVALID_HANDLE;
+        bad += aclrtUnmapMem(va) != ACL_ERROR_RT_PARAM_INVALID;
+        bad += aclrtReleaseMemAddress(va) != ACL_ERROR_RT_PARAM_INVALID;
+        bad += aclrtSynchronizeStream(s) != ACL_ERROR_INVALID_PARAM;
+        bad += aclrtDestroyStream(s) != ACL_ERROR_INVALID_PARAM;
+        bad += aclrtSynchronizeEvent(e) != ACL_ERROR_INVALID_PARAM;
+        bad += aclrtDestroyEvent(e) != ACL_ERROR_INVALID_PARAM;
+        bad += aclrtMemcpy(buf, sizeof buf, host, sizeof buf, ACL_MEMCPY_HOST_TO_HOST) != ACL_SUCCESS; /* inherited */
+        bad += aclrtFreeHost(host) != ACL_SUCCESS;
+        aclrtDrvMemHandle mine;
+        aclrtStream ms;
+        bad += aclrtSetDevice(0) != ACL_SUCCESS;
+        bad += aclrtMalloc(&d, 64, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS || aclrtFree(d) != ACL_SUCCESS;
+        aclrtPhysicalMemProp prop = good_prop();
+        bad += aclrtMallocPhysical(&mine, 2 * MiB_, &prop, 0) != ACL_SUCCESS || aclrtFreePhysical(mine) != ACL_SUCCESS;
+        bad += aclrtCreateStream(&ms) != ACL_SUCCESS || aclrtDestroyStream(ms) != ACL_SUCCESS;
+        npualloc_shutdown();
+        _exit(bad);
+    }
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    /* the parent's objects are untouched */
+    assert_int_equal(aclrtSynchronizeEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtUnmapMem(va), ACL_SUCCESS);
+    assert_int_equal(aclrtReleaseMemAddress(va), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(host), ACL_SUCCESS);
+    assert_nothing_live();
+}
+
 /* Two threads each take and drop a reference on one device, over and over.  While a thread holds
  * its reference (between aclrtSetDevice and aclrtResetDevice) the device's context cannot end, so
  * its aclrtGetDevice always succeeds, however the other thread's reset interleaves. */
@@ -445,6 +640,10 @@ int main(void)
         cmocka_unit_test_teardown(test_reservations_and_mappings_reject_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_streams_and_events_reject_bad_handles, stop_runtime),
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
+        cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
+        cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
+        cmocka_unit_test_teardown(test_parent_objects_are_stale_in_a_forked_child, stop_runtime),
         cmocka_unit_test_teardown(test_a_reference_keeps_the_context_whatever_other_threads_reset, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
