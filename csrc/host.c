@@ -276,6 +276,12 @@ int host_alloc_pinned(size_t size, void **out)
 
 void host_free_pinned(void *p, size_t size) { munmap(p, round_to_page(size)); }
 
+size_t host_ram_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES);
+    return pages > 0 ? (size_t)pages * host_page_size() : SIZE_MAX;
+}
+
 /* ---- checked copies ---- */
 
 #define BOUNCE_BYTES 4096 /* staging buffer for overlapping moves and memset patterns */

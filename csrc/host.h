@@ -54,6 +54,8 @@ int host_unmap(void *va, size_t size);
 /* Page-aligned host memory for pinned-host allocations (inherited by fork like any memory). */
 int host_alloc_pinned(size_t size, void **out);
 void host_free_pinned(void *p, size_t size);
+/* The machine's physical memory: no one pinned allocation can be larger. */
+size_t host_ram_bytes(void);
 
 /* Copies (memmove semantics) or sets host memory that may be anything the caller passed: the
  * kernel does the access (process_vm_readv / process_vm_writev on this process), so an address

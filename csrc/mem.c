@@ -162,7 +162,9 @@ aclError aclrtMallocHost(void **hostPtr, size_t size)
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    if (size > MAX_ALLOC_SIZE)
+    /* pinned pages are resident: more than the machine has is out of memory, whatever the
+     * kernel's overcommit policy would let mmap promise */
+    if (size > host_ram_bytes())
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     host_block *b = malloc(sizeof *b);
     void *p;

@@ -287,6 +287,9 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrt
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (size % pc.granularity != 0)
         return ACL_ERROR_RT_PARAM_INVALID;
+    /* host memory is charged to no device, but it is pinned: never more than the machine has */
+    if (pc.host && size > host_ram_bytes())
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     return vmm_physical_create(device, pc.kind, size, handle);
 }
 

@@ -398,6 +398,32 @@ static void test_sharing_rejects_bad_arguments(void **state)
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
+/* Pinned host memory (aclrtMallocHost, and physical memory with a host location, which no device
+ * is charged for) cannot be more than the machine has: one allocation beyond its memory fails as out
+ * of memory, whatever the kernel's overcommit policy, instead of handing out a handle or pages that
+ * could never all be touched. */
+static void test_pinned_host_memory_beyond_the_machine_is_out_of_memory(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    size_t ram = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
+    size_t beyond = (ram / (2 * MiB_) + 1) * (2 * MiB_);
+    aclrtPhysicalMemProp hp = hbm_prop(ACL_DDR_MEM_HUGE, 0);
+    hp.location.type = ACL_MEM_LOCATION_TYPE_HOST;
+    aclrtDrvMemHandle h = FORGED;
+    void *p = FORGED;
+    const size_t sizes[] = {beyond, (size_t)1 << 46, (size_t)1 << 62};
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+        assert_int_equal(aclrtMallocPhysical(&h, sizes[i], &hp, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+        assert_int_equal(aclrtMallocHost(&p, sizes[i]), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    }
+    assert_int_equal(aclrtMallocHost(&p, ram + 1), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_ptr_equal(h, FORGED);
+    assert_ptr_equal(p, FORGED);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &hp, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
 /* Calls that need a current device say so (107002) on a thread that never set one, and after the
  * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
 static void test_calls_without_a_context(void **state)
@@ -640,6 +666,7 @@ int main(void)
         cmocka_unit_test_teardown(test_reservations_and_mappings_reject_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_streams_and_events_reject_bad_handles, stop_runtime),
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
         cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
         cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
