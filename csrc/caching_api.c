@@ -378,6 +378,8 @@ static device_cache *cache_of_ptr(const void *ptr)
 
 aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
 {
+    if (!out)
+        return ACL_ERROR_INVALID_PARAM;
     if (runtime_ensure_init() != ACL_SUCCESS) {
         cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
         return ACL_ERROR_UNINITIALIZE;
@@ -901,7 +903,7 @@ aclError npualloc_cache_set_fraction(int32_t device, double fraction)
 
 aclError npualloc_cache_get_fraction(int32_t device, double *fraction)
 {
-    device_cache *dc = cache_get(device);
+    device_cache *dc = fraction ? cache_get(device) : NULL;
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
     cache_lock_acquire(&dc->lock);
@@ -912,7 +914,7 @@ aclError npualloc_cache_get_fraction(int32_t device, double *fraction)
 
 aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out)
 {
-    device_cache *dc = cache_get(device);
+    device_cache *dc = out ? cache_get(device) : NULL;
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
     cache_lock_acquire(&dc->lock);
@@ -981,6 +983,8 @@ aclError npualloc_cache_check(int32_t device, char *why, size_t len)
 
 aclError npualloc_cache_snapshot(npualloc_snapshot **out)
 {
+    if (!out)
+        return ACL_ERROR_INVALID_PARAM;
     npualloc_snapshot *s = calloc(1, sizeof *s);
     if (!s)
         return ACL_ERROR_BAD_ALLOC;

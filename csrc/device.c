@@ -153,6 +153,8 @@ static int env_size(const char *name, uint64_t *value, char *err, size_t errlen)
 
 aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen)
 {
+    if (!out)
+        return ACL_ERROR_INVALID_PARAM;
     npualloc_config c = default_config;
     long count;
     int given = env_whole_number("NPUALLOC_DEVICE_COUNT", 1, NPU_MAX_DEVICES, &count);
@@ -181,7 +183,9 @@ aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen
 aclError npualloc_config_check(const npualloc_config *c, char *err, size_t errlen)
 {
     const char *problem = NULL;
-    if (c->device_count < 1 || c->device_count > NPU_MAX_DEVICES)
+    if (!c)
+        problem = "no configuration given";
+    else if (c->device_count < 1 || c->device_count > NPU_MAX_DEVICES)
         problem = "NPUALLOC_DEVICE_COUNT must be from 1 to 64";
     else if (c->device_memory == 0)
         problem = "NPUALLOC_DEVICE_MEMORY must be more than 0";
@@ -263,6 +267,8 @@ const char *npualloc_init_error(void) { return init_error[0] ? init_error : NULL
 
 aclError npualloc_get_config(npualloc_config *out)
 {
+    if (!out)
+        return ACL_ERROR_INVALID_PARAM;
     aclError rc = runtime_ensure_init();
     if (rc == ACL_SUCCESS)
         *out = config;

@@ -2,7 +2,8 @@
  * npualloc.h - the npualloc core API: what the virtual NPU offers beyond the aclrt* names
  * (configuration, introspection, test hooks).  The aclrt* functions are in acl_rt.h.
  *
- * Every function that can fail returns an aclError (0 = success).
+ * Every function that can fail returns an aclError (0 = success), ACL_ERROR_INVALID_PARAM for a NULL
+ * pointer it needs.
  */
 #ifndef NPUALLOC_H
 #define NPUALLOC_H

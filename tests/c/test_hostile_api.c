@@ -424,6 +424,41 @@ static void test_pinned_host_memory_beyond_the_machine_is_out_of_memory(void **s
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
+/* npualloc.h's functions that report through an aclError say ACL_ERROR_INVALID_PARAM for a NULL
+ * they need, as the aclrt* functions do, instead of writing through it. */
+static void test_npualloc_functions_reject_null_pointers(void **state)
+{
+    (void)state;
+    npualloc_shutdown();
+    char err[64];
+    assert_int_equal(npualloc_config_check(NULL, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_configure(NULL, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_config_from_env(NULL, err, sizeof err), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_config_check(NULL, NULL, 0), ACL_ERROR_INVALID_PARAM);
+    assert_false(npualloc_initialized()); /* none of them started the devices */
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    assert_int_equal(npualloc_get_config(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_get_fraction(0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_get_stats(0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_get_settings(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_snapshot(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_malloc(0, 64, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_allocate(0, 64, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_stream_query(NULL, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    /* with somewhere to write, they work */
+    npualloc_config cfg;
+    npualloc_stats st;
+    npualloc_allocator_settings set;
+    npualloc_snapshot *snap = NULL;
+    double fraction;
+    assert_int_equal(npualloc_get_config(&cfg), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_get_fraction(0, &fraction), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_get_settings(&set), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    npualloc_snapshot_free(snap);
+}
+
 /* Calls that need a current device say so (107002) on a thread that never set one, and after the
  * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
 static void test_calls_without_a_context(void **state)
@@ -667,6 +702,7 @@ int main(void)
         cmocka_unit_test_teardown(test_streams_and_events_reject_bad_handles, stop_runtime),
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
+        cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
         cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
         cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
         cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
