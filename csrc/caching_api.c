@@ -1014,6 +1014,8 @@ npualloc_record_context npualloc_cache_record_context(void) { return record_leve
 
 aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries)
 {
+    if ((unsigned)when > NPUALLOC_RECORD_ALL)
+        return ACL_ERROR_INVALID_PARAM;
     record_level = enabled ? when : NPUALLOC_RECORD_NEVER;
     if (enabled && max_entries == 0)
         max_entries = 1;

@@ -261,7 +261,8 @@ typedef struct npualloc_snapshot {
 aclError npualloc_cache_snapshot(npualloc_snapshot **out);
 void npualloc_snapshot_free(npualloc_snapshot *snap);
 /* Starts or stops recording the memory history of every device (a ring of max_entries trace
- * entries, and contexts as `when` says); both clear what was recorded. */
+ * entries, and contexts as `when` says); both clear what was recorded.  ACL_ERROR_INVALID_PARAM
+ * when `when` is not a npualloc_record_context. */
 aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries);
 
 /* ---- private memory pools (torch's MemPool / graph_pool_handle) ---- */

@@ -459,6 +459,24 @@ static void test_npualloc_functions_reject_null_pointers(void **state)
     npualloc_snapshot_free(snap);
 }
 
+/* A history level outside npualloc_record_context's values is refused, and changes nothing. */
+static void test_record_history_refuses_unknown_levels(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_STATE, 8), ACL_SUCCESS);
+    const int bad[] = {-1, NPUALLOC_RECORD_ALL + 1, 99, INT32_MIN};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        assert_int_equal(npualloc_cache_record_history(true, (npualloc_record_context)bad[i], 8),
+                         ACL_ERROR_INVALID_PARAM);
+        assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_STATE);
+    }
+    assert_int_equal(npualloc_cache_record_history(false, (npualloc_record_context)99, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_STATE);
+    assert_int_equal(npualloc_cache_record_history(false, NPUALLOC_RECORD_NEVER, 0), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_NEVER);
+}
+
 /* Calls that need a current device say so (107002) on a thread that never set one, and after the
  * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
 static void test_calls_without_a_context(void **state)
@@ -703,6 +721,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
+        cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
         cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
         cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
         cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
