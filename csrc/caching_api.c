@@ -1008,15 +1008,17 @@ aclError npualloc_cache_snapshot(npualloc_snapshot **out)
     return ACL_SUCCESS;
 }
 
-static npualloc_record_context record_level;
+/* Read by any thread (npualloc_cache_record_context) while another may change it. */
+static _Atomic npualloc_record_context record_level;
 
-npualloc_record_context npualloc_cache_record_context(void) { return record_level; }
+npualloc_record_context npualloc_cache_record_context(void) { return atomic_load(&record_level); }
 
 aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries)
 {
     if ((unsigned)when > NPUALLOC_RECORD_ALL)
         return ACL_ERROR_INVALID_PARAM;
-    record_level = enabled ? when : NPUALLOC_RECORD_NEVER;
+    npualloc_record_context level = enabled ? when : NPUALLOC_RECORD_NEVER;
+    atomic_store(&record_level, level);
     if (enabled && max_entries == 0)
         max_entries = 1;
     int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
@@ -1029,7 +1031,7 @@ aclError npualloc_cache_record_history(bool enabled, npualloc_record_context whe
             npualloc_context_release(dc->history[i].ctx);
         free(dc->history);
         dc->history = NULL;
-        dc->record_context = record_level;
+        dc->record_context = level;
         dc->history_capacity = 0;
         dc->history_max = enabled ? max_entries : 0; /* at least 1 when enabled */
         dc->history_count = dc->history_next = 0;

@@ -477,6 +477,34 @@ static void test_record_history_refuses_unknown_levels(void **state)
     assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_NEVER);
 }
 
+/* One thread turns the history on and off while another asks which level is set: the answer is
+ * one of the two levels, and nothing races (ThreadSanitizer checks). */
+static void *toggle_history(void *p)
+{
+    atomic_int *stop = p;
+    for (int i = 0; !atomic_load(stop); i++)
+        npualloc_cache_record_history(i % 2 == 0, NPUALLOC_RECORD_ALLOC, 4);
+    return NULL;
+}
+
+static void test_history_level_is_read_while_another_thread_sets_it(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    atomic_int stop = 0;
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, toggle_history, &stop), 0);
+    int odd = 0;
+    for (int i = 0; i < 20000; i++) {
+        npualloc_record_context level = npualloc_cache_record_context();
+        odd += level != NPUALLOC_RECORD_NEVER && level != NPUALLOC_RECORD_ALLOC;
+    }
+    atomic_store(&stop, 1);
+    pthread_join(t, NULL);
+    assert_int_equal(odd, 0);
+    assert_int_equal(npualloc_cache_record_history(false, NPUALLOC_RECORD_NEVER, 0), ACL_SUCCESS);
+}
+
 /* Calls that need a current device say so (107002) on a thread that never set one, and after the
  * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
 static void test_calls_without_a_context(void **state)
@@ -722,6 +750,7 @@ int main(void)
         cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
         cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
+        cmocka_unit_test_teardown(test_history_level_is_read_while_another_thread_sets_it, stop_runtime),
         cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
         cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
         cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
