@@ -263,7 +263,16 @@ aclError runtime_ensure_init(void)
 
 bool npualloc_initialized(void) { return atomic_load(&initialized); }
 
-const char *npualloc_init_error(void) { return init_error[0] ? init_error : NULL; }
+/* A copy for the calling thread: another thread's failed start rewrites init_error (under
+ * init_lock) at any time. */
+const char *npualloc_init_error(void)
+{
+    static _Thread_local char copy[sizeof init_error];
+    pthread_mutex_lock(&init_lock);
+    memcpy(copy, init_error, sizeof copy);
+    pthread_mutex_unlock(&init_lock);
+    return copy[0] ? copy : NULL;
+}
 
 aclError npualloc_get_config(npualloc_config *out)
 {

@@ -44,7 +44,8 @@ aclError npualloc_configure(const npualloc_config *cfg, char *err, size_t errlen
 
 /* True once the devices have started. */
 bool npualloc_initialized(void);
-/* Why the last start failed (a malformed environment), or NULL. */
+/* Why the last start failed (a malformed environment), or NULL.  The text is the calling thread's
+ * copy, valid until its next call. */
 const char *npualloc_init_error(void);
 /* The configuration in effect (starts the devices). */
 aclError npualloc_get_config(npualloc_config *out);

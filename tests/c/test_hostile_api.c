@@ -505,6 +505,50 @@ static void test_history_level_is_read_while_another_thread_sets_it(void **state
     assert_int_equal(npualloc_cache_record_history(false, NPUALLOC_RECORD_NEVER, 0), ACL_SUCCESS);
 }
 
+/* With a malformed environment every call fails to start the runtime (and each tries again); one
+ * thread reads why while others keep trying: always the whole message, and nothing races
+ * (ThreadSanitizer checks). */
+typedef struct retry_arg {
+    atomic_int stop;     /* 1: stop; 2: a start did not fail as it should */
+    atomic_int attempts; /* failed starts so far */
+} retry_arg;
+
+static void *keep_starting(void *p)
+{
+    retry_arg *a = p;
+    while (!atomic_load(&a->stop)) {
+        if (aclrtSetDevice(0) != ACL_ERROR_UNINITIALIZE)
+            atomic_store(&a->stop, 2);
+        atomic_fetch_add(&a->attempts, 1);
+    }
+    return NULL;
+}
+
+static void test_init_error_is_read_while_other_threads_retry(void **state)
+{
+    (void)state;
+    npualloc_shutdown();
+    setenv("NPUALLOC_DDR_MEMORY", "lots", 1);
+    assert_int_equal(aclrtSetDevice(0), ACL_ERROR_UNINITIALIZE);
+    retry_arg a = {0, 0};
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(pthread_create(&t[i], NULL, keep_starting, &a), 0);
+    int wrong = 0;
+    for (int i = 0; i < 2000 || atomic_load(&a.attempts) < 200; i++) {
+        const char *why = npualloc_init_error();
+        wrong += !why || !strstr(why, "NPUALLOC_DDR_MEMORY='lots'");
+    }
+    int started = atomic_exchange(&a.stop, 1);
+    for (int i = 0; i < 2; i++)
+        pthread_join(t[i], NULL);
+    unsetenv("NPUALLOC_DDR_MEMORY");
+    assert_int_equal(started, 0);
+    assert_int_equal(wrong, 0);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    assert_null(npualloc_init_error());
+}
+
 /* Calls that need a current device say so (107002) on a thread that never set one, and after the
  * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
 static void test_calls_without_a_context(void **state)
@@ -751,6 +795,7 @@ int main(void)
         cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
         cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
         cmocka_unit_test_teardown(test_history_level_is_read_while_another_thread_sets_it, stop_runtime),
+        cmocka_unit_test_teardown(test_init_error_is_read_while_other_threads_retry, stop_runtime),
         cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
         cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
         cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
