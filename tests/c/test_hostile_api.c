@@ -549,6 +549,39 @@ static void test_init_error_is_read_while_other_threads_retry(void **state)
     assert_null(npualloc_init_error());
 }
 
+/* A malformed environment: the aclrt* calls say ACL_ERROR_UNINITIALIZE, the caching allocator's calls
+ * their usual ACL_ERROR_INVALID_PARAM with the reason as their message (docs/runtime.md). */
+static void test_a_malformed_environment_fails_every_call(void **state)
+{
+    (void)state;
+    npualloc_shutdown();
+    setenv("NPUALLOC_DEVICE_MEMORY", "plenty", 1);
+    void *p = NULL;
+    int32_t dev;
+    uint32_t n;
+    aclrtStream s;
+    aclrtDrvMemHandle h;
+    aclrtPhysicalMemProp prop = good_prop();
+    assert_int_equal(aclrtSetDevice(0), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtGetDeviceCount(&n), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtMalloc(&p, 64, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtMallocHost(&p, 64), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &prop, 0), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtReserveMemAddress(&p, 2 * MiB_, 0, NULL, 0), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtCreateStream(&s), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclInit(NULL), ACL_ERROR_UNINITIALIZE);
+    npualloc_stats st;
+    npualloc_error_kind kind;
+    assert_int_equal(npualloc_cache_malloc(0, 64, 0, &p), ACL_ERROR_INVALID_PARAM);
+    assert_non_null(strstr(npualloc_last_error(&kind), "NPUALLOC_DEVICE_MEMORY='plenty'"));
+    assert_int_equal(kind, NPUALLOC_ERR_VALUE);
+    assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_ERROR_INVALID_PARAM);
+    assert_non_null(strstr(npualloc_init_error(), "NPUALLOC_DEVICE_MEMORY='plenty'"));
+    assert_null(p);
+    unsetenv("NPUALLOC_DEVICE_MEMORY");
+}
+
 /* Calls that need a current device say so (107002) on a thread that never set one, and after the
  * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
 static void test_calls_without_a_context(void **state)
@@ -796,6 +829,7 @@ int main(void)
         cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
         cmocka_unit_test_teardown(test_history_level_is_read_while_another_thread_sets_it, stop_runtime),
         cmocka_unit_test_teardown(test_init_error_is_read_while_other_threads_retry, stop_runtime),
+        cmocka_unit_test_teardown(test_a_malformed_environment_fails_every_call, stop_runtime),
         cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
         cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
         cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
