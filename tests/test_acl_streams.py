@@ -345,7 +345,7 @@ def test_callbacks_run_on_the_subscribed_thread_in_process_report():
     def serve():
         rt.set_device(0)
         while not stop.is_set():
-            rt.process_report(100)  # 107013 when nothing arrived in time
+            rt.process_report(100)  # 507012 (ACL_ERROR_RT_REPORT_TIMEOUT) when nothing arrived in time
 
     worker = threading.Thread(target=serve)
     worker.start()
@@ -360,4 +360,15 @@ def test_callbacks_run_on_the_subscribed_thread_in_process_report():
     stop.set()
     worker.join()
     assert rt.process_report(100) == acl.ACL_ERROR_RT_THREAD_SUBSCRIBE  # this thread serves nothing
+    assert rt.destroy_stream(stream) == 0
+
+
+def test_a_subscribed_thread_with_nothing_to_run_times_out_with_canns_code():
+    """rt_error_codes.h: ACL_ERROR_RT_REPORT_TIMEOUT is 507012 (107013 is ACL_ERROR_RT_GROUP_NOT_SET)."""
+    stream, ret = rt.create_stream()
+    assert ret == 0
+    me = threading.get_ident()
+    assert rt.subscribe_report(me, stream) == 0
+    assert rt.process_report(10) == acl.ACL_ERROR_RT_REPORT_TIMEOUT == 507012
+    assert rt.unsubscribe_report(me, stream) == 0
     assert rt.destroy_stream(stream) == 0

@@ -920,10 +920,11 @@ static void reporter_stop(reporter *r)
 static void test_subscription_error_codes_follow_cann_runtime(void **state)
 {
     (void)state;
-    /* The values of CANN's headers. */
+    /* The values of CANN's headers (rt_error_codes.h: a report timeout is 507012; 107013 is
+     * ACL_ERROR_RT_GROUP_NOT_SET). */
     assert_int_equal(ACL_ERROR_RT_STREAM_SUBSCRIBE, 107011);
     assert_int_equal(ACL_ERROR_RT_THREAD_SUBSCRIBE, 107012);
-    assert_int_equal(ACL_ERROR_RT_REPORT_TIMEOUT, 107013);
+    assert_int_equal(ACL_ERROR_RT_REPORT_TIMEOUT, 507012);
     assert_int_equal(ACL_ERROR_RT_STREAM_NO_CB_REG, 107015);
     assert_int_equal(ACL_ERROR_REPEAT_SUBSCRIBE, 100033);
     assert_int_equal(ACL_ERROR_STREAM_NOT_SUBSCRIBE, 100034);
