@@ -347,6 +347,9 @@ static void test_streams_and_events_reject_bad_handles(void **state)
     assert_int_equal(aclrtProcessReport(0), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtProcessReport(-2), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtSubscribeReport(1, FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtUnSubscribeReport(1, FORGED), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtUnSubscribeReport(1, s), ACL_ERROR_RT_STREAM_SUBSCRIBE); /* nobody subscribed it */
+    assert_int_equal(aclrtProcessReport(10), ACL_ERROR_RT_THREAD_SUBSCRIBE);      /* this thread serves nothing */
     /* destroyed twice; then every use of the old value */
     assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
     assert_int_equal(aclrtDestroyStream(s), ACL_ERROR_INVALID_PARAM);
@@ -368,13 +371,21 @@ static void test_sharing_rejects_bad_arguments(void **state)
     uint64_t sh = 0;
     int32_t pid = (int32_t)getpid();
     char key[65];
-    void *d;
+    void *d, *d2;
     assert_int_equal(aclrtMemExportToShareableHandle(NULL, ACL_MEM_HANDLE_TYPE_NONE, 0, &sh), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_NONE, 0, NULL), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_POSIX, 0, &sh), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_NONE, 2, &sh), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(aclrtMemExportToShareableHandle(FORGED, ACL_MEM_HANDLE_TYPE_NONE, 0, &sh),
                      ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_NONE, 0, &sh), ACL_SUCCESS);
+    uint64_t again = 0;
+    assert_int_equal(aclrtMemExportToShareableHandle(h, ACL_MEM_HANDLE_TYPE_NONE, 0, &again),
+                     ACL_ERROR_RT_DRV_INTERNAL_ERROR); /* one shareable handle per handle */
+    aclrtDrvMemHandle imported = FORGED;
+    assert_int_equal(aclrtMemImportFromShareableHandle(sh, 0, &imported), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    assert_ptr_equal(imported, FORGED); /* the exporter cannot import its own */
+    assert_int_equal(aclrtMemSetPidToShareableHandle(sh, &pid, 1), ACL_SUCCESS);
     assert_int_equal(aclrtMemImportFromShareableHandle(1, 0, NULL), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMemImportFromShareableHandle(1, -1, &h), ACL_ERROR_RT_INVALID_DEVICEID);
     assert_int_equal(aclrtMemSetPidToShareableHandle(1, NULL, 1), ACL_ERROR_INVALID_PARAM);
@@ -394,6 +405,12 @@ static void test_sharing_rejects_bad_arguments(void **state)
     assert_int_equal(aclrtIpcMemSetImportPid("x", NULL, 1), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtIpcMemSetImportPid("x", &pid, 0), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtIpcMemClose(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemClose("not a key"), ACL_ERROR_RT_INVALID_HANDLE);
+    assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, key, 8, 0), ACL_ERROR_INVALID_PARAM); /* too short for it */
+    assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, key, sizeof key, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemImportByKey(&d2, key, 0), ACL_ERROR_RT_DRV_INTERNAL_ERROR); /* its own export */
+    assert_int_equal(aclrtIpcMemClose(key), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemClose(key), ACL_ERROR_RT_INVALID_HANDLE); /* closed twice */
     assert_int_equal(aclrtFree(d), ACL_SUCCESS);
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
