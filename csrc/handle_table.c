@@ -11,10 +11,17 @@
 
 void handle_table_destroy(handle_table *t)
 {
+    /* Slots made from now on start above every generation handed out, so a handle kept from
+     * before (a shutdown, a fork child) never names a new object. */
+    uint32_t next = t->first_generation;
+    for (uint32_t i = 0; i < t->capacity; i++)
+        if (t->slots[i].generation >= next)
+            next = t->slots[i].generation + 1;
     free(t->slots);
     uint8_t tag = t->tag; /* the table stays usable, empty, with its tag */
     memset(t, 0, sizeof *t);
     t->tag = tag;
+    t->first_generation = next;
 }
 
 static int grow(handle_table *t)
@@ -30,7 +37,7 @@ static int grow(handle_table *t)
     /* New slots join the free list in index order. */
     for (uint32_t i = t->capacity; i < cap; i++) {
         slots[i].object = NULL;
-        slots[i].generation = 1;
+        slots[i].generation = t->first_generation ? t->first_generation : 1;
         slots[i].next_free = (i + 1 < cap) ? i + 2 : t->free_head;
     }
     t->free_head = t->capacity + 1;

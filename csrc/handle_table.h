@@ -25,12 +25,14 @@ typedef struct handle_table {
     uint32_t capacity;
     uint32_t free_head; /* index + 1, 0 = none */
     uint32_t live;
+    uint32_t first_generation; /* of new slots (0: 1); raised past all handed out when emptied */
     uint8_t tag;
 } handle_table;
 
 #define HANDLE_TABLE_MAX_SLOTS (1u << 24)
 
-/* Frees the slot array (the objects are the owner's). */
+/* Frees the slot array (the objects are the owner's); the table stays usable, and no handle it
+ * gave out before will name an object it gives out after. */
 void handle_table_destroy(handle_table *t);
 /* Stores `object` and returns its handle, or 0 when out of memory or slots. */
 uint64_t handle_table_insert(handle_table *t, void *object);

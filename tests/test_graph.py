@@ -269,7 +269,7 @@ def test_a_capture_left_by_a_restart_takes_no_new_events_or_pointers(mem):
         captured = alloc(4096)
     old_event = npualloc.Event()
     old_event.record(old_stream)
-    mem()  # a restart: the old graph is still capturing, and the new runtime reuses handles and addresses
+    mem()  # a restart: the old graph is still capturing, and the new runtime reuses addresses
     s = npualloc.Stream()
     event = npualloc.Event()
     s.wait_event(event)

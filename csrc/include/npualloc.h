@@ -365,8 +365,9 @@ void npualloc_vmm_counts_get(npualloc_vmm_counts *out);
 /* Releases every resource (memory, streams, events) and stops the devices; the next call
  * starts them again.  Tests use it before checking for leaks. */
 void npualloc_shutdown(void);
-/* Changes whenever the runtime's objects go away (npualloc_shutdown, a fork child): handles
- * and pointers remembered from an older generation may name someone else's object now. */
+/* Changes whenever the runtime's objects go away (npualloc_shutdown, a fork child): pointers
+ * remembered from an older generation may name someone else's memory now.  (Physical memory,
+ * stream and event handles never do: an old one is refused as stale.) */
 uint64_t npualloc_runtime_generation(void);
 
 /* True once everything queued so far on the stream has run (stream 0: `device`'s default

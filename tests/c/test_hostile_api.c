@@ -599,6 +599,58 @@ static void test_a_malformed_environment_fails_every_call(void **state)
     unsetenv("NPUALLOC_DEVICE_MEMORY");
 }
 
+/* Handles outlive the runtime that made them (npualloc_shutdown, a fork child): an old value
+ * never names a new object, however many the new runtime made, so using it is INVALID_HANDLE /
+ * INVALID_PARAM instead of freeing someone else's memory, stream or event. */
+enum { FRESH = 3 };
+
+static int old_values_name_nothing(aclrtDrvMemHandle h, aclrtStream s, aclrtEvent e)
+{
+    aclrtDrvMemHandle nh[FRESH];
+    aclrtStream ns[FRESH];
+    aclrtEvent ne[FRESH];
+    aclrtPhysicalMemProp prop = good_prop();
+    int bad = aclrtSetDevice(0) != ACL_SUCCESS;
+    for (int i = 0; i < FRESH; i++) {
+        bad += aclrtMallocPhysical(&nh[i], 2 * MiB_, &prop, 0) != ACL_SUCCESS || nh[i] == h;
+        bad += aclrtCreateStream(&ns[i]) != ACL_SUCCESS || ns[i] == s;
+        bad += aclrtCreateEvent(&ne[i]) != ACL_SUCCESS || ne[i] == e;
+    }
+    bad += aclrtFreePhysical(h) != ACL_ERROR_RT_INVALID_HANDLE;
+    bad += aclrtDestroyStream(s) != ACL_ERROR_INVALID_PARAM;
+    bad += aclrtDestroyEvent(e) != ACL_ERROR_INVALID_PARAM;
+    for (int i = 0; i < FRESH; i++) {
+        bad += aclrtFreePhysical(nh[i]) != ACL_SUCCESS;
+        bad += aclrtDestroyStream(ns[i]) != ACL_SUCCESS;
+        bad += aclrtDestroyEvent(ne[i]) != ACL_SUCCESS;
+    }
+    return bad;
+}
+
+static void test_old_handles_never_name_new_objects(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    aclrtDrvMemHandle h = physical(2 * MiB_);
+    aclrtStream s;
+    aclrtEvent e;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateEvent(&e), ACL_SUCCESS);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int bad = old_values_name_nothing(h, s, e);
+        npualloc_shutdown();
+        _exit(bad);
+    }
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    /* the same after a shutdown in this process */
+    npualloc_shutdown();
+    assert_int_equal(old_values_name_nothing(h, s, e), 0);
+}
+
 /* Calls that need a current device say so (107002) on a thread that never set one, and after the
  * last reference to it went (aclrtResetDevice); what was made before stays usable and freeable. */
 static void test_calls_without_a_context(void **state)
@@ -847,6 +899,7 @@ int main(void)
         cmocka_unit_test_teardown(test_history_level_is_read_while_another_thread_sets_it, stop_runtime),
         cmocka_unit_test_teardown(test_init_error_is_read_while_other_threads_retry, stop_runtime),
         cmocka_unit_test_teardown(test_a_malformed_environment_fails_every_call, stop_runtime),
+        cmocka_unit_test_teardown(test_old_handles_never_name_new_objects, stop_runtime),
         cmocka_unit_test_teardown(test_calls_without_a_context, stop_runtime),
         cmocka_unit_test_teardown(test_init_and_finalize_repeat_codes, stop_runtime),
         cmocka_unit_test_teardown(test_threads_race_to_free_the_same_objects, stop_runtime),
