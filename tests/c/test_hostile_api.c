@@ -1,8 +1,9 @@
-/* test_hostile_api.c - every aclrt* function of acl_rt.h called as a careless or hostile C program
- * would: NULL pointers, zero and huge sizes, unaligned addresses, forged, stale and twice-freed
- * handles, calls without a current device, after aclFinalize and after aclrtResetDevice, from
- * several threads at once and in a forked child.  Each returns its documented error code
- * (docs/runtime.md, the reference's B2/B3) and nothing crashes, leaks or races. */
+/* test_hostile_api.c - every aclrt* function of acl_rt.h (and npualloc.h's functions that return
+ * an aclError) called as a careless or hostile C program would: NULL pointers, zero and huge sizes,
+ * unaligned addresses, forged, stale and twice-freed handles, calls without a current device, with
+ * a malformed environment, after aclFinalize, aclrtResetDevice or npualloc_shutdown, from several
+ * threads at once and in a forked child.  Each returns its documented error code (docs/runtime.md,
+ * the reference's B2/B3) and nothing crashes, leaks or races. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/wait.h>
