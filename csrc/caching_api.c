@@ -159,7 +159,7 @@ static void npu_mem_info(void *ctx, int32_t device, size_t *free_bytes, size_t *
 static void npu_synchronize(void *ctx, int32_t device)
 {
     (void)ctx;
-    (void)stream_synchronize_device(device);
+    (void)stream_wait_device(device); /* a failed task's error stays for the application */
 }
 
 static bool npu_segment_valid(void *ctx, int32_t device, void *ptr, size_t size)
@@ -439,7 +439,7 @@ aclError npualloc_cache_set_settings(const char *text)
     /* torch_npu empties the NPU streams first; then the change happens under every device lock. */
     for (int d = 0; d < device_count(); d++)
         if (caches[d].started)
-            (void)stream_synchronize_device(d);
+            (void)stream_wait_device(d);
     for (int d = 0; d < NPU_MAX_DEVICES; d++)
         cache_lock_acquire(&caches[d].lock);
     if (next.per_process_memory_fraction_set) {
@@ -748,7 +748,7 @@ aclError npualloc_deallocate(void *ptr)
     if (!dev1)
         return npualloc_cache_free(ptr);
     /* torch_npu synchronizes the device before every uncached free. */
-    (void)stream_synchronize_device((int32_t)dev1 - 1);
+    (void)stream_wait_device((int32_t)dev1 - 1);
     return vmm_free_malloc(ptr, VMM_OWNER_ALLOCATOR);
 }
 

@@ -799,7 +799,9 @@ void stream_wait_position(npu_stream *s, uint64_t position)
     pthread_mutex_unlock(&s->lock);
 }
 
-aclError stream_synchronize(npu_stream *s)
+/* Waits for everything queued on s so far; with take_error, returns and clears its sticky error
+ * (a synchronize), otherwise leaves it for the next synchronize. */
+static aclError stream_drain(npu_stream *s, bool take_error)
 {
     if (!s)
         return ACL_ERROR_INVALID_PARAM;
@@ -807,11 +809,16 @@ aclError stream_synchronize(npu_stream *s)
         return ERR_SELF_WAIT;
     pthread_mutex_lock(&s->lock);
     wait_passed_locked(s, s->last);
-    aclError rc = s->sticky;
-    s->sticky = ACL_SUCCESS;
+    aclError rc = ACL_SUCCESS;
+    if (take_error) {
+        rc = s->sticky;
+        s->sticky = ACL_SUCCESS;
+    }
     pthread_mutex_unlock(&s->lock);
     return rc;
 }
+
+aclError stream_synchronize(npu_stream *s) { return stream_drain(s, true); }
 
 /* References every listed stream of a device into a new array (caller frees it). */
 static aclError device_streams(int32_t device, npu_stream ***out, size_t *count)
@@ -838,7 +845,7 @@ static aclError device_streams(int32_t device, npu_stream ***out, size_t *count)
     return ACL_SUCCESS;
 }
 
-aclError stream_synchronize_device(int32_t device)
+static aclError device_drain(int32_t device, bool take_errors)
 {
     if (!device_valid(device))
         return ACL_ERROR_RT_INVALID_DEVICEID;
@@ -849,9 +856,9 @@ aclError stream_synchronize_device(int32_t device)
     aclError rc = device_streams(device, &list, &n);
     if (rc != ACL_SUCCESS)
         return rc;
-    /* Every stream is synchronised (and its sticky error cleared); the first error wins. */
+    /* Every stream is drained (and with take_errors its sticky error cleared); the first error wins. */
     for (size_t i = 0; i < n; i++) {
-        aclError one = stream_synchronize(list[i]);
+        aclError one = stream_drain(list[i], take_errors);
         if (rc == ACL_SUCCESS)
             rc = one;
         stream_put(list[i]);
@@ -859,6 +866,10 @@ aclError stream_synchronize_device(int32_t device)
     free(list);
     return rc;
 }
+
+aclError stream_synchronize_device(int32_t device) { return device_drain(device, true); }
+
+aclError stream_wait_device(int32_t device) { return device_drain(device, false); }
 
 /* Lets the worker run every queued task and exit, then joins it.  Afterwards the stream has
  * passed every position it ever gave out and accepts no task.  Called by the one thread that

@@ -117,6 +117,10 @@ void stream_wait_position(npu_stream *s, uint64_t position);
 aclError stream_synchronize(npu_stream *s);
 /* Synchronizes every stream of a device (default stream included). */
 aclError stream_synchronize_device(int32_t device);
+/* Waits for every stream of a device like stream_synchronize_device, but leaves their sticky
+ * errors for the application's next synchronize: internal waits (the caching allocator's) must
+ * not swallow a failed task's error.  Returns only its own failures (bad device, self-wait). */
+aclError stream_wait_device(int32_t device);
 
 /* fork(): the child has no worker threads; it starts with no streams or events.  A stream
  * still pinned (stream_acquire) across the fork stays allocated in the child as a finished,

@@ -131,6 +131,29 @@ def test_stale_objects_after_a_restart_are_left_alone(mem):
 
 # ---- record_stream, erase_stream and block states ----
 
+def test_allocator_synchronizing_leaves_a_failed_task_error_to_the_stream(mem):
+    """empty_cache (and a no-caching free, and _set_allocator_settings) wait for the device's streams; a failed
+    task's error stays for the application's synchronize instead of being consumed on the way."""
+    rt = npualloc.acl.rt
+    s = npualloc.Stream()
+    gate = threading.Event()
+    src, ret = rt.malloc(4096, 0)
+    assert ret == 0
+    dst, ret = rt.malloc(4096, 0)
+    assert ret == 0
+    # The copy is valid when queued and runs only after src was freed: it fails on the stream.
+    assert rt.launch_callback(lambda _: gate.wait(), None, npualloc.acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+    assert rt.memcpy_async(dst, 4096, src, 4096, npualloc.acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s.npu_stream) == 0
+    assert rt.free(src) == 0
+    gate.set()
+    free(alloc(MiB))
+    npualloc.empty_cache()
+    with pytest.raises(RuntimeError, match="error code is 507053"):
+        s.synchronize()
+    s.synchronize()  # reported once
+    assert rt.free(dst) == 0
+
+
 def test_record_stream_delays_reuse_until_the_stream_finished(mem):
     side = npualloc.Stream()
     p = alloc(1)

@@ -453,6 +453,32 @@ static void test_synchronize_device_returns_sticky_errors_of_all_its_streams_onc
     aclrtDestroyStream(st);
 }
 
+static void test_internal_device_wait_leaves_sticky_errors_for_synchronize(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    npu_stream *s, *d;
+    assert_int_equal(stream_acquire(st, &s), ACL_SUCCESS);
+    assert_int_equal(stream_acquire(NULL, &d), ACL_SUCCESS);
+    static int v = 9;
+    assert_int_equal(npualloc_sleep_async(st, 0.05), ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(s, task_fail, (void *)(intptr_t)ACL_ERROR_RT_DEVICE_MEM_ERROR, NULL, NULL),
+                     ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(s, task_append, &v, NULL, NULL), ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(d, task_fail, (void *)(intptr_t)ACL_ERROR_RT_INTERNAL_ERROR, NULL, NULL),
+                     ACL_SUCCESS);
+    /* The caching allocator's wait: everything ran, and no error was taken. */
+    assert_int_equal(stream_wait_device(0), ACL_SUCCESS);
+    assert_int_equal(log_count, 1);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_ERROR_RT_DEVICE_MEM_ERROR);
+    assert_int_equal(aclrtSynchronizeDevice(), ACL_ERROR_RT_INTERNAL_ERROR);
+    assert_int_equal(aclrtSynchronizeDevice(), ACL_SUCCESS);
+    assert_int_equal(stream_wait_device(99), ACL_ERROR_RT_INVALID_DEVICEID);
+    stream_release(d);
+    stream_release(s);
+    aclrtDestroyStream(st);
+}
+
 /* ---- bad arguments and handles ---- */
 
 static void check_stream_handle_rejected(aclrtStream bad, aclrtEvent good_event)
@@ -1733,6 +1759,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_launch_callback_rejects_null_fn_and_bad_block_type, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sticky_error_is_returned_once_by_next_synchronize, setup, teardown),
         cmocka_unit_test_setup_teardown(test_synchronize_device_returns_sticky_errors_of_all_its_streams_once, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_internal_device_wait_leaves_sticky_errors_for_synchronize, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_bad_stream_arguments_and_handles_are_rejected, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_event_arguments_and_handles_are_rejected, setup, teardown),
