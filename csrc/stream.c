@@ -820,28 +820,42 @@ static aclError stream_drain(npu_stream *s, bool take_error)
 
 aclError stream_synchronize(npu_stream *s) { return stream_drain(s, true); }
 
-/* References every listed stream of a device into a new array (caller frees it). */
-static aclError device_streams(int32_t device, npu_stream ***out, size_t *count)
+/* Takes a reference on a stream found in the registry (table_lock held), unless its last one
+ * is being dropped: then stream_put is about to free it. */
+static bool stream_try_retain(npu_stream *s)
+{
+    unsigned n = atomic_load_explicit(&s->refs, memory_order_relaxed);
+    while (n != 0)
+        if (atomic_compare_exchange_weak_explicit(&s->refs, &n, n + 1, memory_order_relaxed, memory_order_relaxed))
+            return true;
+    return false;
+}
+
+typedef struct device_stream {
+    npu_stream *s; /* a reference */
+    bool listed;   /* false: destroyed, maybe still running the work queued before its destroy */
+} device_stream;
+
+/* References every stream of a device into a new array (caller frees it): the listed ones and
+ * the destroyed ones still allocated, whose workers may still be draining. */
+static aclError device_streams(int32_t device, device_stream **out, size_t *count)
 {
     pthread_mutex_lock(&table_lock);
     size_t n = 0;
     for (npu_stream *s = stream_registry; s; s = s->reg_next)
-        n += s->listed && s->device == device;
-    npu_stream **list = malloc((n ? n : 1) * sizeof *list);
+        n += s->device == device;
+    device_stream *list = malloc((n ? n : 1) * sizeof *list);
+    size_t taken = 0;
     if (list) {
-        size_t i = 0;
-        for (npu_stream *s = stream_registry; s; s = s->reg_next) {
-            if (s->listed && s->device == device) {
-                stream_retain(s);
-                list[i++] = s;
-            }
-        }
+        for (npu_stream *s = stream_registry; s; s = s->reg_next)
+            if (s->device == device && stream_try_retain(s))
+                list[taken++] = (device_stream){.s = s, .listed = s->listed};
     }
     pthread_mutex_unlock(&table_lock);
     if (!list)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     *out = list;
-    *count = n;
+    *count = taken;
     return ACL_SUCCESS;
 }
 
@@ -851,17 +865,19 @@ static aclError device_drain(int32_t device, bool take_errors)
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if ((tl_worker && tl_worker->device == device) || (tl_block_cb && tl_block_cb->device == device))
         return ERR_SELF_WAIT;
-    npu_stream **list;
+    device_stream *list;
     size_t n;
     aclError rc = device_streams(device, &list, &n);
     if (rc != ACL_SUCCESS)
         return rc;
-    /* Every stream is drained (and with take_errors its sticky error cleared); the first error wins. */
+    /* Every stream is drained, a stream being destroyed included (its queued work is still the
+     * device's work).  With take_errors a listed stream's sticky error is returned and cleared (the
+     * first error wins); a destroyed stream's is not reported: its handle is gone. */
     for (size_t i = 0; i < n; i++) {
-        aclError one = stream_drain(list[i], take_errors);
+        aclError one = stream_drain(list[i].s, take_errors && list[i].listed);
         if (rc == ACL_SUCCESS)
             rc = one;
-        stream_put(list[i]);
+        stream_put(list[i].s);
     }
     free(list);
     return rc;

@@ -115,7 +115,8 @@ bool stream_passed(const npu_stream *s, uint64_t position);
 void stream_wait_position(npu_stream *s, uint64_t position);
 /* Waits for everything queued so far; returns and clears the sticky error. */
 aclError stream_synchronize(npu_stream *s);
-/* Synchronizes every stream of a device (default stream included). */
+/* Synchronizes every stream of a device (default stream included), and waits for the work still
+ * queued on its streams being destroyed by other threads (their errors are not reported). */
 aclError stream_synchronize_device(int32_t device);
 /* Waits for every stream of a device like stream_synchronize_device, but leaves their sticky
  * errors for the application's next synchronize: internal waits (the caching allocator's) must

@@ -660,6 +660,41 @@ static void test_created_stream_belongs_to_current_device_and_device_sync_waits_
     assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
+static void *destroy_stream_thread(void *arg)
+{
+    return (void *)(intptr_t)aclrtDestroyStream((aclrtStream)arg);
+}
+
+static void test_device_sync_waits_for_a_stream_being_destroyed(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    npu_stream *s;
+    assert_int_equal(stream_acquire(st, &s), ACL_SUCCESS);
+    static atomic_int flag;
+    atomic_store(&flag, 0);
+    assert_int_equal(npualloc_sleep_async(st, 0.2), ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(s, task_fail, (void *)(intptr_t)ACL_ERROR_RT_DEVICE_MEM_ERROR, NULL, NULL),
+                     ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_set_flag, &flag, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    stream_release(s);
+    /* Another thread destroys it: its handle goes at once, its queued work still runs. */
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, destroy_stream_thread, st), 0);
+    size_t live = 1;
+    while (live != 0) {
+        stream_counts(&live, NULL);
+        host_sleep_ns(MS);
+    }
+    /* That work is still the device's: the device sync waits for it (and, the handle being gone,
+     * does not report its error). */
+    assert_int_equal(aclrtSynchronizeDevice(), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&flag), 1);
+    void *rc;
+    assert_int_equal(pthread_join(t, &rc), 0);
+    assert_int_equal((aclError)(intptr_t)rc, ACL_SUCCESS);
+}
+
 /* ---- lifetimes ---- */
 
 static void test_destroy_stream_waits_for_queued_work(void **state)
@@ -1769,6 +1804,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_default_streams_are_per_device_and_not_counted, setup, teardown),
         cmocka_unit_test_setup_teardown(test_created_stream_belongs_to_current_device_and_device_sync_waits_for_it,
                                         setup, teardown),
+        cmocka_unit_test_setup_teardown(test_device_sync_waits_for_a_stream_being_destroyed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_destroy_stream_waits_for_queued_work, setup, teardown),
         cmocka_unit_test_setup_teardown(test_event_stays_valid_after_its_stream_is_destroyed, setup, teardown),
         cmocka_unit_test_setup_teardown(test_waiting_stream_survives_destroy_of_the_stream_it_waits_for, setup,
