@@ -1286,6 +1286,8 @@ static aclError run_sleep(void *arg)
     return ACL_SUCCESS;
 }
 
+bool npualloc_in_stream_task(void) { return tl_worker || tl_block_cb || tl_running; }
+
 aclError npualloc_sleep_async(aclrtStream stream, double seconds)
 {
     /* Written so that NaN fails too; the bound keeps the conversion below defined. */

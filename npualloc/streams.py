@@ -9,7 +9,6 @@ import threading
 
 from . import _C
 from . import memory as _memory
-from .acl import ACL_ERROR_RT_FEATURE_NOT_SUPPORT as _SELF_WAIT
 
 _M = _C.memory
 
@@ -95,11 +94,14 @@ class Stream:
         if getattr(self, "_owned", False):
             self._owned = False
             try:
-                if _M._stream_destroy(self.npu_stream, self._gen) == _SELF_WAIT:
-                    # Collected by a task of this very stream (a callback holding the last reference):
-                    # the destroy would wait for its caller, so another thread does it once the task returns.
+                if _M._in_stream_task():
+                    # Collected by a stream's task or callback (one holding the last reference): the destroy
+                    # waits for this stream's queued work, which may wait for the caller (this very stream,
+                    # or a stream it waits for behind the caller), so another thread does it.
                     threading.Thread(target=_M._stream_destroy, args=(self.npu_stream, self._gen),
                                      name="npualloc-stream-destroy", daemon=True).start()
+                else:
+                    _M._stream_destroy(self.npu_stream, self._gen)
             except Exception:
                 pass
 

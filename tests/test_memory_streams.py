@@ -5,7 +5,7 @@ import time
 import pytest
 
 import npualloc
-from conftest_memory import MiB, block_of, check_all, layout, mem, segment_of  # noqa: F401
+from conftest_memory import MiB, block_of, check_all, layout, mem, run_python, segment_of  # noqa: F401
 
 alloc = npualloc.caching_allocator_alloc
 free = npualloc.caching_allocator_delete
@@ -76,6 +76,34 @@ def test_stream_collected_by_its_own_callback_is_destroyed(mem):
     while acl.rt.synchronize_stream(handle) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert acl.rt.synchronize_stream(handle) == acl.ACL_ERROR_INVALID_PARAM   # the handle is gone
+
+
+STREAM_COLLECTED_IN_ANOTHER_STREAMS_CALLBACK = """
+import faulthandler, threading
+import npualloc
+from npualloc import acl
+faulthandler.dump_traceback_later(20, exit=True)  # a deadlock fails the test instead of hanging it
+a, b = npualloc.Stream(), npualloc.Stream()
+holder, gate = [a], threading.Event()
+
+def last_reference_goes(_):
+    gate.wait()
+    holder.clear()  # a is collected here, on b's worker
+
+assert acl.rt.launch_callback(last_reference_goes, None, acl.ACL_CALLBACK_BLOCK, b.npu_stream) == 0
+a.wait_stream(b)  # a's later work waits for b's work so far, the callback included
+npualloc._sleep(0.01, a.npu_stream)
+del a
+gate.set()
+b.synchronize()
+print("done")
+"""
+
+
+def test_stream_collected_in_a_callback_of_a_stream_it_waits_for_does_not_deadlock():
+    # Destroying a on b's worker waited for a's queued work, which waited for b's callback: the caller.
+    r = run_python(STREAM_COLLECTED_IN_ANOTHER_STREAMS_CALLBACK, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-2000:]
 
 
 def test_events(mem):

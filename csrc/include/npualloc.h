@@ -53,6 +53,10 @@ aclError npualloc_get_config(npualloc_config *out);
 /* ---- streams ---- */
 /* Enqueues a delay on a stream (NULL: the current device's default stream). */
 aclError npualloc_sleep_async(aclrtStream stream, double seconds);
+/* True when the calling thread runs a stream's task or callback (a stream's worker, or a callback
+ * inside aclrtProcessReport).  A blocking call there, such as aclrtDestroyStream, may wait for work
+ * that waits for the caller: its own stream, or a stream waiting for an event behind it. */
+bool npualloc_in_stream_task(void);
 
 /* ---- errors and warnings of the torch-like layer ---- */
 /* How a failure surfaces in Python (torch raises these types). */

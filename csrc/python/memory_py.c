@@ -1877,6 +1877,15 @@ static PyObject *m_stream_destroy(PyObject *self, PyObject *const *args, Py_ssiz
     return PyLong_FromLong(rc);
 }
 
+/* _in_stream_task() -> True on a thread that runs a stream's task or callback (Stream.__del__ must
+ * not wait for streams there). */
+static PyObject *m_in_stream_task(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(npualloc_in_stream_task());
+}
+
 /* Runs `op` on stream `h` of device `dev` (args[0], args[1]): a default stream (0) needs its
  * device current.  `fn` (the ACL function's name) names it in errors.  Returns 0, or -1 with an
  * exception set. */
@@ -2083,6 +2092,7 @@ static PyMethodDef memory_methods[] = {
     {"_set_current_stream", FAST(m_set_current_stream), METH_FASTCALL, NULL},
     {"_stream_create", m_stream_create, METH_O, NULL},
     {"_stream_destroy", FAST(m_stream_destroy), METH_FASTCALL, NULL},
+    {"_in_stream_task", m_in_stream_task, METH_NOARGS, NULL},
     {"_stream_synchronize", FAST(m_stream_synchronize), METH_FASTCALL, NULL},
     {"_stream_query", FAST(m_stream_query), METH_FASTCALL, NULL},
     {"_stream_wait_event", FAST(m_stream_wait_event), METH_FASTCALL, NULL},
