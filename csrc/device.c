@@ -14,6 +14,7 @@
 
 #include "common.h"
 #include "fault.h"
+#include "stream.h"
 
 typedef struct device {
     size_t used[MEM_KIND_COUNT]; /* usage_lock */
@@ -340,6 +341,13 @@ aclError aclrtSetDevice(int32_t dev)
     return ACL_SUCCESS;
 }
 
+/* CANN releases a device only after the work queued on it completed (a task of the device itself
+ * cannot wait for it, and does not); sticky stream errors stay for the next synchronize. */
+static void wait_for_queued_work(const device *d)
+{
+    (void)stream_wait_device((int32_t)(d - devices));
+}
+
 /* The device a reset names, once the runtime runs; NULL with the error in *rc. */
 static device *reset_target(int32_t dev, aclError *rc)
 {
@@ -349,21 +357,29 @@ static device *reset_target(int32_t dev, aclError *rc)
     return *rc == ACL_SUCCESS ? &devices[dev] : NULL;
 }
 
-/* Drops one aclrtSetDevice reference; the last one ends every thread's context on the device,
- * and its peer access. */
+/* Drops one aclrtSetDevice reference; the last one waits for the device's queued work, then ends
+ * every thread's context on the device, and its peer access. */
 aclError aclrtResetDevice(int32_t dev)
 {
     aclError rc;
     device *d = reset_target(dev, &rc);
     if (!d)
         return rc;
-    uint64_t w = atomic_load(&d->contexts), next;
-    do {
+    uint64_t w = atomic_load(&d->contexts);
+    bool waited = false;
+    for (;;) {
         if (context_refs(w) == 0)
             return ACL_SUCCESS;
-        next = context_refs(w) == 1 ? contexts_ended(w) : w - 1;
-    } while (!atomic_compare_exchange_weak(&d->contexts, &w, next));
-    return ACL_SUCCESS;
+        if (context_refs(w) == 1 && !waited) { /* the last reference: wait, then look again */
+            wait_for_queued_work(d);
+            waited = true;
+            w = atomic_load(&d->contexts);
+            continue;
+        }
+        uint64_t next = context_refs(w) == 1 ? contexts_ended(w) : w - 1;
+        if (atomic_compare_exchange_weak(&d->contexts, &w, next))
+            return ACL_SUCCESS;
+    }
 }
 
 /* Drops every aclrtSetDevice reference at once, however many there were. */
@@ -373,6 +389,9 @@ aclError aclrtResetDeviceForce(int32_t dev)
     device *d = reset_target(dev, &rc);
     if (!d)
         return rc;
+    if (context_refs(atomic_load(&d->contexts)) == 0)
+        return ACL_SUCCESS;
+    wait_for_queued_work(d);
     uint64_t w = atomic_load(&d->contexts);
     while (context_refs(w) > 0 && !atomic_compare_exchange_weak(&d->contexts, &w, contexts_ended(w))) {
     }

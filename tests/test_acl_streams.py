@@ -81,6 +81,24 @@ def test_async_memset_and_memcpy_on_the_default_stream():
     assert bytes(host) == b"\x3c" * N
 
 
+def test_last_reset_of_a_device_waits_for_its_queued_work():
+    """CANN's aclrtResetDevice waits for the device's unfinished tasks before it releases the device."""
+    dst, other = malloc(fill=0), malloc(fill=0)
+    host = bytearray(N)
+    s = stream()
+    assert npualloc._sleep(0.2, s) == 0
+    assert rt.memset_async(dst, N, 0x5A, N, s) == 0
+    assert rt.memcpy_async(acl.util.bytes_to_ptr(host), N, dst, N, acl.ACL_MEMCPY_DEVICE_TO_HOST, s) == 0
+    assert npualloc._sleep(0.2) == 0  # the default stream too
+    assert rt.memset_async(other, N, 0x11, N, 0) == 0
+    assert rt.set_device(0) == 0 and rt.reset_device(0) == 0  # not the last reference: no wait needed
+    assert rt.reset_device(0) == 0  # the last one
+    assert bytes(host) == b"\x5a" * N
+    assert read(other) == b"\x11" * N
+    assert rt.set_device(0) == 0
+    assert rt.destroy_stream(s) == 0
+
+
 def test_synchronize_device_waits_for_every_stream():
     a, b = malloc(fill=0), malloc(fill=0)
     s1, s2 = stream(), stream()
