@@ -464,6 +464,24 @@ static void event_registry_remove(npu_event *e)
  * Stream objects
  * ------------------------------------------------------------------------------------------ */
 
+/* A condition variable timed against CLOCK_MONOTONIC (the clock of deadline_after_ms). */
+static int monotonic_cond_init(pthread_cond_t *cv)
+{
+    pthread_condattr_t attr;
+    if (pthread_condattr_init(&attr) != 0)
+        return -1;
+    int rc = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 && pthread_cond_init(cv, &attr) == 0 ? 0 : -1;
+    pthread_condattr_destroy(&attr);
+    return rc;
+}
+
+/* The CLOCK_MONOTONIC time `ms` (> 0) milliseconds from now. */
+static struct timespec deadline_after_ms(int32_t ms)
+{
+    uint64_t ns = host_now_ns() + (uint64_t)ms * 1000000u;
+    return (struct timespec){.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)};
+}
+
 static int stream_sync_init(npu_stream *s)
 {
     if (pthread_mutex_init(&s->lock, NULL) != 0)
@@ -472,7 +490,7 @@ static int stream_sync_init(npu_stream *s)
         pthread_mutex_destroy(&s->lock);
         return -1;
     }
-    if (pthread_cond_init(&s->passed_cv, NULL) != 0) {
+    if (monotonic_cond_init(&s->passed_cv) != 0) {
         pthread_cond_destroy(&s->work_cv);
         pthread_mutex_destroy(&s->lock);
         return -1;
@@ -763,12 +781,13 @@ bool stream_passed(const npu_stream *s, uint64_t position)
     return !s || atomic_load_explicit(&s->completed, memory_order_acquire) >= position;
 }
 
-/* Blocks until `position` has passed (s->lock held; position <= s->last).  May drop and
- * retake s->lock (sub_lock comes first) to hand a subscribed caller's callbacks back. */
-static void wait_passed_locked(npu_stream *s, uint64_t position)
+/* Blocks until `position` has passed (s->lock held; position <= s->last), or until `deadline`
+ * (CLOCK_MONOTONIC; NULL: none) passed first: then returns false.  May drop and retake s->lock
+ * (sub_lock comes first) to hand a subscribed caller's callbacks back. */
+static bool wait_passed_locked(npu_stream *s, uint64_t position, const struct timespec *deadline)
 {
     if (atomic_load_explicit(&s->completed, memory_order_relaxed) >= position)
-        return;
+        return true;
     report_thread *rt = NULL;
     if (report_wait_may_matter()) {
         pthread_mutex_unlock(&s->lock);
@@ -776,41 +795,53 @@ static void wait_passed_locked(npu_stream *s, uint64_t position)
         pthread_mutex_lock(&s->lock);
     }
     s->waiters++;
-    while (atomic_load_explicit(&s->completed, memory_order_relaxed) < position)
-        pthread_cond_wait(&s->passed_cv, &s->lock);
+    bool passed = true;
+    while (passed && atomic_load_explicit(&s->completed, memory_order_relaxed) < position) {
+        if (!deadline)
+            pthread_cond_wait(&s->passed_cv, &s->lock);
+        else if (pthread_cond_timedwait(&s->passed_cv, &s->lock, deadline) == ETIMEDOUT)
+            passed = atomic_load_explicit(&s->completed, memory_order_relaxed) >= position;
+    }
     s->waiters--;
     if (rt) {
         pthread_mutex_unlock(&s->lock);
         report_wait_end(rt);
         pthread_mutex_lock(&s->lock);
     }
+    return passed;
 }
 
-void stream_wait_position(npu_stream *s, uint64_t position)
+/* stream_wait_position with a deadline (NULL: none); false when it came first. */
+static bool wait_position_until(npu_stream *s, uint64_t position, const struct timespec *deadline)
 {
     /* The worker cannot wait for itself: any position not yet passed is at or behind the
      * task it is running. */
     if (!s || stream_passed(s, position) || waits_for_self(s))
-        return;
+        return true;
     pthread_mutex_lock(&s->lock);
     if (position > s->last)
         position = s->last; /* a position never queued would never pass */
-    wait_passed_locked(s, position);
+    bool passed = wait_passed_locked(s, position, deadline);
     pthread_mutex_unlock(&s->lock);
+    return passed;
 }
 
+void stream_wait_position(npu_stream *s, uint64_t position) { (void)wait_position_until(s, position, NULL); }
+
 /* Waits for everything queued on s so far; with take_error, returns and clears its sticky error
- * (a synchronize), otherwise leaves it for the next synchronize. */
-static aclError stream_drain(npu_stream *s, bool take_error)
+ * (a synchronize), otherwise leaves it for the next synchronize.  A deadline (CLOCK_MONOTONIC;
+ * NULL: none) that comes first returns ACL_ERROR_RT_STREAM_SYNC_TIMEOUT and leaves the error. */
+static aclError stream_drain(npu_stream *s, bool take_error, const struct timespec *deadline)
 {
     if (!s)
         return ACL_ERROR_INVALID_PARAM;
     if (waits_for_self(s))
         return ERR_SELF_WAIT;
     pthread_mutex_lock(&s->lock);
-    wait_passed_locked(s, s->last);
     aclError rc = ACL_SUCCESS;
-    if (take_error) {
+    if (!wait_passed_locked(s, s->last, deadline)) {
+        rc = ACL_ERROR_RT_STREAM_SYNC_TIMEOUT;
+    } else if (take_error) {
         rc = s->sticky;
         s->sticky = ACL_SUCCESS;
     }
@@ -818,7 +849,7 @@ static aclError stream_drain(npu_stream *s, bool take_error)
     return rc;
 }
 
-aclError stream_synchronize(npu_stream *s) { return stream_drain(s, true); }
+aclError stream_synchronize(npu_stream *s) { return stream_drain(s, true, NULL); }
 
 /* Takes a reference on a stream found in the registry (table_lock held), unless its last one
  * is being dropped: then stream_put is about to free it. */
@@ -874,7 +905,7 @@ static aclError device_drain(int32_t device, bool take_errors)
      * device's work).  With take_errors a listed stream's sticky error is returned and cleared (the
      * first error wins); a destroyed stream's is not reported: its handle is gone. */
     for (size_t i = 0; i < n; i++) {
-        aclError one = stream_drain(list[i].s, take_errors && list[i].listed);
+        aclError one = stream_drain(list[i].s, take_errors && list[i].listed, NULL);
         if (rc == ACL_SUCCESS)
             rc = one;
         stream_put(list[i].s);
@@ -962,7 +993,9 @@ aclError aclrtDestroyStream(aclrtStream stream)
     return ACL_SUCCESS;
 }
 
-aclError aclrtSynchronizeStream(aclrtStream stream)
+/* aclrtSynchronizeStream(WithTimeout): timeout -1 (or 0, which CANN's ACL layer also lets
+ * through) waits forever, a positive one is in milliseconds. */
+static aclError synchronize_handle(aclrtStream stream, int32_t timeout)
 {
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
@@ -970,9 +1003,21 @@ aclError aclrtSynchronizeStream(aclrtStream stream)
     npu_stream *s;
     if ((rc = stream_lookup(stream, &s)) != ACL_SUCCESS)
         return rc;
-    rc = stream_synchronize(s);
+    struct timespec deadline;
+    if (timeout > 0)
+        deadline = deadline_after_ms(timeout);
+    rc = stream_drain(s, true, timeout > 0 ? &deadline : NULL);
     stream_put(s);
     return rc;
+}
+
+aclError aclrtSynchronizeStream(aclrtStream stream) { return synchronize_handle(stream, -1); }
+
+aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)
+{
+    if (timeout < -1)
+        return ACL_ERROR_RT_PARAM_INVALID; /* CANN: [-1, INT_MAX] */
+    return synchronize_handle(stream, timeout);
 }
 
 aclError aclrtSynchronizeDevice(void)
@@ -1110,13 +1155,7 @@ static report_thread *report_thread_new(uint64_t tid)
     report_thread *rt = calloc(1, sizeof *rt);
     if (!rt)
         return NULL;
-    pthread_condattr_t attr;
-    bool ok = pthread_condattr_init(&attr) == 0;
-    if (ok) {
-        ok = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 && pthread_cond_init(&rt->cv, &attr) == 0;
-        pthread_condattr_destroy(&attr);
-    }
-    if (!ok) {
+    if (monotonic_cond_init(&rt->cv) != 0) {
         free(rt);
         return NULL;
     }
@@ -1196,11 +1235,8 @@ aclError aclrtProcessReport(int32_t timeout)
     if (rc != ACL_SUCCESS)
         return rc;
     struct timespec deadline = {0};
-    if (timeout > 0) {
-        uint64_t ns = host_now_ns() + (uint64_t)timeout * 1000000u;
-        deadline.tv_sec = (time_t)(ns / 1000000000u);
-        deadline.tv_nsec = (long)(ns % 1000000000u);
-    }
+    if (timeout > 0)
+        deadline = deadline_after_ms(timeout);
     pthread_mutex_lock(&sub_lock);
     report_thread *rt = report_thread_find_locked(self_tid());
     if (!rt) {
@@ -1525,7 +1561,8 @@ aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *statu
     return rc;
 }
 
-aclError aclrtSynchronizeEvent(aclrtEvent event)
+/* aclrtSynchronizeEvent(WithTimeout): timeout as synchronize_handle's. */
+static aclError synchronize_event(aclrtEvent event, int32_t timeout)
 {
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
@@ -1539,13 +1576,25 @@ aclError aclrtSynchronizeEvent(aclrtEvent event)
     if (!s)
         return ACL_SUCCESS; /* never recorded: nothing to wait for */
     if (!stream_passed(s, position)) {
+        struct timespec deadline;
+        if (timeout > 0)
+            deadline = deadline_after_ms(timeout);
         if (waits_for_self(s))
             rc = ERR_SELF_WAIT;
-        else
-            stream_wait_position(s, position);
+        else if (!wait_position_until(s, position, timeout > 0 ? &deadline : NULL))
+            rc = ACL_ERROR_RT_EVENT_SYNC_TIMEOUT;
     }
     stream_put(s);
     return rc;
+}
+
+aclError aclrtSynchronizeEvent(aclrtEvent event) { return synchronize_event(event, -1); }
+
+aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout)
+{
+    if (timeout < -1)
+        return ACL_ERROR_RT_PARAM_INVALID; /* CANN: [-1, INT_MAX] */
+    return synchronize_event(event, timeout);
 }
 
 /* Completion time of an event's current record. */
@@ -1724,7 +1773,7 @@ void stream_atfork_child(void)
          * (with default attributes, initialising a condvar cannot fail). */
         pthread_mutex_unlock(&s->lock);
         (void)pthread_cond_init(&s->work_cv, NULL);
-        (void)pthread_cond_init(&s->passed_cv, NULL);
+        (void)monotonic_cond_init(&s->passed_cv);
         stream_drop_tasks(s);
         s->worker_started = false;
         s->stopping = true; /* accepts nothing: it behaves like a destroyed stream */

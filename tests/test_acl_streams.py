@@ -396,3 +396,22 @@ def test_a_subscribed_thread_with_nothing_to_run_times_out_with_canns_code():
     assert rt.process_report(10) == acl.ACL_ERROR_RT_REPORT_TIMEOUT == 507012
     assert rt.unsubscribe_report(me, stream) == 0
     assert rt.destroy_stream(stream) == 0
+
+
+def test_synchronize_stream_and_event_with_timeout():
+    """pyACL's synchronize_stream_with_timeout / synchronize_event_with_timeout: -1 forever, > 0 ms."""
+    s, e = stream(), event()
+    gate = threading.Event()
+    assert rt.launch_callback(lambda _: gate.wait(), None, acl.ACL_CALLBACK_BLOCK, s) == 0
+    assert rt.record_event(e, s) == 0
+    assert rt.synchronize_stream_with_timeout(s, 20) == acl.ACL_ERROR_RT_STREAM_SYNC_TIMEOUT == 507046
+    assert rt.synchronize_event_with_timeout(e, 20) == acl.ACL_ERROR_RT_EVENT_SYNC_TIMEOUT == 507047
+    assert rt.synchronize_stream_with_timeout(s, -2) == acl.ACL_ERROR_RT_PARAM_INVALID
+    assert rt.synchronize_event_with_timeout(e, 2**31) == acl.ACL_ERROR_RT_PARAM_INVALID  # not an int32
+    assert rt.synchronize_stream_with_timeout(12345, 10) == acl.ACL_ERROR_INVALID_PARAM
+    gate.set()
+    assert rt.synchronize_event_with_timeout(e, -1) == 0
+    assert rt.synchronize_stream_with_timeout(s, 60000) == 0
+    with pytest.raises(TypeError, match=r"acl\.rt\.synchronize_stream_with_timeout"):
+        rt.synchronize_stream_with_timeout(s, "1")
+    assert rt.destroy_event(e) == 0 and rt.destroy_stream(s) == 0

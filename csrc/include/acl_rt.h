@@ -86,6 +86,8 @@ typedef void (*aclrtCallback)(void *userData);
 #define ACL_ERROR_RT_STREAM_NOT_COMPLETE 507004
 #define ACL_ERROR_RT_REPORT_TIMEOUT 507012
 #define ACL_ERROR_RT_IPC_ERROR 507022
+#define ACL_ERROR_RT_STREAM_SYNC_TIMEOUT 507046
+#define ACL_ERROR_RT_EVENT_SYNC_TIMEOUT 507047
 #define ACL_ERROR_RT_DEVICE_MEM_ERROR 507053
 #define ACL_ERROR_RT_HBM_MULTI_BIT_ECC_ERROR 507054
 #define ACL_ERROR_RT_DRV_INTERNAL_ERROR 507899
@@ -260,6 +262,8 @@ aclError aclrtIpcMemClose(const char *key);
 aclError aclrtCreateStream(aclrtStream *stream);
 aclError aclrtDestroyStream(aclrtStream stream);
 aclError aclrtSynchronizeStream(aclrtStream stream);
+/* timeout: -1 waits forever, > 0 milliseconds; ACL_ERROR_RT_STREAM_SYNC_TIMEOUT when it ran out. */
+aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream);
 aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream);
@@ -274,6 +278,8 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
 aclError aclrtQueryEvent(aclrtEvent event, aclrtEventStatus *status);
 aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
 aclError aclrtSynchronizeEvent(aclrtEvent event);
+/* timeout: -1 waits forever, > 0 milliseconds; ACL_ERROR_RT_EVENT_SYNC_TIMEOUT when it ran out. */
+aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout);
 aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
 

@@ -458,6 +458,26 @@ RT_ON_HANDLE(destroy_stream, "stream", aclrtDestroyStream) /* waits for the stre
 
 RT_ON_HANDLE(synchronize_stream, "stream", aclrtSynchronizeStream)
 
+/* name(handle, timeout) -> ret: a timeout out of int32 range is invalid like one below -1. */
+static PyObject *call_with_timeout(const char *fn, PyObject *const *args, const char *argname,
+                                   aclError (*call)(void *, int32_t))
+{
+    void *handle = NULL;
+    int32_t timeout = 0;
+    RT_ARG_OR(arg_ptr, 0, argname, handle, BAD_HANDLE);
+    RT_ARG_OR(arg_i32, 1, "timeout", timeout, INT32_MIN);
+    aclError rc;
+    CALL_NOGIL(rc = call(handle, timeout));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_synchronize_stream_with_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                                    PyObject *kwnames)
+{
+    RT_BEGIN("synchronize_stream_with_timeout", 2);
+    return call_with_timeout(fn, args, "stream", aclrtSynchronizeStreamWithTimeout);
+}
+
 static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memcpy_async", 6);
@@ -668,6 +688,13 @@ static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py
 
 RT_ON_HANDLE(synchronize_event, "event", aclrtSynchronizeEvent)
 
+static PyObject *rt_synchronize_event_with_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                                   PyObject *kwnames)
+{
+    RT_BEGIN("synchronize_event_with_timeout", 2);
+    return call_with_timeout(fn, args, "event", aclrtSynchronizeEventWithTimeout);
+}
+
 static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("event_elapsed_time", 2);
@@ -719,6 +746,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(create_stream),
     RT_METHOD(destroy_stream),
     RT_METHOD(synchronize_stream),
+    RT_METHOD(synchronize_stream_with_timeout),
     RT_METHOD(memcpy_async),
     RT_METHOD(memset_async),
     RT_METHOD(launch_callback),
@@ -728,6 +756,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(query_event),
     RT_METHOD(query_event_status),
     RT_METHOD(synchronize_event),
+    RT_METHOD(synchronize_event_with_timeout),
     RT_METHOD(event_elapsed_time),
     RT_METHOD(stream_wait_event),
     RT_METHOD(subscribe_report),

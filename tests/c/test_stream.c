@@ -65,6 +65,13 @@ static void cb_set_flag(void *user_data) { atomic_store((atomic_int *)user_data,
 
 static void cb_count(void *user_data) { atomic_fetch_add((atomic_int *)user_data, 1); }
 
+/* Holds its stream's worker until the gate opens. */
+static void cb_wait_gate(void *user_data)
+{
+    while (!atomic_load((atomic_int *)user_data))
+        host_sleep_ns(MS);
+}
+
 static aclrtStream new_stream(void)
 {
     aclrtStream s = NULL;
@@ -477,6 +484,45 @@ static void test_internal_device_wait_leaves_sticky_errors_for_synchronize(void 
     stream_release(d);
     stream_release(s);
     aclrtDestroyStream(st);
+}
+
+static void test_synchronize_with_timeout_stream_and_event(void **state)
+{
+    (void)state;
+    assert_int_equal(ACL_ERROR_RT_STREAM_SYNC_TIMEOUT, 507046);
+    assert_int_equal(ACL_ERROR_RT_EVENT_SYNC_TIMEOUT, 507047);
+    aclrtStream st = new_stream();
+    aclrtEvent e = new_event();
+    npu_stream *s;
+    assert_int_equal(stream_acquire(st, &s), ACL_SUCCESS);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(s, task_fail, (void *)(intptr_t)ACL_ERROR_RT_DEVICE_MEM_ERROR, NULL, NULL),
+                     ACL_SUCCESS);
+    assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
+    /* CANN accepts [-1, INT_MAX]. */
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(st, -2), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtSynchronizeEventWithTimeout(e, INT32_MIN), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout((aclrtStream)(uintptr_t)0x1234, 10), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeEventWithTimeout((aclrtEvent)(uintptr_t)0x1234, 10), ACL_ERROR_INVALID_PARAM);
+    /* The work is held back: the waits run out, and the failed task's error is not taken. */
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(st, 20), ACL_ERROR_RT_STREAM_SYNC_TIMEOUT);
+    assert_int_equal(aclrtSynchronizeEventWithTimeout(e, 20), ACL_ERROR_RT_EVENT_SYNC_TIMEOUT);
+    assert_int_equal(query(e), ACL_EVENT_STATUS_NOT_READY);
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSynchronizeEventWithTimeout(e, -1), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(st, 60000), ACL_ERROR_RT_DEVICE_MEM_ERROR);
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(st, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeEventWithTimeout(e, 1), ACL_SUCCESS); /* already passed */
+    /* A never-recorded event has nothing to wait for; the default stream is NULL. */
+    aclrtEvent fresh = new_event();
+    assert_int_equal(aclrtSynchronizeEventWithTimeout(fresh, 1), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(NULL, 1), ACL_SUCCESS);
+    stream_release(s);
+    assert_int_equal(aclrtDestroyEvent(fresh), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
 /* ---- bad arguments and handles ---- */
@@ -1797,6 +1843,7 @@ int main(void)
                                         teardown),
         cmocka_unit_test_setup_teardown(test_internal_device_wait_leaves_sticky_errors_for_synchronize, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(test_synchronize_with_timeout_stream_and_event, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_stream_arguments_and_handles_are_rejected, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_event_arguments_and_handles_are_rejected, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sleep_async_rejects_negative_nan_and_infinite, setup, teardown),
