@@ -776,6 +776,9 @@ uint64_t stream_last_position(npu_stream *s)
     return last;
 }
 
+/* Everything queued so far has run. */
+static bool stream_idle(npu_stream *s) { return stream_passed(s, stream_last_position(s)); }
+
 bool stream_passed(const npu_stream *s, uint64_t position)
 {
     return !s || atomic_load_explicit(&s->completed, memory_order_acquire) >= position;
@@ -1867,7 +1870,22 @@ aclError npualloc_stream_query(aclrtStream stream, int32_t device, bool *done)
     rc = stream ? stream_acquire(stream, &s) : stream_acquire_default(device, &s);
     if (rc != ACL_SUCCESS)
         return rc;
-    *done = stream_passed(s, stream_last_position(s));
+    *done = stream_idle(s);
     stream_release(s);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status)
+{
+    if (!status)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    npu_stream *s;
+    if ((rc = stream_lookup(stream, &s)) != ACL_SUCCESS)
+        return rc;
+    *status = stream_idle(s) ? ACL_STREAM_STATUS_COMPLETE : ACL_STREAM_STATUS_NOT_READY;
+    stream_put(s);
     return ACL_SUCCESS;
 }

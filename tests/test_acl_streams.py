@@ -415,3 +415,17 @@ def test_synchronize_stream_and_event_with_timeout():
     with pytest.raises(TypeError, match=r"acl\.rt\.synchronize_stream_with_timeout"):
         rt.synchronize_stream_with_timeout(s, "1")
     assert rt.destroy_event(e) == 0 and rt.destroy_stream(s) == 0
+
+
+def test_stream_query_status():
+    """pyACL: status, ret = acl.rt.stream_query(stream) with aclrtStreamStatus values."""
+    s = stream()
+    assert rt.stream_query(s) == (acl.ACL_STREAM_STATUS_COMPLETE, 0)
+    gate = threading.Event()
+    assert rt.launch_callback(lambda _: gate.wait(), None, acl.ACL_CALLBACK_BLOCK, s) == 0
+    assert rt.stream_query(s) == (acl.ACL_STREAM_STATUS_NOT_READY, 0) == (1, 0)
+    gate.set()
+    assert rt.synchronize_stream(s) == 0
+    assert rt.stream_query(s) == (0, 0)
+    assert rt.destroy_stream(s) == 0
+    assert rt.stream_query(s) == (0, acl.ACL_ERROR_INVALID_PARAM)

@@ -156,6 +156,7 @@ RT = {
     "query_event": ["e"], "query_event_status": ["e"], "synchronize_event": ["e"], "event_elapsed_time": ["e", "e"],
     "stream_wait_event": ["s", "e"], "subscribe_report": ["n", "s"], "unsubscribe_report": ["n", "s"],
     "process_report": ["n"], "synchronize_stream_with_timeout": ["s", "n"], "synchronize_event_with_timeout": ["e", "n"],
+    "stream_query": ["s"],
     "mem_export_to_shareable_handle": ["h", "n", "n"], "mem_import_from_shareable_handle": ["n", "dev"],
     "mem_set_pid_to_shareable_handle": ["n", "pids"], "ipc_mem_get_export_key": ["p", "n", "n", "n"],
     "ipc_mem_set_import_pid": ["key", "pids"], "ipc_mem_import_by_key": ["key", "n"], "ipc_mem_close": ["key"],

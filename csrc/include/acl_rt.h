@@ -180,6 +180,12 @@ typedef struct aclrtPhysicalMemProp {
 
 typedef enum aclrtCallbackBlockType { ACL_CALLBACK_NO_BLOCK = 0, ACL_CALLBACK_BLOCK = 1 } aclrtCallbackBlockType;
 
+typedef enum aclrtStreamStatus {
+    ACL_STREAM_STATUS_COMPLETE = 0,
+    ACL_STREAM_STATUS_NOT_READY = 1,
+    ACL_STREAM_STATUS_RESERVED = 0xFFFF
+} aclrtStreamStatus;
+
 typedef enum aclrtEventStatus {
     ACL_EVENT_STATUS_COMPLETE = 0,
     ACL_EVENT_STATUS_NOT_READY = 1,
@@ -264,6 +270,8 @@ aclError aclrtDestroyStream(aclrtStream stream);
 aclError aclrtSynchronizeStream(aclrtStream stream);
 /* timeout: -1 waits forever, > 0 milliseconds; ACL_ERROR_RT_STREAM_SYNC_TIMEOUT when it ran out. */
 aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
+/* COMPLETE once everything queued on the stream so far has run. */
+aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status);
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream);
 aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream);

@@ -478,6 +478,16 @@ static PyObject *rt_synchronize_stream_with_timeout(PyObject *self, PyObject *co
     return call_with_timeout(fn, args, "stream", aclrtSynchronizeStreamWithTimeout);
 }
 
+static PyObject *rt_stream_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("stream_query", 1);
+    void *stream = NULL;
+    RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
+    aclrtStreamStatus status = ACL_STREAM_STATUS_RESERVED;
+    aclError rc = aclrtStreamQuery(stream, &status);
+    return ret_i64(status, rc);
+}
+
 static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memcpy_async", 6);
@@ -747,6 +757,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(destroy_stream),
     RT_METHOD(synchronize_stream),
     RT_METHOD(synchronize_stream_with_timeout),
+    RT_METHOD(stream_query),
     RT_METHOD(memcpy_async),
     RT_METHOD(memset_async),
     RT_METHOD(launch_callback),

@@ -525,6 +525,32 @@ static void test_synchronize_with_timeout_stream_and_event(void **state)
     assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
+static void test_stream_query_reports_queued_work(void **state)
+{
+    (void)state;
+    assert_int_equal(ACL_STREAM_STATUS_COMPLETE, 0);
+    assert_int_equal(ACL_STREAM_STATUS_NOT_READY, 1);
+    assert_int_equal(ACL_STREAM_STATUS_RESERVED, 0xFFFF);
+    aclrtStream st = new_stream();
+    aclrtStreamStatus status = ACL_STREAM_STATUS_RESERVED;
+    assert_int_equal(aclrtStreamQuery(st, &status), ACL_SUCCESS);
+    assert_int_equal(status, ACL_STREAM_STATUS_COMPLETE); /* nothing queued */
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamQuery(st, &status), ACL_SUCCESS);
+    assert_int_equal(status, ACL_STREAM_STATUS_NOT_READY);
+    assert_int_equal(aclrtStreamQuery(NULL, &status), ACL_SUCCESS); /* the default stream is idle */
+    assert_int_equal(status, ACL_STREAM_STATUS_COMPLETE);
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamQuery(st, &status), ACL_SUCCESS);
+    assert_int_equal(status, ACL_STREAM_STATUS_COMPLETE);
+    assert_int_equal(aclrtStreamQuery(st, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamQuery(st, &status), ACL_ERROR_INVALID_PARAM);
+}
+
 /* ---- bad arguments and handles ---- */
 
 static void check_stream_handle_rejected(aclrtStream bad, aclrtEvent good_event)
@@ -1844,6 +1870,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_internal_device_wait_leaves_sticky_errors_for_synchronize, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_synchronize_with_timeout_stream_and_event, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_query_reports_queued_work, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_stream_arguments_and_handles_are_rejected, setup, teardown),
         cmocka_unit_test_setup_teardown(test_bad_event_arguments_and_handles_are_rejected, setup, teardown),
         cmocka_unit_test_setup_teardown(test_sleep_async_rejects_negative_nan_and_infinite, setup, teardown),
