@@ -1093,9 +1093,11 @@ static aclError run_callback(void *arg)
             continue;
         }
         rt = s->subscriber;
-        /* No subscriber; out of memory; or a BLOCK callback for a thread that is itself
-         * blocked in a stream wait (maybe for this very stream): run it here. */
-        here = !rt || !r || (c->block && rt->waiting);
+        /* No subscriber; out of memory; a BLOCK callback for a thread that is itself blocked
+         * in a stream wait (maybe for this very stream); or the subscribed thread is this
+         * worker (subscribed from one of its callbacks), which would wait for itself: run it
+         * here. */
+        here = !rt || !r || (c->block && rt->waiting) || rt->tid == self_tid();
         if (!running_elsewhere_locked(s, here ? NULL : rt))
             break;
         pthread_cond_wait(&report_done_cv, &sub_lock);

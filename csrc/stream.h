@@ -35,6 +35,9 @@
  *     stream (and events recorded after it) wait for it.  ACL_CALLBACK_NO_BLOCK: the worker goes
  *     on at once; the callback's position counts as passed when it is handed over, so
  *     aclrtSynchronizeStream does not wait for it.  Callbacks of one stream run in launch order.
+ *   - A stream whose subscribed thread is its own worker (subscribed from one of its callbacks)
+ *     runs its callbacks on the worker: that is the subscribed thread, and it cannot wait for
+ *     itself.
  *   - npualloc convenience (CANN returns ACL_ERROR_RT_STREAM_NO_CB_REG from aclrtLaunchCallback
  *     instead): on a stream with no subscribed thread the callback runs on the stream's worker,
  *     in order, and both block types behave as BLOCK.

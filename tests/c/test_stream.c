@@ -1241,6 +1241,51 @@ static void test_callback_goes_where_the_subscription_is_when_the_worker_reaches
 
 #define ORDER_CALLBACKS 60
 
+/* A callback that subscribes the thread it runs on (the stream's worker) to its stream. */
+typedef struct self_subscription {
+    aclrtStream stream;
+    _Atomic uint64_t tid;
+    atomic_int rc;
+} self_subscription;
+
+static void cb_subscribe_own_thread(void *user_data)
+{
+    self_subscription *sub = user_data;
+    atomic_store(&sub->tid, self_id());
+    atomic_store(&sub->rc, aclrtSubscribeReport(self_id(), sub->stream));
+}
+
+static void test_stream_subscribed_to_its_own_worker_runs_callbacks_there(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    static self_subscription sub;
+    sub.stream = st;
+    atomic_store(&sub.tid, 0);
+    atomic_store(&sub.rc, -1);
+    assert_int_equal(aclrtLaunchCallback(cb_subscribe_own_thread, &sub, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&sub.rc), ACL_SUCCESS);
+    assert_report_counts(1, 1);
+    /* The worker is the subscribed thread: it runs the callbacks instead of waiting for itself. */
+    static cb_rec block, noblock;
+    rec_init(&block, 1);
+    rec_init(&noblock, 2);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &block, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_record, &noblock, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(st, 60000), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&block.runs), 1);
+    assert_int_equal(atomic_load(&noblock.runs), 1);
+    assert_int_equal(atomic_load(&block.thread), atomic_load(&sub.tid));
+    assert_int_equal(atomic_load(&noblock.thread), atomic_load(&sub.tid));
+    assert_int_equal(log_count, 2);
+    assert_int_equal(log_values[0], 1);
+    assert_int_equal(log_values[1], 2);
+    assert_int_equal(aclrtUnSubscribeReport(atomic_load(&sub.tid), st), ACL_SUCCESS);
+    assert_report_counts(0, 0);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
 static void test_reporter_thread_runs_callbacks_of_two_streams_in_order(void **state)
 {
     (void)state;
@@ -1892,6 +1937,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_no_block_callback_lets_later_tasks_and_synchronize_go_on, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unsubscribed_stream_keeps_running_callbacks_on_its_worker, setup, teardown),
         cmocka_unit_test_setup_teardown(test_callback_goes_where_the_subscription_is_when_the_worker_reaches_it, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_stream_subscribed_to_its_own_worker_runs_callbacks_there, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_reporter_thread_runs_callbacks_of_two_streams_in_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unsubscribe_hands_pending_callbacks_back_to_the_worker_in_order, setup, teardown),
         cmocka_unit_test_setup_teardown(test_destroy_and_shutdown_do_not_wait_for_an_absent_subscriber, setup, teardown),
