@@ -1243,7 +1243,11 @@ aclError cache_pool_end_locked(device_cache *dc, npualloc_mempool_id id)
 
 void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id)
 {
-    private_pool *pp = cache_pool_find(dc, id);
+    /* The events are waited for below: drain the device first with the lock released, as
+     * empty_cache does, or a stream task that needs the lock (a callback freeing memory) and
+     * precedes a recorded use would never run. */
+    synchronize_device_unlocked(dc);
+    private_pool *pp = cache_pool_find(dc, id); /* after the wait: another thread may have freed it */
     if (!pp)
         return;
     synchronize_and_free_events(dc);

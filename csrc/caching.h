@@ -349,7 +349,7 @@ aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npual
 aclError cache_pool_join_locked(device_cache *dc, npualloc_mempool_id id, uint64_t stream);
 aclError cache_pool_end_locked(device_cache *dc, npualloc_mempool_id id);
 private_pool *cache_pool_find(device_cache *dc, npualloc_mempool_id id);
-/* emptyCache(mempool_id): that pool's freeable memory only. */
+/* emptyCache(mempool_id): synchronize (lock released), then that pool's freeable memory only. */
 void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id);
 /* empty_cache for one device: synchronize (lock released), then release every free segment;
  * `keep_pages` (empty_virt_addr_cache) unmaps expandable pages but keeps their memory. */

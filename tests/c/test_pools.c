@@ -1,5 +1,6 @@
 /* test_pools.c - private memory pools (torch's MemPool / graph pools). */
 #include <pthread.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -262,6 +263,36 @@ static void test_frees_with_stream_uses_wait_for_the_capture_to_end(void **state
     aclrtDestroyStream(cap);
 }
 
+/* A stream callback that frees memory needs the allocator's lock. */
+static void free_in_callback(void *ptr) { assert_int_equal(npualloc_cache_free(ptr), ACL_SUCCESS); }
+
+/* Emptying a pool waits for every block's recorded streams, as empty_cache does: with the lock
+ * released, so a callback queued before a recorded use can still free memory (held, it deadlocked). */
+static void test_pool_empty_waits_for_streams_without_the_allocator_lock(void **state)
+{
+    (void)state;
+    start_cache();
+    aclrtStream side;
+    assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
+    void *freed_by_callback = alloc(1000), *used_on_side = alloc(1000);
+    /* The delay makes the callback run while the pool is being emptied. */
+    assert_int_equal(npualloc_sleep_async(side, 0.3), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(free_in_callback, freed_by_callback, ACL_CALLBACK_BLOCK, side), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_stream(used_on_side, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    npualloc_cache_free(used_on_side); /* its free waits for the callback */
+    assert_int_equal(npualloc_cache_pool_release(0, id), ACL_SUCCESS);
+    alarm(getenv("NPUALLOC_VALGRIND") ? 300 : 30); /* a deadlock dies of SIGALRM instead of hanging */
+    assert_int_equal(npualloc_cache_pool_empty(0, id), ACL_SUCCESS);
+    alarm(0);
+    npualloc_stats s = stats();
+    assert_int_equal(s.allocation[NPUALLOC_STAT_ALL].current, 0);
+    assert_int_equal(s.active[NPUALLOC_STAT_ALL].current, 0); /* the pending free completed */
+    check();
+    aclrtDestroyStream(side);
+}
+
 static void test_default_pool_id_is_not_a_private_pool(void **state)
 {
     (void)state;
@@ -281,6 +312,7 @@ int main(void)
         cmocka_unit_test_teardown(test_pool_empty_releases_that_pool_only_when_freeable, stop_runtime),
         cmocka_unit_test_teardown(test_a_routed_pool_outlives_an_over_released_count, stop_runtime),
         cmocka_unit_test_teardown(test_frees_with_stream_uses_wait_for_the_capture_to_end, stop_runtime),
+        cmocka_unit_test_teardown(test_pool_empty_waits_for_streams_without_the_allocator_lock, stop_runtime),
         cmocka_unit_test_teardown(test_default_pool_id_is_not_a_private_pool, stop_runtime),
     };
     return cmocka_run_group_tests_name("pools", tests, NULL, NULL);
