@@ -639,8 +639,7 @@ static void release_freeable_pool(device_cache *dc, private_pool *pp, bool keep_
         return;
     release_blocks(dc, &pp->large, keep_pages);
     release_blocks(dc, &pp->small, keep_pages);
-    if (pp->segments == 0 && !block_pool_first(&pp->large) && !block_pool_first(&pp->small) &&
-        !avl_first(&pp->large.unmapped) && !avl_first(&pp->small.unmapped))
+    if (pp->segments == 0) /* every block, free or unmapped, lies in a counted segment */
         pool_destroy(dc, pp);
 }
 
@@ -1569,6 +1568,27 @@ static void check_segment(cache_block *head, void *ctx)
     st->last_end = head->ptr + total;
 }
 
+typedef struct owned_count {
+    const private_pool *pool;
+    size_t segments;
+} owned_count;
+
+static void count_owned_segment(cache_block *head, void *ctx)
+{
+    owned_count *c = ctx;
+    c->segments += !head->es && head->pool->owner == c->pool;
+}
+
+/* The plain segments and expandable segments a private pool owns (what its count must say). */
+static size_t pool_owned_segments(device_cache *dc, const private_pool *pp)
+{
+    owned_count c = {pp, 0};
+    cache_each_segment(dc, count_owned_segment, &c);
+    for (const expandable_segment *es = dc->expandable_segments; es; es = es->next)
+        c.segments += es->pool->owner == pp;
+    return c.segments;
+}
+
 aclError cache_check_locked(device_cache *dc, char *why, size_t len)
 {
     check_state state = {.dc = dc, .device = dc->device, .why = why, .len = len};
@@ -1607,5 +1627,10 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
     for (const private_pool *pp = dc->private_pools; pp; pp = pp->next)
         indexes_sound = indexes_sound && block_pool_check(&pp->large) && block_pool_check(&pp->small);
     CHECK(indexes_sound, "a pool's free-block index is inconsistent (block_pool_check)");
+    for (const private_pool *pp = dc->private_pools; pp && !st->failed; pp = pp->next) {
+        size_t owned = pool_owned_segments(dc, pp);
+        CHECK(pp->segments == owned, "private pool (%llu, %llu) counts %zu segments but owns %zu",
+              (unsigned long long)pp->id.first, (unsigned long long)pp->id.second, pp->segments, owned);
+    }
     return st->failed ? ACL_ERROR_INTERNAL_ERROR : ACL_SUCCESS;
 }

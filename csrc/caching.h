@@ -12,7 +12,8 @@
  *   - two neighbouring blocks are never both free (free_block merges them);
  *   - a block is in its pool iff it is free; in allocated_blocks iff allocated;
  *   - every pool's free-block index is ordered and consistent (block_pool_check);
- *   - the stats equal what the blocks imply (allocated, active, reserved bytes and counts).
+ *   - the stats equal what the blocks imply (allocated, active, reserved bytes and counts);
+ *   - a private pool's segment count is the plain and expandable segments it owns.
  *
  * Locking: each device cache has one mutex (owned by it) guarding everything below; it is
  * released only around device synchronisation and free-memory callbacks.  Settings are
@@ -145,7 +146,8 @@ struct private_pool {
     npualloc_mempool_id id;
     block_pool small, large;
     int use_count;      /* holders (MemPool objects, captures) */
-    size_t segments;    /* live segments and mapped ranges owned (torch's cudaMalloc_count) */
+    size_t segments;    /* plain and expandable segments owned (torch's cudaMalloc_count, which
+                         * torch_npu moves per expandable allocation and unmap, unbalanced) */
     /* torch's MemPool(allocator): the pool's segments come from these (plain segments, never
      * expandable ones, as in torch), or from the device when NULL. */
     npualloc_alloc_fn segment_alloc_fn;

@@ -54,6 +54,8 @@ static expandable_segment *segment_create(device_cache *dc, block_pool *pool, ui
     es->pages = pages;
     es->next = dc->expandable_segments;
     dc->expandable_segments = es;
+    if (pool->owner) /* the pool stays while it owns the segment, however its pages come and go */
+        pool->owner->segments++;
     return es;
 }
 
@@ -65,6 +67,8 @@ static void segment_destroy(device_cache *dc, expandable_segment *es)
             break;
         }
     }
+    if (es->pool->owner)
+        es->pool->owner->segments--;
     dc->backend->release(dc->backend_ctx, dc->device, es->base, es->pages * es->page_size);
     free(es->handles);
     free(es);
@@ -238,8 +242,6 @@ static bool map_block(device_cache *dc, cache_block *b, size_t size)
     cache_try_merge(dc, b, b->prev);
     cache_try_merge(dc, b, b->next);
     cache_pool_insert(b);
-    if (pool->owner)
-        pool->owner->segments++;
     dc->total_allocated_memory += mapped;
     cache_stat_inc(dc->stats.reserved_bytes, pool_stat_kind(pool), (int64_t)mapped);
     dc->stats.num_device_alloc++;
@@ -357,8 +359,6 @@ void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
     cache_try_merge(dc, b, b->prev);
     cache_try_merge(dc, b, b->next);
     block_pool_insert_unmapped(b->pool, b);
-    if (b->pool->owner)
-        b->pool->owner->segments--;
     dc->total_allocated_memory -= us;
     cache_stat_dec(dc->stats.reserved_bytes, pool_stat_kind(b->pool), (int64_t)us);
     dc->stats.num_device_free++;

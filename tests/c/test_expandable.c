@@ -1,4 +1,5 @@
 /* test_expandable.c - expandable segments, base_addr_aligned_kb and page_size:1g. */
+#include <pthread.h>
 #include <stdio.h>
 #include <time.h>
 
@@ -164,6 +165,41 @@ static void test_one_map_released_in_two_parts_counts_two_device_frees(void **st
     assert_int_equal(s.num_device_alloc, 1);
     assert_int_equal(s.num_device_free, 2);
     assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    check();
+}
+
+/* A private pool is forgotten once it owns nothing: its count of segments must follow its
+ * expandable segments, not the mappings inside them (two maps unmapped at once left the count at
+ * 1, one map unmapped in two parts took it below 0: either way the pool was never freed). */
+static void route_to_new_pool(npualloc_mempool_id *id)
+{
+    *id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_begin(0, *id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS); /* the route holds the pool's only reference */
+}
+
+static void test_private_pool_counts_its_expandable_segments(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    npualloc_mempool_id id;
+    route_to_new_pool(&id);
+    char *a = alloc(15 * MiB_ - 32), *b = alloc(15 * MiB_ - 32); /* two maps: [0, 20), then [20, 40) */
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    npualloc_cache_free(a);
+    npualloc_cache_free(b);
+    npualloc_cache_empty(); /* one unmap of [0, 40): the segment and the pool go */
+    check();
+
+    route_to_new_pool(&id);
+    char *c = alloc(25 * MiB_ - 32); /* one map: [0, 40) */
+    npualloc_cache_free(c);
+    char *d = alloc(5 * MiB_ - 32); /* keeps page [0, 20) */
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    npualloc_cache_empty(); /* unmaps [20, 40) */
+    npualloc_cache_free(d);
+    npualloc_cache_empty(); /* unmaps [0, 20): the segment and the pool go */
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
     check();
 }
 
@@ -605,6 +641,7 @@ int main(void)
         cmocka_unit_test_teardown(test_segment_sizes_set_the_large_page, stop_cache),
         cmocka_unit_test_teardown(test_page_size_1g_overrides_segment_sizes, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_waits_for_stream_work_before_unmapping, stop_cache),
+        cmocka_unit_test_teardown(test_private_pool_counts_its_expandable_segments, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_with_expandable_segments, stop_cache),
     };
     return cmocka_run_group_tests_name("expandable", tests, NULL, NULL);
