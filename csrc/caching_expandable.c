@@ -246,6 +246,12 @@ static bool map_block(device_cache *dc, cache_block *b, size_t size)
     cache_stat_inc(dc->stats.reserved_bytes, pool_stat_kind(pool), (int64_t)mapped);
     dc->stats.num_device_alloc++;
     cache_history_record(dc, TRACE_SEGMENT_MAP, at, mapped, b->stream);
+    /* As torch_npu: a mapping at the segment's start records where the segment was allocated
+     * (the snapshot's segment frames, the unmap's fallback), as alloc_block does for a plain one. */
+    if (!b->prev && !b->segment_ctx && dc->record_context >= NPUALLOC_RECORD_STATE) {
+        b->segment_ctx = dc->current_ctx;
+        npualloc_context_retain(b->segment_ctx);
+    }
     return true;
 }
 
@@ -362,7 +368,7 @@ void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
     dc->total_allocated_memory -= us;
     cache_stat_dec(dc->stats.reserved_bytes, pool_stat_kind(b->pool), (int64_t)us);
     dc->stats.num_device_free++;
-    cache_history_record(dc, TRACE_SEGMENT_UNMAP, up, us, b->stream);
+    cache_history_record_ctx(dc, TRACE_SEGMENT_UNMAP, up, us, b->stream, b->segment_ctx);
     if (!b->prev && !b->next) { /* nothing of the segment is mapped any more */
         block_pool_remove_unmapped(b->pool, b);
         cache_block_delete(dc, b);

@@ -411,6 +411,39 @@ static void test_history_records_map_and_unmap(void **state)
     npualloc_snapshot_free(snap);
 }
 
+/* As a plain segment, an expandable one keeps where it was first mapped (torch_npu's map_block sets
+ * the segment's context): the snapshot's segment reports it, and an unmap recorded without a
+ * context of its own falls back to it, as a segment free does. */
+static void test_expandable_segment_keeps_its_allocation_context(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    npualloc_context *where = npualloc_context_create("train.py:7", 10);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALLOC, 100), ACL_SUCCESS);
+    void *whole = NULL; /* one page exactly: nothing is split off */
+    assert_int_equal(npualloc_cache_malloc_ctx(0, PAGE - 32, 0, where, &whole), ACL_SUCCESS);
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_int_equal(snap->segment_count, 1);
+    assert_true(snap->segments[0].is_expandable);
+    assert_ptr_equal(snap->segments[0].frames, where);
+    npualloc_snapshot_free(snap);
+    npualloc_cache_free(whole);
+    npualloc_cache_empty(); /* no context of its own (ALLOC level) */
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    size_t unmaps = 0;
+    for (size_t i = 0; i < snap->trace_count; i++) {
+        if (snap->traces[i].action == NPUALLOC_TRACE_SEGMENT_UNMAP) {
+            unmaps++;
+            assert_ptr_equal(snap->traces[i].frames, where);
+        }
+    }
+    assert_int_equal(unmaps, 1);
+    npualloc_snapshot_free(snap);
+    npualloc_context_release(where);
+    check();
+}
+
 static uint64_t rng_state = 0x243F6A8885A308D3ull;
 static uint64_t rng(void)
 {
@@ -642,6 +675,7 @@ int main(void)
         cmocka_unit_test_teardown(test_page_size_1g_overrides_segment_sizes, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_waits_for_stream_work_before_unmapping, stop_cache),
         cmocka_unit_test_teardown(test_private_pool_counts_its_expandable_segments, stop_cache),
+        cmocka_unit_test_teardown(test_expandable_segment_keeps_its_allocation_context, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_with_expandable_segments, stop_cache),
     };
     return cmocka_run_group_tests_name("expandable", tests, NULL, NULL);
