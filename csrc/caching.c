@@ -368,10 +368,13 @@ static size_t expandable_size(const cache_block *b)
     return b->size + (b->next && !b->next->mapped ? b->next->size : 0);
 }
 
-static ALWAYS_INLINE bool get_free_block(device_cache *dc, alloc_params *p)
+/* `retried_on_miss`: a miss here is searched again by cache_malloc_locked (the cache-only path),
+ * so only a hit counts as a search for the blocks' ages: one allocation ages them once. */
+static ALWAYS_INLINE bool get_free_block(device_cache *dc, alloc_params *p, bool retried_on_miss)
 {
     block_pool *pool = p->pool;
-    if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)
+    const bool aging = dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0;
+    if (aging && !retried_on_miss)
         pool->search_count++; /* every cached block of the pool ages by one */
     cache_block *b = block_pool_lower_bound(pool, p->stream, p->size);
     if (!b || b->stream != p->stream)
@@ -401,6 +404,8 @@ static ALWAYS_INLINE bool get_free_block(device_cache *dc, alloc_params *p)
     /* ...and serves a large request only if it is not much larger. */
     if (p->size >= max_split && b->size >= p->size + dc->settings->max_non_split_rounding_size)
         return false;
+    if (aging && retried_on_miss)
+        pool->search_count++; /* the hit's search, counted before the block's age restarts */
     /* The block stays indexed: a split re-keys it in place (alloc_found_block). */
     b->gc_base = pool->search_count;
     p->block = b;
@@ -1066,7 +1071,7 @@ bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t str
 {
     alloc_params p;
     begin_malloc(dc, orig_size, stream, &p);
-    if (!get_free_block(dc, &p))
+    if (!get_free_block(dc, &p, true))
         return false;
     align_block_start(dc, &p);
     return alloc_found_block(dc, &p, orig_size, out) == ACL_SUCCESS;
@@ -1077,7 +1082,7 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
 {
     alloc_params p;
     begin_malloc(dc, orig_size, stream, &p);
-    bool found = get_free_block(dc, &p);
+    bool found = get_free_block(dc, &p, false);
     if (!found) {
         p.alloc_size = allocation_size(dc->settings, p.size, p.pool->is_small);
         /* A new block of the stream is about to be made: its index must be ready, so that putting
@@ -1087,7 +1092,7 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
             cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
             return ACL_ERROR_BAD_ALLOC;
         }
-        found = trigger_free_memory_callbacks(dc) && get_free_block(dc, &p);
+        found = trigger_free_memory_callbacks(dc) && get_free_block(dc, &p, false);
     }
     if (!found) {
         if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)

@@ -204,6 +204,25 @@ def test_garbage_collection_frees_the_oldest_segments(mem):
     check_all()
 
 
+def test_garbage_collection_ages_by_one_search_per_allocation(mem):
+    mem(alloc_conf="garbage_collection_threshold:0.9")
+    npualloc.set_per_process_memory_fraction(0.5)   # allowed 512 MiB, collect above 460.8 MiB
+    old, mid, young = (alloc(100 * MiB - 32) for _ in range(3))
+    hot = alloc(5 * MiB)                            # 320 MiB reserved
+    free(old)
+    alloc(150 * MiB - 32)                           # a miss below the threshold: 470 MiB
+    free(mid)
+    free(hot)
+    hot = alloc(5 * MiB)                            # a hit
+    free(young)
+    # A miss above the threshold: as in torch_npu, each allocation is one search of the pool, so the
+    # ages are old 3, mid 2, young 1 and the two at least as old as the average go.
+    alloc(120 * MiB - 32)
+    assert sorted(s["address"] for s in segments() if s["total_size"] == 100 * MiB) == [young]
+    assert stat("num_device_free") == 2 and stat("reserved_bytes.all.current") == 390 * MiB
+    check_all()
+
+
 def test_no_garbage_collection_without_a_fraction(mem):
     mem(alloc_conf="garbage_collection_threshold:0.5")
     a = alloc(300 * MiB - 32)

@@ -596,6 +596,42 @@ static void test_garbage_collection_frees_oldest_segments_first(void **state)
     check();
 }
 
+/* The Python faces try the cache alone first and call the full allocation only on a miss
+ * (memory_py.c): one allocation, so one search of the pool for the garbage collector's ages. */
+static void *alloc_cached_first(size_t size)
+{
+    void *p = NULL;
+    if (!npualloc_cache_malloc_cached(0, size, 0, NULL, &p))
+        p = alloc(size);
+    return p;
+}
+
+static void test_garbage_collection_ages_count_a_miss_once_through_the_cached_path(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "garbage_collection_threshold:0.9");
+    assert_int_equal(npualloc_cache_set_fraction(0, 0.5), ACL_SUCCESS); /* collects above 460.8 MiB */
+    void *old = alloc_cached_first(100 * MiB_ - 32), *mid = alloc_cached_first(100 * MiB_ - 32);
+    void *young = alloc_cached_first(100 * MiB_ - 32), *hot = alloc_cached_first(5 * MiB_); /* 320 MiB */
+    npualloc_cache_free(old);
+    void *w = alloc_cached_first(150 * MiB_ - 32); /* a miss below the threshold: 470 MiB */
+    (void)w;
+    npualloc_cache_free(mid);
+    npualloc_cache_free(hot);
+    hot = alloc_cached_first(5 * MiB_); /* a hit */
+    npualloc_cache_free(young);
+    assert_int_equal(stats().num_device_free, 0);
+    /* A miss above the threshold, counted once as in torch_npu: ages old 3, mid 2, young 1, so old
+     * and mid are at least the average (counting each miss twice gave 5, 3, 2: old alone). */
+    void *z = alloc_cached_first(120 * MiB_ - 32);
+    (void)z;
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_device_free, 2);
+    assert_int_equal(s.reserved_bytes[ALL].current, (470 - 200 + 120) * (int64_t)MiB_);
+    assert_ptr_equal(alloc_cached_first(100 * MiB_ - 32), young); /* young is still cached */
+    check();
+}
+
 static void test_record_stream_delays_reuse_until_stream_work_ran(void **state)
 {
     (void)state;
@@ -950,6 +986,7 @@ int main(void)
         cmocka_unit_test_teardown(test_out_of_memory_message_and_counters, stop_cache),
         cmocka_unit_test_teardown(test_fraction_is_enforced_on_reserved_memory, stop_cache),
         cmocka_unit_test_teardown(test_garbage_collection_frees_oldest_segments_first, stop_cache),
+        cmocka_unit_test_teardown(test_garbage_collection_ages_count_a_miss_once_through_the_cached_path, stop_cache),
         cmocka_unit_test_teardown(test_record_stream_delays_reuse_until_stream_work_ran, stop_cache),
         cmocka_unit_test_teardown(test_invalid_frees_are_rejected, stop_cache),
         cmocka_unit_test_teardown(test_stats_reset, stop_cache),
