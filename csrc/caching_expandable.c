@@ -305,12 +305,10 @@ cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t st
     return candidate;
 }
 
-/* Splits off [start, start + size) of a free mapped block b as its own block in the pool. */
-static cache_block *split_off(device_cache *dc, cache_block *b, uintptr_t start, size_t size, bool before)
+/* Links `part` (a new block struct) in as [start, start + size), the free mapped part of b just
+ * before or after the pages b is about to unmap, and caches it. */
+static void split_off(cache_block *b, cache_block *part, uintptr_t start, size_t size, bool before)
 {
-    cache_block *part = cache_block_new(dc);
-    if (!part)
-        return NULL;
     part->pool = b->pool;
     part->stream = b->stream;
     part->es = b->es;
@@ -330,7 +328,6 @@ static cache_block *split_off(device_cache *dc, cache_block *b, uintptr_t start,
         b->next = part;
     }
     cache_pool_insert(part);
-    return part;
 }
 
 void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
@@ -346,17 +343,20 @@ void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
     up = es->base + first * es->page_size;
     us = (last - first) * es->page_size;
     size_t before = up - b->ptr, after = b->size - before - us;
-    /* Out of host memory for the split-off parts: leave the block mapped (still correct). */
-    cache_block *front = NULL;
-    if (before && !(front = split_off(dc, b, b->ptr, before, true)))
-        return;
-    if (after && !split_off(dc, b, up + us, after, false)) {
-        if (front) { /* undo the front split */
-            block_pool_remove(front->pool, front);
-            cache_try_merge(dc, b, front);
-        }
+    /* The structs of both parts first: out of host memory, the block stays mapped, untouched. */
+    cache_block *front = before ? cache_block_new(dc) : NULL;
+    cache_block *back = after ? cache_block_new(dc) : NULL;
+    if ((before && !front) || (after && !back)) {
+        if (front)
+            cache_block_delete(dc, front);
+        if (back)
+            cache_block_delete(dc, back);
         return;
     }
+    if (front)
+        split_off(b, front, b->ptr, before, true);
+    if (back)
+        split_off(b, back, up + us, after, false);
     block_pool_remove(b->pool, b);
     segment_unmap(dc, es, up, us, keep_pages, &up, &us);
     b->ptr = up;
