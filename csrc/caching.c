@@ -610,6 +610,7 @@ static void release_blocks(device_cache *dc, block_pool *pool, bool keep_pages)
     for (size_t i = 0; i < n; i++)
         expandable_release_block(dc, expandable[i], keep_pages);
     free(expandable);
+    expandable_release_unmapped_segments(dc, pool);
 }
 
 /* Returns every whole cached segment to the device (torch's release_cached_blocks). */

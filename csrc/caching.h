@@ -314,6 +314,8 @@ cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t st
 /* Unmaps the fully free pages of a free expandable block; releases the segment when nothing of
  * it stays mapped.  `keep_pages` keeps the physical pages for reuse (empty_virt_addr_cache). */
 void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages);
+/* Gives back the segments of the pool with nothing mapped (whose first mapping failed). */
+void expandable_release_unmapped_segments(device_cache *dc, block_pool *pool);
 /* Frees every page kept by empty_virt_addr_cache. */
 void expandable_free_cached_pages(device_cache *dc);
 void expandable_release_all(device_cache *dc, bool return_memory);

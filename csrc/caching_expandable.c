@@ -376,6 +376,23 @@ void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages)
     }
 }
 
+void expandable_release_unmapped_segments(device_cache *dc, block_pool *pool)
+{
+    /* Such a segment is one unmapped block with no neighbours: its first mapping failed, and
+     * nothing else would ever give its range back (a stream gone, a released private pool). */
+    avl_node *n = avl_first(&pool->unmapped);
+    while (n) {
+        cache_block *b = AVL_ENTRY(n, cache_block, pool_node);
+        n = avl_next(n);
+        if (b->prev || b->next)
+            continue;
+        expandable_segment *es = b->es;
+        block_pool_remove_unmapped(pool, b);
+        cache_block_delete(dc, b);
+        segment_destroy(dc, es);
+    }
+}
+
 void expandable_free_cached_pages(device_cache *dc)
 {
     for (size_t i = 0; i < dc->cached_page_count; i++)

@@ -413,6 +413,30 @@ static void test_history_records_map_and_unmap(void **state)
     npualloc_snapshot_free(snap);
 }
 
+/* A segment whose first mapping failed (out of device memory) is all address space: empty_cache
+ * gives the range back, and a released private pool holding one goes too (both were kept for good:
+ * the range of a stream never used again, the pool with its count of one segment). */
+static void test_empty_cache_releases_segments_with_nothing_mapped(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    device_cache *dc = cache_device(0);
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 2 * GiB_, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_non_null(dc->expandable_segments); /* reserved for the request, nothing mapped */
+    npualloc_cache_empty();
+    assert_null(dc->expandable_segments);
+
+    npualloc_mempool_id id;
+    route_to_new_pool(&id);
+    assert_int_equal(npualloc_cache_malloc(0, 2 * GiB_, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS); /* released: nobody uses the pool */
+    npualloc_cache_empty();
+    assert_null(dc->expandable_segments);
+    assert_null(cache_pool_find(dc, id));
+    check();
+}
+
 /* As a plain segment, an expandable one keeps where it was first mapped (torch_npu's map_block sets
  * the segment's context): the snapshot's segment reports it, and an unmap recorded without a
  * context of its own falls back to it, as a segment free does. */
@@ -734,6 +758,7 @@ int main(void)
         cmocka_unit_test_teardown(test_page_size_1g_overrides_segment_sizes, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_waits_for_stream_work_before_unmapping, stop_cache),
         cmocka_unit_test_teardown(test_private_pool_counts_its_expandable_segments, stop_cache),
+        cmocka_unit_test_teardown(test_empty_cache_releases_segments_with_nothing_mapped, stop_cache),
         cmocka_unit_test_teardown(test_expandable_segment_keeps_its_allocation_context, stop_cache),
         cmocka_unit_test_teardown(test_unmap_without_host_memory_for_the_split_leaves_the_block_mapped, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_with_expandable_segments, stop_cache),
