@@ -44,7 +44,9 @@ static bool add_block(snapshot_builder *sb, npualloc_segment_info *seg, const ca
     bi->requested_size = b->requested_size;
     bi->frames = b->ctx;
     npualloc_context_retain(bi->frames);
-    bool active = b->allocated || b->event_count > 0;
+    /* torch's "active": allocated, or freed but waiting for its streams (events pending, or stream
+     * uses whose events wait for the end of a capture or pool context). */
+    bool active = b->allocated || b->event_count > 0 || b->use_count > 0;
     bi->state = b->allocated ? NPUALLOC_BLOCK_ACTIVE_ALLOCATED
                 : active     ? NPUALLOC_BLOCK_ACTIVE_PENDING_FREE
                              : NPUALLOC_BLOCK_INACTIVE;

@@ -244,6 +244,26 @@ def test_record_stream_on_the_own_stream_still_waits(mem):
     assert alloc(1) == p
 
 
+def test_a_free_deferred_by_a_pool_context_is_pending_in_the_snapshot(mem):
+    # Inside use_mem_pool (a capture for torch) a freed block with stream uses waits with its
+    # events not yet recorded: still active, so torch's snapshot shows it active_pending_free.
+    side = npualloc.Stream()
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        p = alloc(4096)
+        q = alloc(4096)
+        npualloc.record_stream(p, side)
+        free(p)
+        assert block_of(p)["state"] == "active_pending_free"
+        seg = segment_of(p)
+        assert seg["allocated_size"] == 4608 and seg["active_size"] == 9216 and seg["requested_size"] == 8192
+        assert npualloc.memory_stats()["active_bytes.all.current"] == 9216
+    free(q)
+    npualloc.synchronize()
+    del pool
+    check_all()
+
+
 def test_erase_stream_only_from_the_blocks_current_stream(mem):
     own, side = npualloc.Stream(), npualloc.Stream()
     p = alloc(1, stream=own)
