@@ -359,6 +359,8 @@ static void synchronize_and_free_events(device_cache *dc)
         q->tail = NULL;
     }
     dc->queue_count = 0;
+    if (dc->backend->complete_frees)
+        dc->backend->complete_frees(dc->backend_ctx);
 }
 
 /* ---- finding a cached block ---- */

@@ -193,6 +193,10 @@ typedef struct cache_backend {
     /* torch's free-memory callbacks, run on a cache miss (NULL: none, e.g. a simulated device);
      * true when something was freed. */
     bool (*free_memory)(void *ctx);
+    /* Completes the frees the backend itself holds back until the device drains (NULL: none;
+     * trace replay: frees whose recorded completion is still ahead).  Called, lock held, where
+     * torch's synchronize_and_free_events completes every pending free. */
+    void (*complete_frees)(void *ctx);
 } cache_backend;
 
 typedef struct device_cache {

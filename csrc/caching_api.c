@@ -236,7 +236,8 @@ static bool npu_free_memory(void *ctx)
 
 const cache_backend cache_npu_backend = {npu_segment_alloc, npu_segment_free, npu_mem_info,   npu_synchronize,
                                          npu_segment_valid, npu_reserve,      npu_release,    npu_map_page,
-                                         npu_remap_page,    npu_unmap_page,   npu_free_page,  npu_free_memory};
+                                         npu_remap_page,    npu_unmap_page,   npu_free_page,  npu_free_memory,
+                                         NULL /* every free waits for stream events, completed by the cache */};
 
 /* ---- settings ---- */
 

@@ -172,6 +172,21 @@ static void sim_unmap_page(void *ctx, int32_t device, uintptr_t va, size_t size,
         sim_free_page(ctx, device, handle);
 }
 
+/* Puts the block of a requested free back into the cache (its recorded completion came, or the
+ * device drained). */
+static void complete_requested_free(npualloc_replay *r, cache_block *b) { cache_share_unpin_locked(&r->dc, b); }
+
+/* The device drained: every free still waiting for its recorded completion completes, as torch's
+ * synchronize_and_free_events completes every free waiting for its events. */
+static void sim_complete_frees(void *ctx)
+{
+    npualloc_replay *r = (npualloc_replay *)((char *)ctx - offsetof(npualloc_replay, sim));
+    for (size_t i = 0; r->pending.count && i <= r->pending.mask; i++)
+        if (r->pending.slots[i].key)
+            complete_requested_free(r, r->pending.slots[i].value);
+    ptr_map_free(&r->pending);
+}
+
 const cache_backend replay_sim_backend = {
     .segment_alloc = sim_segment_alloc,
     .segment_free = sim_segment_free,
@@ -184,6 +199,7 @@ const cache_backend replay_sim_backend = {
     .remap_page = sim_remap_page,
     .unmap_page = sim_unmap_page,
     .free_page = sim_free_page,
+    .complete_frees = sim_complete_frees,
 };
 
 /* ---- timeline ---- */
@@ -349,6 +365,7 @@ void npualloc_replay_destroy(npualloc_replay *r)
     cache_lock_release(&r->dc.lock);
     free(r->sim.released);
     ptr_map_free(&r->live);
+    ptr_map_free(&r->pending);
     free(r->timeline.points);
     free(r->ooms);
     free(r);
@@ -381,6 +398,26 @@ static inline void replay_free_ptr(npualloc_replay *r, void *ptr)
     if (likely(b != NULL))
         cache_free_locked(&r->dc, b);
     r->res.frees++;
+}
+
+/* A free whose completion comes with a later FREE_COMPLETED of its address: the block at `ptr`
+ * is freed (no longer allocated) but pinned, so it stays active and out of the cache meanwhile,
+ * as a torch block waiting for the events of the streams that used it.  `slot` is the address's
+ * entry in the pending map. */
+static void replay_request_free(npualloc_replay *r, ptr_map_entry *slot, void *ptr)
+{
+    if (slot->value) /* requested again before the first completed: that one completes now */
+        complete_requested_free(r, slot->value);
+    cache_block *b = ptr_map_remove(&r->dc.allocated_blocks, (uintptr_t)ptr);
+    slot->value = b;
+    r->res.frees++;
+    if (unlikely(b == NULL))
+        return;
+    b->share_pins++;
+    b->event_count++; /* dropped with the pin (cache_share_unpin_locked) */
+    b->pinned_next = r->dc.pinned;
+    r->dc.pinned = b;
+    cache_free_locked(&r->dc, b);
 }
 
 npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_replay_events *ev)
@@ -453,14 +490,28 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
                 st = NPUALLOC_REPLAY_HOST_MEMORY;
                 break;
             }
+        } else if (ev->action[i] == NPUALLOC_REPLAY_FREE_COMPLETED) {
+            cache_block *b = ptr_map_remove(&r->pending, addr);
+            if (b)
+                complete_requested_free(r, b);
         } else {
+            ptr_map_entry *pending = NULL; /* a FREE_REQUESTED's entry (before anything changes) */
+            if (ev->action[i] == NPUALLOC_REPLAY_FREE_REQUESTED && !(pending = ptr_map_find_or_insert(&r->pending, addr))) {
+                r->halted = true;
+                st = NPUALLOC_REPLAY_HOST_MEMORY;
+                break;
+            }
             void *ptr = ptr_map_remove(&r->live, addr);
             if (unlikely(ptr == NULL))
                 r->res.unknown_frees++;
             else if (unlikely(ptr == REPLAY_SKIPPED))
                 r->res.skipped_frees++;
+            else if (pending)
+                replay_request_free(r, pending, ptr);
             else
                 replay_free_ptr(r, ptr);
+            if (pending && !pending->value) /* nothing waits for a completion */
+                ptr_map_remove(&r->pending, addr);
         }
     sample:
         r->res.events++;

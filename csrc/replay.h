@@ -56,6 +56,9 @@ struct npualloc_replay {
     alloc_settings settings;
     sim_device sim;
     ptr_map live; /* recorded address -> session pointer (REPLAY_SKIPPED: skipped after OOM) */
+    /* recorded address -> session block of a FREE_REQUESTED whose FREE_COMPLETED is still ahead:
+     * the block waits on the device's pinned list (a pin in place of its stream events) */
+    ptr_map pending;
     npualloc_replay_result res;
     bool stop_on_oom, halted;
     replay_timeline timeline;

@@ -274,14 +274,20 @@ int fuzz_replay_one(const uint8_t *data, size_t size)
         size_t chunk = 1 + fuzz_u8(&in) % 64, n = 0;
         while (n < chunk && fuzz_more(&in) && fed + n < RP_MAX_EVENTS) {
             uint8_t a = fuzz_u8(&in);
-            action[n] = a < 0xf0 ? (a & 1) : a; /* raw values beyond 1 count as frees */
+            /* alloc / free, a free requested / completed (its completion later), or a raw value
+             * beyond 3 (counts as a free) */
+            action[n] = a < 0xe0 ? (a & 1) : a < 0xf0 ? NPUALLOC_REPLAY_FREE_REQUESTED + (a & 1) : a;
             addr[n] = rp_addr(&in);
             sz[n] = (a & 1) == NPUALLOC_REPLAY_ALLOC || a >= 0xf0 ? rp_size(&in) : 0;
             stream[n] = rp_stream(&in);
             n++;
         }
         for (size_t k = 0; fuzz_tracing() && k < n; k++)
-            fprintf(stderr, "  %s %#llx %llu stream %#llx\n", action[k] == NPUALLOC_REPLAY_ALLOC ? "alloc" : "free",
+            fprintf(stderr, "  %s %#llx %llu stream %#llx\n",
+                    action[k] == NPUALLOC_REPLAY_ALLOC            ? "alloc"
+                    : action[k] == NPUALLOC_REPLAY_FREE_REQUESTED ? "free_requested"
+                    : action[k] == NPUALLOC_REPLAY_FREE_COMPLETED ? "free_completed"
+                                                                  : "free",
                     (unsigned long long)addr[k], (unsigned long long)sz[k], (unsigned long long)stream[k]);
         npualloc_replay_events ev = {action, addr, sz, stream, n};
         st = npualloc_replay_feed(r, &ev);

@@ -13,6 +13,11 @@ live runtime, and 20k events take milliseconds.
     >>> table = replay.compare("snapshot.pickle", ["", "expandable_segments:True"])
     >>> replay.plot_timeline(table)          # allocated vs reserved over the run
 
+A free completes where the trace says: a block freed while another stream still used it (``record_stream``)
+has its ``free_completed`` after later events, and stays out of the cache (and active) until then, as in the
+recorded run; if the replayed allocator drains the device first (its last-resort retry), the free completes
+there, as torch's would.  A trace without ``free_completed`` entries frees every block at its request.
+
 Traces start mid-run: memory alive before recording began (freed in the trace but never allocated in it,
 or alive in the final ``segments`` without an allocation in the trace) is reconstructed and allocated first;
 ``result.reconstructed_count`` / ``reconstructed_bytes`` say how much.  The recorded run's own reservations
@@ -224,11 +229,16 @@ def _extract_device(name, device, entries, segments):
     seg_allocs = seg_frees = ooms = 0
     live_requested = peak_requested_trace = 0  # relative to the start of the trace
     requested = {}
+    # A free completes (its block returns to the cache, its bytes leave the requested count) at its
+    # free_completed, which torch records after the free_requested once the streams that used the
+    # block are done; a trace without completions (skip_actions) has every free complete at once.
+    completions = any(type(e) is dict and e.get("action") == "free_completed" for e in entries)
+    awaiting = {}  # address -> (its free's index in actions, requested bytes) until free_completed
     for i, e in enumerate(entries):
         if type(e) is not dict:
             _bad(name, f"device_traces[{device}][{i}]", f"a trace entry must be a dict, not {type(e).__name__}")
         act = e.get("action")
-        if act == "alloc" or act == "free_requested":
+        if act == "alloc" or act == "free_requested" or act == "free_completed":
             addr = e.get("addr")
             size = e.get("size")
             stream = e.get("stream", 0)
@@ -243,19 +253,33 @@ def _extract_device(name, device, entries, segments):
                 _bad(name, f"device_traces[{device}][{i}]", f"'{which}' is {'negative' if value < 0 else 'too large'}")
             stream &= _U64
             if act == "alloc":
-                actions.append(0)
+                actions.append(_C.replay.ALLOC)
                 live[addr] = True
                 requested[addr] = size
                 live_requested += size
                 if live_requested > peak_requested_trace:
                     peak_requested_trace = live_requested
-            else:
-                actions.append(1)
+            elif act == "free_requested":
                 if live.pop(addr, None) is None:
                     pre.append((addr, size, stream))  # freed in the trace, never allocated in it
-                    live_requested -= size
+                    freed = size
                 else:
-                    live_requested -= requested.pop(addr, 0)
+                    freed = requested.pop(addr, 0)
+                if completions:
+                    awaiting[addr] = (len(actions), freed)
+                else:
+                    live_requested -= freed
+                actions.append(_C.replay.FREE)
+            else:
+                waiting = awaiting.pop(addr, None)
+                if waiting is None:
+                    continue  # its request came before the recording (or is malformed): nothing waits
+                at, freed = waiting
+                live_requested -= freed
+                if at == len(actions) - 1:
+                    continue  # completed before anything else happened: the FREE replays both
+                actions[at] = _C.replay.FREE_REQUESTED
+                actions.append(_C.replay.FREE_COMPLETED)
             addrs.append(addr)
             sizes.append(size)
             streams.append(stream)
@@ -930,7 +954,8 @@ _EXPORT_MAGIC = b"NPUREPL1"
 def export_events(trace, path, device=None):
     """Writes a device's replay events (reconstruction included) as the binary file benchmarks/bench_replay.c
     reads: b"NPUREPL1", u64 count, u64 reconstructed, u8 action[count] padded to 8 bytes, then u64 addr[count],
-    size[count], stream[count], little-endian.  Returns the number of events."""
+    size[count], stream[count], little-endian.  Actions: 0 alloc, 1 free, 2 a free whose completion is the
+    later 3 of the same address (npualloc_replay.h).  Returns the number of events."""
     ev = _as_trace(trace).device_events(device)
     n = len(ev)
     with open(path, "wb") as f:

@@ -34,7 +34,7 @@ def alloc(addr, size, stream=0):
 
 
 def free(addr, size, stream=0):
-    # what torch records: the request, then its completion (replay uses the request)
+    # what torch records for a block no other stream used: the request, then its completion (one FREE)
     return [entry("free_requested", addr, size, stream), entry("free_completed", addr, size, stream)]
 
 
@@ -95,6 +95,73 @@ def test_streams_are_replayed_with_their_own_pools():
     ev = alloc(0x1000, 1000, stream=7) + free(0x1000, 1000, 7) + alloc(0x2000, 1000, 9) + free(0x2000, 1000, 9)
     r = replay.replay(snapshot(ev))
     assert r.device_allocs == 2 and r.peak_reserved == 4 * MiB
+
+
+def deferred_free_trace(completions=True):
+    """A block freed while another stream used it: its free_completed comes after the next alloc."""
+    ev = alloc(0x10000000, 15 * MiB) + [entry("free_requested", 0x10000000, 15 * MiB)]
+    ev += alloc(0x20000000, 15 * MiB)
+    if completions:
+        ev += [entry("free_completed", 0x10000000, 15 * MiB)]
+    ev += alloc(0x10000000, 15 * MiB)
+    return snapshot(ev)
+
+
+def test_a_free_completes_where_the_trace_says():
+    r = replay.replay(deferred_free_trace(), device_memory="1GiB")
+    # 15 MiB + 32 fills a 16 MiB segment; the second alloc cannot reuse the first block yet.
+    assert r.peak_reserved == 32 * MiB and r.device_allocs == 2 and r.final_reserved == 32 * MiB
+    assert r.trace_events == 5 and r.frees == 1 and r.unknown_frees == 0 and r.live_allocations == 2
+    assert r.peak_requested == r.recorded.peak_requested == 2 * 15 * MiB
+    assert r.peak_active == 32 * MiB and r.peak_allocated == 32 * MiB
+    ev = replay.Trace(deferred_free_trace()).device_events()
+    assert list(ev.action) == [_C.replay.ALLOC, _C.replay.FREE_REQUESTED, _C.replay.ALLOC,
+                               _C.replay.FREE_COMPLETED, _C.replay.ALLOC]
+    assert list(ev.trace_index) == [0, 1, 2, 3, 4]
+    # a completion right after its request is one FREE
+    assert replay.Trace(snapshot(alloc(0x1000, 1000) + free(0x1000, 1000))).device_events().action == bytes(
+        [_C.replay.ALLOC, _C.replay.FREE])
+    # without completions in the trace (skip_actions), every free completes at its request
+    r = replay.replay(deferred_free_trace(completions=False), device_memory="1GiB")
+    assert r.trace_events == 4 and r.device_allocs == 2  # the second alloc reused the block, the third did not
+    assert r.peak_requested == r.recorded.peak_requested == 2 * 15 * MiB
+
+
+def test_a_free_waiting_for_another_stream_replays_as_recorded(restart, tmp_path):
+    """record_stream: the free completes once the side stream finished; meanwhile the live allocator cannot
+    reuse the block, and neither does the replay."""
+    import threading
+
+    import npualloc
+    from npualloc import acl, memory
+
+    restart()
+    gate = threading.Event()
+    side = npualloc.Stream()
+    memory._record_memory_history()
+    try:
+        p = memory.caching_allocator_alloc(15 * MiB)
+        npualloc.record_stream(p, side)
+        assert acl.rt.launch_callback(gate.wait, None, acl.ACL_CALLBACK_BLOCK, side.npu_stream) == 0
+        memory.caching_allocator_delete(p)  # waits for side, which waits for the gate
+        q = memory.caching_allocator_alloc(15 * MiB)
+        gate.set()
+        side.synchronize()
+        r = memory.caching_allocator_alloc(1)  # completes p's free first
+        path = tmp_path / "streams.pickle"
+        memory._dump_snapshot(str(path))
+        peak_live = memory.max_memory_reserved(0)
+    finally:
+        gate.set()
+        memory._record_memory_history(None)
+    memory.caching_allocator_delete(q)
+    memory.caching_allocator_delete(r)
+    actions = [e["action"] for e in replay.load_trace(path)["device_traces"][0]]
+    assert actions.index("free_completed") > actions.index("free_requested") + 1
+    res = replay.replay(path, device_memory="4GiB")
+    assert res.unknown_frees == 0 and res.ooms == 0
+    assert res.peak_reserved == res.recorded.peak_reserved == peak_live == 34 * MiB
+    assert res.device_allocs == res.recorded.segment_allocs == 3
 
 
 # ---- reconstruction of memory alive before recording ----

@@ -60,11 +60,23 @@ typedef struct npualloc_replay_config {
  * 64 OOM records, no history. */
 void npualloc_replay_config_default(npualloc_replay_config *cfg);
 
-enum { NPUALLOC_REPLAY_ALLOC = 0, NPUALLOC_REPLAY_FREE = 1 };
+/* FREE frees a block at once (torch's free_requested with its free_completed right after).  A
+ * block freed while another stream still used it (record_stream) returns to the cache only once
+ * its events passed: FREE_REQUESTED frees it (allocated bytes drop) but keeps it active and out
+ * of the cache until the FREE_COMPLETED of the same address, or until the allocator drains the
+ * device (its last-resort retry, an empty cache), as torch's synchronize_and_free_events does.
+ * A FREE_COMPLETED with no free of its address pending is ignored. */
+enum {
+    NPUALLOC_REPLAY_ALLOC = 0,
+    NPUALLOC_REPLAY_FREE = 1,
+    NPUALLOC_REPLAY_FREE_REQUESTED = 2,
+    NPUALLOC_REPLAY_FREE_COMPLETED = 3
+};
 
-/* A chunk of events, as parallel arrays.  action[i] is NPUALLOC_REPLAY_ALLOC or _FREE; addr[i]
- * the recorded address (0 = none: the event is ignored); size[i] the requested bytes (allocs;
- * ignored for frees; 0 = nothing allocated, as torch does); stream[i] the recorded stream. */
+/* A chunk of events, as parallel arrays.  action[i] is one of the NPUALLOC_REPLAY_* actions
+ * above (any other value is a FREE); addr[i] the recorded address (0 = none: the event is
+ * ignored); size[i] the requested bytes (allocs; ignored for frees; 0 = nothing allocated, as
+ * torch does); stream[i] the recorded stream. */
 typedef struct npualloc_replay_events {
     const uint8_t *action;
     const uint64_t *addr;

@@ -368,7 +368,9 @@ int replay_py_attach(PyObject *module)
     if (PyModule_AddIntConstant(m, "PAD_NPU", NPUALLOC_REPLAY_PAD_NPU) != 0 ||
         PyModule_AddIntConstant(m, "PAD_CUDA", NPUALLOC_REPLAY_PAD_CUDA) != 0 ||
         PyModule_AddIntConstant(m, "ALLOC", NPUALLOC_REPLAY_ALLOC) != 0 ||
-        PyModule_AddIntConstant(m, "FREE", NPUALLOC_REPLAY_FREE) != 0)
+        PyModule_AddIntConstant(m, "FREE", NPUALLOC_REPLAY_FREE) != 0 ||
+        PyModule_AddIntConstant(m, "FREE_REQUESTED", NPUALLOC_REPLAY_FREE_REQUESTED) != 0 ||
+        PyModule_AddIntConstant(m, "FREE_COMPLETED", NPUALLOC_REPLAY_FREE_COMPLETED) != 0)
         goto fail;
     if (PyModule_AddObject(module, "replay", m) != 0)
         goto fail;

@@ -10,6 +10,8 @@
 
 #define A NPUALLOC_REPLAY_ALLOC
 #define F NPUALLOC_REPLAY_FREE
+#define FR NPUALLOC_REPLAY_FREE_REQUESTED
+#define FC NPUALLOC_REPLAY_FREE_COMPLETED
 
 typedef struct ev {
     uint8_t action;
@@ -233,6 +235,78 @@ static void test_duplicate_alloc_frees_the_earlier_block(void **state)
     assert_int_equal(res.frees, 2);
     assert_int_equal(res.final_allocated, 0);
     assert_int_equal(res.peak_allocated, 4608);
+    npualloc_replay_destroy(r);
+}
+
+static void test_a_requested_free_waits_for_its_completion(void **state)
+{
+    (void)state;
+    static const ev list[] = {
+        {A, 0x10000, 15 * MiB_, 0}, /* a 16 MiB segment */
+        {FR, 0x10000, 0, 0},        /* another stream still uses it: not reusable yet */
+        {A, 0x20000, 15 * MiB_, 0}, /* so this one needs a second segment */
+        {FC, 0x10000, 0, 0},        /* now the first block is cached */
+        {A, 0x30000, 15 * MiB_, 0}, /* and reused */
+        {FC, 0x30000, 0, 0},        /* no free of it pending: ignored */
+    };
+    npualloc_replay *r = session(NULL, GiB_, NPUALLOC_REPLAY_PAD_NPU, false);
+    evs a;
+    to_arrays(&a, list, 3);
+    assert_int_equal(npualloc_replay_feed(r, &a.e), NPUALLOC_REPLAY_OK);
+    check(r);
+    npualloc_snapshot *snap = NULL;
+    assert_int_equal(npualloc_replay_snapshot(r, &snap), NPUALLOC_REPLAY_OK);
+    assert_int_equal(snap->segment_count, 2);
+    assert_int_equal(snap->blocks[0].state, NPUALLOC_BLOCK_ACTIVE_PENDING_FREE);
+    npualloc_snapshot_free(snap);
+    npualloc_stats s;
+    npualloc_replay_get_stats(r, &s);
+    /* each block is its whole segment (the 1 MiB - 512 left is too small to split off) */
+    assert_int_equal(s.allocated_bytes[NPUALLOC_STAT_ALL].current, 16 * MiB_); /* freed at the request */
+    assert_int_equal(s.active_bytes[NPUALLOC_STAT_ALL].current, 32 * MiB_);
+    assert_int_equal(s.requested_bytes[NPUALLOC_STAT_ALL].current, 2 * 15 * MiB_);
+    npualloc_replay_result res = run(r, list + 3, N(list) - 3, NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.events, N(list));
+    assert_int_equal(res.allocs, 3);
+    assert_int_equal(res.frees, 1);
+    assert_int_equal(res.unknown_frees, 0);
+    assert_int_equal(res.ignored, 0);
+    assert_int_equal(res.peak_reserved, 32 * MiB_);
+    assert_int_equal(res.device_allocs, 2);
+    assert_int_equal(res.live_allocations, 2);
+    npualloc_replay_destroy(r);
+
+    /* The same with a plain FREE reuses the block at once. */
+    static const ev at_once[] = {{A, 0x10000, 15 * MiB_, 0}, {F, 0x10000, 0, 0}, {A, 0x20000, 15 * MiB_, 0}};
+    r = session(NULL, GiB_, NPUALLOC_REPLAY_PAD_NPU, false);
+    res = run(r, at_once, N(at_once), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.peak_reserved, 16 * MiB_);
+    npualloc_replay_destroy(r);
+}
+
+static void test_a_requested_free_completes_when_the_allocator_drains(void **state)
+{
+    (void)state;
+    /* 24 MiB of device: the second 16 MiB segment does not fit.  torch's last resort synchronizes,
+     * completes every pending free and releases the cache: the first segment goes back and the
+     * allocation succeeds.  A free requested again before its completion completes the first. */
+    static const ev list[] = {
+        {A, 0x10000, 15 * MiB_, 0}, {FR, 0x10000, 0, 0}, {A, 0x20000, 15 * MiB_, 0},
+        {FC, 0x10000, 0, 0},        /* already completed by the drain: ignored */
+        {A, 0x30000, 1000, 0},      {FR, 0x30000, 0, 0}, {A, 0x30000, 1000, 0},
+        {FR, 0x30000, 0, 0},        {FC, 0x30000, 0, 0},
+    };
+    npualloc_replay *r = session(NULL, 24 * MiB_, NPUALLOC_REPLAY_PAD_NPU, false);
+    npualloc_replay_result res = run(r, list, N(list), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.ooms, 0);
+    assert_int_equal(res.retries, 1);
+    assert_int_equal(res.device_frees, 1);
+    assert_int_equal(res.allocs, 4);
+    assert_int_equal(res.frees, 3);
+    assert_int_equal(res.live_allocations, 1);
+    npualloc_stats s;
+    npualloc_replay_get_stats(r, &s);
+    assert_int_equal(s.active_bytes[NPUALLOC_STAT_ALL].current, 16 * MiB_);
     npualloc_replay_destroy(r);
 }
 
@@ -648,6 +722,8 @@ int main(void)
         cmocka_unit_test(test_oom_stop_ends_the_run),
         cmocka_unit_test(test_unknown_frees_and_ignored_events_are_counted),
         cmocka_unit_test(test_duplicate_alloc_frees_the_earlier_block),
+        cmocka_unit_test(test_a_requested_free_waits_for_its_completion),
+        cmocka_unit_test(test_a_requested_free_completes_when_the_allocator_drains),
         cmocka_unit_test(test_streams_keep_their_own_blocks),
         cmocka_unit_test(test_chunked_feeding_matches_one_feed),
         cmocka_unit_test(test_timeline_stays_within_its_points),
