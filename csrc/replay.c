@@ -420,6 +420,26 @@ static void replay_request_free(npualloc_replay *r, ptr_map_entry *slot, void *p
     cache_free_locked(&r->dc, b);
 }
 
+/* The recorded run's failed allocation of `rounded` bytes, tried again (see NPUALLOC_REPLAY_OOM).
+ * Returns false when out of host memory. */
+static bool replay_recorded_oom(npualloc_replay *r, uint64_t rounded, uint64_t stream)
+{
+    r->res.recorded_ooms++;
+    void *ptr = NULL;
+    npualloc_oom_info oom;
+    size_t size = rounded > r->dc.pad ? (size_t)(rounded - r->dc.pad) : (size_t)rounded;
+    aclError rc = rounded >= K_ONE_EB ? ACL_ERROR_RT_MEMORY_ALLOCATION
+                                      : cache_malloc_locked(&r->dc, size, stream, &ptr, &oom);
+    if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
+        r->res.recorded_ooms_reproduced++;
+    if (rc != ACL_SUCCESS)
+        return rc == ACL_ERROR_RT_MEMORY_ALLOCATION;
+    cache_block *b = ptr_map_remove(&r->dc.allocated_blocks, (uintptr_t)ptr);
+    if (likely(b != NULL))
+        cache_free_locked(&r->dc, b);
+    return true;
+}
+
 npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_replay_events *ev)
 {
     if (!r || !ev || (ev->count && (!ev->action || !ev->addr || !ev->size || !ev->stream)))
@@ -436,7 +456,13 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
     for (i = 0; i < ev->count; i++) {
         uint64_t index = r->res.events;
         uintptr_t addr = (uintptr_t)ev->addr[i];
-        if (unlikely(addr == 0)) {
+        if (unlikely(ev->action[i] == NPUALLOC_REPLAY_OOM)) {
+            if (unlikely(!replay_recorded_oom(r, ev->size[i], ev->stream[i]))) {
+                r->halted = true;
+                st = NPUALLOC_REPLAY_HOST_MEMORY;
+                break;
+            }
+        } else if (unlikely(addr == 0)) {
             r->res.ignored++;
         } else if (ev->action[i] == NPUALLOC_REPLAY_ALLOC) {
             uint64_t size = ev->size[i];

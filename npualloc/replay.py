@@ -17,6 +17,9 @@ A free completes where the trace says: a block freed while another stream still 
 has its ``free_completed`` after later events, and stays out of the cache (and active) until then, as in the
 recorded run; if the replayed allocator drains the device first (its last-resort retry), the free completes
 there, as torch's would.  A trace without ``free_completed`` entries frees every block at its request.
+An ``oom`` entry (an allocation the recorded run could not make) is tried again, with the same side
+effects (the retry releases cached segments) and freed at once if it succeeds: ``result.recorded_ooms`` /
+``recorded_ooms_reproduced`` count them; ``result.ooms`` counts only the trace's allocations that failed.
 
 Traces start mid-run: memory alive before recording began (freed in the trace but never allocated in it,
 or alive in the final ``segments`` without an allocation in the trace) is reconstructed and allocated first;
@@ -297,6 +300,15 @@ def _extract_device(name, device, entries, segments):
             elif act == "segment_free":
                 seg_frees += 1
         elif act == "oom":
+            # the recorded run's failed allocation: tried again (its retry releases cached memory)
+            where = f"device_traces[{device}][{i}]"
+            actions.append(_C.replay.OOM)
+            addrs.append(0)
+            sizes.append(_u64_field(e, "size", name, where))
+            streams.append(_int_field(e, "stream", name, where) & _U64 if "stream" in e else 0)
+            trace_index.append(i)
+            t = e.get("time_us")
+            times.append(t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1)
             ooms += 1
     # Blocks alive in the final segments without a live allocation in the trace were allocated before it.
     final_reserved = final_allocated = 0
@@ -496,10 +508,10 @@ def _wants_1g_pages(conf):
 
 
 _RESULT_FIELDS = ("events", "allocs", "frees", "unknown_frees", "skipped_frees", "duplicate_allocs", "ignored",
-                  "ooms", "stopped", "peak_requested", "peak_allocated", "peak_active", "peak_reserved",
-                  "final_allocated", "final_reserved", "live_allocations", "fragmentation", "device_allocs",
-                  "device_frees", "retries", "segments", "huge1g_fallbacks", "expandable", "wall_seconds",
-                  "events_per_second")
+                  "ooms", "recorded_ooms", "recorded_ooms_reproduced", "stopped", "peak_requested", "peak_allocated",
+                  "peak_active", "peak_reserved", "final_allocated", "final_reserved", "live_allocations",
+                  "fragmentation", "device_allocs", "device_frees", "retries", "segments", "huge1g_fallbacks",
+                  "expandable", "wall_seconds", "events_per_second")
 
 
 class ReplayResult:

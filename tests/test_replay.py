@@ -164,6 +164,45 @@ def test_a_free_waiting_for_another_stream_replays_as_recorded(restart, tmp_path
     assert res.device_allocs == res.recorded.segment_allocs == 3
 
 
+def test_a_recorded_oom_is_tried_again_with_its_retry():
+    ev = alloc(0x10000, 20 * MiB) + free(0x10000, 20 * MiB)
+    ev += [{"action": "oom", "device_free": 42 * MiB, "size": 70 * MiB + 512, "stream": 0, "time_us": 7}]
+    ev += alloc(0x20000, 20 * MiB)
+    r = replay.replay(snapshot(ev), device_memory="64MiB", on_oom="stop")
+    # the attempt's retry released the cached 22 MiB segment: the last alloc needs a new one
+    assert (r.recorded_ooms, r.recorded_ooms_reproduced, r.ooms, r.stopped) == (1, 1, 0, False)
+    assert r.device_allocs == 2 and r.device_frees == 1 and r.retries == 1 and r.allocs == 2
+    assert r.trace_events == 4 and r.recorded.ooms == 1  # alloc, free (one FREE), oom, alloc
+    ev = replay.Trace(snapshot(ev)).device_events()
+    assert ev.action[2] == _C.replay.OOM and ev.size[2] == 70 * MiB + 512 and ev.trace_index[2] == 3
+    with pytest.raises(replay.TraceError, match=r"device_traces\[0\]\[0\]: 'size' must be an int"):
+        replay.Trace(snapshot([{"action": "oom", "device_free": 0, "stream": 0}]))
+
+
+def test_an_oom_of_the_live_run_replays_with_its_releases(restart, tmp_path):
+    from npualloc import memory
+
+    restart(device_memory=64 * MiB, huge_memory=64 * MiB, huge1g_memory=0)
+    memory._record_memory_history()
+    try:
+        a = memory.caching_allocator_alloc(20 * MiB)
+        memory.caching_allocator_delete(a)
+        with pytest.raises(memory.OutOfMemoryError):
+            memory.caching_allocator_alloc(70 * MiB)  # releases the cached segment, then fails
+        b = memory.caching_allocator_alloc(20 * MiB)
+        path = tmp_path / "oom.pickle"
+        memory._dump_snapshot(str(path))
+        live = memory.memory_stats()
+    finally:
+        memory._record_memory_history(None)
+    memory.caching_allocator_delete(b)
+    r = replay.replay(path, device_memory="64MiB")
+    assert r.recorded.ooms == r.recorded_ooms == r.recorded_ooms_reproduced == 1 and r.ooms == 0
+    assert r.device_allocs == r.recorded.segment_allocs == live["num_device_alloc"] == 2
+    assert r.device_frees == r.recorded.segment_frees == live["num_device_free"] == 1
+    assert r.peak_reserved == r.recorded.peak_reserved == live["reserved_bytes.all.peak"]
+
+
 # ---- reconstruction of memory alive before recording ----
 
 def test_memory_alive_before_recording_is_reconstructed():

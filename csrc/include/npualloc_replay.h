@@ -70,8 +70,14 @@ enum {
     NPUALLOC_REPLAY_ALLOC = 0,
     NPUALLOC_REPLAY_FREE = 1,
     NPUALLOC_REPLAY_FREE_REQUESTED = 2,
-    NPUALLOC_REPLAY_FREE_COMPLETED = 3
+    NPUALLOC_REPLAY_FREE_COMPLETED = 3,
+    NPUALLOC_REPLAY_OOM = 4
 };
+/* OOM: an allocation the recorded run tried and could not make (torch's "oom" entry); size is
+ * its size after rounding, addr is not used.  The session tries the same allocation (size less
+ * the pad, which its rounding adds back), with the same side effects (cached segments released
+ * by the retry), and frees it at once if it succeeds: the recorded program went on without it.
+ * Counted in recorded_ooms / recorded_ooms_reproduced, not in allocs or ooms. */
 
 /* A chunk of events, as parallel arrays.  action[i] is one of the NPUALLOC_REPLAY_* actions
  * above (any other value is a FREE); addr[i] the recorded address (0 = none: the event is
@@ -103,6 +109,8 @@ typedef struct npualloc_replay_result {
     uint64_t duplicate_allocs; /* allocs of an address still live (the earlier one is freed first) */
     uint64_t ignored;          /* events with address 0, or allocs of 0 bytes */
     uint64_t ooms;             /* allocations that ran out of memory */
+    uint64_t recorded_ooms;    /* OOM events replayed (the recorded run's failed allocations) */
+    uint64_t recorded_ooms_reproduced; /* of which ran out of memory here too */
     bool stopped;              /* an OOM stopped the run */
     uint64_t peak_requested, peak_allocated, peak_active, peak_reserved; /* bytes, all pools */
     uint64_t final_allocated, final_reserved;

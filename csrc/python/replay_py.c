@@ -156,11 +156,13 @@ static PyObject *Session_result(SessionObject *self, PyObject *unused)
     npualloc_replay_result r;
     npualloc_replay_get_result(self->r, &r);
     return Py_BuildValue(
-        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d,s:K,s:K,s:K,s:K,s:K,s:O,s:d,s:d}",
+        "{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:O,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:d,s:K,s:K,s:K,s:K,s:K,s:O,s:d,s:d}",
         "events", (unsigned long long)r.events, "allocs", (unsigned long long)r.allocs, "frees",
         (unsigned long long)r.frees, "unknown_frees", (unsigned long long)r.unknown_frees, "skipped_frees",
         (unsigned long long)r.skipped_frees, "duplicate_allocs", (unsigned long long)r.duplicate_allocs, "ignored",
-        (unsigned long long)r.ignored, "ooms", (unsigned long long)r.ooms, "stopped", r.stopped ? Py_True : Py_False,
+        (unsigned long long)r.ignored, "ooms", (unsigned long long)r.ooms, "recorded_ooms",
+        (unsigned long long)r.recorded_ooms, "recorded_ooms_reproduced", (unsigned long long)r.recorded_ooms_reproduced,
+        "stopped", r.stopped ? Py_True : Py_False,
         "peak_requested", (unsigned long long)r.peak_requested, "peak_allocated", (unsigned long long)r.peak_allocated,
         "peak_active", (unsigned long long)r.peak_active, "peak_reserved", (unsigned long long)r.peak_reserved,
         "final_allocated", (unsigned long long)r.final_allocated, "final_reserved",
@@ -370,7 +372,8 @@ int replay_py_attach(PyObject *module)
         PyModule_AddIntConstant(m, "ALLOC", NPUALLOC_REPLAY_ALLOC) != 0 ||
         PyModule_AddIntConstant(m, "FREE", NPUALLOC_REPLAY_FREE) != 0 ||
         PyModule_AddIntConstant(m, "FREE_REQUESTED", NPUALLOC_REPLAY_FREE_REQUESTED) != 0 ||
-        PyModule_AddIntConstant(m, "FREE_COMPLETED", NPUALLOC_REPLAY_FREE_COMPLETED) != 0)
+        PyModule_AddIntConstant(m, "FREE_COMPLETED", NPUALLOC_REPLAY_FREE_COMPLETED) != 0 ||
+        PyModule_AddIntConstant(m, "OOM", NPUALLOC_REPLAY_OOM) != 0)
         goto fail;
     if (PyModule_AddObject(module, "replay", m) != 0)
         goto fail;

@@ -12,6 +12,7 @@
 #define F NPUALLOC_REPLAY_FREE
 #define FR NPUALLOC_REPLAY_FREE_REQUESTED
 #define FC NPUALLOC_REPLAY_FREE_COMPLETED
+#define OOM NPUALLOC_REPLAY_OOM
 
 typedef struct ev {
     uint8_t action;
@@ -307,6 +308,40 @@ static void test_a_requested_free_completes_when_the_allocator_drains(void **sta
     npualloc_stats s;
     npualloc_replay_get_stats(r, &s);
     assert_int_equal(s.active_bytes[NPUALLOC_STAT_ALL].current, 16 * MiB_);
+    npualloc_replay_destroy(r);
+}
+
+static void test_a_recorded_oom_is_tried_again(void **state)
+{
+    (void)state;
+    /* 64 MiB of device.  The recorded run failed to allocate 70 MiB (rounded: 70 MiB + 512): its
+     * retry released the cached 22 MiB segment, so the next 20 MiB needed a new one. */
+    static const ev list[] = {
+        {A, 0x10000, 20 * MiB_, 0}, {F, 0x10000, 0, 0}, {OOM, 0, 70 * MiB_ + 512, 0}, {A, 0x20000, 20 * MiB_, 0},
+    };
+    npualloc_replay *r = session(NULL, 64 * MiB_, NPUALLOC_REPLAY_PAD_NPU, true);
+    npualloc_replay_result res = run(r, list, N(list), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.events, 4);
+    assert_int_equal(res.recorded_ooms, 1);
+    assert_int_equal(res.recorded_ooms_reproduced, 1);
+    assert_int_equal(res.ooms, 0); /* not a new OOM: the session does not stop */
+    assert_false(res.stopped);
+    assert_int_equal(res.allocs, 2);
+    assert_int_equal(res.retries, 1);
+    assert_int_equal(res.device_allocs, 2);
+    assert_int_equal(res.device_frees, 1);
+    npualloc_replay_destroy(r);
+
+    /* On a larger device the allocation succeeds: the segment made for it stays cached. */
+    r = session(NULL, GiB_, NPUALLOC_REPLAY_PAD_NPU, false);
+    res = run(r, list, N(list), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.recorded_ooms, 1);
+    assert_int_equal(res.recorded_ooms_reproduced, 0);
+    assert_int_equal(res.allocs, 2);
+    assert_int_equal(res.frees, 1);
+    assert_int_equal(res.live_allocations, 1);
+    assert_int_equal(res.peak_allocated, 70 * MiB_ + 512); /* exactly the recorded size, pad taken back */
+    assert_int_equal(res.final_reserved, 22 * MiB_ + 72 * MiB_);
     npualloc_replay_destroy(r);
 }
 
@@ -724,6 +759,7 @@ int main(void)
         cmocka_unit_test(test_duplicate_alloc_frees_the_earlier_block),
         cmocka_unit_test(test_a_requested_free_waits_for_its_completion),
         cmocka_unit_test(test_a_requested_free_completes_when_the_allocator_drains),
+        cmocka_unit_test(test_a_recorded_oom_is_tried_again),
         cmocka_unit_test(test_streams_keep_their_own_blocks),
         cmocka_unit_test(test_chunked_feeding_matches_one_feed),
         cmocka_unit_test(test_timeline_stays_within_its_points),
