@@ -154,7 +154,10 @@ class RecordedRun:
 
     ``final_reserved`` is the total of the final segments; ``initial_reserved`` is that minus the
     reservations made during the trace (segment_alloc / segment_map) plus those given back (segment_free /
-    segment_unmap); ``peak_reserved`` is the largest total along the way.  ``peak_requested`` counts the bytes
+    segment_unmap); ``peak_reserved`` is the largest total along the way.  ``segment_allocs`` /
+    ``segment_frees`` count the device allocations and frees (segment_alloc and segment_map / segment_free and
+    segment_unmap entries), as the allocator's num_device_alloc / num_device_free and the replay's
+    ``device_allocs`` / ``device_frees`` do.  ``peak_requested`` counts the bytes
     requested by live allocations (the memory alive before recording included), so a replay that completes
     without OOM reaches exactly this peak.
     """
@@ -295,9 +298,9 @@ def _extract_device(name, device, entries, segments):
         elif act in _RESERVE_DELTA:
             size = _int_field(e, "size", name, f"device_traces[{device}][{i}]")
             reserve_deltas.append((len(actions), _RESERVE_DELTA[act] * size))
-            if act == "segment_alloc":
+            if _RESERVE_DELTA[act] > 0:  # a mapping of an expandable segment is a device allocation too
                 seg_allocs += 1
-            elif act == "segment_free":
+            else:
                 seg_frees += 1
         elif act == "oom":
             # the recorded run's failed allocation: tried again (its retry releases cached memory)

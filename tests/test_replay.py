@@ -203,6 +203,33 @@ def test_an_oom_of_the_live_run_replays_with_its_releases(restart, tmp_path):
     assert r.peak_reserved == r.recorded.peak_reserved == live["reserved_bytes.all.peak"]
 
 
+def test_the_recorded_runs_device_allocations_count_expandable_maps(restart, tmp_path, monkeypatch):
+    """With expandable segments torch counts every mapping as a device allocation (num_device_alloc) and every
+    unmapping as a device free: so do the recorded run's columns, next to the replay's."""
+    from npualloc import memory
+
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+    restart()
+    memory._record_memory_history()
+    try:
+        a = memory.caching_allocator_alloc(30 * MiB)
+        b = memory.caching_allocator_alloc(30 * MiB)
+        memory.caching_allocator_delete(a)
+        memory.caching_allocator_delete(b)
+        memory.empty_cache()
+        c = memory.caching_allocator_alloc(50 * MiB)
+        snap = memory._snapshot()
+        live = memory.memory_stats()
+    finally:
+        memory._record_memory_history(None)
+    memory.caching_allocator_delete(c)
+    actions = [e["action"] for e in snap["device_traces"][0]]
+    assert "segment_map" in actions and "segment_unmap" in actions and "segment_alloc" not in actions
+    rec = replay.replay(snap, conf="expandable_segments:True", device_memory="4GiB").recorded
+    assert rec.segment_allocs == actions.count("segment_map") == live["num_device_alloc"]
+    assert rec.segment_frees == actions.count("segment_unmap") == live["num_device_free"]
+
+
 # ---- reconstruction of memory alive before recording ----
 
 def test_memory_alive_before_recording_is_reconstructed():
