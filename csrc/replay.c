@@ -462,6 +462,8 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
                 st = NPUALLOC_REPLAY_HOST_MEMORY;
                 break;
             }
+        } else if (unlikely(ev->action[i] == NPUALLOC_REPLAY_EMPTY_CACHE)) {
+            cache_empty_locked(dc, false);
         } else if (unlikely(addr == 0)) {
             r->res.ignored++;
         } else if (ev->action[i] == NPUALLOC_REPLAY_ALLOC) {

@@ -274,9 +274,9 @@ int fuzz_replay_one(const uint8_t *data, size_t size)
         size_t chunk = 1 + fuzz_u8(&in) % 64, n = 0;
         while (n < chunk && fuzz_more(&in) && fed + n < RP_MAX_EVENTS) {
             uint8_t a = fuzz_u8(&in);
-            /* alloc / free; a free requested / completed (its completion later) or a recorded
-             * OOM; or a raw value beyond those (counts as a free) */
-            action[n] = a < 0xe0 ? (a & 1) : a < 0xf0 ? NPUALLOC_REPLAY_FREE_REQUESTED + a % 3 : a;
+            /* alloc / free; a free requested / completed (its completion later), a recorded OOM
+             * or an empty cache; or a raw value beyond those (counts as a free) */
+            action[n] = a < 0xe0 ? (a & 1) : a < 0xf0 ? NPUALLOC_REPLAY_FREE_REQUESTED + a % 4 : a;
             addr[n] = rp_addr(&in);
             sz[n] = action[n] == NPUALLOC_REPLAY_ALLOC || action[n] == NPUALLOC_REPLAY_OOM || a >= 0xf0 ? rp_size(&in)
                                                                                                        : 0;
@@ -289,6 +289,7 @@ int fuzz_replay_one(const uint8_t *data, size_t size)
                     : action[k] == NPUALLOC_REPLAY_FREE_REQUESTED ? "free_requested"
                     : action[k] == NPUALLOC_REPLAY_FREE_COMPLETED ? "free_completed"
                     : action[k] == NPUALLOC_REPLAY_OOM            ? "oom"
+                    : action[k] == NPUALLOC_REPLAY_EMPTY_CACHE    ? "empty_cache"
                                                                   : "free",
                     (unsigned long long)addr[k], (unsigned long long)sz[k], (unsigned long long)stream[k]);
         npualloc_replay_events ev = {action, addr, sz, stream, n};

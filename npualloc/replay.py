@@ -17,6 +17,8 @@ A free completes where the trace says: a block freed while another stream still 
 has its ``free_completed`` after later events, and stays out of the cache (and active) until then, as in the
 recorded run; if the replayed allocator drains the device first (its last-resort retry), the free completes
 there, as torch's would.  A trace without ``free_completed`` entries frees every block at its request.
+Segments given back outside any allocation (no segment_alloc / segment_map / oom of an allocation follows
+them) were given back by ``empty_cache()``: the replay empties its cache there (``result.empty_caches``).
 An ``oom`` entry (an allocation the recorded run could not make) is tried again, with the same side
 effects (the retry releases cached segments) and freed at once if it succeeds: ``result.recorded_ooms`` /
 ``recorded_ooms_reproduced`` count them; ``result.ooms`` counts only the trace's allocations that failed.
@@ -187,7 +189,7 @@ class _DeviceEvents:
 
     __slots__ = ("device", "action", "addr", "size", "stream", "prefix", "reconstructed_from_frees",
                  "reconstructed_from_segments", "reconstructed_bytes", "recorded", "streams", "trace_index",
-                 "time_us")
+                 "time_us", "empty_caches")
 
     def __len__(self):
         return len(self.action)
@@ -240,11 +242,31 @@ def _extract_device(name, device, entries, segments):
     # block are done; a trace without completions (skip_actions) has every free complete at once.
     completions = any(type(e) is dict and e.get("action") == "free_completed" for e in entries)
     awaiting = {}  # address -> (its free's index in actions, requested bytes) until free_completed
+    # Segments given back by an allocation (its retry, GC) are followed by that allocation's segment_alloc /
+    # segment_map or oom; given back with nothing of the kind before the next alloc or free, they were given
+    # back by empty_cache(), which the trace does not record as such: replayed as an EMPTY_CACHE there.
+    release_at = None  # trace index of the first segment_free / segment_unmap not yet accounted for
+    empty_caches = 0
+
+    def add_empty_cache():
+        nonlocal release_at, empty_caches
+        actions.append(_C.replay.EMPTY_CACHE)
+        addrs.append(0)
+        sizes.append(0)
+        streams.append(0)
+        trace_index.append(release_at)
+        t = entries[release_at].get("time_us")
+        times.append(t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1)
+        release_at = None
+        empty_caches += 1
+
     for i, e in enumerate(entries):
         if type(e) is not dict:
             _bad(name, f"device_traces[{device}][{i}]", f"a trace entry must be a dict, not {type(e).__name__}")
         act = e.get("action")
         if act == "alloc" or act == "free_requested" or act == "free_completed":
+            if release_at is not None:
+                add_empty_cache()
             addr = e.get("addr")
             size = e.get("size")
             stream = e.get("stream", 0)
@@ -300,9 +322,13 @@ def _extract_device(name, device, entries, segments):
             reserve_deltas.append((len(actions), _RESERVE_DELTA[act] * size))
             if _RESERVE_DELTA[act] > 0:  # a mapping of an expandable segment is a device allocation too
                 seg_allocs += 1
+                release_at = None  # the releases before it were this allocation's
             else:
                 seg_frees += 1
+                if release_at is None:
+                    release_at = i
         elif act == "oom":
+            release_at = None  # the releases before it were this allocation's retry
             # the recorded run's failed allocation: tried again (its retry releases cached memory)
             where = f"device_traces[{device}][{i}]"
             actions.append(_C.replay.OOM)
@@ -313,6 +339,8 @@ def _extract_device(name, device, entries, segments):
             t = e.get("time_us")
             times.append(t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1)
             ooms += 1
+    if release_at is not None:
+        add_empty_cache()
     # Blocks alive in the final segments without a live allocation in the trace were allocated before it.
     final_reserved = final_allocated = 0
     pre_end = []
@@ -354,6 +382,7 @@ def _extract_device(name, device, entries, segments):
     ev.prefix = n_pre
     ev.trace_index = trace_index
     ev.time_us = times
+    ev.empty_caches = empty_caches
     ev.reconstructed_from_frees = (len(pre), sum(p[1] for p in pre))
     ev.reconstructed_from_segments = (len(pre_end), sum(p[1] for p in pre_end))
     pre_bytes = ev.reconstructed_from_frees[1] + ev.reconstructed_from_segments[1]
@@ -542,6 +571,7 @@ class ReplayResult:
         self.reconstructed_count = self.reconstructed_bytes = 0
         self.reconstructed_from_frees = self.reconstructed_from_segments = (0, 0)
         self.trace_events = 0
+        self.empty_caches = 0  # empty_cache() calls of the recorded run, inferred and replayed
         for k in _RESULT_FIELDS:
             setattr(self, k, None)
         self.timeline = ([], [], [])
@@ -554,6 +584,7 @@ class ReplayResult:
             self.reconstructed_from_frees = events.reconstructed_from_frees
             self.reconstructed_from_segments = events.reconstructed_from_segments
             self.trace_events = len(events) - events.prefix
+            self.empty_caches = events.empty_caches
 
     def to_dict(self):
         """Every attribute as a JSON-ready dict (bytes, counts and seconds as numbers): the peaks, the
@@ -563,7 +594,7 @@ class ReplayResult:
             "trace": self.trace, "device": self.device, "label": self.label, "conf": self.conf,
             "fraction": self.fraction, "rounding": self.rounding, "device_memory": self.device_memory,
             "huge1g_memory": self.huge1g_memory, "on_oom": self.on_oom, "available": self.available,
-            "error": self.error, "trace_events": self.trace_events,
+            "error": self.error, "trace_events": self.trace_events, "empty_caches": self.empty_caches,
             "reconstructed_count": self.reconstructed_count, "reconstructed_bytes": self.reconstructed_bytes,
             "reconstructed_from_frees": list(self.reconstructed_from_frees),
             "reconstructed_from_segments": list(self.reconstructed_from_segments),

@@ -230,6 +230,47 @@ def test_the_recorded_runs_device_allocations_count_expandable_maps(restart, tmp
     assert rec.segment_frees == actions.count("segment_unmap") == live["num_device_free"]
 
 
+def test_empty_cache_of_the_recorded_run_is_replayed(restart, tmp_path):
+    """empty_cache() leaves no entry of its own, only segment_free entries that no allocation follows with a
+    segment_alloc or an oom (an allocation's own releases always end so): the replay empties its cache there."""
+    from npualloc import memory
+
+    restart()
+    memory._record_memory_history()
+    try:
+        a = memory.caching_allocator_alloc(20 * MiB)
+        b = memory.caching_allocator_alloc(20 * MiB)
+        memory.caching_allocator_delete(a)
+        memory.empty_cache()  # gives a's segment back
+        memory.caching_allocator_delete(b)
+        c = memory.caching_allocator_alloc(20 * MiB)  # b's cached segment
+        snap = memory._snapshot()
+        live = memory.memory_stats()
+    finally:
+        memory._record_memory_history(None)
+    memory.caching_allocator_delete(c)
+    r = replay.replay(snap, device_memory="4GiB")
+    assert r.empty_caches == 1 and r.to_dict()["empty_caches"] == 1
+    assert r.device_frees == r.recorded.segment_frees == live["num_device_free"] == 1
+    assert r.final_reserved == r.recorded.final_reserved == live["reserved_bytes.all.current"] == 22 * MiB
+    assert r.device_allocs == live["num_device_alloc"] == 2
+    ev = replay.Trace(snap).device_events()
+    at = list(ev.action).index(_C.replay.EMPTY_CACHE)
+    assert snap["device_traces"][0][ev.trace_index[at]]["action"] == "segment_free"
+
+
+def test_releases_of_an_allocation_are_not_an_empty_cache():
+    seg = [entry("segment_free", 0x9000000, 22 * MiB)]
+    # followed by the allocation's segment_alloc or its oom: the allocation's own retry
+    for after in ([entry("segment_alloc", 0xA000000, 42 * MiB)] + alloc(0xA000000, 40 * MiB),
+                  [{"action": "oom", "device_free": 0, "size": 40 * MiB, "stream": 0}] + alloc(0x1000, 1)):
+        assert replay.Trace(snapshot(alloc(0x1000, 1) + seg + after)).device_events().empty_caches == 0
+    # followed by a free, or by nothing: empty_cache
+    assert replay.Trace(snapshot(alloc(0x1000, 1) + seg + free(0x1000, 1))).device_events().empty_caches == 1
+    ev = replay.Trace(snapshot(alloc(0x1000, 1) + seg + seg)).device_events()
+    assert ev.empty_caches == 1 and ev.action[-1] == _C.replay.EMPTY_CACHE and ev.trace_index[-1] == 1
+
+
 # ---- reconstruction of memory alive before recording ----
 
 def test_memory_alive_before_recording_is_reconstructed():
@@ -261,7 +302,9 @@ def test_memory_alive_before_recording_is_reconstructed():
     assert r.reconstructed_from_frees == (1, 5000)
     assert r.reconstructed_from_segments == (1, 3 * MiB)
     assert r.unknown_frees == 0  # the free of 0xA000 found its reconstructed allocation
-    assert r.events == 2 + len([e for e in ev if e["action"] in ("alloc", "free_requested")])
+    # the last segment_free, with no allocation after it, is an empty_cache (replayed as one more event)
+    assert r.empty_caches == 1
+    assert r.events == 2 + len([e for e in ev if e["action"] in ("alloc", "free_requested")]) + 1
     # live requested bytes: 5000 + 3 MiB from the start; 0xA000's 5000 go first, then + 3000 and + 7 MiB
     assert r.peak_requested == 3 * MiB + 3000 + 7 * MiB
     assert r.recorded.peak_requested == r.peak_requested

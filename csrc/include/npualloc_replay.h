@@ -71,8 +71,11 @@ enum {
     NPUALLOC_REPLAY_FREE = 1,
     NPUALLOC_REPLAY_FREE_REQUESTED = 2,
     NPUALLOC_REPLAY_FREE_COMPLETED = 3,
-    NPUALLOC_REPLAY_OOM = 4
+    NPUALLOC_REPLAY_OOM = 4,
+    NPUALLOC_REPLAY_EMPTY_CACHE = 5
 };
+/* EMPTY_CACHE: the recorded program emptied the cache (torch's empty_cache: pending frees
+ * complete, every cached segment goes back to the device); addr and size are not used. */
 /* OOM: an allocation the recorded run tried and could not make (torch's "oom" entry); size is
  * its size after rounding, addr is not used.  The session tries the same allocation (size less
  * the pad, which its rounding adds back), with the same side effects (cached segments released

@@ -373,7 +373,8 @@ int replay_py_attach(PyObject *module)
         PyModule_AddIntConstant(m, "FREE", NPUALLOC_REPLAY_FREE) != 0 ||
         PyModule_AddIntConstant(m, "FREE_REQUESTED", NPUALLOC_REPLAY_FREE_REQUESTED) != 0 ||
         PyModule_AddIntConstant(m, "FREE_COMPLETED", NPUALLOC_REPLAY_FREE_COMPLETED) != 0 ||
-        PyModule_AddIntConstant(m, "OOM", NPUALLOC_REPLAY_OOM) != 0)
+        PyModule_AddIntConstant(m, "OOM", NPUALLOC_REPLAY_OOM) != 0 ||
+        PyModule_AddIntConstant(m, "EMPTY_CACHE", NPUALLOC_REPLAY_EMPTY_CACHE) != 0)
         goto fail;
     if (PyModule_AddObject(module, "replay", m) != 0)
         goto fail;

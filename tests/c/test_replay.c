@@ -13,6 +13,7 @@
 #define FR NPUALLOC_REPLAY_FREE_REQUESTED
 #define FC NPUALLOC_REPLAY_FREE_COMPLETED
 #define OOM NPUALLOC_REPLAY_OOM
+#define EMPTY NPUALLOC_REPLAY_EMPTY_CACHE
 
 typedef struct ev {
     uint8_t action;
@@ -342,6 +343,25 @@ static void test_a_recorded_oom_is_tried_again(void **state)
     assert_int_equal(res.live_allocations, 1);
     assert_int_equal(res.peak_allocated, 70 * MiB_ + 512); /* exactly the recorded size, pad taken back */
     assert_int_equal(res.final_reserved, 22 * MiB_ + 72 * MiB_);
+    npualloc_replay_destroy(r);
+}
+
+static void test_empty_cache_releases_and_completes_pending_frees(void **state)
+{
+    (void)state;
+    static const ev list[] = {
+        {A, 0x10000, 20 * MiB_, 0}, {A, 0x20000, 20 * MiB_, 0}, {F, 0x10000, 0, 0},
+        {FR, 0x20000, 0, 0},        /* its completion is still ahead... */
+        {EMPTY, 0, 0, 0},           /* ...but empty_cache completes it: both segments go back */
+        {FC, 0x20000, 0, 0},
+    };
+    npualloc_replay *r = session(NULL, GiB_, NPUALLOC_REPLAY_PAD_NPU, false);
+    npualloc_replay_result res = run(r, list, N(list), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.events, N(list));
+    assert_int_equal(res.device_allocs, 2);
+    assert_int_equal(res.device_frees, 2);
+    assert_int_equal(res.final_reserved, 0);
+    assert_int_equal(res.ignored, 0);
     npualloc_replay_destroy(r);
 }
 
@@ -760,6 +780,7 @@ int main(void)
         cmocka_unit_test(test_a_requested_free_waits_for_its_completion),
         cmocka_unit_test(test_a_requested_free_completes_when_the_allocator_drains),
         cmocka_unit_test(test_a_recorded_oom_is_tried_again),
+        cmocka_unit_test(test_empty_cache_releases_and_completes_pending_frees),
         cmocka_unit_test(test_streams_keep_their_own_blocks),
         cmocka_unit_test(test_chunked_feeding_matches_one_feed),
         cmocka_unit_test(test_timeline_stays_within_its_points),
