@@ -242,6 +242,7 @@ def _extract_device(name, device, entries, segments):
     # block are done; a trace without completions (skip_actions) has every free complete at once.
     completions = any(type(e) is dict and e.get("action") == "free_completed" for e in entries)
     awaiting = {}  # address -> (its free's index in actions, requested bytes) until free_completed
+    freed_last = set()  # addresses whose last event in the trace is a free_requested (pending if still active)
     # Segments given back by an allocation (its retry, GC) are followed by that allocation's segment_alloc /
     # segment_map or oom; given back with nothing of the kind before the next alloc or free, they were given
     # back by empty_cache(), which the trace does not record as such: replayed as an EMPTY_CACHE there.
@@ -282,12 +283,14 @@ def _extract_device(name, device, entries, segments):
             stream &= _U64
             if act == "alloc":
                 actions.append(_C.replay.ALLOC)
+                freed_last.discard(addr)
                 live[addr] = True
                 requested[addr] = size
                 live_requested += size
                 if live_requested > peak_requested_trace:
                     peak_requested_trace = live_requested
             elif act == "free_requested":
+                freed_last.add(addr)
                 if live.pop(addr, None) is None:
                     pre.append((addr, size, stream))  # freed in the trace, never allocated in it
                     freed = size
@@ -299,6 +302,7 @@ def _extract_device(name, device, entries, segments):
                     live_requested -= freed
                 actions.append(_C.replay.FREE)
             else:
+                freed_last.discard(addr)
                 waiting = awaiting.pop(addr, None)
                 if waiting is None:
                     continue  # its request came before the recording (or is malformed): nothing waits
@@ -341,6 +345,8 @@ def _extract_device(name, device, entries, segments):
             ooms += 1
     if release_at is not None:
         add_empty_cache()
+    for at, _ in awaiting.values():  # no completion in the trace: still pending at its end
+        actions[at] = _C.replay.FREE_REQUESTED
     # Blocks alive in the final segments without a live allocation in the trace were allocated before it.
     final_reserved = final_allocated = 0
     pre_end = []
@@ -361,7 +367,7 @@ def _extract_device(name, device, entries, segments):
             if state not in ("active_allocated", "active_pending_free", "active_awaiting_free"):
                 continue
             addr = _u64_field(b, "address", name, f"{where}.blocks[{bi}]")
-            if addr in live:
+            if addr in live or addr in freed_last:  # allocated, or freed and pending, in the trace
                 continue
             # the bytes the allocation asked for; snapshots without it (or with 0) give the block's size
             size_key = "requested_size" if b.get("requested_size") else "size"

@@ -318,6 +318,22 @@ def test_memory_alive_before_recording_is_reconstructed():
     assert rec.timeline[1][0] == 42 * MiB and rec.timeline[1][-1] == 22 * MiB
 
 
+def test_a_block_freed_in_the_trace_and_pending_at_the_end_is_not_reconstructed():
+    # 0xA000 was allocated before recording, 0xB000 in the trace; both frees wait for another stream
+    ev = [entry("free_requested", 0xA000, 5000)] + alloc(0xB000, 3000) + [entry("free_requested", 0xB000, 3000)]
+    ev += alloc(0xC000, 1000) + free(0xC000, 1000)
+    blocks = [{"address": 0xA000, "size": 5120, "requested_size": 5000, "state": "active_pending_free", "frames": []},
+              {"address": 0xB400, "size": 3072, "requested_size": 3000, "state": "active_pending_free", "frames": []},
+              {"address": 0xC000, "size": 2 * MiB - 8192, "requested_size": 0, "state": "inactive", "frames": []}]
+    segs = [{"device": 0, "address": 0xA000, "total_size": 2 * MiB, "allocated_size": 0, "active_size": 8192,
+             "requested_size": 8000, "stream": 0, "segment_type": "small", "blocks": blocks}]
+    segs[0]["blocks"][1]["address"] = 0xB000
+    r = replay.replay(snapshot(ev, segs))
+    assert r.reconstructed_count == 1 and r.reconstructed_from_frees == (1, 5000)  # 0xA000, once
+    assert r.reconstructed_from_segments == (0, 0) and r.duplicate_allocs == 0 and r.unknown_frees == 0
+    assert r.peak_requested == r.recorded.peak_requested == 5000 + 3000 + 1000
+
+
 def test_reconstruction_makes_a_mid_run_recording_complete():
     snap = workload.transformer_trace("tiny")  # recorded from step 1: weights and Adam state came before
     r = replay.replay(snap)
