@@ -244,7 +244,7 @@ def _extract_device(name, device, entries, segments):
     awaiting = {}  # address -> (its free's index in actions, requested bytes) until free_completed
     freed_last = set()  # addresses whose last event in the trace is a free_requested (pending if still active)
     # Segments given back by an allocation (its retry, GC) are followed by that allocation's segment_alloc /
-    # segment_map or oom; given back with nothing of the kind before the next alloc or free, they were given
+    # segment_map or oom; given back with nothing of the kind before the next alloc or free request, they were given
     # back by empty_cache(), which the trace does not record as such: replayed as an EMPTY_CACHE there.
     release_at = None  # trace index of the first segment_free / segment_unmap not yet accounted for
     empty_caches = 0
@@ -266,7 +266,8 @@ def _extract_device(name, device, entries, segments):
             _bad(name, f"device_traces[{device}][{i}]", f"a trace entry must be a dict, not {type(e).__name__}")
         act = e.get("action")
         if act == "alloc" or act == "free_requested" or act == "free_completed":
-            if release_at is not None:
+            # (a free_completed may come between an allocation's releases: its retry completes pending frees)
+            if release_at is not None and act != "free_completed":
                 add_empty_cache()
             addr = e.get("addr")
             size = e.get("size")

@@ -265,6 +265,11 @@ def test_releases_of_an_allocation_are_not_an_empty_cache():
     for after in ([entry("segment_alloc", 0xA000000, 42 * MiB)] + alloc(0xA000000, 40 * MiB),
                   [{"action": "oom", "device_free": 0, "size": 40 * MiB, "stream": 0}] + alloc(0x1000, 1)):
         assert replay.Trace(snapshot(alloc(0x1000, 1) + seg + after)).device_events().empty_caches == 0
+    # a retry after releasing oversize segments completes pending frees before releasing the rest
+    ev = alloc(0x1000, 1) + alloc(0x2000, 1) + [entry("free_requested", 0x2000, 1)] + alloc(0x3000, 1)
+    ev += seg + [entry("free_completed", 0x2000, 1), entry("segment_free", 0xB000000, 22 * MiB)]
+    ev += [entry("segment_alloc", 0xA000000, 42 * MiB)] + alloc(0xA000000, 40 * MiB)
+    assert replay.Trace(snapshot(ev)).device_events().empty_caches == 0
     # followed by a free, or by nothing: empty_cache
     assert replay.Trace(snapshot(alloc(0x1000, 1) + seg + free(0x1000, 1))).device_events().empty_caches == 1
     ev = replay.Trace(snapshot(alloc(0x1000, 1) + seg + seg)).device_events()
