@@ -221,6 +221,12 @@ def _u64_field(entry, key, name, where):
     return v
 
 
+def _time_us(entry):
+    """An entry's time_us, or -1 when it has none that fits an int64."""
+    t = entry.get("time_us")
+    return t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1
+
+
 _RESERVE_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
 _KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
                   "segment_unmap", "snapshot", "oom", "annotate", "user_defined", "free"}
@@ -256,8 +262,7 @@ def _extract_device(name, device, entries, segments):
         sizes.append(0)
         streams.append(0)
         trace_index.append(release_at)
-        t = entries[release_at].get("time_us")
-        times.append(t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1)
+        times.append(_time_us(entries[release_at]))
         release_at = None
         empty_caches += 1
 
@@ -317,8 +322,7 @@ def _extract_device(name, device, entries, segments):
             sizes.append(size)
             streams.append(stream)
             trace_index.append(i)
-            t = e.get("time_us")
-            times.append(t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1)
+            times.append(_time_us(e))
         elif not isinstance(act, str):
             what = "missing 'action'" if act is None else f"'action' must be a str, not {type(act).__name__}"
             _bad(name, f"device_traces[{device}][{i}]", what)
@@ -341,8 +345,7 @@ def _extract_device(name, device, entries, segments):
             sizes.append(_u64_field(e, "size", name, where))
             streams.append(_int_field(e, "stream", name, where) & _U64 if "stream" in e else 0)
             trace_index.append(i)
-            t = e.get("time_us")
-            times.append(t if type(t) is int and -(1 << 63) <= t < (1 << 63) else -1)
+            times.append(_time_us(e))
             ooms += 1
     if release_at is not None:
         add_empty_cache()
