@@ -377,9 +377,10 @@ static aclError enqueue_mem_task(aclrtStream stream, mem_task task)
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream)
 {
-    /* CANN's ACL layer rejects null pointers and a bad kind before the runtime sees the count. */
+    if (count == 0)
+        return ACL_SUCCESS;
     aclError rc = copy_args_check(dst, destMax, src, count, (int)kind, ACL_MEMCPY_INTER_DEVICE_TO_DEVICE);
-    if (rc != ACL_SUCCESS || count == 0)
+    if (rc != ACL_SUCCESS)
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
@@ -397,10 +398,10 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
 
 aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream)
 {
-    if (!devPtr) /* CANN's ACL layer checks it before the runtime sees the count */
-        return ACL_ERROR_INVALID_PARAM;
     if (count == 0)
         return ACL_SUCCESS;
+    if (!devPtr)
+        return ACL_ERROR_INVALID_PARAM;
     if (count > maxCount)
         return ACL_ERROR_RT_PARAM_INVALID;
     aclError rc = runtime_ensure_init();
