@@ -294,6 +294,12 @@ def test_async_argument_errors():
     a, b = malloc(), malloc()
     s = stream()
     assert rt.memcpy_async(a, N, b, 0, 3, s) == 0
+    # A count of 0 succeeds before any other check (the reference's memcpy / memset: "count == 0
+    # returns SUCCESS", as CANN's current runtime does; an older ACL layer checked pointers first).
+    assert rt.memcpy_async(0, N, 0, 0, 8, s) == 0
+    assert rt.memset_async(0, N, 1, 0, s) == 0
+    assert rt.memcpy(0, N, 0, 0, 8) == 0
+    assert rt.memset(0, N, 1, 0) == 0
     assert rt.memcpy_async(0, N, b, 10, 3, s) == invalid
     assert rt.memcpy_async(a, 5, b, 10, 3, s) == param
     assert rt.memcpy_async(a, N, b, 10, 8, s) == invalid
