@@ -2187,10 +2187,12 @@ aclError npualloc_graph_set_mem_access(int32_t device, uint64_t mask)
 
 aclError npualloc_graph_get_mem_access(int32_t device, uint64_t *mask)
 {
+    if (!mask)
+        return ACL_ERROR_INVALID_PARAM;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    if (!mask || !device_valid(device))
+    if (!device_valid(device))
         return ACL_ERROR_RT_INVALID_DEVICEID;
     *mask = access_setting(device);
     return ACL_SUCCESS;

@@ -170,6 +170,7 @@ bool npualloc_graph_violation(npualloc_graph *g, size_t index, char *buf, size_t
 /* The devices that may access graph memory allocated on `device` from now on (bit d = device d;
  * the device itself is always included), like cudaMemPoolSetAccess on its graph memory pool. */
 aclError npualloc_graph_set_mem_access(int32_t device, uint64_t mask);
+/* ACL_ERROR_INVALID_PARAM for a NULL mask, ACL_ERROR_RT_INVALID_DEVICEID for an unknown device. */
 aclError npualloc_graph_get_mem_access(int32_t device, uint64_t *mask);
 
 /* aclrtLaunchCallback with ownership of user_data: on a capturing stream the callback becomes a

@@ -616,6 +616,18 @@ static void test_access_setting_is_forgotten_on_restart(void **state)
     assert_int_equal(m, 1);
 }
 
+/* A NULL output is ACL_ERROR_INVALID_PARAM, as for every other function, whatever the device. */
+static void test_get_mem_access_rejects_a_null_output(void **state)
+{
+    (void)state;
+    start();
+    assert_int_equal(npualloc_graph_get_mem_access(0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_graph_get_mem_access(-1, NULL), ACL_ERROR_INVALID_PARAM);
+    uint64_t m = 0;
+    assert_int_equal(npualloc_graph_get_mem_access(2, &m), ACL_ERROR_RT_INVALID_DEVICEID); /* 2 devices */
+    assert_int_equal(m, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -634,6 +646,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stale_pool_capture_end_keeps_the_new_recording, stop_runtime),
         cmocka_unit_test_teardown(test_concurrent_captures, stop_runtime),
         cmocka_unit_test_teardown(test_access_setting_is_forgotten_on_restart, stop_runtime),
+        cmocka_unit_test_teardown(test_get_mem_access_rejects_a_null_output, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
