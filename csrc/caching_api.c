@@ -1009,7 +1009,8 @@ aclError npualloc_cache_snapshot(npualloc_snapshot **out)
     return ACL_SUCCESS;
 }
 
-/* Read by any thread (npualloc_cache_record_context) while another may change it. */
+/* Read by any thread (npualloc_cache_record_context) while another may change it.  Back to
+ * NEVER wherever the caches start afresh (shutdown, a forked child), as their history does. */
 static _Atomic npualloc_record_context record_level;
 
 npualloc_record_context npualloc_cache_record_context(void) { return atomic_load(&record_level); }
@@ -1060,6 +1061,7 @@ void caching_shutdown(void)
     pthread_mutex_unlock(&uncached_lock);
     settings_loaded = false;
     any_cache_started = false;
+    atomic_store(&record_level, NPUALLOC_RECORD_NEVER);
     memset(&settings_error, 0, sizeof settings_error);
     atomic_store_explicit(&caching_disabled, -1, memory_order_relaxed);
     pthread_mutex_unlock(&api_lock);
@@ -1104,4 +1106,5 @@ void caching_atfork_child(void)
         if (dc->started)
             cache_device_forget(dc);
     }
+    atomic_store(&record_level, NPUALLOC_RECORD_NEVER);
 }

@@ -194,7 +194,8 @@ typedef enum npualloc_record_context {
     NPUALLOC_RECORD_ALLOC = 2, /* ... and so do alloc trace entries */
     NPUALLOC_RECORD_ALL = 3    /* ... and frees */
 } npualloc_record_context;
-/* The level set by the last npualloc_cache_record_history (to decide whether to gather). */
+/* The level set by the last npualloc_cache_record_history (to decide whether to gather);
+ * NEVER again after npualloc_shutdown and in a forked child, whose fresh caches record nothing. */
 npualloc_record_context npualloc_cache_record_context(void);
 
 /* npualloc_cache_malloc / free with the caller's context (may be NULL; borrowed). */

@@ -495,6 +495,33 @@ static void test_record_history_refuses_unknown_levels(void **state)
     assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_NEVER);
 }
 
+/* npualloc_shutdown and fork() give fresh caches, which record nothing: the level reported is
+ * theirs, not the one set before. */
+static void test_history_level_is_reset_with_the_caches(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALL, 8), ACL_SUCCESS);
+    pid_t pid = fork();
+    if (pid == 0)
+        _exit(npualloc_cache_record_context() == NPUALLOC_RECORD_NEVER ? 0 : 1);
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_ALL); /* the parent keeps it */
+    npualloc_shutdown();
+    assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_NEVER);
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_NEVER);
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 512, 0, &p), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    npualloc_snapshot *snap = NULL;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_int_equal(snap->trace_count, 0); /* and indeed nothing is recorded */
+    npualloc_snapshot_free(snap);
+}
+
 /* One thread turns the history on and off while another asks which level is set: the answer is
  * one of the two levels, and nothing races (ThreadSanitizer checks). */
 static void *toggle_history(void *p)
@@ -897,6 +924,7 @@ int main(void)
         cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
         cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
+        cmocka_unit_test_teardown(test_history_level_is_reset_with_the_caches, stop_runtime),
         cmocka_unit_test_teardown(test_history_level_is_read_while_another_thread_sets_it, stop_runtime),
         cmocka_unit_test_teardown(test_init_error_is_read_while_other_threads_retry, stop_runtime),
         cmocka_unit_test_teardown(test_a_malformed_environment_fails_every_call, stop_runtime),
