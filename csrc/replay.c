@@ -259,13 +259,16 @@ const char *npualloc_replay_status_name(npualloc_replay_status st)
     return (unsigned)st < ARRAY_LEN(status_names) ? status_names[st] : "UNKNOWN";
 }
 
-void npualloc_replay_config_default(npualloc_replay_config *cfg)
+npualloc_replay_status npualloc_replay_config_default(npualloc_replay_config *cfg)
 {
+    if (!cfg)
+        return NPUALLOC_REPLAY_INVALID;
     memset(cfg, 0, sizeof *cfg);
     cfg->device_memory = (uint64_t)80 << 30;
     cfg->pad = NPUALLOC_REPLAY_PAD_NPU;
     cfg->timeline_points = 2048;
     cfg->max_oom_records = 64;
+    return NPUALLOC_REPLAY_OK;
 }
 
 static npualloc_replay_status fail(char *err, size_t errlen, npualloc_replay_status st, const char *fmt, ...)
@@ -551,8 +554,10 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
     return st;
 }
 
-void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
+npualloc_replay_status npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
 {
+    if (!r || !out)
+        return NPUALLOC_REPLAY_INVALID;
     cache_lock_acquire(&r->dc.lock);
     npualloc_stats all;
     cache_stats_read(&r->dc.stats, &all);
@@ -574,17 +579,25 @@ void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out)
     out->huge1g_fallbacks = r->sim.huge1g_fallbacks;
     out->events_per_second = out->wall_seconds > 0.0 ? (double)out->events / out->wall_seconds : 0.0;
     cache_lock_release(&r->dc.lock);
+    return NPUALLOC_REPLAY_OK;
 }
 
-void npualloc_replay_get_stats(npualloc_replay *r, npualloc_stats *out)
+npualloc_replay_status npualloc_replay_get_stats(npualloc_replay *r, npualloc_stats *out)
 {
+    if (!r || !out)
+        return NPUALLOC_REPLAY_INVALID;
     cache_lock_acquire(&r->dc.lock);
     cache_stats_read(&r->dc.stats, out);
     cache_lock_release(&r->dc.lock);
+    return NPUALLOC_REPLAY_OK;
 }
 
 size_t npualloc_replay_timeline(npualloc_replay *r, npualloc_replay_point *out, size_t cap)
 {
+    if (!r)
+        return 0;
+    if (!out) /* a count only */
+        cap = 0;
     cache_lock_acquire(&r->dc.lock);
     const replay_timeline *t = &r->timeline;
     size_t n = t->count + (t->cur_events ? 1 : 0);
@@ -596,6 +609,8 @@ size_t npualloc_replay_timeline(npualloc_replay *r, npualloc_replay_point *out, 
 
 bool npualloc_replay_get_oom(npualloc_replay *r, size_t i, npualloc_replay_oom *out)
 {
+    if (!r || !out)
+        return false;
     cache_lock_acquire(&r->dc.lock);
     bool ok = i < r->res.ooms && i < r->oom_cap;
     if (ok)
@@ -606,11 +621,13 @@ bool npualloc_replay_get_oom(npualloc_replay *r, size_t i, npualloc_replay_oom *
 
 const char *npualloc_replay_warning(npualloc_replay *r, size_t i)
 {
-    return i < (size_t)r->warning_count ? r->warnings[i] : NULL;
+    return r && i < (size_t)r->warning_count ? r->warnings[i] : NULL;
 }
 
 aclError npualloc_replay_check(npualloc_replay *r, char *why, size_t len)
 {
+    if (!r || (!why && len)) /* a message of len bytes would be written through why */
+        return ACL_ERROR_INVALID_PARAM;
     cache_lock_acquire(&r->dc.lock);
     aclError rc = cache_check_locked(&r->dc, why, len);
     cache_lock_release(&r->dc.lock);

@@ -36,8 +36,13 @@ typedef enum npualloc_replay_status {
     NPUALLOC_REPLAY_UNAVAILABLE,   /* a setting this build's allocator does not implement */
     NPUALLOC_REPLAY_STOPPED,       /* an allocation ran out of memory and the session stops on OOM */
     NPUALLOC_REPLAY_HOST_MEMORY,   /* out of host memory (for the session's bookkeeping) */
-    NPUALLOC_REPLAY_INVALID,       /* a NULL argument */
+    NPUALLOC_REPLAY_INVALID,       /* a NULL session, configuration or output */
 } npualloc_replay_status;
+
+/* NULL arguments: the functions that return a status return NPUALLOC_REPLAY_INVALID for a NULL
+ * session, configuration, event list or output (npualloc_replay_check: ACL_ERROR_INVALID_PARAM);
+ * the others say so below.  None writes to an output then (create still describes the error in
+ * err). */
 
 #define NPUALLOC_REPLAY_PAD_NPU 32 /* torch_npu adds 32 bytes to every request before rounding */
 #define NPUALLOC_REPLAY_PAD_CUDA 0 /* torch's CUDA allocator adds nothing */
@@ -58,7 +63,7 @@ typedef struct npualloc_replay_config {
 
 /* 80 GiB, no 1 GiB pool, NPU rounding, no fraction, continue on OOM, 2048 timeline points,
  * 64 OOM records, no history. */
-void npualloc_replay_config_default(npualloc_replay_config *cfg);
+npualloc_replay_status npualloc_replay_config_default(npualloc_replay_config *cfg);
 
 /* FREE frees a block at once (torch's free_requested with its free_completed right after).  A
  * block freed while another stream still used it (record_stream) returns to the cache only once
@@ -97,6 +102,7 @@ typedef struct npualloc_replay_events {
 /* Creates a session.  On failure returns the status and writes a message into err. */
 npualloc_replay_status npualloc_replay_create(const npualloc_replay_config *cfg, npualloc_replay **out,
                                               char *err, size_t errlen);
+/* Does nothing for NULL. */
 void npualloc_replay_destroy(npualloc_replay *r);
 
 /* Replays a chunk.  NPUALLOC_REPLAY_STOPPED once an OOM stopped the session (the events after
@@ -128,9 +134,9 @@ typedef struct npualloc_replay_result {
     double events_per_second;
 } npualloc_replay_result;
 
-void npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out);
+npualloc_replay_status npualloc_replay_get_result(npualloc_replay *r, npualloc_replay_result *out);
 /* The session's allocator statistics (as npualloc_cache_get_stats). */
-void npualloc_replay_get_stats(npualloc_replay *r, npualloc_stats *out);
+npualloc_replay_status npualloc_replay_get_stats(npualloc_replay *r, npualloc_stats *out);
 
 /* One timeline sample: the largest allocated / reserved bytes over events [event, next
  * sample's event). */
@@ -140,7 +146,8 @@ typedef struct npualloc_replay_point {
     uint64_t reserved;
 } npualloc_replay_point;
 
-/* Copies up to `cap` samples (oldest first) into out; returns how many there are. */
+/* Copies up to `cap` samples (oldest first) into out; returns how many there are.  A NULL out
+ * copies nothing (a count only); a NULL session has none (0). */
 size_t npualloc_replay_timeline(npualloc_replay *r, npualloc_replay_point *out, size_t cap);
 
 typedef struct npualloc_replay_oom {
@@ -150,17 +157,19 @@ typedef struct npualloc_replay_oom {
     char message[384];  /* torch_npu's out-of-memory message */
 } npualloc_replay_oom;
 
-/* The i-th recorded OOM (i < min(ooms, max_oom_records)); false when there is none. */
+/* The i-th recorded OOM (i < min(ooms, max_oom_records)); false when there is none, or for a
+ * NULL session or out. */
 bool npualloc_replay_get_oom(npualloc_replay *r, size_t i, npualloc_replay_oom *out);
 
-/* Warnings the settings parser emitted (index < count); NULL past the end. */
+/* Warnings the settings parser emitted (index < count); NULL past the end and for a NULL session. */
 const char *npualloc_replay_warning(npualloc_replay *r, size_t i);
 
 /* The session's segments, blocks and (with record_history) memory history, in the form of
  * npualloc_cache_snapshot (device 0; no contexts).  Free with npualloc_snapshot_free. */
 npualloc_replay_status npualloc_replay_snapshot(npualloc_replay *r, npualloc_snapshot **out);
 
-/* Checks the allocator's invariants (npualloc_cache_check); ACL_SUCCESS or the first violation. */
+/* Checks the allocator's invariants (npualloc_cache_check); ACL_SUCCESS or the first violation,
+ * described in why (len bytes; why may be NULL only with len 0). */
 aclError npualloc_replay_check(npualloc_replay *r, char *why, size_t len);
 
 /* "OK", "BAD_SETTINGS", ... */

@@ -767,6 +767,52 @@ static void test_parallel_sessions_are_independent_and_leave_the_runtime_alone(v
     assert_false(npualloc_has_warnings());
 }
 
+/* A NULL session or output is NPUALLOC_REPLAY_INVALID (ACL_ERROR_INVALID_PARAM for the check),
+ * false, 0 or NULL, as the header says: never a crash. */
+static void test_null_sessions_and_outputs_are_refused(void **state)
+{
+    (void)state;
+    npualloc_replay_result res;
+    npualloc_stats stats;
+    npualloc_replay_point pt;
+    npualloc_replay_oom oom;
+    npualloc_snapshot *snap = NULL;
+    char why[64];
+    npualloc_replay_events none = {0};
+    assert_int_equal(npualloc_replay_config_default(NULL), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_create(NULL, NULL, NULL, 0), NPUALLOC_REPLAY_INVALID);
+    npualloc_replay_destroy(NULL);
+    assert_int_equal(npualloc_replay_feed(NULL, &none), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_get_result(NULL, &res), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_get_stats(NULL, &stats), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_timeline(NULL, &pt, 1), 0);
+    assert_false(npualloc_replay_get_oom(NULL, 0, &oom));
+    assert_null(npualloc_replay_warning(NULL, 0));
+    assert_int_equal(npualloc_replay_snapshot(NULL, &snap), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_check(NULL, why, sizeof why), ACL_ERROR_INVALID_PARAM);
+
+    /* a live session with nowhere to write */
+    npualloc_replay *r = session(NULL, GiB_, NPUALLOC_REPLAY_PAD_NPU, false);
+    const ev list[] = {{A, 0x1000, 1 * MiB_, 0}, {OOM, 0, 2 * GiB_, 0}};
+    run(r, list, N(list), NPUALLOC_REPLAY_OK);
+    assert_int_equal(npualloc_replay_feed(r, NULL), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_get_result(r, NULL), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_get_stats(r, NULL), NPUALLOC_REPLAY_INVALID);
+    size_t points = npualloc_replay_timeline(r, NULL, 0);
+    assert_true(points > 0);
+    assert_int_equal(npualloc_replay_timeline(r, NULL, 8), points); /* counted, nothing copied */
+    assert_false(npualloc_replay_get_oom(r, 0, NULL));
+    assert_int_equal(npualloc_replay_snapshot(r, NULL), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_check(r, NULL, sizeof why), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_replay_check(r, NULL, 0), ACL_SUCCESS); /* no message wanted */
+    /* and the session still works */
+    assert_int_equal(npualloc_replay_get_result(r, &res), NPUALLOC_REPLAY_OK);
+    assert_int_equal(res.allocs, 1);
+    assert_int_equal(res.recorded_ooms, 1);
+    assert_int_equal(npualloc_replay_get_stats(r, &stats), NPUALLOC_REPLAY_OK);
+    npualloc_replay_destroy(r);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -794,6 +840,7 @@ int main(void)
         cmocka_unit_test(test_snapshot_has_segments_and_history),
         cmocka_unit_test(test_expandable_snapshot_lists_mapped_ranges_only),
         cmocka_unit_test(test_parallel_sessions_are_independent_and_leave_the_runtime_alone),
+        cmocka_unit_test(test_null_sessions_and_outputs_are_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
