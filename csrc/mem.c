@@ -60,30 +60,40 @@ static void choose_hbm_kinds(uint32_t base, size_t size, vmm_kind_choice *choice
     }
 }
 
-/* The page kinds a policy tries, in order.  The bandwidth flag picks the pool (LOW: DDR); the page
- * part works on either pool (the flag alone is HUGE_FIRST).  DDR has no 1 GiB pages: a 1 GiB
- * policy takes normal DDR pages there. */
-static aclError choose_kinds(uint32_t policy, size_t size, vmm_kind_choice *choice)
+/* A policy split once, so that the pad and the page kinds follow from the same reading: its page
+ * part (HUGE_FIRST .. HUGE1G_ONLY_P2P; any other value is CANN's unknown policy) and its pool.
+ * The bandwidth flag picks the pool (LOW: DDR); the page part works on either pool (the flag
+ * alone is HUGE_FIRST); READONLY changes nothing here. */
+typedef struct malloc_policy {
+    uint32_t pages;
+    bool ddr;
+} malloc_policy;
+
+static aclError parse_policy(uint32_t policy, malloc_policy *out)
 {
     const uint32_t flag_bits =
         ACL_MEM_TYPE_LOW_BAND_WIDTH | ACL_MEM_TYPE_HIGH_BAND_WIDTH | ACL_MEM_ACCESS_USER_SPACE_READONLY;
     bool low = policy & ACL_MEM_TYPE_LOW_BAND_WIDTH, high = policy & ACL_MEM_TYPE_HIGH_BAND_WIDTH;
-    if (low && high)
+    uint32_t pages = policy & ~flag_bits;
+    if ((low && high) || (low && pages > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P))
         return ACL_ERROR_INVALID_PARAM;
-    uint32_t base = policy & ~flag_bits;
-    if (low && base > ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)
-        return ACL_ERROR_INVALID_PARAM;
-    choose_hbm_kinds(base, size, choice);
-    if (low)
-        for (int i = 0; i < choice->count; i++)
-            choice->kinds[i] = choice->kinds[i] == MEM_HUGE ? MEM_DDR_HUGE : MEM_DDR;
+    *out = (malloc_policy){pages, low};
     return ACL_SUCCESS;
 }
 
-static bool is_1g_policy(uint32_t policy)
+/* DDR has no 1 GiB pages: a 1 GiB policy takes normal DDR pages there. */
+static bool takes_1g_pages(malloc_policy p)
 {
-    uint32_t base = policy & 0xFFu;
-    return base == ACL_MEM_MALLOC_HUGE1G_ONLY || base == ACL_MEM_MALLOC_HUGE1G_ONLY_P2P;
+    return !p.ddr && (p.pages == ACL_MEM_MALLOC_HUGE1G_ONLY || p.pages == ACL_MEM_MALLOC_HUGE1G_ONLY_P2P);
+}
+
+/* The page kinds a policy tries, in order. */
+static void choose_kinds(malloc_policy p, size_t size, vmm_kind_choice *choice)
+{
+    choose_hbm_kinds(p.pages, size, choice);
+    if (p.ddr)
+        for (int i = 0; i < choice->count; i++)
+            choice->kinds[i] = choice->kinds[i] == MEM_HUGE ? MEM_DDR_HUGE : MEM_DDR;
 }
 
 static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy, bool pad)
@@ -96,13 +106,15 @@ static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy p
         return rc;
     if (size > MAX_ALLOC_SIZE)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    malloc_policy mp;
+    if ((rc = parse_policy((uint32_t)policy, &mp)) != ACL_SUCCESS)
+        return rc;
     /* Aligned up to 32 bytes, plus 32 bytes of padding (none for 1 GiB pages). */
     size_t bytes = round_up(size, 32);
-    if (pad && !is_1g_policy((uint32_t)policy))
+    if (pad && !takes_1g_pages(mp))
         bytes += MALLOC_PAD;
     vmm_kind_choice choice;
-    if ((rc = choose_kinds((uint32_t)policy, bytes, &choice)) != ACL_SUCCESS)
-        return rc;
+    choose_kinds(mp, bytes, &choice);
     return vmm_malloc(dev, bytes, choice, VMM_OWNER_USER, devPtr);
 }
 

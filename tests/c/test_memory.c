@@ -131,6 +131,34 @@ static void test_bandwidth_types_choose_ddr_or_hbm(void **state)
     aclrtFree(a);
 }
 
+/* The 32-byte pad is left out exactly when the allocation takes 1 GiB pages (CANN pads every
+ * policy but HUGE1G_ONLY / HUGE1G_ONLY_P2P): one decoding of the policy decides both. */
+static void test_padding_is_left_out_only_for_1g_pages(void **state)
+{
+    (void)state;
+    start_runtime(1, 3 * GiB_, 3 * GiB_, 2 * GiB_, 16 * MiB_);
+    void *p;
+    /* an unknown policy (0x206 is no HUGE1G policy, whatever its low byte): normal pages, padded */
+    size_t n0 = normal_free();
+    assert_int_equal(aclrtMalloc(&p, 4096, (aclrtMemMallocPolicy)0x206), ACL_SUCCESS);
+    assert_int_equal(n0 - normal_free(), 8192);
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    /* a 1 GiB policy on DDR, which has no 1 GiB pages: normal DDR pages, padded */
+    size_t d0 = free_of(ACL_DDR_MEM);
+    assert_int_equal(aclrtMalloc(&p, 4096, ACL_MEM_MALLOC_HUGE1G_ONLY | ACL_MEM_TYPE_LOW_BAND_WIDTH), ACL_SUCCESS);
+    assert_int_equal(d0 - free_of(ACL_DDR_MEM), 8192);
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    /* 1 GiB pages, with or without flags: no pad, so 1 GiB takes one page */
+    const uint32_t one_g[] = {ACL_MEM_MALLOC_HUGE1G_ONLY, ACL_MEM_MALLOC_HUGE1G_ONLY_P2P,
+                              ACL_MEM_MALLOC_HUGE1G_ONLY | ACL_MEM_TYPE_HIGH_BAND_WIDTH,
+                              ACL_MEM_MALLOC_HUGE1G_ONLY_P2P | ACL_MEM_ACCESS_USER_SPACE_READONLY};
+    for (size_t i = 0; i < sizeof one_g / sizeof *one_g; i++) {
+        assert_int_equal(aclrtMalloc(&p, GiB_, (aclrtMemMallocPolicy)one_g[i]), ACL_SUCCESS);
+        assert_int_equal(free_of(ACL_HBM_MEM_HUGE1G), GiB_);
+        assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    }
+}
+
 static void test_capacity_is_exact_until_out_of_memory(void **state)
 {
     (void)state;
@@ -421,6 +449,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_huge_first_small_uses_normal_pages, stop_runtime),
         cmocka_unit_test_teardown(test_padding_and_align32_rounding, stop_runtime),
+        cmocka_unit_test_teardown(test_padding_is_left_out_only_for_1g_pages, stop_runtime),
         cmocka_unit_test_teardown(test_huge_first_large_prefers_huge_and_falls_back, stop_runtime),
         cmocka_unit_test_teardown(test_huge_only_fails_when_huge_pages_run_out, stop_runtime),
         cmocka_unit_test_teardown(test_normal_only_uses_normal_pages, stop_runtime),
