@@ -1784,10 +1784,11 @@ aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags)
     size_t size = 0;
     if ((rc = import_handle(&sp, &h, &size)) != ACL_SUCCESS)
         return rc;
+    /* A range of the runtime's own: the user cannot unmap or release it under aclrtIpcMemClose. */
     void *va = NULL;
-    rc = vmm_reserve(target, size, NULL, &va);
-    if (rc == ACL_SUCCESS && (rc = aclrtMapMem(va, size, 0, (aclrtDrvMemHandle)(uintptr_t)h, 0)) != ACL_SUCCESS) {
-        aclrtReleaseMemAddress(va);
+    rc = vmm_reserve_private(target, size, &va);
+    if (rc == ACL_SUCCESS && (rc = vmm_map_private(va, size, (aclrtDrvMemHandle)(uintptr_t)h)) != ACL_SUCCESS) {
+        vmm_release_private(va);
         va = NULL;
     }
     ki = rc == ACL_SUCCESS ? calloc(1, sizeof *ki) : NULL;
@@ -1815,8 +1816,8 @@ aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags)
     if (rc != ACL_SUCCESS || other) {
         free(other ? ki : NULL);
         if (va) {
-            aclrtUnmapMem(va);
-            aclrtReleaseMemAddress(va);
+            vmm_unmap_private(va);
+            vmm_release_private(va);
         }
         aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)h);
     }
@@ -1844,8 +1845,8 @@ aclError aclrtIpcMemClose(const char *key)
     if (found) {
         pthread_mutex_unlock(&ipc.lock);
         if (found->refs == 0) {
-            aclrtUnmapMem(found->ptr);
-            aclrtReleaseMemAddress(found->ptr);
+            vmm_unmap_private(found->ptr);
+            vmm_release_private(found->ptr);
             aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)found->handle_id);
             free(found);
         }
@@ -2135,9 +2136,9 @@ static aclError session_request(session *s, uint16_t op, const uint8_t token[16]
 static void unmap_open(void *base, size_t count, size_t page, const uint64_t *handles, size_t mapped)
 {
     for (size_t i = 0; i < mapped; i++)
-        aclrtUnmapMem((char *)base + i * page);
+        vmm_unmap_private((char *)base + i * page);
     if (base)
-        aclrtReleaseMemAddress(base);
+        vmm_release_private(base);
     for (size_t i = 0; i < count; i++)
         if (handles[i])
             aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handles[i]);
@@ -2216,11 +2217,11 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
     pthread_mutex_unlock(&s->lock);
     if (rc == ACL_SUCCESS && d.kind == 'c' && (d.offset >= page || d.size > page - d.offset))
         rc = ACL_ERROR_RT_IPC_ERROR;
-    if (rc == ACL_SUCCESS)
-        rc = vmm_reserve(target, count * page, NULL, &base);
+    if (rc == ACL_SUCCESS) /* the runtime's own range, as for aclrtIpcMemImportByKey */
+        rc = vmm_reserve_private(target, count * page, &base);
     for (; rc == ACL_SUCCESS && mapped < count; mapped++)
-        if ((rc = aclrtMapMem((char *)base + mapped * page, page, 0, (aclrtDrvMemHandle)(uintptr_t)handles[mapped],
-                              0)) != ACL_SUCCESS)
+        if ((rc = vmm_map_private((char *)base + mapped * page, page, (aclrtDrvMemHandle)(uintptr_t)handles[mapped])) !=
+            ACL_SUCCESS)
             break;
     if (rc == ACL_SUCCESS)
         rc = confine_to_block(base, count * page, d.offset, d.size);

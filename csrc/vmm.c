@@ -40,6 +40,7 @@ typedef struct region {
     uint32_t mappings;
     phys_handle *malloc_handle; /* set when the region is aclrtMalloc memory */
     vmm_owner owner;            /* who may free malloc memory */
+    bool runtime_owned;         /* reserved by the runtime for itself (vmm_reserve_private) */
 } region;
 
 typedef struct mapping {
@@ -363,7 +364,7 @@ static aclError region_insert(uintptr_t base, size_t size, region **out)
     return ACL_SUCCESS;
 }
 
-aclError vmm_reserve(int32_t device, size_t size, void *at, void **out)
+static aclError reserve_range(int32_t device, size_t size, void *at, bool runtime_owned, void **out)
 {
     if (size > ((size_t)1 << 50))
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -378,6 +379,8 @@ aclError vmm_reserve(int32_t device, size_t size, void *at, void **out)
     pthread_rwlock_wrlock(&vmm.lock);
     region *r;
     aclError rc = region_insert(start, size, &r);
+    if (rc == ACL_SUCCESS)
+        r->runtime_owned = runtime_owned;
     pthread_rwlock_unlock(&vmm.lock);
     if (rc != ACL_SUCCESS) {
         va_free(start, size);
@@ -385,6 +388,16 @@ aclError vmm_reserve(int32_t device, size_t size, void *at, void **out)
     }
     *out = (void *)start;
     return ACL_SUCCESS;
+}
+
+aclError vmm_reserve(int32_t device, size_t size, void *at, void **out)
+{
+    return reserve_range(device, size, at, false, out);
+}
+
+aclError vmm_reserve_private(int32_t device, size_t size, void **out)
+{
+    return reserve_range(device, size, NULL, true, out);
 }
 
 aclError vmm_reserve_shrink(void *base, size_t size)
@@ -419,18 +432,14 @@ aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, vo
     return vmm_reserve(dev, size, expectPtr, virPtr);
 }
 
-aclError aclrtReleaseMemAddress(void *virPtr)
+/* Releases the reservation at `base` if it has nothing mapped and `runtime_owned` says who
+ * reserved it. */
+static aclError release_range(uintptr_t base, bool runtime_owned)
 {
-    if (!virPtr)
-        return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
-    uintptr_t base = (uintptr_t)virPtr;
     pthread_rwlock_wrlock(&vmm.lock);
     region *r = region_starting_at(base);
     /* Only a reservation with nothing mapped may go; aclrtMalloc memory goes with aclrtFree. */
-    if (!r || r->malloc_handle || r->mappings) {
+    if (!r || r->malloc_handle || r->mappings || r->runtime_owned != runtime_owned) {
         pthread_rwlock_unlock(&vmm.lock);
         return ACL_ERROR_RT_PARAM_INVALID;
     }
@@ -441,15 +450,24 @@ aclError aclrtReleaseMemAddress(void *virPtr)
     return ACL_SUCCESS;
 }
 
-/* ---- mappings ---- */
-
-aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags)
+aclError aclrtReleaseMemAddress(void *virPtr)
 {
-    if (!virPtr || !handle || size == 0 || offset != 0 || flags != 0)
+    if (!virPtr)
         return ACL_ERROR_INVALID_PARAM;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
+    return release_range((uintptr_t)virPtr, false);
+}
+
+aclError vmm_release_private(void *base) { return release_range((uintptr_t)base, true); }
+
+/* ---- mappings ---- */
+
+/* Maps `handle` at `virPtr`, inside a reservation that `runtime_owned` says who made. */
+static aclError map_range(void *virPtr, size_t size, aclrtDrvMemHandle handle, bool runtime_owned)
+{
+    aclError rc = ACL_SUCCESS;
     uintptr_t va = (uintptr_t)virPtr;
     mapping *m = calloc(1, sizeof *m);
     if (!m)
@@ -459,8 +477,8 @@ aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle
     region *r = region_containing(va);
     if (!h) {
         rc = ACL_ERROR_RT_INVALID_HANDLE;
-    } else if (size != h->size || !r || r->malloc_handle || (va - r->base) % VMM_GRANULARITY != 0 ||
-               size > r->size - (va - r->base)) {
+    } else if (size != h->size || !r || r->malloc_handle || r->runtime_owned != runtime_owned ||
+               (va - r->base) % VMM_GRANULARITY != 0 || size > r->size - (va - r->base)) {
         rc = ACL_ERROR_RT_PARAM_INVALID;
     } else if (r->device >= 0 && h->device >= 0 && r->device != h->device) {
         rc = ACL_ERROR_RT_PARAM_INVALID; /* one range holds memory of one device only */
@@ -496,6 +514,21 @@ aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle
     return rc;
 }
 
+aclError aclrtMapMem(void *virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags)
+{
+    if (!virPtr || !handle || size == 0 || offset != 0 || flags != 0)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    return map_range(virPtr, size, handle, false);
+}
+
+aclError vmm_map_private(void *va, size_t size, aclrtDrvMemHandle handle)
+{
+    return map_range(va, size, handle, true);
+}
+
 /* Removes a mapping (write lock held); returns the handle to destroy once unlocked, if any. */
 static phys_handle *mapping_remove_locked(mapping *m)
 {
@@ -513,19 +546,15 @@ static phys_handle *mapping_remove_locked(mapping *m)
     return NULL;
 }
 
-aclError aclrtUnmapMem(void *virPtr)
+/* Unmaps the mapping that starts at `va`, in a reservation that `runtime_owned` says who made. */
+static aclError unmap_at(uintptr_t va, bool runtime_owned)
 {
-    if (!virPtr)
-        return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
-    uintptr_t va = (uintptr_t)virPtr;
+    aclError rc = ACL_SUCCESS;
     pthread_rwlock_wrlock(&vmm.lock);
     avl_node *n = avl_find(&vmm.mappings, &va, mapping_key_order);
     mapping *m = n ? AVL_ENTRY(n, mapping, node) : NULL;
     phys_handle *dead = NULL;
-    if (!m || m->region->malloc_handle)
+    if (!m || m->region->malloc_handle || m->region->runtime_owned != runtime_owned)
         rc = ACL_ERROR_RT_PARAM_INVALID;
     else
         dead = mapping_remove_locked(m);
@@ -534,6 +563,18 @@ aclError aclrtUnmapMem(void *virPtr)
         handle_destroy(dead);
     return rc;
 }
+
+aclError aclrtUnmapMem(void *virPtr)
+{
+    if (!virPtr)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    return unmap_at((uintptr_t)virPtr, false);
+}
+
+aclError vmm_unmap_private(void *va) { return unmap_at((uintptr_t)va, true); }
 
 /* ---- aclrtMalloc memory ---- */
 

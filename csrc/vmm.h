@@ -49,6 +49,14 @@ aclError vmm_free_malloc(void *ptr, vmm_owner owner);
 /* A reserved range in a device's address slice (aclrtReserveMemAddress with an explicit device;
  * `at` non-NULL asks for that exact address). */
 aclError vmm_reserve(int32_t device, size_t size, void *at, void **out);
+/* A range the runtime reserves for itself (ipc.c maps imported memory there).  Users cannot map
+ * into it, unmap it or release it (ACL_ERROR_RT_PARAM_INVALID, as for aclrtMalloc memory): only
+ * the *_private calls can, so closing an import never meets a mapping that is not its own. */
+aclError vmm_reserve_private(int32_t device, size_t size, void **out);
+/* aclrtMapMem, aclrtUnmapMem and aclrtReleaseMemAddress for private ranges (and only for them). */
+aclError vmm_map_private(void *va, size_t size, aclrtDrvMemHandle handle);
+aclError vmm_unmap_private(void *va);
+aclError vmm_release_private(void *base);
 /* Shrinks a reservation with nothing mapped to its first `size` bytes (a multiple of
  * VMM_GRANULARITY) and gives the rest back, in one step: no other thread can take the range
  * in between, as it could between a release and a new reservation. */

@@ -639,6 +639,64 @@ static void test_ipc_keys(void **state)
     assert_int_equal(ic.exports, 0);
 }
 
+/* Child: imports a key and treats its range as a careless program would.  The range is the
+ * runtime's: aclrtUnmapMem / aclrtReleaseMemAddress refuse it before the close (which then
+ * releases everything) and find nothing there after it; a range the user reserves at that
+ * address later is the user's alone, which a stray aclrtIpcMemClose does not touch. */
+static int child_key_range_is_the_runtimes(int in, int out, void *arg)
+{
+    (void)out;
+    (void)arg;
+    char key[IPC_KEY_LEN];
+    if (read(in, key, sizeof key) != (ssize_t)sizeof key)
+        return 1;
+    void *p = NULL;
+    if (aclrtIpcMemImportByKey(&p, key, 0) != ACL_SUCCESS)
+        return 2;
+    if (aclrtUnmapMem(p) != ACL_ERROR_RT_PARAM_INVALID || aclrtReleaseMemAddress(p) != ACL_ERROR_RT_PARAM_INVALID)
+        return 3;
+    aclrtDrvMemHandle h = NULL;
+    aclrtPhysicalMemProp prop = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    if (aclrtMallocPhysical(&h, G2, &prop, 0) || aclrtMapMem(p, G2, 0, h, 0) != ACL_ERROR_RT_PARAM_INVALID)
+        return 4;
+    if (((char *)p)[0] != 'K') /* still mapped */
+        return 5;
+    if (aclrtIpcMemClose(key) != ACL_SUCCESS)
+        return 6;
+    npualloc_vmm_counts counts;
+    npualloc_vmm_counts_get(&counts);
+    if (counts.physical_handles != 1 || counts.reservations || counts.mappings) /* h alone is left */
+        return 7;
+    /* closed: nothing of it is left to unmap or release */
+    if (aclrtUnmapMem(p) != ACL_ERROR_RT_PARAM_INVALID || aclrtReleaseMemAddress(p) != ACL_ERROR_RT_PARAM_INVALID)
+        return 8;
+    void *mine = NULL;
+    if (aclrtReserveMemAddress(&mine, G2, 0, p, 0) || mine != p || aclrtMapMem(mine, G2, 0, h, 0))
+        return 9;
+    memset(mine, 'U', 16);
+    if (aclrtIpcMemClose(key) != ACL_ERROR_RT_INVALID_HANDLE || ((char *)mine)[15] != 'U')
+        return 10;
+    if (aclrtUnmapMem(mine) || aclrtReleaseMemAddress(mine) || aclrtFreePhysical(h))
+        return 11;
+    return 0;
+}
+
+static void test_ipc_key_range_cannot_be_unmapped_by_the_user(void **state)
+{
+    (void)state;
+    setup_runtime();
+    void *mem = NULL;
+    assert_int_equal(aclrtMalloc(&mem, MiB_, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    memset(mem, 'K', MiB_);
+    char key[IPC_KEY_LEN] = {0};
+    const uint64_t anyone = ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION;
+    assert_int_equal(aclrtIpcMemGetExportKey(mem, MiB_, key, sizeof key, anyone), ACL_SUCCESS);
+    child c = spawn(child_key_range_is_the_runtimes, NULL);
+    assert_true(write(c.to_child, key, sizeof key) == (ssize_t)sizeof key);
+    assert_int_equal(finish(&c), 0);
+    assert_int_equal(aclrtFree(mem), ACL_SUCCESS);
+}
+
 /* ---- caching-allocator shares ---- */
 
 static int child_open_share(int in, int out, void *arg)
@@ -657,6 +715,10 @@ static int child_open_share(int in, int out, void *arg)
         return 3;
     if (((char *)p)[0] != 'S')
         return 4;
+    /* the block starts its segment, so p is where the runtime reserved and mapped it: the user
+     * can neither unmap nor release that range */
+    if (aclrtUnmapMem(p) != ACL_ERROR_RT_PARAM_INVALID || aclrtReleaseMemAddress(p) != ACL_ERROR_RT_PARAM_INVALID)
+        return 9;
     memset(p, 'T', 4);
     if (cput64(out, 1))
         return 5;
@@ -1266,6 +1328,7 @@ int main(void)
         cmocka_unit_test_teardown(test_cross_device_import_needs_peer_access, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_exits_before_importer_unmaps, stop_runtime),
         cmocka_unit_test_teardown(test_ipc_keys, stop_runtime),
+        cmocka_unit_test_teardown(test_ipc_key_range_cannot_be_unmapped_by_the_user, stop_runtime),
         cmocka_unit_test_teardown(test_share_pins_block_until_close, stop_runtime),
         cmocka_unit_test_teardown(test_share_pin_released_when_opener_dies, stop_runtime),
         cmocka_unit_test_teardown(test_share_of_freed_block_cannot_be_opened, stop_runtime),
