@@ -586,8 +586,8 @@ def _dump_snapshot(filename="dump_snapshot.pickle"):
     bools, so torch's ``torch.cuda._memory_viz`` and its web viewer read it, and so does an
     unpickler that refuses every global."""
     data = _snapshot()
-    fd = os.open(filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
+    # torch's plain open(): the file is 0666 less the umask, like any file the user writes
+    with open(filename, "wb") as f:
         pickle.dump(data, f)
 
 

@@ -9,7 +9,9 @@ until its front block is split off, and empty_cache records its own stack.
 import inspect
 import io
 import json
+import os
 import pickle
+import stat
 import sys
 import threading
 
@@ -500,3 +502,25 @@ def test_expandable_segments_record_segment_map_and_unmap(hist):
     # entries carry the requested size, as torch's; the 32 MiB block needs two 20 MiB pages
     assert acts == [("segment_map", 40 * MiB), ("alloc", 30 * MiB), ("free_requested", 30 * MiB),
                     ("free_completed", 30 * MiB), ("segment_unmap", 40 * MiB)]
+
+
+def test_dump_snapshot_file_mode_follows_umask(hist, tmp_path):
+    """torch writes with open(filename, "wb"): mode 0666 less the umask, not a private 0600."""
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "mode.pickle"
+        memory._dump_snapshot(str(path))
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        os.umask(0o002)
+        path2 = tmp_path / "mode2.pickle"
+        memory._dump_snapshot(str(path2))
+        assert stat.S_IMODE(path2.stat().st_mode) == 0o664
+    finally:
+        os.umask(old)
+
+
+def test_dump_snapshot_truncates_an_existing_file(hist, tmp_path):
+    path = tmp_path / "old.pickle"
+    path.write_bytes(b"x" * (1 << 20))
+    memory._dump_snapshot(str(path))
+    assert _NoGlobals(io.BytesIO(path.read_bytes())).load().keys() >= {"segments", "device_traces"}
