@@ -570,7 +570,9 @@ _record_memory_history.__signature__ = inspect.signature(_record_memory_history_
 
 def _snapshot(device=None):
     """torch's snapshot dict: ``{"segments": [...], "device_traces": [[entries of device d] for d],
-    "allocator_settings": {...}}`` (``device`` is ignored: every device is included).
+    "allocator_settings": {...}, "external_annotations": []}`` (``device`` is ignored: every device is
+    included).  ``external_annotations`` is torch >= 2.6's list of record_function annotations; npualloc
+    records none, so it is empty.
 
     Segments and blocks always carry ``frames`` (the Python stack where the segment / the live
     block was allocated, or [] when not recorded); a trace entry carries ``frames`` only when its

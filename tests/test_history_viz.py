@@ -102,6 +102,20 @@ def test_torch_reads_the_snapshot(dumped):
     assert "TOTAL MEM" in text
 
 
+def test_snapshot_has_torch_2_6_keys_and_torch_reads_it(dumped):
+    """torch >= 2.6 snapshots carry "external_annotations" (a list of record_function annotations,
+    which the memory_viz page reads); npualloc records none, so the list is empty."""
+    path, _ = dumped
+    data = _no_globals_load(path.read_bytes())
+    assert set(data) == {"segments", "device_traces", "allocator_settings", "external_annotations"}
+    assert data["external_annotations"] == []
+    html = viz.trace_plot(data)  # the page gets the key with the rest of the snapshot
+    files = json.loads(re.search(r"const local_files = (\[.*\])", html).group(1))
+    embedded = _no_globals_load(base64.b64decode(files[0]["base64"]).rstrip(b"\0"))
+    assert embedded["external_annotations"] == []
+    assert "TOTAL MEM" in viz.trace(data) and viz.segsum(data)
+
+
 @pytest.mark.parametrize("plot", ["trace_plot", "segment_plot"])
 def test_torch_plots_embed_the_snapshot(dumped, plot):
     path, _ = dumped

@@ -1518,7 +1518,7 @@ static PyObject *settings_dict(void)
         s.multi_stream_lazy_reclaim ? Py_True : Py_False, "roundup_power2_divisions", divs);
 }
 
-/* _snapshot() -> {"segments", "device_traces", "allocator_settings"}. */
+/* _snapshot() -> {"segments", "device_traces", "allocator_settings", "external_annotations"}. */
 static PyObject *m_snapshot(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -1566,8 +1566,10 @@ static PyObject *m_snapshot(PyObject *self, PyObject *unused)
         }
         Py_DECREF(e);
     }
-    result = Py_BuildValue("{s:O,s:O,s:O}", "segments", segments, "device_traces", traces, "allocator_settings",
-                           settings);
+    /* torch >= 2.6 lists its record_function annotations here; npualloc records none, but readers of
+     * the snapshot (the memory_viz page) expect the key. */
+    result = Py_BuildValue("{s:O,s:O,s:O,s:[]}", "segments", segments, "device_traces", traces,
+                           "allocator_settings", settings, "external_annotations");
 done:
     decoder_free(&dec);
     Py_XDECREF(segments);
