@@ -326,6 +326,8 @@ void expandable_release_all(device_cache *dc, bool return_memory);
 
 /* ---- shared state (caching_api.c) ---- */
 extern alloc_settings cache_settings;
+/* The public view of a settings instance (the live allocator's or a replay session's). */
+void cache_settings_export(const alloc_settings *s, npualloc_allocator_settings *out);
 device_cache *cache_device(int32_t device); /* started, or NULL for an invalid device */
 
 /* ---- the algorithm (caching.c) ---- */

@@ -377,19 +377,8 @@ static device_cache *cache_of_ptr(const void *ptr)
     return &caches[dev];
 }
 
-aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
+void cache_settings_export(const alloc_settings *s, npualloc_allocator_settings *out)
 {
-    if (!out)
-        return ACL_ERROR_INVALID_PARAM;
-    if (runtime_ensure_init() != ACL_SUCCESS) {
-        cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
-        return ACL_ERROR_UNINITIALIZE;
-    }
-    if (!lock_settings())
-        return ACL_ERROR_INVALID_PARAM;
-    /* Settings change with every device lock held: holding one is enough to read them. */
-    cache_lock_acquire(&caches[0].lock);
-    const alloc_settings *s = &cache_settings;
     out->max_split_size = s->max_split_size;
     out->max_non_split_rounding_size = s->max_non_split_rounding_size;
     out->garbage_collection_threshold = s->garbage_collection_threshold;
@@ -402,6 +391,21 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
     out->release_lock_on_npumalloc = s->release_lock_on_npumalloc;
     out->throw_on_npumalloc_oom = s->throw_on_npumalloc_oom;
     out->multi_stream_lazy_reclaim = s->multi_stream_lazy_reclaim;
+}
+
+aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
+{
+    if (!out)
+        return ACL_ERROR_INVALID_PARAM;
+    if (runtime_ensure_init() != ACL_SUCCESS) {
+        cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
+        return ACL_ERROR_UNINITIALIZE;
+    }
+    if (!lock_settings())
+        return ACL_ERROR_INVALID_PARAM;
+    /* Settings change with every device lock held: holding one is enough to read them. */
+    cache_lock_acquire(&caches[0].lock);
+    cache_settings_export(&cache_settings, out);
     cache_lock_release(&caches[0].lock);
     pthread_mutex_unlock(&api_lock);
     return ACL_SUCCESS;

@@ -624,6 +624,15 @@ const char *npualloc_replay_warning(npualloc_replay *r, size_t i)
     return r && i < (size_t)r->warning_count ? r->warnings[i] : NULL;
 }
 
+npualloc_replay_status npualloc_replay_get_settings(npualloc_replay *r, npualloc_allocator_settings *out)
+{
+    if (!r || !out)
+        return NPUALLOC_REPLAY_INVALID;
+    /* Fixed at creation: no lock needed. */
+    cache_settings_export(&r->settings, out);
+    return NPUALLOC_REPLAY_OK;
+}
+
 aclError npualloc_replay_check(npualloc_replay *r, char *why, size_t len)
 {
     if (!r || (!why && len)) /* a message of len bytes would be written through why */

@@ -308,19 +308,9 @@ def transformer_trace(size="default", seed=0, conf="", device_memory=80 << 30, *
     return {
         "segments": [_segment_dict(s, live_names) for s in segments],
         "device_traces": [entries],
-        "allocator_settings": _allocator_settings(conf),
+        "allocator_settings": session.allocator_settings(),  # what a snapshot under conf reports
         "external_annotations": [],
         "npualloc_workload": {"model": "transformer training loop", "size": size, **cfg.to_dict(),
                               "events": n, "recorded_events": n - start},
     }
 
-
-def _allocator_settings(conf):
-    return {
-        "PYTORCH_NPU_ALLOC_CONF": conf or "",
-        "max_split_size": -1,
-        "garbage_collection_threshold": 0.0,
-        "expandable_segments": False,
-        "release_lock_on_npumalloc": False,
-        "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)},
-    }

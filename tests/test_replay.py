@@ -349,6 +349,27 @@ def test_reconstruction_makes_a_mid_run_recording_complete():
     assert r.live_allocations == live_end
 
 
+def test_generated_trace_reports_the_settings_it_was_recorded_under(restart, monkeypatch):
+    """workload.transformer_trace's allocator_settings are what _snapshot() reports for the same text,
+    as torch's snapshot would be: not the defaults whatever conf says."""
+    from npualloc import memory
+
+    got = workload.transformer_trace("tiny", conf="expandable_segments:True")["allocator_settings"]
+    assert got["expandable_segments"] is True and got["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    conf = "max_split_size_mb:40,garbage_collection_threshold:0.6,roundup_power2_divisions:4"
+    got = workload.transformer_trace("tiny", conf=conf)["allocator_settings"]
+    assert got["expandable_segments"] is False
+    assert got["max_split_size"] == 40 << 20 and got["garbage_collection_threshold"] == 0.6
+    assert set(got["roundup_power2_divisions"].values()) == {4}
+    assert got["PYTORCH_NPU_ALLOC_CONF"] == conf
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", conf)
+    restart()
+    assert got == memory._snapshot()["allocator_settings"]  # the live allocator's keys and values
+    default = workload.transformer_trace("tiny")["allocator_settings"]
+    assert default["expandable_segments"] is False and default["max_split_size"] == -1
+    assert default["PYTORCH_NPU_ALLOC_CONF"] == ""
+
+
 # ---- round trips ----
 
 def test_pickle_round_trip(tmp_path):

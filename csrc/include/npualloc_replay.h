@@ -168,6 +168,10 @@ const char *npualloc_replay_warning(npualloc_replay *r, size_t i);
  * npualloc_cache_snapshot (device 0; no contexts).  Free with npualloc_snapshot_free. */
 npualloc_replay_status npualloc_replay_snapshot(npualloc_replay *r, npualloc_snapshot **out);
 
+/* The settings the session replays under (parsed from cfg.settings), as npualloc_cache_get_settings
+ * reports the live allocator's. */
+npualloc_replay_status npualloc_replay_get_settings(npualloc_replay *r, npualloc_allocator_settings *out);
+
 /* Checks the allocator's invariants (npualloc_cache_check); ACL_SUCCESS or the first violation,
  * described in why (len bytes; why may be NULL only with len 0). */
 aclError npualloc_replay_check(npualloc_replay *r, char *why, size_t len);

@@ -1486,6 +1486,31 @@ static PyObject *trace_dict(frame_decoder *d, const npualloc_trace_info *t)
     return e;
 }
 
+PyObject *allocator_settings_dict(const npualloc_allocator_settings *s, const char *text)
+{
+    PyObject *divs = PyDict_New();
+    if (!divs)
+        return NULL;
+    for (int i = 0; i < 16; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "%d", 1 << i);
+        if (put_i64(divs, key, (int64_t)s->roundup_power2_divisions[i]) < 0) {
+            Py_DECREF(divs);
+            return NULL;
+        }
+    }
+    return Py_BuildValue(
+        "{s:s,s:L,s:L,s:d,s:O,s:L,s:L,s:O,s:O,s:O,s:O,s:N}", "PYTORCH_NPU_ALLOC_CONF", text ? text : "",
+        "max_split_size", s->max_split_size == SIZE_MAX ? -1LL : (long long)s->max_split_size,
+        "max_non_split_rounding_size", (long long)s->max_non_split_rounding_size, "garbage_collection_threshold",
+        s->garbage_collection_threshold, "expandable_segments", s->expandable_segments ? Py_True : Py_False,
+        "large_segment_size", (long long)s->large_segment_size, "base_addr_aligned_size",
+        (long long)s->base_addr_aligned_size, "page_size_1g", s->page_size_1g ? Py_True : Py_False,
+        "release_lock_on_npumalloc", s->release_lock_on_npumalloc ? Py_True : Py_False, "throw_on_npumalloc_oom",
+        s->throw_on_npumalloc_oom ? Py_True : Py_False, "multi_stream_lazy_reclaim",
+        s->multi_stream_lazy_reclaim ? Py_True : Py_False, "roundup_power2_divisions", divs);
+}
+
 /* The settings in effect, read under a device lock (settings change with every device lock held). */
 static PyObject *settings_dict(void)
 {
@@ -1494,28 +1519,7 @@ static PyObject *settings_dict(void)
     LOCKING_CALL(rc = npualloc_cache_get_settings(&s));
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
-    PyObject *divs = PyDict_New();
-    if (!divs)
-        return NULL;
-    for (int i = 0; i < 16; i++) {
-        char key[16];
-        snprintf(key, sizeof key, "%d", 1 << i);
-        if (put_i64(divs, key, (int64_t)s.roundup_power2_divisions[i]) < 0) {
-            Py_DECREF(divs);
-            return NULL;
-        }
-    }
-    const char *text = npualloc_cache_settings_text();
-    return Py_BuildValue(
-        "{s:s,s:L,s:L,s:d,s:O,s:L,s:L,s:O,s:O,s:O,s:O,s:N}", "PYTORCH_NPU_ALLOC_CONF", text ? text : "",
-        "max_split_size", s.max_split_size == SIZE_MAX ? -1LL : (long long)s.max_split_size,
-        "max_non_split_rounding_size", (long long)s.max_non_split_rounding_size, "garbage_collection_threshold",
-        s.garbage_collection_threshold, "expandable_segments", s.expandable_segments ? Py_True : Py_False,
-        "large_segment_size", (long long)s.large_segment_size, "base_addr_aligned_size",
-        (long long)s.base_addr_aligned_size, "page_size_1g", s.page_size_1g ? Py_True : Py_False,
-        "release_lock_on_npumalloc", s.release_lock_on_npumalloc ? Py_True : Py_False, "throw_on_npumalloc_oom",
-        s.throw_on_npumalloc_oom ? Py_True : Py_False, "multi_stream_lazy_reclaim",
-        s.multi_stream_lazy_reclaim ? Py_True : Py_False, "roundup_power2_divisions", divs);
+    return allocator_settings_dict(&s, npualloc_cache_settings_text());
 }
 
 /* _snapshot() -> {"segments", "device_traces", "allocator_settings", "external_annotations"}. */

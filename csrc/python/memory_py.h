@@ -9,9 +9,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "npualloc.h"
+
 /* Creates the submodule and adds it to `module` as `memory`; also wraps `module.shutdown` so
  * the face notices a restart of the runtime (its streams, events and buffers go stale).
  * Returns 0, or -1 with an exception set. */
 int memory_py_attach(PyObject *module);
+
+/* _snapshot()'s "allocator_settings" dict for settings s and their text (NULL: ""); NULL with an
+ * exception set on failure.  Shared with the replay sessions, whose snapshots carry their own. */
+PyObject *allocator_settings_dict(const npualloc_allocator_settings *s, const char *text);
 
 #endif

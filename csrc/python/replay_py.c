@@ -7,6 +7,7 @@
  *   .feed(action, addr, size, stream, start=0, count=-1) -> bool (False once stopped)
  *   .result() -> dict   .timeline() -> (events, allocated, reserved)   .ooms() -> [dict]
  *   .warnings() -> [str]   .snapshot() -> (segments, traces)   .check() -> None
+ *   .allocator_settings() -> dict (a snapshot's "allocator_settings" for the session's settings)
  *
  * Events come as buffers (array('B') / array('Q'), numpy arrays, bytes): `action` of 1-byte
  * items, the others of 8-byte items, all of one length.  feed releases the GIL, so sessions
@@ -16,12 +17,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "memory_py.h"
 #include "npualloc_replay.h"
 #include "replay_py.h"
 
 typedef struct {
     PyObject_HEAD
     npualloc_replay *r;
+    PyObject *settings_text; /* str: the settings the session was created with, for allocator_settings() */
 } SessionObject;
 
 static PyObject *Unavailable; /* NotImplementedError subclass: a setting this build lacks */
@@ -58,6 +61,12 @@ static int Session_init(SessionObject *self, PyObject *args, PyObject *kwargs)
     npualloc_replay_status st = npualloc_replay_create(&cfg, &self->r, err, sizeof err);
     switch (st) {
     case NPUALLOC_REPLAY_OK:
+        self->settings_text = PyUnicode_FromString(settings ? settings : "");
+        if (!self->settings_text) {
+            npualloc_replay_destroy(self->r);
+            self->r = NULL;
+            return -1;
+        }
         return 0;
     case NPUALLOC_REPLAY_BAD_SETTINGS:
     case NPUALLOC_REPLAY_BAD_CONFIG:
@@ -78,6 +87,7 @@ static int Session_init(SessionObject *self, PyObject *args, PyObject *kwargs)
 static void Session_dealloc(SessionObject *self)
 {
     npualloc_replay_destroy(self->r);
+    Py_XDECREF(self->settings_text);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -302,6 +312,21 @@ out:
     return ret;
 }
 
+/* allocator_settings() -> the "allocator_settings" dict of a snapshot recorded under the session's
+ * settings (the same keys as the live _snapshot()'s). */
+static PyObject *Session_allocator_settings(SessionObject *self, PyObject *unused)
+{
+    (void)unused;
+    if (!session_ready(self))
+        return NULL;
+    const char *text = PyUnicode_AsUTF8(self->settings_text);
+    if (!text)
+        return NULL;
+    npualloc_allocator_settings s;
+    npualloc_replay_get_settings(self->r, &s);
+    return allocator_settings_dict(&s, text);
+}
+
 static PyObject *Session_check(SessionObject *self, PyObject *unused)
 {
     (void)unused;
@@ -323,6 +348,8 @@ static PyMethodDef Session_methods[] = {
     {"ooms", (PyCFunction)Session_ooms, METH_NOARGS, "ooms() -> [dict(event, size, stream, message)]"},
     {"warnings", (PyCFunction)Session_warnings, METH_NOARGS, "warnings() -> the settings parser's warnings"},
     {"snapshot", (PyCFunction)Session_snapshot, METH_NOARGS, "snapshot() -> (segments, traces) as tuples"},
+    {"allocator_settings", (PyCFunction)Session_allocator_settings, METH_NOARGS,
+     "allocator_settings() -> the settings replayed under, as a snapshot's allocator_settings dict"},
     {"check", (PyCFunction)Session_check, METH_NOARGS, "check(): raises AssertionError if an invariant is broken"},
     {NULL, NULL, 0, NULL},
 };

@@ -514,6 +514,25 @@ static void test_bad_settings_and_config_are_reported(void **state)
     npualloc_replay_destroy(r);
 }
 
+static void test_a_session_reports_its_own_settings(void **state)
+{
+    (void)state;
+    npualloc_allocator_settings s;
+    npualloc_replay *r = session("max_split_size_mb:40,garbage_collection_threshold:0.5", GiB_, 32, false);
+    assert_int_equal(npualloc_replay_get_settings(r, &s), NPUALLOC_REPLAY_OK);
+    assert_int_equal(s.max_split_size, 40 * MiB_);
+    assert_true(s.garbage_collection_threshold == 0.5);
+    assert_false(s.expandable_segments);
+    npualloc_replay_destroy(r);
+    r = session("expandable_segments:True", GiB_, 32, false);
+    assert_int_equal(npualloc_replay_get_settings(r, &s), NPUALLOC_REPLAY_OK);
+    assert_true(s.expandable_segments);
+    assert_int_equal(npualloc_replay_get_settings(r, NULL), NPUALLOC_REPLAY_INVALID);
+    assert_int_equal(npualloc_replay_get_settings(NULL, &s), NPUALLOC_REPLAY_INVALID);
+    assert_true(s.max_split_size == SIZE_MAX);
+    npualloc_replay_destroy(r);
+}
+
 static void test_memory_fraction_limits_the_session(void **state)
 {
     (void)state;
@@ -831,6 +850,7 @@ int main(void)
         cmocka_unit_test(test_chunked_feeding_matches_one_feed),
         cmocka_unit_test(test_timeline_stays_within_its_points),
         cmocka_unit_test(test_bad_settings_and_config_are_reported),
+        cmocka_unit_test(test_a_session_reports_its_own_settings),
         cmocka_unit_test(test_memory_fraction_limits_the_session),
         cmocka_unit_test(test_page_size_1g_uses_the_pool_then_falls_back),
         cmocka_unit_test(test_expandable_page_table_is_bounded),
