@@ -179,6 +179,8 @@ const void *npualloc_context_data(const npualloc_context *c, size_t *len)
 void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, size_t size, uint64_t stream,
                        npualloc_context *fallback)
 {
+    if (dc->history_skip & NPUALLOC_TRACE_SKIP(action))
+        return;
     npualloc_context *ctx = dc->current_ctx ? dc->current_ctx : fallback;
     if (dc->record_context < NPUALLOC_RECORD_ALLOC)
         ctx = NULL;

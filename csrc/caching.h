@@ -235,6 +235,7 @@ typedef struct device_cache {
     /* memory history */
     npualloc_context *current_ctx; /* the context of the API call holding the lock */
     npualloc_record_context record_context;
+    uint32_t history_skip;   /* NPUALLOC_TRACE_SKIP bits: actions not recorded */
     size_t history_max;      /* the ring's limit (max_entries); 0 while the history is off */
     trace_entry *history;    /* grows on demand up to history_max */
     size_t history_capacity;

@@ -1019,9 +1019,53 @@ static _Atomic npualloc_record_context record_level;
 
 npualloc_record_context npualloc_cache_record_context(void) { return atomic_load(&record_level); }
 
+static void swap_entries(trace_entry *h, size_t i, size_t j)
+{
+    trace_entry t = h[i];
+    h[i] = h[j];
+    h[j] = t;
+}
+
+static void reverse_entries(trace_entry *h, size_t from, size_t to)
+{
+    while (from + 1 < to)
+        swap_entries(h, from++, --to);
+}
+
+/* Keeps the newest `keep` entries of the ring, oldest first from index 0 (in place: nothing to
+ * fail); the capacity becomes the count, so cache_history_add grows it again up to the new limit. */
+static void history_keep_newest(device_cache *dc, size_t keep)
+{
+    trace_entry *h = dc->history;
+    size_t n = dc->history_count;
+    /* Rotate the oldest entry (at history_next once the ring wrapped) to the front. */
+    reverse_entries(h, 0, dc->history_next);
+    reverse_entries(h, dc->history_next, n);
+    reverse_entries(h, 0, n);
+    size_t drop = n > keep ? n - keep : 0;
+    for (size_t i = 0; i < drop; i++)
+        npualloc_context_release(h[i].ctx);
+    if (drop)
+        memmove(h, h + drop, (n - drop) * sizeof *h);
+    dc->history_count = dc->history_capacity = n - drop;
+    dc->history_next = 0;
+    if (dc->history_count == 0) {
+        free(h);
+        dc->history = NULL;
+    }
+}
+
 aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries)
 {
-    if ((unsigned)when > NPUALLOC_RECORD_ALL)
+    const npualloc_history_options opts = {.clear_history = true, .skip_actions = 0};
+    return npualloc_cache_record_history_opts(enabled, when, max_entries, &opts);
+}
+
+aclError npualloc_cache_record_history_opts(bool enabled, npualloc_record_context when, size_t max_entries,
+                                            const npualloc_history_options *opts)
+{
+    if ((unsigned)when > NPUALLOC_RECORD_ALL || !opts ||
+        (opts->skip_actions & ~(NPUALLOC_TRACE_SKIP(TRACE_ACTION_COUNT) - 1u)) != 0)
         return ACL_ERROR_INVALID_PARAM;
     npualloc_record_context level = enabled ? when : NPUALLOC_RECORD_NEVER;
     atomic_store(&record_level, level);
@@ -1033,14 +1077,10 @@ aclError npualloc_cache_record_history(bool enabled, npualloc_record_context whe
         if (!dc)
             return ACL_ERROR_INVALID_PARAM;
         cache_lock_acquire(&dc->lock);
-        for (size_t i = 0; i < dc->history_count; i++)
-            npualloc_context_release(dc->history[i].ctx);
-        free(dc->history);
-        dc->history = NULL;
+        history_keep_newest(dc, enabled && !opts->clear_history ? max_entries : 0);
         dc->record_context = level;
-        dc->history_capacity = 0;
+        dc->history_skip = opts->skip_actions;
         dc->history_max = enabled ? max_entries : 0; /* at least 1 when enabled */
-        dc->history_count = dc->history_next = 0;
         cache_lock_release(&dc->lock);
     }
     return ACL_SUCCESS;

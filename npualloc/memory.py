@@ -489,6 +489,35 @@ def _check_bool(fn, name, value):
         raise TypeError(f"{fn}(): argument '{name}' must be bool, not {type(value).__name__}")
 
 
+# The actions of trace entries, in the order of npualloc_trace_action (skip_actions' bits).
+_TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                  "segment_unmap", "snapshot", "oom")
+
+
+def _check_skip_actions(fn, skip_actions):
+    """The skip_actions list's type (torch's binding takes a list of str); None is []."""
+    if skip_actions is None:
+        return []
+    if not isinstance(skip_actions, (list, tuple)):
+        raise TypeError(f"{fn}(): argument 'skip_actions' must be a list of str or None, "
+                        f"not {type(skip_actions).__name__}")
+    for action in skip_actions:
+        if not isinstance(action, str):
+            raise TypeError(f"{fn}(): argument 'skip_actions' must be a list of str, "
+                            f"not a list holding {type(action).__name__}")
+    return skip_actions
+
+
+def _skip_mask(skip_actions):
+    """The NPUALLOC_TRACE_SKIP bits of valid action names; torch's error for any other."""
+    mask = 0
+    for action in skip_actions:
+        if action not in _TRACE_ACTIONS:
+            raise RuntimeError(f"Unknown TraceEntry action: {action}")
+        mask |= 1 << _TRACE_ACTIONS.index(action)
+    return mask
+
+
 def _record_memory_history(enabled="all", *args, **kwargs):
     """Starts or stops recording the caching allocator's history on every device (torch's
     ``torch.cuda.memory._record_memory_history``).
@@ -506,26 +535,42 @@ def _record_memory_history(enabled="all", *args, **kwargs):
     ``{"name", "filename", "line"}``; there are no C++ frames to add, so ``"all"`` records the
     same as ``"python"``.
 
-    ``device`` is accepted and ignored (the history covers every device, as in torch_npu).
-    ``clear_history`` is accepted for torch compatibility: every call starts from an empty
-    history, as torch_npu does.  A bool first argument selects torch's legacy form
-    ``(enabled, record_context=True, trace_alloc_max_entries=1, trace_alloc_record_context=False,
-    device=None, record_context_cpp=False, clear_history=False)``.
+    ``clear_history``: as torch >= 2.3, a call that enables recording keeps what was recorded so
+    far (trimmed to the newest ``max_entries``) unless this is True; ``enabled=None`` always
+    clears.  torch_npu instead starts every call from an empty history.
+
+    ``skip_actions``: trace actions (names as above) that are not recorded from now on; None or []
+    records all.  An unknown name raises torch's ``RuntimeError: Unknown TraceEntry action: <name>``.
+
+    ``compile_context`` and ``global_record_annotations`` are accepted (bools) and change nothing:
+    nothing here runs torch.compile'd regions or record_function annotations, so entries carry no
+    compile context and the snapshot's ``external_annotations`` stays empty.  ``device`` is accepted
+    and ignored (the history covers every device, as in torch_npu).  Any other keyword is a
+    TypeError, as in torch.
+
+    A bool first argument selects torch's legacy form ``(enabled, record_context=True,
+    trace_alloc_max_entries=1, trace_alloc_record_context=False, device=None,
+    record_context_cpp=False, clear_history=False, compile_context=False,
+    global_record_annotations=False, skip_actions=None)``.
     """
     if isinstance(enabled, bool):
         return _record_memory_history_legacy(enabled, *args, **kwargs)
     return _record_memory_history_impl(enabled, *args, **kwargs)
 
 
-def _record_memory_history_impl(enabled="all", context="all", stacks="python", max_entries=sys.maxsize,
-                                device=None, clear_history=False):
+def _record_memory_history_impl(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                                device=None, clear_history=False, compile_context=False,
+                                global_record_annotations=False, skip_actions=None):
     fn = "_record_memory_history"
     _check_str(fn, "enabled", enabled)
     _check_str(fn, "context", context)
     if not isinstance(stacks, str):
         raise TypeError(f"{fn}(): argument 'stacks' must be str, not {type(stacks).__name__}")
     _check_int(fn, "max_entries", max_entries)
-    _check_bool(fn, "clear_history", clear_history)
+    for name, value in (("clear_history", clear_history), ("compile_context", compile_context),
+                        ("global_record_annotations", global_record_annotations)):
+        _check_bool(fn, name, value)
+    skip_actions = _check_skip_actions(fn, skip_actions)
     if max_entries < 0:
         raise TypeError(f"{fn}(): argument 'max_entries' must be a non-negative int, got {max_entries}")
     if not (enabled is None or enabled in ("state", "all")):
@@ -534,23 +579,28 @@ def _record_memory_history_impl(enabled="all", context="all", stacks="python", m
         raise RuntimeError("expected context to be 'state', 'alloc', 'all', or None" + _pta_error("NOT_FOUND"))
     if stacks not in ("python", "all"):
         raise RuntimeError("expected stacks to be 'python', or 'all'" + _pta_error("NOT_FOUND"))
+    skip = _skip_mask(skip_actions)
     current_device()  # torch_npu's _lazy_init()
     entries = max(1, max_entries) if enabled == "all" else 1
     when = _CONTEXT_LEVELS[context] if enabled is not None else 0
     if _unsupported_by_pluggable("recordHistory"):
         return
-    _M._record_history(enabled is not None, when, min(entries, _MAX_ENTRIES))
+    _M._record_history(enabled is not None, when, min(entries, _MAX_ENTRIES), clear_history, skip)
 
 
 def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_entries=1,
                                   trace_alloc_record_context=False, device=None, record_context_cpp=False,
-                                  clear_history=False):
+                                  clear_history=False, compile_context=False, global_record_annotations=False,
+                                  skip_actions=None):
     fn = "_record_memory_history"
     for name, value in (("enabled", enabled), ("record_context", record_context),
                         ("trace_alloc_record_context", trace_alloc_record_context),
-                        ("record_context_cpp", record_context_cpp), ("clear_history", clear_history)):
+                        ("record_context_cpp", record_context_cpp), ("clear_history", clear_history),
+                        ("compile_context", compile_context),
+                        ("global_record_annotations", global_record_annotations)):
         _check_bool(fn, name, value)
     _check_int(fn, "trace_alloc_max_entries", trace_alloc_max_entries)
+    skip = _skip_mask(_check_skip_actions(fn, skip_actions))
     if trace_alloc_record_context:
         when = _CONTEXT_LEVELS["alloc"]
     elif record_context:
@@ -562,7 +612,7 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
     entries = max(1, trace_alloc_max_entries) if trace_alloc_max_entries >= 0 else _MAX_ENTRIES
     if _unsupported_by_pluggable("recordHistory"):
         return
-    _M._record_history(enabled, when if enabled else 0, min(entries, _MAX_ENTRIES))
+    _M._record_history(enabled, when if enabled else 0, min(entries, _MAX_ENTRIES), clear_history, skip)
 
 
 _record_memory_history.__signature__ = inspect.signature(_record_memory_history_impl)

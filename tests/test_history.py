@@ -412,7 +412,105 @@ def test_argument_errors(hist):
         with pytest.raises(TypeError):
             memory._record_memory_history(**kwargs)
     assert list(inspect.signature(memory._record_memory_history).parameters) == [
-        "enabled", "context", "stacks", "max_entries", "device", "clear_history"]
+        "enabled", "context", "stacks", "max_entries", "device", "clear_history", "compile_context",
+        "global_record_annotations", "skip_actions"]
+
+
+def test_newer_keywords_are_checked_as_torch_checks_them(hist):
+    for kwargs in (dict(clear_history=1), dict(compile_context="yes"), dict(global_record_annotations=None),
+                   dict(skip_actions="alloc"), dict(skip_actions=[1]), dict(skip_actions={"alloc"}),
+                   dict(record_pinned_host_memory=True), dict(record_cuda=True)):
+        with pytest.raises(TypeError):
+            memory._record_memory_history(**kwargs)
+        with pytest.raises(TypeError):
+            memory._record_memory_history(True, **kwargs)
+    for form in ((), (True,)):
+        with pytest.raises(RuntimeError, match=r"^Unknown TraceEntry action: free$"):
+            memory._record_memory_history(*form, skip_actions=["alloc", "free"])
+    # the option checks come first, as in torch's binding
+    with pytest.raises(RuntimeError, match=r"^expected state to be"):
+        memory._record_memory_history("yes", skip_actions=["free"])
+    # a rejected call changes nothing
+    assert memory._snapshot()["device_traces"] == [[], []]
+    p = alloc(100)
+    assert memory._snapshot()["device_traces"] == [[], []]
+    free(p)
+
+
+def test_skip_actions_are_not_recorded(hist):
+    memory._record_memory_history(skip_actions=["free_requested", "segment_alloc", "snapshot"])
+    p = alloc(100)
+    free(p)
+    memory._snapshot()
+    assert [e["action"] for e in entries(memory._snapshot())] == ["alloc", "free_completed"]
+    # each call sets the list anew: none skipped now (the history so far is kept)
+    memory._record_memory_history(skip_actions=None)
+    p = alloc(100)
+    assert [e["action"] for e in entries(memory._snapshot())] == ["alloc", "free_completed", "alloc"]
+    memory._record_memory_history(True, trace_alloc_max_entries=100, skip_actions=["alloc"])  # legacy form
+    free(p)
+    alloc_again = alloc(100)
+    assert [e["action"] for e in entries(memory._snapshot())][-3:] == ["snapshot", "free_requested",
+                                                                       "free_completed"]
+    free(alloc_again)
+
+
+def test_history_is_kept_unless_cleared(hist):
+    memory._record_memory_history()
+    p = alloc(100)
+    memory._record_memory_history(context=None)  # as torch >= 2.3: changing options keeps the history
+    q = alloc(200)
+    assert [(e["action"], e["size"]) for e in entries(memory._snapshot())] == [
+        ("segment_alloc", 2 * MiB), ("alloc", 100), ("alloc", 200)]
+    memory._record_memory_history(max_entries=2)  # a smaller ring keeps the newest entries
+    assert [(e["action"], e["size"]) for e in entries(memory._snapshot())] == [("alloc", 200), ("snapshot", 1024)]
+    free(p)
+    assert [e["action"] for e in entries(memory._snapshot())] == ["free_requested", "free_completed"]
+    memory._record_memory_history(clear_history=True)
+    assert entries(memory._snapshot()) == []
+    free(q)
+    memory._record_memory_history(True, trace_alloc_max_entries=10, clear_history=True)  # legacy form too
+    assert entries(memory._snapshot()) == []
+    memory._record_memory_history(None)
+    memory._record_memory_history()  # stopping cleared it
+    assert entries(memory._snapshot()) == []
+
+
+def test_history_kept_across_a_wrapped_ring_stays_in_order(hist):
+    memory._record_memory_history(max_entries=5)
+    ptrs = [alloc(1000 + 512 * i) for i in range(7)]  # segment_alloc and 7 allocs wrap the ring of 5
+    memory._record_memory_history(max_entries=3)
+    assert [(e["action"], e["size"]) for e in entries(memory._snapshot())] == [
+        ("alloc", 1000 + 512 * 4), ("alloc", 1000 + 512 * 5), ("alloc", 1000 + 512 * 6)]
+    active = memory.memory_stats()["active_bytes.all.current"]  # the snapshot entry's size
+    memory._record_memory_history(max_entries=10)
+    for p in ptrs[:2]:
+        free(p)
+    assert [(e["action"], e["size"]) for e in entries(memory._snapshot())] == [
+        ("alloc", 1000 + 512 * 5), ("alloc", 1000 + 512 * 6), ("snapshot", active),
+        ("free_requested", 1000), ("free_completed", 1000), ("free_requested", 1512), ("free_completed", 1512)]
+    for p in ptrs[2:]:
+        free(p)
+
+
+def test_compile_context_and_global_annotations_are_accepted(hist):
+    """Nothing here compiles regions or records annotations: the flags record the same history."""
+    memory._record_memory_history(compile_context=True, global_record_annotations=True)
+    p = alloc(100)
+    snap = memory._snapshot()
+    assert [e["action"] for e in entries(snap)] == ["segment_alloc", "alloc"]
+    assert snap["external_annotations"] == []
+    free(p)
+
+
+def test_signature_follows_torch():
+    torch_memory = pytest.importorskip("torch.cuda.memory")
+    ours = inspect.signature(memory._record_memory_history).parameters
+    theirs = inspect.signature(torch_memory._record_memory_history_impl).parameters
+    assert list(ours) == list(theirs)
+    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
+    legacy = inspect.signature(memory._record_memory_history_legacy).parameters
+    assert list(legacy) == list(inspect.signature(torch_memory._record_memory_history_legacy).parameters)
 
 
 def test_legacy_bool_form(hist):
@@ -426,8 +524,10 @@ def test_legacy_bool_form(hist):
     assert [("frames" in e, e["action"]) for e in entries(snap)] == [(False, "alloc")]
     memory._record_memory_history(True, trace_alloc_max_entries=10, trace_alloc_record_context=True)  # ALLOC
     q = a()
-    assert [("frames" in e, e["action"]) for e in entries(memory._snapshot())] == [(True, "alloc")]
-    memory._record_memory_history(True, record_context=False, trace_alloc_max_entries=10)  # NEVER
+    assert [("frames" in e, e["action"]) for e in entries(memory._snapshot())] == [
+        (False, "snapshot"), (True, "alloc")]  # the ring of 1 so far is kept, as torch >= 2.3
+    memory._record_memory_history(True, record_context=False, trace_alloc_max_entries=10,
+                                  clear_history=True)  # NEVER
     r = a()
     snap = memory._snapshot()
     assert block_at(snap, r)[1]["frames"] == [] and [e["action"] for e in entries(snap)] == ["alloc"]

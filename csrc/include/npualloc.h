@@ -271,6 +271,21 @@ void npualloc_snapshot_free(npualloc_snapshot *snap);
  * when `when` is not a npualloc_record_context. */
 aclError npualloc_cache_record_history(bool enabled, npualloc_record_context when, size_t max_entries);
 
+/* torch's newer recordHistory options. */
+typedef struct npualloc_history_options {
+    /* Drop what was recorded so far.  Otherwise an enabling call keeps the history, trimmed to its
+     * newest max_entries entries (torch >= 2.3); stopping always clears it. */
+    bool clear_history;
+    /* Actions left out of the history from now on: NPUALLOC_TRACE_SKIP(action) bits. */
+    uint32_t skip_actions;
+} npualloc_history_options;
+#define NPUALLOC_TRACE_SKIP(action) (1u << (unsigned)(action))
+/* npualloc_cache_record_history with options (npualloc_cache_record_history is this with
+ * clear_history and no skipped action).  ACL_ERROR_INVALID_PARAM also when opts is NULL or
+ * skip_actions has a bit that is no npualloc_trace_action. */
+aclError npualloc_cache_record_history_opts(bool enabled, npualloc_record_context when, size_t max_entries,
+                                            const npualloc_history_options *opts);
+
 /* ---- private memory pools (torch's MemPool / graph_pool_handle) ---- */
 typedef struct npualloc_mempool_id {
     uint64_t first, second; /* (0, 0) is the default pool */

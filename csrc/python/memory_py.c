@@ -1583,27 +1583,37 @@ done:
     return result;
 }
 
-/* _record_history(enabled, when, max_entries): when is a npualloc_record_context (0..3). */
+/* _record_history(enabled, when, max_entries, clear_history, skip_actions): when is a
+ * npualloc_record_context (0..3), skip_actions NPUALLOC_TRACE_SKIP bits. */
 static PyObject *m_record_history(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (!check_nargs("_record_history", nargs, 3))
+    if (!check_nargs("_record_history", nargs, 5))
         return NULL;
     int enabled = PyObject_IsTrue(args[0]);
     if (enabled < 0)
         return NULL;
-    int32_t when;
-    uint64_t n;
-    if (as_i32(args[1], "_record_history", "when", &when) < 0 ||
-        as_u64(args[2], "_record_history", "max_entries", &n) < 0)
+    int clear = PyObject_IsTrue(args[3]);
+    if (clear < 0)
         return NULL;
+    int32_t when;
+    uint64_t n, skip;
+    if (as_i32(args[1], "_record_history", "when", &when) < 0 ||
+        as_u64(args[2], "_record_history", "max_entries", &n) < 0 ||
+        as_u64(args[4], "_record_history", "skip_actions", &skip) < 0)
+        return NULL;
+    if (skip > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "_record_history(): invalid skip_actions mask");
+        return NULL;
+    }
     if (when < NPUALLOC_RECORD_NEVER || when > NPUALLOC_RECORD_ALL) {
         PyErr_Format(PyExc_ValueError, "_record_history(): invalid context level %d", (int)when);
         return NULL;
     }
+    const npualloc_history_options opts = {.clear_history = clear != 0, .skip_actions = (uint32_t)skip};
     aclError rc;
-    LOCKING_CALL(rc = npualloc_cache_record_history(enabled, (npualloc_record_context)when, (size_t)n));
-    /* The stacks cached for sharing go with the history (the allocator cleared its own). */
+    LOCKING_CALL(rc = npualloc_cache_record_history_opts(enabled, (npualloc_record_context)when, (size_t)n, &opts));
+    /* Stacks cached for sharing start afresh (entries the history keeps hold their own references). */
     ctx_cache_clear();
     hist_level = rc == ACL_SUCCESS && enabled ? (int)when : NPUALLOC_RECORD_NEVER;
     hist_gen = gen_now();

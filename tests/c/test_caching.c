@@ -756,6 +756,60 @@ static void test_snapshot_reports_segments_blocks_and_history(void **state)
     npualloc_snapshot_free(snap);
 }
 
+static size_t history_actions(npualloc_trace_action *out, size_t cap)
+{
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    size_t n = 0;
+    for (size_t i = 0; i < snap->trace_count; i++)
+        if (snap->traces[i].device == 0 && n < cap)
+            out[n++] = snap->traces[i].action;
+    npualloc_snapshot_free(snap);
+    return n;
+}
+
+static void test_history_options_skip_keep_and_clear(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    npualloc_history_options opts = {
+        .clear_history = false,
+        .skip_actions = NPUALLOC_TRACE_SKIP(NPUALLOC_TRACE_SEGMENT_ALLOC) | NPUALLOC_TRACE_SKIP(NPUALLOC_TRACE_SNAPSHOT)};
+    assert_int_equal(npualloc_cache_record_history_opts(true, NPUALLOC_RECORD_ALL, 100, &opts), ACL_SUCCESS);
+    npualloc_cache_free(alloc(1000));
+    npualloc_trace_action got[16];
+    assert_int_equal(history_actions(got, 16), 3); /* alloc, free_requested, free_completed */
+    assert_int_equal(got[0], NPUALLOC_TRACE_ALLOC);
+    assert_int_equal(got[2], NPUALLOC_TRACE_FREE_COMPLETED);
+    /* Kept across an enabling call, trimmed to its newest entries; skips are set anew. */
+    opts.skip_actions = 0;
+    assert_int_equal(npualloc_cache_record_history_opts(true, NPUALLOC_RECORD_ALL, 2, &opts), ACL_SUCCESS);
+    assert_int_equal(history_actions(got, 16), 2);
+    assert_int_equal(got[0], NPUALLOC_TRACE_FREE_REQUESTED);
+    assert_int_equal(got[1], NPUALLOC_TRACE_FREE_COMPLETED);
+    /* Now the snapshot entry is recorded: the ring of 2 holds free_completed and snapshot. */
+    assert_int_equal(history_actions(got, 16), 2);
+    assert_int_equal(got[0], NPUALLOC_TRACE_FREE_COMPLETED);
+    assert_int_equal(got[1], NPUALLOC_TRACE_SNAPSHOT);
+    /* Bad options change nothing. */
+    opts.skip_actions = NPUALLOC_TRACE_SKIP(NPUALLOC_TRACE_OOM + 1);
+    assert_int_equal(npualloc_cache_record_history_opts(true, NPUALLOC_RECORD_ALL, 2, &opts),
+                     ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_record_history_opts(true, NPUALLOC_RECORD_ALL, 2, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(history_actions(got, 16), 2);
+    assert_int_equal(got[1], NPUALLOC_TRACE_SNAPSHOT);
+    opts.skip_actions = 0;
+    opts.clear_history = true;
+    assert_int_equal(npualloc_cache_record_history_opts(true, NPUALLOC_RECORD_ALL, 100, &opts), ACL_SUCCESS);
+    assert_int_equal(history_actions(got, 16), 0);
+    /* Stopping clears whatever the options say. */
+    npualloc_cache_free(alloc(1000));
+    opts.clear_history = false;
+    assert_int_equal(npualloc_cache_record_history_opts(false, NPUALLOC_RECORD_NEVER, 0, &opts), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_history_opts(true, NPUALLOC_RECORD_ALL, 100, &opts), ACL_SUCCESS);
+    assert_int_equal(history_actions(got, 16), 0);
+}
+
 static void test_history_keeps_contexts_by_level(void **state)
 {
     (void)state;
@@ -991,6 +1045,7 @@ int main(void)
         cmocka_unit_test_teardown(test_invalid_frees_are_rejected, stop_cache),
         cmocka_unit_test_teardown(test_stats_reset, stop_cache),
         cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
+        cmocka_unit_test_teardown(test_history_options_skip_keep_and_clear, stop_cache),
         cmocka_unit_test_teardown(test_history_keeps_contexts_by_level, stop_cache),
         cmocka_unit_test_teardown(test_settings_change_at_run_time, stop_cache),
         cmocka_unit_test_teardown(test_cached_only_allocation_serves_hits_and_leaves_misses, stop_cache),
