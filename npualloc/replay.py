@@ -19,6 +19,10 @@ recorded run; if the replayed allocator drains the device first (its last-resort
 there, as torch's would.  A trace without ``free_completed`` entries frees every block at its request.
 Segments given back outside any allocation (no segment_alloc / segment_map / oom of an allocation follows
 them) were given back by ``empty_cache()``: the replay empties its cache there (``result.empty_caches``).
+The replay has one pool: every allocation goes to the default pool whatever its ``segment_pool_id`` /
+``pool_id``.  A release of private-pool segments only (entries with a ``pool_id`` other than (0, 0), as in
+torch's newest traces) is not taken for an ``empty_cache()``; npualloc's own traces carry no ``pool_id``, so
+there a collected ``MemPool``'s release is.
 An ``oom`` entry (an allocation the recorded run could not make) is tried again, with the same side
 effects (the retry releases cached segments) and freed at once if it succeeds: ``result.recorded_ooms`` /
 ``recorded_ooms_reproduced`` count them; ``result.ooms`` counts only the trace's allocations that failed.
@@ -221,6 +225,18 @@ def _u64_field(entry, key, name, where):
     return v
 
 
+def _in_private_pool(entry, name, where):
+    """Whether the entry says it is of a private pool: torch's newest trace entries carry ``pool_id``,
+    (0, 0) for the default pools; without it, the pool is unknown (False)."""
+    pool = entry.get("pool_id")
+    if pool is None:
+        return False
+    if (not isinstance(pool, (tuple, list)) or len(pool) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in pool)):
+        _bad(name, where, f"'pool_id' must be a pair of ints, not {pool!r:.60}")
+    return tuple(pool) != (0, 0)
+
+
 def _time_us(entry):
     """An entry's time_us, or -1 when it has none that fits an int64."""
     t = entry.get("time_us")
@@ -334,7 +350,10 @@ def _extract_device(name, device, entries, segments):
                 release_at = None  # the releases before it were this allocation's
             else:
                 seg_frees += 1
-                if release_at is None:
+                # a private pool's own release (~MemPool's emptyCache(pool.id)) is no empty_cache(); the
+                # replay has no pools, so it has nothing to release there
+                private = _in_private_pool(e, name, f"device_traces[{device}][{i}]")
+                if release_at is None and not private:
                     release_at = i
         elif act == "oom":
             release_at = None  # the releases before it were this allocation's retry

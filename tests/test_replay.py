@@ -276,6 +276,60 @@ def test_releases_of_an_allocation_are_not_an_empty_cache():
     assert ev.empty_caches == 1 and ev.action[-1] == _C.replay.EMPTY_CACHE and ev.trace_index[-1] == 1
 
 
+def test_a_private_pool_release_is_not_an_empty_cache():
+    """torch's newest trace entries carry pool_id: a release of private-pool segments only (~MemPool's
+    emptyCache(pool.id)) is not an empty_cache(), so the replay keeps the default pool's cached segment."""
+    def pooled(entries, pool):
+        return [dict(e, pool_id=pool) for e in entries]
+
+    ev = pooled([entry("segment_alloc", 0x9000000, 32 * MiB)] + alloc(0x9000000, 30 * MiB)
+                + free(0x9000000, 30 * MiB), (0, 0))
+    ev += pooled([entry("segment_alloc", 0xA000000, 42 * MiB)] + alloc(0xA000000, 40 * MiB)
+                 + free(0xA000000, 40 * MiB) + [entry("segment_free", 0xA000000, 42 * MiB)], (0, 1))
+    ev += pooled(alloc(0x9000000, 30 * MiB), (0, 0))  # the recorded run's cached default segment
+    r = replay.replay(snapshot(ev), device_memory="1GiB")
+    assert r.empty_caches == 0
+    assert r.device_allocs == r.recorded.segment_allocs == 2
+    # the same release of a default-pool segment is one
+    ev[8]["pool_id"] = (0, 0)
+    assert replay.replay(snapshot(ev), device_memory="1GiB").empty_caches == 1
+    # a malformed pool_id is reported
+    ev[8]["pool_id"] = "private"
+    with pytest.raises(replay.TraceError, match=r"pool_id"):
+        replay.replay(snapshot(ev), device_memory="1GiB")
+
+
+def test_npualloc_traces_have_no_pool_id_so_a_pool_release_reads_as_empty_cache(restart):
+    """The limit docs/allocator.md states, with its example: without pool_id in the entries, a collected
+    MemPool's release is replayed as an empty_cache() of the (only) pool."""
+    import gc
+
+    import npualloc
+    from npualloc import memory
+
+    restart()
+    memory._record_memory_history()
+    try:
+        a = memory.caching_allocator_alloc(30 * MiB)
+        memory.caching_allocator_delete(a)  # a cached 30 MiB default segment
+        pool = npualloc.MemPool()
+        with npualloc.use_mem_pool(pool):
+            b = memory.caching_allocator_alloc(40 * MiB)
+        memory.caching_allocator_delete(b)
+        del pool
+        gc.collect()  # ~MemPool: emptyCache(pool.id) gives the pool's segment back
+        c = memory.caching_allocator_alloc(30 * MiB)  # the cached default segment
+        snap = memory._snapshot()
+        live = memory.memory_stats()
+    finally:
+        memory._record_memory_history(None)
+    memory.caching_allocator_delete(c)
+    assert not any("pool_id" in e for e in snap["device_traces"][0])
+    r = replay.replay(snap, device_memory="1GiB")
+    assert r.recorded.segment_allocs == live["num_device_alloc"] == 2
+    assert r.empty_caches == 1 and r.device_allocs == 3
+
+
 # ---- reconstruction of memory alive before recording ----
 
 def test_memory_alive_before_recording_is_reconstructed():
