@@ -271,9 +271,8 @@ static void insert_events(device_cache *dc, cache_block *b)
     b->use_count = b->use_capacity = 0;
     for (uint32_t i = 0; i < n; i++) {
         npu_stream *s;
-        aclError rc = uses[i] == 0 ? stream_acquire_default(dc->device, &s)
-                                   : stream_acquire((aclrtStream)(uintptr_t)uses[i], &s);
-        if (rc != ACL_SUCCESS)
+        /* A stream another thread is destroying still runs its queued work: it is waited for. */
+        if (stream_acquire_for_wait(dc->device, uses[i], &s) != ACL_SUCCESS)
             continue; /* the stream is gone: nothing can still be using the block there */
         pending_event *e = malloc(sizeof *e);
         event_queue *q = queue_for(dc, uses[i]);

@@ -549,6 +549,17 @@ static void stream_free(npu_stream *s)
 /* Takes one more reference; the caller must already hold one. */
 static void stream_retain(npu_stream *s) { atomic_fetch_add_explicit(&s->refs, 1, memory_order_relaxed); }
 
+/* Takes a reference on a stream found in the registry (table_lock held), unless its last one
+ * is being dropped: then stream_put is about to free it. */
+static bool stream_try_retain(npu_stream *s)
+{
+    unsigned n = atomic_load_explicit(&s->refs, memory_order_relaxed);
+    while (n != 0)
+        if (atomic_compare_exchange_weak_explicit(&s->refs, &n, n + 1, memory_order_relaxed, memory_order_relaxed))
+            return true;
+    return false;
+}
+
 /* Drops a reference; the last one frees the stream.  No lock of this module may be held. */
 static void stream_put(npu_stream *s)
 {
@@ -622,6 +633,33 @@ aclError stream_acquire_default(int32_t device, npu_stream **out)
     if (rc == ACL_SUCCESS)
         atomic_fetch_add_explicit(&(*out)->pins, 1, memory_order_relaxed);
     return rc;
+}
+
+aclError stream_acquire_for_wait(int32_t device, uint64_t id, npu_stream **out)
+{
+    if (!out)
+        return ACL_ERROR_INVALID_PARAM;
+    if (id == 0)
+        return stream_acquire_default(device, out);
+    pthread_mutex_lock(&table_lock);
+    npu_stream *s = handle_table_get(&stream_table, id);
+    if (s) {
+        stream_retain(s);
+    } else {
+        /* Destroyed: aclrtDestroyStream keeps the object registered until its worker drained,
+         * and handles are never reused, so the registry still names it by its old handle. */
+        for (s = stream_registry; s; s = s->reg_next)
+            if (s->handle == id)
+                break;
+        if (s && !stream_try_retain(s))
+            s = NULL; /* its last reference is being dropped: its work has all run */
+    }
+    pthread_mutex_unlock(&table_lock);
+    if (!s)
+        return ACL_ERROR_INVALID_PARAM;
+    atomic_fetch_add_explicit(&s->pins, 1, memory_order_relaxed);
+    *out = s;
+    return ACL_SUCCESS;
 }
 
 void stream_release(npu_stream *s)
@@ -853,17 +891,6 @@ static aclError stream_drain(npu_stream *s, bool take_error, const struct timesp
 }
 
 aclError stream_synchronize(npu_stream *s) { return stream_drain(s, true, NULL); }
-
-/* Takes a reference on a stream found in the registry (table_lock held), unless its last one
- * is being dropped: then stream_put is about to free it. */
-static bool stream_try_retain(npu_stream *s)
-{
-    unsigned n = atomic_load_explicit(&s->refs, memory_order_relaxed);
-    while (n != 0)
-        if (atomic_compare_exchange_weak_explicit(&s->refs, &n, n + 1, memory_order_relaxed, memory_order_relaxed))
-            return true;
-    return false;
-}
 
 typedef struct device_stream {
     npu_stream *s; /* a reference */

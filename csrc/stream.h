@@ -98,6 +98,12 @@ typedef void (*stream_task_cleanup_fn)(void *arg);
 aclError stream_acquire(aclrtStream handle, npu_stream **out);
 /* The default stream of a device (pinned; release it too). */
 aclError stream_acquire_default(int32_t device, npu_stream **out);
+/* Resolves a stream id as recorded by an internal user (stream_id(): 0 is `device`'s default
+ * stream) and pins it, also after aclrtDestroyStream took a created stream's handle: while its
+ * object exists its worker may still be running the work queued before the destroy, which a
+ * waiter (the caching allocator's reuse events) must still wait for.  ACL_ERROR_INVALID_PARAM
+ * once nothing of the stream remains (then none of its work can still run). */
+aclError stream_acquire_for_wait(int32_t device, uint64_t id, npu_stream **out);
 void stream_release(npu_stream *s);
 
 int32_t stream_device(const npu_stream *s);

@@ -1,9 +1,12 @@
 /* test_caching.c - the caching allocator, rule by rule with exact numbers, and a randomized
  * sequence checked by the invariant checker after every step. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 #include "caching.h"
+#include "host.h"
+#include "stream.h"
 #include "testutil.h"
 
 static void start_cache(uint64_t hbm, const char *conf)
@@ -664,6 +667,53 @@ static void test_record_stream_delays_reuse_until_stream_work_ran(void **state)
     check();
 }
 
+/* Holds its stream's worker until the gate opens. */
+static void cb_wait_gate(void *user_data)
+{
+    while (!atomic_load((atomic_int *)user_data))
+        host_sleep_ns(1000000);
+}
+
+static void *destroy_stream_thread(void *arg) { return (void *)(intptr_t)aclrtDestroyStream((aclrtStream)arg); }
+
+static void test_free_waits_for_a_recorded_stream_being_destroyed(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    aclrtStream side;
+    assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    /* The side stream's work (which may use `a`) is held until the gate opens. */
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, side), ACL_SUCCESS);
+    /* Another thread destroys the stream: its handle goes at once, its queued work still runs. */
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, destroy_stream_thread, side), 0);
+    size_t live = 1;
+    while (live != 0) {
+        stream_counts(&live, NULL);
+        host_sleep_ns(1000000);
+    }
+    npualloc_cache_free(a);
+    int64_t active_after_free = stats().active[ALL].current;
+    void *b = alloc(1000);
+    /* The gate opens before any assertion: a failing one must not leave the stream held. */
+    atomic_store(&gate, 1);
+    void *rc;
+    assert_int_equal(pthread_join(t, &rc), 0);
+    assert_int_equal((aclError)(intptr_t)rc, ACL_SUCCESS);
+    assert_int_equal(active_after_free, 1); /* was pending behind the side stream's work */
+    assert_ptr_not_equal(a, b);
+    void *c = alloc(1000); /* the destroyed stream drained: a's block is free and first in address order */
+    assert_ptr_equal(c, a);
+    npualloc_cache_free(b);
+    npualloc_cache_free(c);
+    assert_int_equal(stats().active[ALL].current, 0);
+    check();
+}
+
 static void test_invalid_frees_are_rejected(void **state)
 {
     (void)state;
@@ -1042,6 +1092,7 @@ int main(void)
         cmocka_unit_test_teardown(test_garbage_collection_frees_oldest_segments_first, stop_cache),
         cmocka_unit_test_teardown(test_garbage_collection_ages_count_a_miss_once_through_the_cached_path, stop_cache),
         cmocka_unit_test_teardown(test_record_stream_delays_reuse_until_stream_work_ran, stop_cache),
+        cmocka_unit_test_teardown(test_free_waits_for_a_recorded_stream_being_destroyed, stop_cache),
         cmocka_unit_test_teardown(test_invalid_frees_are_rejected, stop_cache),
         cmocka_unit_test_teardown(test_stats_reset, stop_cache),
         cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
