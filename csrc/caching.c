@@ -999,43 +999,17 @@ aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t s
     return ACL_SUCCESS;
 }
 
-void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
+/* torch_npu's eraseStream also cancels the block's events queued on `stream`; there are none
+ * here: events are recorded only when a block is freed, and `b` is allocated (the caller found
+ * it in allocated_blocks), so it has none until its next free. */
+void cache_erase_stream_locked(cache_block *b, uint64_t stream)
 {
     for (uint32_t i = 0; i < b->use_count; i++) {
         if (b->uses[i] == stream) {
             b->uses[i] = b->uses[--b->use_count];
-            break;
+            return;
         }
     }
-    /* Cancel events already recorded for this block on that stream. */
-    event_queue *q = NULL;
-    for (size_t i = 0; i < dc->queue_count; i++)
-        if (dc->queues[i].stream_id == stream)
-            q = &dc->queues[i];
-    if (!q)
-        return;
-    pending_event **link = &q->head, *last = NULL;
-    while (*link) {
-        pending_event *e = *link;
-        if (e->block == b) {
-            *link = e->next;
-            dc->pending_events--;
-            stream_release(e->stream);
-            free(e);
-            if (--b->event_count == 0) {
-                free_block(dc, b);
-                break;
-            }
-            continue;
-        }
-        last = e;
-        link = &e->next;
-    }
-    (void)last;
-    /* The walk may stop early: find the tail again from the head. */
-    q->tail = q->head;
-    while (q->tail && q->tail->next)
-        q->tail = q->tail->next;
 }
 
 /* ---- malloc ---- */

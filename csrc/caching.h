@@ -348,7 +348,7 @@ bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t str
  * finds and removes it in one probe sequence). */
 void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
-void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
+void cache_erase_stream_locked(cache_block *b, uint64_t stream);
 /* Private pools (lock held). */
 /* Creates a pool (its segments from alloc_fn/free_fn, or from the device when NULL), or takes a
  * reference to an existing one made with the same functions. */

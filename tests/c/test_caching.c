@@ -650,6 +650,8 @@ static void test_record_stream_delays_reuse_until_stream_work_ran(void **state)
     assert_int_equal(s.active[ALL].current, 1); /* pending: the side stream may still use it */
     void *b = alloc(1000);
     assert_ptr_not_equal(a, b);
+    /* Only an allocated block has uses to erase: a freed one waiting for its events is not. */
+    assert_int_equal(npualloc_cache_erase_stream(a, (uint64_t)(uintptr_t)side), ACL_ERROR_INVALID_PARAM);
     check();
     assert_int_equal(aclrtSynchronizeStream(side), ACL_SUCCESS);
     npualloc_cache_free(b);
