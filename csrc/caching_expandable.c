@@ -96,13 +96,15 @@ static void keep_cached_page(device_cache *dc, uint64_t handle, size_t size)
     dc->cached_pages[dc->cached_page_count++] = (cached_page){handle, size};
 }
 
-static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t index)
+/* `*kept_used` is incremented when the page mapped is a kept one. */
+static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t index, size_t *kept_used)
 {
     uintptr_t va = es->base + index * es->page_size;
     uint64_t handle = take_cached_page(dc, es->page_size);
     if (handle) {
         if (dc->backend->remap_page(dc->backend_ctx, dc->device, va, es->page_size, handle) == ACL_SUCCESS) {
             es->handles[index] = handle;
+            (*kept_used)++;
             return ACL_SUCCESS;
         }
         dc->backend->free_page(dc->backend_ctx, dc->device, handle);
@@ -152,25 +154,37 @@ static bool ensure_handles(expandable_segment *es, size_t count)
     return true;
 }
 
-/* Maps the pages covering [ptr, ptr + size); returns the bytes mapped (whole pages from ptr),
- * or 0 when the device (or the host, for the page table) ran out of memory (the pages mapped by
- * this call are given back). */
-static size_t segment_map(device_cache *dc, expandable_segment *es, uintptr_t ptr, size_t size)
+/* Undoes a map of the pages [first, last): `kept_used` of them (which ones does not matter: kept
+ * pages of a size are alike) go back to the kept pages they were taken from, the rest are freed.
+ * Keeping them again needs no host memory: taking them left room in the array. */
+static void segment_unmap_undo(device_cache *dc, expandable_segment *es, size_t first, size_t last, size_t kept_used)
+{
+    for (size_t i = first; i < last; i++) {
+        bool keep = kept_used > 0;
+        dc->backend->unmap_page(dc->backend_ctx, dc->device, es->base + i * es->page_size, es->page_size,
+                                es->handles[i], keep);
+        if (keep) {
+            keep_cached_page(dc, es->handles[i], es->page_size);
+            kept_used--;
+        }
+        es->handles[i] = 0;
+        es->mapped_pages--;
+    }
+}
+
+/* Maps the pages covering [ptr, ptr + size) (all unmapped); returns the bytes mapped (whole pages
+ * from ptr) and in *kept_used how many were kept pages, or 0 when the device (or the host, for the
+ * page table) ran out of memory (the pages mapped by this call are given back as they came). */
+static size_t segment_map(device_cache *dc, expandable_segment *es, uintptr_t ptr, size_t size, size_t *kept_used)
 {
     size_t first = (ptr - es->base) / es->page_size;
     size_t last = (ptr + size - es->base + es->page_size - 1) / es->page_size;
+    *kept_used = 0;
     if (!ensure_handles(es, last))
         return 0;
     for (size_t i = first; i < last; i++) {
-        if (es->handles[i])
-            continue;
-        if (map_one_page(dc, es, i) != ACL_SUCCESS) {
-            for (size_t j = first; j < i; j++) {
-                dc->backend->unmap_page(dc->backend_ctx, dc->device, es->base + j * es->page_size, es->page_size,
-                                        es->handles[j], false);
-                es->handles[j] = 0;
-                es->mapped_pages--;
-            }
+        if (map_one_page(dc, es, i, kept_used) != ACL_SUCCESS) {
+            segment_unmap_undo(dc, es, first, i, *kept_used);
             return 0;
         }
         es->mapped_pages++;
@@ -208,7 +222,8 @@ static inline bool allocatable(const cache_block *b)
 static bool map_block(device_cache *dc, cache_block *b, size_t size)
 {
     expandable_segment *es = b->es;
-    size_t mapped = segment_map(dc, es, b->ptr, size);
+    size_t kept_used;
+    size_t mapped = segment_map(dc, es, b->ptr, size, &kept_used);
     if (mapped == 0)
         return false;
     block_pool *pool = b->pool;
@@ -217,9 +232,8 @@ static bool map_block(device_cache *dc, cache_block *b, size_t size)
     if (mapped < b->size) {
         cache_block *rest = cache_block_new(dc);
         if (!rest) { /* out of host memory: give the pages back */
-            uintptr_t up;
-            size_t us;
-            segment_unmap(dc, es, b->ptr, mapped, false, &up, &us);
+            size_t first = (b->ptr - es->base) / es->page_size;
+            segment_unmap_undo(dc, es, first, first + mapped / es->page_size, kept_used);
             b->mapped = false;
             block_pool_insert_unmapped(pool, b);
             return false;

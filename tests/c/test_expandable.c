@@ -491,6 +491,19 @@ void *aligned_alloc(size_t alignment, size_t size)
     return next_aligned_alloc(alignment, size);
 }
 
+/* Puts back the spare block structs a test set aside (it left one in the list). */
+static void restore_spares(device_cache *dc, cache_block *rest)
+{
+    cache_block *spare = dc->spare_blocks;
+    if (!spare) {
+        dc->spare_blocks = rest;
+        return;
+    }
+    while (spare->free_link)
+        spare = spare->free_link;
+    spare->free_link = rest;
+}
+
 /* Unmapping the middle pages of a free block splits off the parts before and after them; without
  * host memory for the second part the block stays mapped, whole and correctly indexed (the undo
  * merged the first part back into a block still in the pool, re-keying it in place). */
@@ -510,14 +523,7 @@ static void test_unmap_without_host_memory_for_the_split_leaves_the_block_mapped
     atomic_store(&fail_aligned_alloc, true);
     npualloc_cache_empty();
     atomic_store(&fail_aligned_alloc, false);
-    spare = dc->spare_blocks;
-    if (!spare) {
-        dc->spare_blocks = rest;
-    } else {
-        while (spare->free_link)
-            spare = spare->free_link;
-        spare->free_link = rest;
-    }
+    restore_spares(dc, rest);
     check();
     assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 3 * PAGE);
     npualloc_cache_empty(); /* with memory, the page goes */
@@ -525,6 +531,72 @@ static void test_unmap_without_host_memory_for_the_split_leaves_the_block_mapped
     check();
     npualloc_cache_free(a);
     npualloc_cache_free(c);
+}
+
+/* A map that runs out of host memory for the struct of the unmapped rest gives back the page it
+ * took from empty_virt_addr_cache's kept pages to them, not to the device. */
+static void test_map_without_host_memory_keeps_the_kept_pages(void **state)
+{
+    (void)state;
+    if (getenv("NPUALLOC_VALGRIND"))
+        skip(); /* valgrind replaces the executable's aligned_alloc with its own */
+    start_cache(GiB_, 0, "expandable_segments:True");
+    npualloc_cache_free(alloc(40 * MiB_ - 32));
+    assert_int_equal(npualloc_cache_empty_virt_addr_cache(), ACL_SUCCESS);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 2);
+    /* In a private pool, so the failed allocation ends without the last resort (which frees the
+     * kept pages anyway). */
+    npualloc_mempool_id id;
+    route_to_new_pool(&id);
+    device_cache *dc = cache_device(0);
+    cache_block *spare = dc->spare_blocks, *rest = spare->free_link;
+    spare->free_link = NULL; /* one spare struct: the new segment gets it, the map's rest finds none */
+    atomic_store(&fail_aligned_alloc, true);
+    void *p = NULL;
+    aclError rc = npualloc_cache_malloc(0, 20 * MiB_ - 32, 0, &p);
+    atomic_store(&fail_aligned_alloc, false);
+    restore_spares(dc, rest);
+    assert_int_equal(rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 2); /* both still kept */
+    assert_int_equal(c.mappings, 0);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    check();
+    p = alloc(40 * MiB_ - 32); /* maps both kept pages: no new physical memory */
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 2);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    npualloc_cache_free(p);
+    npualloc_cache_empty();
+    check();
+}
+
+/* A map whose later page finds no device memory gives the kept page it mapped first back to the
+ * kept pages too. */
+static void test_map_failing_on_the_device_keeps_the_kept_pages(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    npualloc_cache_free(alloc(20 * MiB_ - 32));
+    assert_int_equal(npualloc_cache_empty_virt_addr_cache(), ACL_SUCCESS);
+    npualloc_mempool_id id;
+    route_to_new_pool(&id); /* no last resort, which frees the kept pages anyway */
+    assert_int_equal(npualloc_fault_set(NPUALLOC_FAULT_DEVICE_ALLOC, 1), ACL_SUCCESS);
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 40 * MiB_ - 32, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    uint64_t seen, injected;
+    npualloc_fault_counts(NPUALLOC_FAULT_DEVICE_ALLOC, &seen, &injected);
+    assert_int_equal(injected, 1); /* the second page's: the first one was the kept page */
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 1); /* still kept */
+    assert_int_equal(c.mappings, 0);
+    check();
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    npualloc_cache_empty();
+    check();
 }
 
 static uint64_t rng_state = 0x243F6A8885A308D3ull;
@@ -741,6 +813,8 @@ int main(void)
         cmocka_unit_test_teardown(test_empty_cache_unmaps_exactly_the_fully_free_pages, stop_cache),
         cmocka_unit_test_teardown(test_one_map_released_in_two_parts_counts_two_device_frees, stop_cache),
         cmocka_unit_test_teardown(test_empty_virt_addr_cache_keeps_physical_pages, stop_cache),
+        cmocka_unit_test_teardown(test_map_without_host_memory_keeps_the_kept_pages, stop_cache),
+        cmocka_unit_test_teardown(test_map_failing_on_the_device_keeps_the_kept_pages, stop_cache),
         cmocka_unit_test_teardown(test_base_addr_aligned_kb, stop_cache),
         cmocka_unit_test_teardown(test_base_addr_aligned_kb_needs_expandable, stop_cache),
         cmocka_unit_test_teardown(test_page_size_1g_uses_the_1g_pool, stop_cache),
