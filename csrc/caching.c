@@ -245,6 +245,30 @@ static inline void owner_segments(block_pool *pool, int delta)
         pool->owner->segments += (size_t)(ptrdiff_t)delta;
 }
 
+/* ---- waits ---- */
+
+/* Synchronizes every stream of the device with the allocator lock released (torch_npu's
+ * npuSynchronizeDevice: a stream task may need the lock, e.g. a callback freeing memory). */
+static void synchronize_device_unlocked(device_cache *dc)
+{
+    npualloc_context *ctx = dc->current_ctx;
+    cache_lock_release(&dc->lock);
+    dc->backend->synchronize(dc->backend_ctx, dc->device);
+    cache_lock_acquire(&dc->lock);
+    dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
+}
+
+/* Waits for a position of a stream the caller pinned with the allocator lock released, for the
+ * same reason. */
+static void wait_position_unlocked(device_cache *dc, npu_stream *s, uint64_t position)
+{
+    npualloc_context *ctx = dc->current_ctx;
+    cache_lock_release(&dc->lock);
+    stream_wait_position(s, position);
+    cache_lock_acquire(&dc->lock);
+    dc->current_ctx = ctx;
+}
+
 /* ---- events ---- */
 
 static event_queue *queue_for(device_cache *dc, uint64_t stream_id)
@@ -286,6 +310,7 @@ static void insert_events(device_cache *dc, cache_block *b)
         e->next = NULL;
         e->stream = s;
         e->position = stream_last_position(s);
+        e->seq = ++dc->event_seq;
         e->block = b;
         if (q->tail)
             q->tail->next = e;
@@ -309,12 +334,13 @@ static void insert_deferred_events(device_cache *dc)
         insert_events(dc, dc->deferred[i]);
 }
 
-/* Completes the frees whose events have passed, per stream in FIFO order. */
-static void complete_passed_events(device_cache *dc)
+/* Completes, per stream in FIFO order, the frees whose events have passed or were inserted up to
+ * `last_seq` (0: none of them). */
+static void complete_events_up_to(device_cache *dc, uint64_t last_seq)
 {
     for (size_t i = 0; i < dc->queue_count; i++) {
         event_queue *q = &dc->queues[i];
-        while (q->head && stream_passed(q->head->stream, q->head->position)) {
+        while (q->head && (q->head->seq <= last_seq || stream_passed(q->head->stream, q->head->position))) {
             pending_event *e = q->head;
             q->head = e->next;
             if (!q->head)
@@ -335,31 +361,46 @@ static inline void process_events(device_cache *dc)
     if (unlikely(dc->deferred_count))
         insert_deferred_events(dc);
     if (unlikely(dc->pending_events))
-        complete_passed_events(dc);
+        complete_events_up_to(dc, 0);
 }
 
-/* Waits for every outstanding event and completes the frees (torch's synchronize_and_free_events). */
+/* The first event inserted up to `last_seq` whose position has not passed yet and can be waited
+ * for, or NULL.  One on the stream whose task is calling cannot (the wait would return at once):
+ * it is completed without waiting, as it always was. */
+static pending_event *first_unpassed_event(device_cache *dc, uint64_t last_seq)
+{
+    for (size_t i = 0; i < dc->queue_count; i++)
+        for (pending_event *e = dc->queues[i].head; e && e->seq <= last_seq; e = e->next)
+            if (!stream_passed(e->stream, e->position) && !stream_waits_for_self(e->stream))
+                return e;
+    return NULL;
+}
+
+/* Waits for every outstanding event and completes the frees (torch's synchronize_and_free_events).
+ * Each wait releases the lock, as the device synchronize before it does: the stream may be another
+ * device's, which that synchronize did not drain, and its queued work may need this lock (a
+ * callback freeing memory).  Only the events there are now are waited for, so frees other threads
+ * make meanwhile cannot keep it waiting. */
 static void synchronize_and_free_events(device_cache *dc)
 {
     dc->stats.num_sync_all_streams++;
     if (dc->deferred_count && dc->route_count == 0)
         insert_deferred_events(dc);
-    for (size_t i = 0; i < dc->queue_count; i++) {
-        event_queue *q = &dc->queues[i];
-        while (q->head) {
-            pending_event *e = q->head;
-            q->head = e->next;
-            dc->pending_events--;
-            stream_wait_position(e->stream, e->position);
-            stream_release(e->stream);
-            cache_block *b = e->block;
-            free(e);
-            if (--b->event_count == 0)
-                free_block(dc, b);
-        }
-        q->tail = NULL;
+    const uint64_t last_seq = dc->event_seq;
+    pending_event *e;
+    while ((e = first_unpassed_event(dc, last_seq))) {
+        /* Pinned: while the lock is released another thread may complete and free the event. */
+        npu_stream *s = e->stream;
+        stream_pin(s);
+        wait_position_unlocked(dc, s, e->position);
+        stream_release(s);
     }
-    dc->queue_count = 0;
+    complete_events_up_to(dc, last_seq);
+    size_t kept = 0; /* queues left empty are dropped: their streams may be gone */
+    for (size_t i = 0; i < dc->queue_count; i++)
+        if (dc->queues[i].head)
+            dc->queues[kept++] = dc->queues[i];
+    dc->queue_count = kept;
     if (dc->backend->complete_frees)
         dc->backend->complete_frees(dc->backend_ctx);
 }
@@ -425,17 +466,6 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
     cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
     return freed;
-}
-
-/* Synchronizes every stream of the device with the allocator lock released (torch_npu's
- * npuSynchronizeDevice: a stream task may need the lock, e.g. a callback freeing memory). */
-static void synchronize_device_unlocked(device_cache *dc)
-{
-    npualloc_context *ctx = dc->current_ctx;
-    cache_lock_release(&dc->lock);
-    dc->backend->synchronize(dc->backend_ctx, dc->device);
-    cache_lock_acquire(&dc->lock);
-    dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
 }
 
 /* ---- segments ---- */
@@ -1229,11 +1259,10 @@ void cache_pool_empty_locked(device_cache *dc, npualloc_mempool_id id)
      * empty_cache does, or a stream task that needs the lock (a callback freeing memory) and
      * precedes a recorded use would never run. */
     synchronize_device_unlocked(dc);
-    private_pool *pp = cache_pool_find(dc, id); /* after the wait: another thread may have freed it */
-    if (!pp)
-        return;
     synchronize_and_free_events(dc);
-    release_freeable_pool(dc, pp, false);
+    private_pool *pp = cache_pool_find(dc, id); /* after the waits: another thread may have freed it */
+    if (pp)
+        release_freeable_pool(dc, pp, false);
 }
 
 /* ---- empty_cache, fraction ---- */

@@ -87,6 +87,7 @@ typedef struct pending_event {
     struct pending_event *next;
     npu_stream *stream; /* pinned until the entry is consumed */
     uint64_t position;  /* the stream's last task when the block was freed */
+    uint64_t seq;       /* order of insertion (device_cache.event_seq) */
     cache_block *block;
 } pending_event;
 
@@ -220,6 +221,7 @@ typedef struct device_cache {
     event_queue *queues;
     size_t queue_count, queue_capacity;
     size_t pending_events;
+    uint64_t event_seq; /* events inserted so far */
     expandable_segment *expandable_segments;
     private_pool *private_pools;
     pool_route *routes; /* newest last; matched newest first */

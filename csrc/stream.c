@@ -155,7 +155,7 @@ typedef struct run_frame {
 static _Thread_local run_frame *tl_running;
 
 /* True when waiting for s from this thread would wait for the caller itself. */
-static bool waits_for_self(const npu_stream *s) { return s && (tl_worker == s || tl_block_cb == s); }
+bool stream_waits_for_self(const npu_stream *s) { return s && (tl_worker == s || tl_block_cb == s); }
 
 /* ------------------------------------------------------------------------------------------
  * Subscription state (the functions are further down, with the callback API)
@@ -817,6 +817,14 @@ uint64_t stream_last_position(npu_stream *s)
 /* Everything queued so far has run. */
 static bool stream_idle(npu_stream *s) { return stream_passed(s, stream_last_position(s)); }
 
+unsigned stream_waiter_count(npu_stream *s)
+{
+    pthread_mutex_lock(&s->lock);
+    unsigned n = s->waiters;
+    pthread_mutex_unlock(&s->lock);
+    return n;
+}
+
 bool stream_passed(const npu_stream *s, uint64_t position)
 {
     return !s || atomic_load_explicit(&s->completed, memory_order_acquire) >= position;
@@ -857,7 +865,7 @@ static bool wait_position_until(npu_stream *s, uint64_t position, const struct t
 {
     /* The worker cannot wait for itself: any position not yet passed is at or behind the
      * task it is running. */
-    if (!s || stream_passed(s, position) || waits_for_self(s))
+    if (!s || stream_passed(s, position) || stream_waits_for_self(s))
         return true;
     pthread_mutex_lock(&s->lock);
     if (position > s->last)
@@ -876,7 +884,7 @@ static aclError stream_drain(npu_stream *s, bool take_error, const struct timesp
 {
     if (!s)
         return ACL_ERROR_INVALID_PARAM;
-    if (waits_for_self(s))
+    if (stream_waits_for_self(s))
         return ERR_SELF_WAIT;
     pthread_mutex_lock(&s->lock);
     aclError rc = ACL_SUCCESS;
@@ -1008,7 +1016,7 @@ aclError aclrtDestroyStream(aclrtStream stream)
     npu_stream *s = handle_table_get(&stream_table, handle_value(stream));
     if (!s) {
         rc = ACL_ERROR_INVALID_PARAM;
-    } else if (waits_for_self(s)) {
+    } else if (stream_waits_for_self(s)) {
         rc = ERR_SELF_WAIT; /* it would wait for the task that is calling */
     } else {
         handle_table_remove(&stream_table, handle_value(stream));
@@ -1611,7 +1619,7 @@ static aclError synchronize_event(aclrtEvent event, int32_t timeout)
         struct timespec deadline;
         if (timeout > 0)
             deadline = deadline_after_ms(timeout);
-        if (waits_for_self(s))
+        if (stream_waits_for_self(s))
             rc = ERR_SELF_WAIT;
         else if (!wait_position_until(s, position, timeout > 0 ? &deadline : NULL))
             rc = ACL_ERROR_RT_EVENT_SYNC_TIMEOUT;

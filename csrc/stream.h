@@ -119,8 +119,11 @@ aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task
 uint64_t stream_last_position(npu_stream *s);
 /* True once the worker passed `position`. Never blocks, takes no lock on the hot path. */
 bool stream_passed(const npu_stream *s, uint64_t position);
+/* True when the calling thread runs a task of s (its worker, or a BLOCK callback standing in for
+ * it): waiting for s from here would wait for the caller itself. */
+bool stream_waits_for_self(const npu_stream *s);
 /* Blocks until the worker passed `position` (clamped to the last queued position).  Returns
- * at once when called from the stream's own worker. */
+ * at once when stream_waits_for_self(s). */
 void stream_wait_position(npu_stream *s, uint64_t position);
 /* Waits for everything queued so far; returns and clears the sticky error. */
 aclError stream_synchronize(npu_stream *s);
@@ -154,6 +157,8 @@ void stream_pin(npu_stream *s);
 
 /* Counts for tests: live created streams and events. */
 void stream_counts(size_t *streams, size_t *events);
+/* Count for tests: threads blocked waiting for one of the stream's positions. */
+unsigned stream_waiter_count(npu_stream *s);
 /* Counts for tests: threads with a subscription, and subscribed streams. */
 void stream_report_counts(size_t *threads, size_t *streams);
 

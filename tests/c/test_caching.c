@@ -716,6 +716,52 @@ static void test_free_waits_for_a_recorded_stream_being_destroyed(void **state)
     check();
 }
 
+static void *empty_cache_thread(void *arg)
+{
+    (void)arg;
+    return (void *)(intptr_t)npualloc_cache_empty();
+}
+
+/* empty_cache synchronizes its own device only; a free waiting for another device's stream is
+ * waited for with the allocator lock released, so that stream's queued work may take it (a
+ * callback freeing memory of this device). */
+static void test_empty_cache_waits_for_another_devices_stream_without_the_lock(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    aclrtStream other;
+    assert_int_equal(aclrtCreateStream(&other), ACL_SUCCESS); /* device 1's */
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)other), ACL_SUCCESS);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, other), ACL_SUCCESS);
+    npualloc_cache_free(a); /* waits for the held callback */
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, empty_cache_thread, NULL), 0);
+    npu_stream *s;
+    assert_int_equal(stream_acquire(other, &s), ACL_SUCCESS);
+    while (stream_waiter_count(s) == 0) /* empty_cache is waiting for the free's event */
+        host_sleep_ns(1000000);
+    device_cache *dc = cache_device(0);
+    bool lock_free = cache_lock_try(&dc->lock);
+    if (lock_free)
+        cache_lock_release(&dc->lock);
+    atomic_store(&gate, 1); /* before any assertion: a failing one must not leave the stream held */
+    void *rc;
+    assert_int_equal(pthread_join(t, &rc), 0);
+    stream_release(s);
+    assert_int_equal((aclError)(intptr_t)rc, ACL_SUCCESS);
+    assert_true(lock_free);
+    npualloc_stats st = stats();
+    assert_int_equal(st.active[ALL].current, 0); /* the free completed... */
+    assert_int_equal(st.reserved_bytes[ALL].current, 0); /* ...and its segment was released */
+    assert_int_equal(aclrtDestroyStream(other), ACL_SUCCESS);
+    check();
+}
+
 static void test_invalid_frees_are_rejected(void **state)
 {
     (void)state;
@@ -1095,6 +1141,7 @@ int main(void)
         cmocka_unit_test_teardown(test_garbage_collection_ages_count_a_miss_once_through_the_cached_path, stop_cache),
         cmocka_unit_test_teardown(test_record_stream_delays_reuse_until_stream_work_ran, stop_cache),
         cmocka_unit_test_teardown(test_free_waits_for_a_recorded_stream_being_destroyed, stop_cache),
+        cmocka_unit_test_teardown(test_empty_cache_waits_for_another_devices_stream_without_the_lock, stop_cache),
         cmocka_unit_test_teardown(test_invalid_frees_are_rejected, stop_cache),
         cmocka_unit_test_teardown(test_stats_reset, stop_cache),
         cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
