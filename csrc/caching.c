@@ -271,13 +271,13 @@ static void wait_position_unlocked(device_cache *dc, npu_stream *s, uint64_t pos
 
 /* ---- events ---- */
 
+/* The queue of a stream; a new one takes room record_stream reserved with the event's struct
+ * (the caller took that struct first). */
 static event_queue *queue_for(device_cache *dc, uint64_t stream_id)
 {
     for (size_t i = 0; i < dc->queue_count; i++)
         if (dc->queues[i].stream_id == stream_id)
             return &dc->queues[i];
-    if (!ARRAY_RESERVE(dc->queues, dc->queue_capacity, dc->queue_count + 1, 4))
-        return NULL;
     event_queue *q = &dc->queues[dc->queue_count++];
     q->stream_id = stream_id;
     q->head = q->tail = NULL;
@@ -285,6 +285,15 @@ static event_queue *queue_for(device_cache *dc, uint64_t stream_id)
 }
 
 static void free_block(device_cache *dc, cache_block *b);
+
+/* One of the event structs record_stream reserved (one per recorded use). */
+static pending_event *take_spare_event(device_cache *dc)
+{
+    pending_event *e = dc->spare_events;
+    dc->spare_events = e->next;
+    dc->spare_event_count--;
+    return e;
+}
 
 /* Records, on every stream that used the block, the point after which it is safe to reuse. */
 static void insert_events(device_cache *dc, cache_block *b)
@@ -296,17 +305,12 @@ static void insert_events(device_cache *dc, cache_block *b)
     for (uint32_t i = 0; i < n; i++) {
         npu_stream *s;
         /* A stream another thread is destroying still runs its queued work: it is waited for. */
-        if (stream_acquire_for_wait(dc->device, uses[i], &s) != ACL_SUCCESS)
-            continue; /* the stream is gone: nothing can still be using the block there */
-        pending_event *e = malloc(sizeof *e);
-        event_queue *q = queue_for(dc, uses[i]);
-        if (!e || !q) {
-            /* Out of memory: wait here instead of deferring (correct, only slower). */
-            free(e);
-            stream_wait_position(s, stream_last_position(s));
-            stream_release(s);
+        if (stream_acquire_for_wait(dc->device, uses[i], &s) != ACL_SUCCESS) {
+            free(take_spare_event(dc)); /* the stream is gone: nothing can still use the block there */
             continue;
         }
+        pending_event *e = take_spare_event(dc);
+        event_queue *q = queue_for(dc, uses[i]);
         e->next = NULL;
         e->stream = s;
         e->position = stream_last_position(s);
@@ -1012,7 +1016,6 @@ void cache_free_locked(device_cache *dc, cache_block *b)
 
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
 {
-    (void)dc;
     /* torch_npu records even the block's own stream (no early return). */
     for (uint32_t i = 0; i < b->use_count; i++)
         if (b->uses[i] == stream)
@@ -1025,6 +1028,17 @@ aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t s
         b->uses = uses;
         b->use_capacity = cap;
     }
+    /* The free's event is reserved now, so the free never runs out of host memory: it would have
+     * to wait for the stream there, with the lock held, which the stream's queued work (a callback
+     * freeing memory) may need. */
+    if (!ARRAY_RESERVE(dc->queues, dc->queue_capacity, dc->queue_count + dc->spare_event_count + 1, 4))
+        return ACL_ERROR_BAD_ALLOC;
+    pending_event *e = malloc(sizeof *e);
+    if (!e)
+        return ACL_ERROR_BAD_ALLOC;
+    e->next = dc->spare_events;
+    dc->spare_events = e;
+    dc->spare_event_count++;
     b->uses[b->use_count++] = stream;
     return ACL_SUCCESS;
 }
@@ -1032,11 +1046,12 @@ aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t s
 /* torch_npu's eraseStream also cancels the block's events queued on `stream`; there are none
  * here: events are recorded only when a block is freed, and `b` is allocated (the caller found
  * it in allocated_blocks), so it has none until its next free. */
-void cache_erase_stream_locked(cache_block *b, uint64_t stream)
+void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
 {
     for (uint32_t i = 0; i < b->use_count; i++) {
         if (b->uses[i] == stream) {
             b->uses[i] = b->uses[--b->use_count];
+            free(take_spare_event(dc)); /* the use's reserved event */
             return;
         }
     }
@@ -1420,6 +1435,8 @@ static void release_everything(device_cache *dc, bool return_memory)
         }
     }
     free(dc->queues);
+    while (dc->spare_events)
+        free(take_spare_event(dc));
     while (dc->private_pools) {
         private_pool *pp = dc->private_pools;
         dc->private_pools = pp->next;
@@ -1453,6 +1470,7 @@ typedef struct check_state {
     const device_cache *dc;
     int32_t device;
     size_t free_blocks;
+    size_t recorded_uses; /* record_stream uses not yet turned into events */
     char *why;
     size_t len;
     bool failed;
@@ -1559,6 +1577,7 @@ static void check_segment(cache_block *head, void *ctx)
         mapped_total += b->size;
         run += b->size;
         count_block(st, b, kind, is_free);
+        st->recorded_uses += b->use_count;
         st->oversize_allocs += b->allocated && b->oversize_alloc;
         CHECK(b->oversize_segment == head->oversize_segment, "block %#lx: oversize flag differs from its segment's",
               (unsigned long)b->ptr);
@@ -1635,6 +1654,11 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
         pooled += block_pool_count(&pp->large) + block_pool_count(&pp->small);
     CHECK(pooled == st->free_blocks, "the pools hold %zu blocks but the segments have %zu free ones", pooled,
           st->free_blocks);
+    CHECK(dc->spare_event_count == st->recorded_uses, "%zu event structs are reserved for %zu recorded uses",
+          dc->spare_event_count, st->recorded_uses);
+    CHECK(dc->queue_capacity >= dc->queue_count + dc->spare_event_count,
+          "room for %zu event queues, %zu used and %zu reserved", dc->queue_capacity, dc->queue_count,
+          dc->spare_event_count);
     bool indexes_sound = block_pool_check(&dc->large) && block_pool_check(&dc->small);
     for (const private_pool *pp = dc->private_pools; pp; pp = pp->next)
         indexes_sound = indexes_sound && block_pool_check(&pp->large) && block_pool_check(&pp->small);

@@ -222,6 +222,11 @@ typedef struct device_cache {
     size_t queue_count, queue_capacity;
     size_t pending_events;
     uint64_t event_seq; /* events inserted so far */
+    /* One event struct per use recorded with record_stream and not yet turned into an event, and
+     * room in `queues` for as many more queues: the free that records the events needs no host
+     * memory (record_stream reports running out instead). */
+    pending_event *spare_events;
+    size_t spare_event_count;
     expandable_segment *expandable_segments;
     private_pool *private_pools;
     pool_route *routes; /* newest last; matched newest first */
@@ -350,7 +355,7 @@ bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t str
  * finds and removes it in one probe sequence). */
 void cache_free_locked(device_cache *dc, cache_block *b);
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
-void cache_erase_stream_locked(cache_block *b, uint64_t stream);
+void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream);
 /* Private pools (lock held). */
 /* Creates a pool (its segments from alloc_fn/free_fn, or from the device when NULL), or takes a
  * reference to an existing one made with the same functions. */

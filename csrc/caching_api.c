@@ -681,7 +681,7 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
     cache_block *b = locked_block(ptr, &dc);
     if (!b)
         return ACL_ERROR_INVALID_PARAM;
-    cache_erase_stream_locked(b, stream);
+    cache_erase_stream_locked(dc, b, stream);
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }

@@ -762,6 +762,73 @@ static void test_empty_cache_waits_for_another_devices_stream_without_the_lock(v
     check();
 }
 
+#if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
+/* Out of host memory on demand: malloc fails in a thread that set this.  The sanitizers' malloc
+ * cannot be replaced, so the test using it runs in the release build only. */
+static _Thread_local bool malloc_fails;
+void *__libc_malloc(size_t size);
+
+void *malloc(size_t size) { return malloc_fails ? NULL : __libc_malloc(size); }
+
+static atomic_bool free_returned;
+
+static void *free_without_host_memory_thread(void *p)
+{
+    malloc_fails = true;
+    npualloc_cache_free(p);
+    malloc_fails = false;
+    atomic_store(&free_returned, true);
+    return NULL;
+}
+
+/* record_stream reserves the free's event, so a free with no host memory left neither fails nor
+ * waits for the stream with the allocator lock held (the stream's queued work may need it). */
+static void test_free_without_host_memory_does_not_wait_holding_the_lock(void **state)
+{
+    (void)state;
+    if (getenv("NPUALLOC_VALGRIND"))
+        skip(); /* valgrind replaces the executable's malloc with its own */
+    start_cache(GiB_, NULL);
+    aclrtStream side;
+    assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, side), ACL_SUCCESS);
+    atomic_store(&free_returned, false);
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, free_without_host_memory_thread, a), 0);
+    npu_stream *s;
+    assert_int_equal(stream_acquire(side, &s), ACL_SUCCESS);
+    while (!atomic_load(&free_returned) && stream_waiter_count(s) == 0)
+        host_sleep_ns(1000000);
+    bool returned_while_held = atomic_load(&free_returned);
+    device_cache *dc = cache_device(0);
+    bool lock_free = cache_lock_try(&dc->lock);
+    if (lock_free)
+        cache_lock_release(&dc->lock);
+    atomic_store(&gate, 1); /* before any assertion: a failing one must not leave the stream held */
+    assert_int_equal(pthread_join(t, NULL), 0);
+    stream_release(s);
+    assert_true(lock_free);
+    assert_true(returned_while_held);
+    assert_int_equal(aclrtSynchronizeStream(side), ACL_SUCCESS);
+    void *c = alloc(1000); /* the event passed: a's block is free again */
+    assert_ptr_equal(c, a);
+    /* Out of host memory, it is record_stream that fails, recording nothing. */
+    malloc_fails = true;
+    aclError rc = npualloc_cache_record_stream(c, (uint64_t)(uintptr_t)side);
+    malloc_fails = false;
+    assert_int_equal(rc, ACL_ERROR_BAD_ALLOC);
+    check();
+    npualloc_cache_free(c);
+    assert_int_equal(stats().active[ALL].current, 0); /* no use recorded: freed at once */
+    assert_int_equal(aclrtDestroyStream(side), ACL_SUCCESS);
+    check();
+}
+#endif
+
 static void test_invalid_frees_are_rejected(void **state)
 {
     (void)state;
@@ -1142,6 +1209,9 @@ int main(void)
         cmocka_unit_test_teardown(test_record_stream_delays_reuse_until_stream_work_ran, stop_cache),
         cmocka_unit_test_teardown(test_free_waits_for_a_recorded_stream_being_destroyed, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_waits_for_another_devices_stream_without_the_lock, stop_cache),
+#if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
+        cmocka_unit_test_teardown(test_free_without_host_memory_does_not_wait_holding_the_lock, stop_cache),
+#endif
         cmocka_unit_test_teardown(test_invalid_frees_are_rejected, stop_cache),
         cmocka_unit_test_teardown(test_stats_reset, stop_cache),
         cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
