@@ -755,6 +755,8 @@ void stream_capture_set(npu_stream *s, void *capture) { atomic_store_explicit(&s
 
 void stream_pin(npu_stream *s)
 {
+    if (!s)
+        return; /* as stream_release */
     stream_retain(s);
     atomic_fetch_add_explicit(&s->pins, 1, memory_order_relaxed);
 }

@@ -152,7 +152,7 @@ void stream_shutdown(void);
  * records and waits on it become dependencies. */
 void *stream_capture_get(const npu_stream *s);
 void stream_capture_set(npu_stream *s, void *capture);
-/* Takes one more pin on a stream the caller holds (released with stream_release). */
+/* Takes one more pin on a stream the caller holds (released with stream_release); NULL is ignored. */
 void stream_pin(npu_stream *s);
 
 /* Counts for tests: live created streams and events. */
