@@ -973,6 +973,8 @@ aclError npualloc_cache_reset_accumulated(int32_t device)
 
 aclError npualloc_cache_check(int32_t device, char *why, size_t len)
 {
+    if (!why && len) /* a message of len bytes would be written through why */
+        return ACL_ERROR_INVALID_PARAM;
     device_cache *dc = cache_get(device);
     if (!dc) {
         snprintf(why, len, "%s", last_message);

@@ -355,7 +355,8 @@ aclError npualloc_cache_add_free_memory_callback(npualloc_free_memory_callback f
 /* Checks every invariant of a device's allocator: blocks tile their segments, live blocks
  * never overlap, free neighbours are merged, the pools hold exactly the free blocks, and the
  * stats equal what the blocks imply.  Returns ACL_SUCCESS or ACL_ERROR_INTERNAL_ERROR with the
- * first violation in `why`. */
+ * first violation in `why` (len bytes; why may be NULL only with len 0, else
+ * ACL_ERROR_INVALID_PARAM). */
 aclError npualloc_cache_check(int32_t device, char *why, size_t len);
 
 /* ---- fault injection (tests) ---- */

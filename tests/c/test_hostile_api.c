@@ -463,6 +463,10 @@ static void test_npualloc_functions_reject_null_pointers(void **state)
     assert_int_equal(npualloc_cache_malloc(0, 64, 0, NULL), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(npualloc_allocate(0, 64, 0, NULL), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(npualloc_stream_query(NULL, 0, NULL), ACL_ERROR_INVALID_PARAM);
+    /* a message of len bytes would go through a NULL why, for a known device or not */
+    assert_int_equal(npualloc_cache_check(0, NULL, 64), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_check(99, NULL, 64), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_check(0, NULL, 0), ACL_SUCCESS); /* nowhere to say why, nothing to say */
     /* with somewhere to write, they work */
     npualloc_config cfg;
     npualloc_stats st;
