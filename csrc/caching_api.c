@@ -172,11 +172,13 @@ static bool npu_segment_valid(void *ctx, int32_t device, void *ptr, size_t size)
     return rc == RANGE_DEVICE && dev == device;
 }
 
+/* Expandable segments live in ranges of the runtime's own: a program's aclrtUnmapMem,
+ * aclrtReleaseMemAddress or aclrtMapMem cannot take pages or the range from under the cache. */
 static aclError npu_reserve(void *ctx, int32_t device, size_t size, uintptr_t *base)
 {
     (void)ctx;
     void *va = NULL;
-    aclError rc = vmm_reserve(device, size, NULL, &va);
+    aclError rc = vmm_reserve_private(device, size, &va);
     *base = (uintptr_t)va;
     return rc;
 }
@@ -186,7 +188,7 @@ static void npu_release(void *ctx, int32_t device, uintptr_t base, size_t size)
     (void)ctx;
     (void)device;
     (void)size;
-    aclrtReleaseMemAddress((void *)base);
+    vmm_release_private((void *)base);
 }
 
 static aclError npu_map_page(void *ctx, int32_t device, uintptr_t va, size_t size, bool huge1g, uint64_t *handle)
@@ -196,7 +198,7 @@ static aclError npu_map_page(void *ctx, int32_t device, uintptr_t va, size_t siz
     aclError rc = vmm_physical_create(device, huge1g ? MEM_HUGE1G : MEM_HUGE, size, &h);
     if (rc != ACL_SUCCESS)
         return rc;
-    if ((rc = aclrtMapMem((void *)va, size, 0, h, 0)) != ACL_SUCCESS) {
+    if ((rc = vmm_map_private((void *)va, size, h)) != ACL_SUCCESS) {
         aclrtFreePhysical(h);
         return rc;
     }
@@ -208,7 +210,7 @@ static aclError npu_remap_page(void *ctx, int32_t device, uintptr_t va, size_t s
 {
     (void)ctx;
     (void)device;
-    return aclrtMapMem((void *)va, size, 0, (aclrtDrvMemHandle)(uintptr_t)handle, 0);
+    return vmm_map_private((void *)va, size, (aclrtDrvMemHandle)(uintptr_t)handle);
 }
 
 static void npu_unmap_page(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle, bool keep)
@@ -216,7 +218,7 @@ static void npu_unmap_page(void *ctx, int32_t device, uintptr_t va, size_t size,
     (void)ctx;
     (void)device;
     (void)size;
-    aclrtUnmapMem((void *)va);
+    vmm_unmap_private((void *)va);
     if (!keep)
         aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)handle);
 }

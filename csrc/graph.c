@@ -769,7 +769,8 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
         if (reserved == 0)
             reserved = VMM_GRANULARITY;
         void *va;
-        if ((rc = vmm_reserve(dev, reserved, NULL, &va)) != ACL_SUCCESS) {
+        /* the runtime's own range: the program cannot unmap or release the graph's memory */
+        if ((rc = vmm_reserve_private(dev, reserved, &va)) != ACL_SUCCESS) {
             set_err("capture_begin: no address space for the graph's memory (%zu bytes)", reserved);
             goto unpin;
         }
@@ -783,7 +784,7 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
         if (p.use_pool)
             (void)npualloc_cache_pool_end(dev, p.pool);
         else
-            (void)aclrtReleaseMemAddress((void *)base);
+            (void)vmm_release_private((void *)base);
         goto unpin;
     }
     g->device = dev;
@@ -898,7 +899,7 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
         if (want < g->reserved) {
             reg_resize(g, want);
             if (vmm_reserve_shrink((void *)g->base, want) != ACL_SUCCESS) {
-                (void)aclrtReleaseMemAddress((void *)g->base);
+                (void)vmm_release_private((void *)g->base);
                 reg_remove(g);
                 pthread_mutex_lock(&graph_lock);
                 g->state = G_BROKEN;
@@ -1704,7 +1705,7 @@ static void exec_unbind(npualloc_graph_exec *e)
     uint64_t off = 0;
     for (size_t i = 0; i < e->nchunks; i++) {
         if (live)
-            (void)aclrtUnmapMem((void *)(g->base + off));
+            (void)vmm_unmap_private((void *)(g->base + off));
         off += chunk_size(i);
         if (e->priv && e->priv[i]) {
             if (live)
@@ -1751,7 +1752,7 @@ static aclError exec_bind(npualloc_graph_exec *e, npu_stream *s)
         } else {
             h = a->h[i];
         }
-        if ((rc = aclrtMapMem((void *)(g->base + off), chunk_size(i), 0, h, 0)) != ACL_SUCCESS) {
+        if ((rc = vmm_map_private((void *)(g->base + off), chunk_size(i), h)) != ACL_SUCCESS) {
             if (e->is_priv[i]) {
                 (void)aclrtFreePhysical(e->priv[i]);
                 e->priv[i] = NULL;
@@ -1973,7 +1974,7 @@ static void graph_free_all(npualloc_graph *g)
     bool live = !graph_stale(g);
     reg_remove(g); /* (a no-op when it was never registered, or purged as stale) */
     if (g->base && live)
-        (void)aclrtReleaseMemAddress((void *)g->base);
+        (void)vmm_release_private((void *)g->base);
     if (g->pool_ref && live)
         (void)npualloc_cache_pool_release(g->device, g->pool);
     for (size_t i = 0; i < g->nnodes; i++) {

@@ -49,9 +49,10 @@ aclError vmm_free_malloc(void *ptr, vmm_owner owner);
 /* A reserved range in a device's address slice (aclrtReserveMemAddress with an explicit device;
  * `at` non-NULL asks for that exact address). */
 aclError vmm_reserve(int32_t device, size_t size, void *at, void **out);
-/* A range the runtime reserves for itself (ipc.c maps imported memory there).  Users cannot map
- * into it, unmap it or release it (ACL_ERROR_RT_PARAM_INVALID, as for aclrtMalloc memory): only
- * the *_private calls can, so closing an import never meets a mapping that is not its own. */
+/* A range the runtime reserves for itself (ipc.c maps imported memory there, the caching
+ * allocator its expandable segments, graph.c a graph's memory).  Users cannot map into it, unmap
+ * it or release it (ACL_ERROR_RT_PARAM_INVALID, as for aclrtMalloc memory): only the *_private
+ * calls can, so its owner never loses pages under it nor meets a mapping that is not its own. */
 aclError vmm_reserve_private(int32_t device, size_t size, void **out);
 /* aclrtMapMem, aclrtUnmapMem and aclrtReleaseMemAddress for private ranges (and only for them). */
 aclError vmm_map_private(void *va, size_t size, aclrtDrvMemHandle handle);

@@ -289,6 +289,27 @@ def test_acl_rt_free_refuses_the_caching_allocators_memory(world):
     assert_consistent(w, "acl.rt.free of caching-allocator memory")
 
 
+def test_acl_rt_vmm_calls_refuse_an_expandable_segment(world):
+    w = world
+    M.memory._set_allocator_settings("expandable_segments:True")
+    p = M.caching_allocator_alloc(15 * MiB)  # the base of a large-pool segment: 20 MiB pages, one mapped
+    segments = [s for s in M.memory._snapshot()["segments"] if s["address"] == p]
+    assert len(segments) == 1 and segments[0]["is_expandable"]
+    h, ret = rt.malloc_physical(20 * MiB, PROP, 0)
+    assert ret == 0
+    try:
+        assert rt.memset(p, 1000, 0x5A, 1000) == 0
+        assert rt.unmap_mem(p) == acl.ACL_ERROR_RT_PARAM_INVALID
+        assert rt.release_mem_address(p) == acl.ACL_ERROR_RT_PARAM_INVALID
+        assert rt.map_mem(p + 40 * MiB, 20 * MiB, 0, h, 0) == acl.ACL_ERROR_RT_PARAM_INVALID  # a page not mapped
+        assert acl.util.ptr_to_bytes(p, 4) == b"\x5a" * 4  # still the allocator's, still mapped
+    finally:
+        M.caching_allocator_delete(p)
+        assert rt.free_physical(h) == 0
+        M.memory._set_allocator_settings("expandable_segments:False")
+    assert_consistent(w, "acl.rt unmap/release/map on an expandable segment")
+
+
 def test_acl_util_ptr_to_bytes_huge_size_is_a_value_error(world):
     for size in (2**40, 2**63 - 1):
         with pytest.raises(ValueError):

@@ -649,6 +649,39 @@ static void test_random_operations_with_expandable_segments(void **state)
     aclrtDestroyStream(side);
 }
 
+/* The segment's range is the allocator's: a program's aclrtUnmapMem, aclrtReleaseMemAddress or
+ * aclrtMapMem on it is refused (as on aclrtMalloc memory), on mapped pages and unmapped ones, and
+ * the allocator keeps working on it. */
+static void test_user_cannot_unmap_release_or_map_a_segments_range(void **state)
+{
+    (void)state;
+    start_cache(GiB_, 0, "expandable_segments:True");
+    char *p = alloc(15 * MiB_ - 32); /* the segment's first page, at its base */
+    memset(p, 'A', 16);
+    assert_int_equal(aclrtUnmapMem(p), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReleaseMemAddress(p), ACL_ERROR_RT_PARAM_INVALID);
+    aclrtDrvMemHandle h = NULL;
+    aclrtPhysicalMemProp prop = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    assert_int_equal(aclrtMallocPhysical(&h, PAGE, &prop, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMapMem(p + 2 * PAGE, PAGE, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID); /* a page not mapped */
+    assert_int_equal(p[15], 'A');
+    char *q = alloc(40 * MiB_ - 32); /* maps the next two pages, the one refused to the program too */
+    assert_ptr_equal(q, p + 15 * MiB_);
+    memset(q, 'B', 40 * MiB_ - 32);
+    assert_int_equal(p[15], 'A');
+    check();
+    npualloc_cache_free(p);
+    npualloc_cache_free(q);
+    npualloc_cache_empty(); /* unmaps and releases all of it: nothing of the program's went */
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.physical_handles, 1); /* h */
+    assert_int_equal(c.mappings, 0);
+    assert_int_equal(c.reservations, 0);
+    check();
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
 /* ---- the expandable_segments probe against the real runtime ---- */
 
 static void test_probe_feature_not_supported_warns_and_turns_expandable_off(void **state)
@@ -836,6 +869,7 @@ int main(void)
         cmocka_unit_test_teardown(test_expandable_segment_keeps_its_allocation_context, stop_cache),
         cmocka_unit_test_teardown(test_unmap_without_host_memory_for_the_split_leaves_the_block_mapped, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_with_expandable_segments, stop_cache),
+        cmocka_unit_test_teardown(test_user_cannot_unmap_release_or_map_a_segments_range, stop_cache),
     };
     return cmocka_run_group_tests_name("expandable", tests, NULL, NULL);
 }

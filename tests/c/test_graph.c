@@ -246,6 +246,47 @@ static void test_checked_graph_reports_use_after_free(void **state)
     npualloc_graph_destroy(g);
 }
 
+/* A graph's address range is the runtime's: a program's aclrtUnmapMem, aclrtReleaseMemAddress or
+ * aclrtMapMem on it is refused while it is mapped for a launch and after, and launches go on. */
+static void test_user_cannot_unmap_release_or_map_a_graphs_range(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    char *out = galloc_on(s, 4096); /* the first block: at the range's base, where chunk 0 is mapped */
+    assert_int_equal(aclrtMemsetAsync(out, 4096, 7, 4096, s), ACL_SUCCESS);
+    end(g);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtUnmapMem(out), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReleaseMemAddress(out), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemsetAsync(out, 4096, 0, 4096, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    char buf[16];
+    assert_int_equal(aclrtMemcpy(buf, sizeof buf, out, sizeof buf, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(buf[15], 7);
+    /* unbound: nothing mapped, the range still the graph's */
+    npualloc_graph_exec_destroy(e);
+    aclrtDrvMemHandle h = NULL;
+    aclrtPhysicalMemProp prop = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &prop, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMapMem(out, 2 * MiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtReleaseMemAddress(out), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(npualloc_cache_free(out), ACL_SUCCESS);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+    npualloc_vmm_counts c;
+    npualloc_vmm_counts_get(&c);
+    assert_int_equal(c.reservations, 0); /* the graph released its range */
+    assert_int_equal(c.mappings, 0);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+}
+
 static void test_checked_output_and_host_access_after_launch(void **state)
 {
     (void)state;
@@ -647,6 +688,7 @@ int main(void)
         cmocka_unit_test_teardown(test_concurrent_captures, stop_runtime),
         cmocka_unit_test_teardown(test_access_setting_is_forgotten_on_restart, stop_runtime),
         cmocka_unit_test_teardown(test_get_mem_access_rejects_a_null_output, stop_runtime),
+        cmocka_unit_test_teardown(test_user_cannot_unmap_release_or_map_a_graphs_range, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
