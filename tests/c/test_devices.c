@@ -165,7 +165,12 @@ static void test_malformed_module_variable_fails_start(void **state)
     uintptr_t base;
     size_t size;
     va_window(&base, &size);
+#if defined(NPUALLOC_TSAN)
+    /* TSan's mappings sometimes leave no free 1 TiB run, and the window halves (seen once: 512 GiB). */
+    assert_true(size <= VALID_WINDOW_BYTES && size >= VALID_WINDOW_BYTES / 8);
+#else
     assert_int_equal(size, VALID_WINDOW_BYTES); /* the valid value is the one used */
+#endif
     assert_int_equal(aclrtFree(p), ACL_SUCCESS);
     npualloc_shutdown();
     unsetenv("NPUALLOC_FD_BUDGET");
