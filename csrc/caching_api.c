@@ -303,14 +303,21 @@ static bool lock_settings(void)
     return false;
 }
 
+/* Starts the runtime if needed; false, with the error set, when it cannot start. */
+static bool runtime_started(void)
+{
+    if (runtime_ensure_init() == ACL_SUCCESS)
+        return true;
+    const char *why = npualloc_init_error();
+    cache_set_error(NPUALLOC_ERR_VALUE, "%s", why ? why : "the virtual NPU could not start");
+    return false;
+}
+
 /* Starts the runtime if needed; true when `device` is one of its devices (else the error is set). */
 static bool device_ready(int32_t device)
 {
-    if (runtime_ensure_init() != ACL_SUCCESS) {
-        const char *why = npualloc_init_error();
-        cache_set_error(NPUALLOC_ERR_VALUE, "%s", why ? why : "the virtual NPU could not start");
+    if (!runtime_started())
         return false;
-    }
     if (!device_valid(device)) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "Invalid device argument %d: did you call init?", (int)device);
         return false;
@@ -399,10 +406,8 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
 {
     if (!out)
         return ACL_ERROR_INVALID_PARAM;
-    if (runtime_ensure_init() != ACL_SUCCESS) {
-        cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
+    if (!runtime_started())
         return ACL_ERROR_UNINITIALIZE;
-    }
     if (!lock_settings())
         return ACL_ERROR_INVALID_PARAM;
     /* Settings change with every device lock held: holding one is enough to read them. */
@@ -427,10 +432,8 @@ aclError npualloc_cache_set_settings(const char *text)
         cache_set_error(NPUALLOC_ERR_TYPE, "_set_allocator_settings() expects a string");
         return ACL_ERROR_INVALID_PARAM;
     }
-    if (runtime_ensure_init() != ACL_SUCCESS) {
-        cache_set_error(NPUALLOC_ERR_VALUE, "%s", npualloc_init_error());
+    if (!runtime_started())
         return ACL_ERROR_UNINITIALIZE;
-    }
     if (!lock_settings())
         return ACL_ERROR_INVALID_PARAM;
     alloc_settings next = cache_settings;
