@@ -282,6 +282,23 @@ size_t host_ram_bytes(void)
     return pages > 0 ? (size_t)pages * host_page_size() : SIZE_MAX;
 }
 
+/* Bytes of pinned host memory this process holds.  Pinned pages are resident, so together (not
+ * only one by one) they cannot be more than the machine has, whatever the kernel's overcommit
+ * policy would let mmap promise.  A forked child inherits the count with the memory. */
+static _Atomic size_t pinned_bytes;
+
+bool host_pinned_charge(size_t size)
+{
+    size_t ram = host_ram_bytes(), held = atomic_load(&pinned_bytes);
+    do {
+        if (size > ram - held)
+            return false;
+    } while (!atomic_compare_exchange_weak(&pinned_bytes, &held, held + size));
+    return true;
+}
+
+void host_pinned_uncharge(size_t size) { atomic_fetch_sub(&pinned_bytes, size); }
+
 /* ---- checked copies ---- */
 
 #define BOUNCE_BYTES 4096 /* staging buffer for overlapping moves and memset patterns */

@@ -54,8 +54,12 @@ int host_unmap(void *va, size_t size);
 /* Page-aligned host memory for pinned-host allocations (inherited by fork like any memory). */
 int host_alloc_pinned(size_t size, void **out);
 void host_free_pinned(void *p, size_t size);
-/* The machine's physical memory: no one pinned allocation can be larger. */
+/* The machine's physical memory. */
 size_t host_ram_bytes(void);
+/* Charges `size` bytes of pinned host memory, false when the process's pinned memory would then be
+ * more than host_ram_bytes(); host_pinned_uncharge gives a charge back. */
+bool host_pinned_charge(size_t size);
+void host_pinned_uncharge(size_t size);
 
 /* Copies (memmove semantics) or sets host memory that may be anything the caller passed: the
  * kernel does the access (process_vm_readv / process_vm_writev on this process), so an address

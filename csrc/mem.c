@@ -174,14 +174,13 @@ aclError aclrtMallocHost(void **hostPtr, size_t size)
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    /* pinned pages are resident: more than the machine has is out of memory, whatever the
-     * kernel's overcommit policy would let mmap promise */
-    if (size > host_ram_bytes())
+    if (!host_pinned_charge(size))
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     host_block *b = malloc(sizeof *b);
     void *p;
     if (!b || host_alloc_pinned(size, &p) != 0) {
         free(b);
+        host_pinned_uncharge(size);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
     b->addr = (uintptr_t)p;
@@ -207,6 +206,7 @@ aclError aclrtFreeHost(void *hostPtr)
         return ACL_ERROR_RT_MEMORY_FREE;
     host_block *b = AVL_ENTRY(n, host_block, node);
     host_free_pinned(hostPtr, b->size);
+    host_pinned_uncharge(b->size);
     free(b);
     return ACL_SUCCESS;
 }

@@ -19,10 +19,10 @@
 
 typedef struct phys_handle {
     uint64_t id;        /* handle value while users may name it, 0 after aclrtFreePhysical */
-    int32_t device;     /* -1: host-resident memory (charged to no device) */
+    int32_t device;     /* -1: host-resident memory (pinned host memory) */
     mem_kind kind;      /* capacity kind charged */
     size_t size;        /* bytes as requested (a multiple of the granularity) */
-    size_t charged;     /* bytes charged to the device */
+    size_t charged;     /* bytes charged to the device, or to the pinned host count */
     host_memfile mem;
     uint32_t mappings;  /* live mappings; the memory is released when 0 and id == 0 */
     /* cross-process sharing (ipc.c): */
@@ -137,6 +137,15 @@ static aclError share_fd_error(int err)
 /* ---- physical handles ---- */
 
 /* Creates a handle's memory and charges it; the handle is not yet in the table. */
+/* Gives back what handle_create charged: the device's capacity, or the process's pinned host memory. */
+static void uncharge(const phys_handle *h)
+{
+    if (h->device >= 0)
+        device_uncharge(h->device, h->kind, h->charged);
+    else
+        host_pinned_uncharge(h->charged);
+}
+
 static aclError handle_create(int32_t device, mem_kind kind, size_t size, size_t charge, phys_handle **out)
 {
     phys_handle *h = calloc(1, sizeof *h);
@@ -154,12 +163,14 @@ static aclError handle_create(int32_t device, mem_kind kind, size_t size, size_t
             free(h);
             return rc;
         }
-        h->charged = charge;
+    } else if (!host_pinned_charge(charge)) {
+        free(h);
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
+    h->charged = charge;
     int err = host_memfile_create(size, &h->mem);
     if (err) {
-        if (device >= 0)
-            device_uncharge(device, kind, charge);
+        uncharge(h);
         free(h);
         return resource_error(err);
     }
@@ -171,8 +182,7 @@ static aclError handle_create(int32_t device, mem_kind kind, size_t size, size_t
 static void handle_destroy(phys_handle *h)
 {
     host_memfile_destroy(&h->mem);
-    if (h->device >= 0)
-        device_uncharge(h->device, h->kind, h->charged);
+    uncharge(h);
     free(h);
 }
 
@@ -184,6 +194,8 @@ static void handle_discard(phys_handle *h, bool in_child)
     if (in_child)
         h->mem.home = NULL;
     host_memfile_destroy(&h->mem);
+    if (h->device < 0) /* the devices' counters go with the runtime; the process's pinned count stays */
+        host_pinned_uncharge(h->charged);
     free(h);
 }
 
@@ -288,9 +300,6 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrt
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (size % pc.granularity != 0)
         return ACL_ERROR_RT_PARAM_INVALID;
-    /* host memory is charged to no device, but it is pinned: never more than the machine has */
-    if (pc.host && size > host_ram_bytes())
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     return vmm_physical_create(device, pc.kind, size, handle);
 }
 

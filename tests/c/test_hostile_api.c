@@ -442,6 +442,35 @@ static void test_pinned_host_memory_beyond_the_machine_is_out_of_memory(void **s
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
+/* The ceiling holds for the process's pinned memory together, not only for each allocation: two
+ * allocations of a little over half the machine each cannot both be held, and freeing one makes room
+ * for the other again, through either call. */
+static void test_pinned_host_memory_together_cannot_exceed_the_machine(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    size_t ram = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGESIZE);
+    size_t over_half = (ram / 2 / (2 * MiB_) + 1) * (2 * MiB_);
+    aclrtPhysicalMemProp hp = hbm_prop(ACL_DDR_MEM_HUGE, 0);
+    hp.location.type = ACL_MEM_LOCATION_TYPE_HOST;
+    aclrtDrvMemHandle first, second;
+    assert_int_equal(aclrtMallocPhysical(&first, over_half, &hp, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocPhysical(&second, over_half, &hp, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    void *p;
+    assert_int_equal(aclrtMallocHost(&p, over_half), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtMallocHost(&p, 2 * MiB_), ACL_SUCCESS); /* below the ceiling */
+    assert_int_equal(aclrtFreeHost(p), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(first), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocPhysical(&second, over_half, &hp, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(second), ACL_SUCCESS);
+    /* a runtime shut down with a host handle still held gives its charge back */
+    assert_int_equal(aclrtMallocPhysical(&first, over_half, &hp, 0), ACL_SUCCESS);
+    npualloc_shutdown();
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    assert_int_equal(aclrtMallocPhysical(&second, over_half, &hp, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(second), ACL_SUCCESS);
+}
+
 /* npualloc.h's functions that report through an aclError say ACL_ERROR_INVALID_PARAM for a NULL
  * they need, as the aclrt* functions do, instead of writing through it. */
 static void test_npualloc_functions_reject_null_pointers(void **state)
@@ -926,6 +955,7 @@ int main(void)
         cmocka_unit_test_teardown(test_streams_and_events_reject_bad_handles, stop_runtime),
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
+        cmocka_unit_test_teardown(test_pinned_host_memory_together_cannot_exceed_the_machine, stop_runtime),
         cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
         cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
         cmocka_unit_test_teardown(test_history_level_is_reset_with_the_caches, stop_runtime),
