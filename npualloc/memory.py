@@ -120,15 +120,26 @@ def _pta_error(code):
 
 # ---- devices ----
 
-_DEVICE_RE = re.compile(r"^([a-zA-Z_]+)(?::([0-9]+))?$")
+# c10's device strings (c10/core/Device.cpp): a type, then optionally ':' and an index without sign,
+# spaces or leading zeros; torch.device() raises RuntimeError for anything else.
+_DEVICE_RE = re.compile(r"([a-zA-Z_]+)(?::(0|[1-9][0-9]*))?")
+# The types c10 knows, in its error's order, privateuseone under torch_npu's name for it.
+_DEVICE_TYPES = ("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "maia",
+                 "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "npu")
 
 
 def _parse_device(device):
-    """(type, index or None) of a device string or a torch.device-like object; None otherwise."""
+    """(type, index or None) of a device string or a torch.device-like object; None otherwise.
+    A string is read as torch.device(string) reads it, with its RuntimeErrors."""
     if isinstance(device, str):
-        m = _DEVICE_RE.match(device.strip())
+        if not device:
+            raise RuntimeError("Device string must not be empty")
+        m = _DEVICE_RE.fullmatch(device)
         if not m:
             raise RuntimeError(f"Invalid device string: '{device}'")
+        if m.group(1) not in _DEVICE_TYPES:
+            raise RuntimeError(f"Expected one of {', '.join(_DEVICE_TYPES)} device type at start of device "
+                               f"string: {m.group(1)}")
         return m.group(1), (int(m.group(2)) if m.group(2) is not None else None)
     if hasattr(device, "type") and hasattr(device, "index") and not isinstance(device, int):
         return device.type, device.index

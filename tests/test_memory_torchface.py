@@ -1,0 +1,49 @@
+"""The torch-like face checked against torch / torch_npu where they define the behaviour: device
+arguments, argument names, error types and texts (torch.cuda.memory of PyTorch 2.13,
+torch_npu/npu/__init__.py and memory.py, c10's device-string parser)."""
+import pytest
+
+import npualloc
+from conftest_memory import GiB, MiB, mem  # noqa: F401
+
+alloc = npualloc.caching_allocator_alloc
+free = npualloc.caching_allocator_delete
+
+TORCH_TYPES = ("cpu, cuda, ipu, xpu, mkldnn, opengl, opencl, ideep, hip, ve, fpga, maia, xla, lazy, vulkan, mps, "
+               "meta, hpu, mtia, npu")
+
+
+# ---- device strings: c10's parser ----
+# (the statistics readers parse their device only once the runtime has started, as torch's)
+
+@pytest.fixture
+def started(mem):
+    npualloc.current_device()
+    return mem
+
+
+@pytest.mark.parametrize("text", [" npu:0", "npu:0 ", "npu:01", "npu:", "npu:-1", "npu:+1", "npu:1a", "1"])
+def test_malformed_device_strings(started, text):
+    with pytest.raises(RuntimeError) as err:
+        npualloc.memory_allocated(text)
+    assert str(err.value) == f"Invalid device string: '{text}'"
+
+
+def test_empty_device_string(started):
+    with pytest.raises(RuntimeError) as err:
+        npualloc.memory_stats("")
+    assert str(err.value) == "Device string must not be empty"
+
+
+@pytest.mark.parametrize("text, kind", [("gpu:0", "gpu"), ("NPU:0", "NPU"), ("npu_x", "npu_x")])
+def test_unknown_device_types(started, text, kind):
+    with pytest.raises(RuntimeError) as err:
+        npualloc.memory_reserved(text)
+    assert str(err.value) == f"Expected one of {TORCH_TYPES} device type at start of device string: {kind}"
+
+
+def test_known_device_types_that_are_not_npu(started):
+    for text in ("cuda:0", "cpu", "meta"):
+        with pytest.raises(ValueError, match=f"^Expected a npu device, but got: {text}$"):
+            npualloc.memory_reserved(text)
+    assert npualloc.memory_allocated("npu:1") == 0 and npualloc.memory_allocated("npu") == 0
