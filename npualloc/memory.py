@@ -199,10 +199,14 @@ def synchronize(device=None):
 
 
 def mem_get_info(device=None):
-    """(free, total) bytes of the device's HBM, from aclrtGetMemInfo(ACL_HBM_MEM)."""
+    """(free, total) bytes of the device's HBM, from aclrtGetMemInfo(ACL_HBM_MEM).  As torch_npu,
+    ``"npu"`` (no index) is the current device, and an index out of range an AssertionError."""
     if device is None:
         device = current_device()
-    return _M._mem_get_info(_get_device_index(device))
+    device = _get_device_index(device, optional=True)
+    if device < 0 or device >= device_count():
+        raise AssertionError("Invalid device id" + _pta_error("VALUE"))
+    return _M._mem_get_info(device)
 
 
 # ---- the caching allocator ----
@@ -218,8 +222,12 @@ def set_per_process_memory_fraction(fraction, device=None) -> None:
         raise TypeError("Invalid type for fraction argument, must be `float`" + _pta_error("TYPE"))
     if fraction < 0 or fraction > 1:
         raise ValueError("Invalid fraction value: {}. Allowed range: 0~1".format(fraction) + _pta_error("VALUE"))
-    _M._set_device(device)
+    # torch_npu's setMemoryFraction checks the device, then the fraction (NaN gets this far), and
+    # only then sets the device: a refused call leaves the current device alone.
+    if device < 0 or device >= device_count():
+        raise RuntimeError(f"Allocator not initialized for device {device}: did you call init?")
     _M._set_fraction(device, fraction)
+    _M._set_device(device)
 
 
 def get_per_process_memory_fraction(device=None) -> float:

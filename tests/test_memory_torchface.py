@@ -13,6 +13,42 @@ TORCH_TYPES = ("cpu, cuda, ipu, xpu, mkldnn, opengl, opencl, ideep, hip, ve, fpg
                "meta, hpu, mtia, npu")
 
 
+# ---- mem_get_info: torch_npu's optional device index and its range check ----
+
+def test_mem_get_info_takes_a_device_without_an_index(mem):
+    # torch_npu: _get_device_index(device, optional=True), as torch.cuda.mem_get_info
+    npualloc.set_device(1)
+    p = alloc(1, device=1)
+    assert npualloc.mem_get_info("npu") == (GiB - 2 * MiB, GiB)
+    free(p)
+
+
+@pytest.mark.parametrize("device", [2, 99, -1, "npu:5", 1 << 40])
+def test_mem_get_info_rejects_a_device_out_of_range(mem, device):
+    # torch_npu: AssertionError("Invalid device id" + pta_error(ErrCode.VALUE))
+    with pytest.raises(AssertionError) as err:
+        npualloc.mem_get_info(device)
+    assert str(err.value) == "Invalid device id"
+
+
+# ---- set_per_process_memory_fraction: the allocator's device check comes first ----
+
+@pytest.mark.parametrize("device", [2, -1, "npu:7"])
+def test_fraction_on_a_device_out_of_range(mem, device):
+    index = int(str(device).rpartition(":")[2])
+    with pytest.raises(RuntimeError) as err:
+        npualloc.set_per_process_memory_fraction(0.5, device)
+    assert str(err.value) == f"Allocator not initialized for device {index}: did you call init?"
+    assert npualloc.current_device() == 0
+
+
+def test_nan_fraction_leaves_the_current_device(mem):
+    # torch_npu's C++ checks the fraction before c10_npu::SetDevice(device)
+    with pytest.raises(RuntimeError, match=r"^invalid fraction:nan\. Please set within \[0, 1\]\.$"):
+        npualloc.set_per_process_memory_fraction(float("nan"), 1)
+    assert npualloc.current_device() == 0
+
+
 # ---- device strings: c10's parser ----
 # (the statistics readers parse their device only once the runtime has started, as torch's)
 
