@@ -49,6 +49,23 @@ def test_nan_fraction_leaves_the_current_device(mem):
     assert npualloc.current_device() == 0
 
 
+# ---- caching_allocator_delete(mem_ptr) ----
+
+def test_caching_allocator_delete_takes_mem_ptr_by_keyword(mem):
+    p = alloc(1000)
+    free(mem_ptr=p)
+    assert npualloc.memory_allocated() == 0
+    free(mem_ptr=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'ptr'"):
+        free(ptr=p)
+    with pytest.raises(TypeError, match="missing required argument 'mem_ptr'"):
+        free()
+    with pytest.raises(TypeError, match="at most 1 positional"):
+        free(p, p)
+    with pytest.raises(TypeError, match="multiple values"):
+        free(p, mem_ptr=p)
+
+
 # ---- device strings: c10's parser ----
 # (the statistics readers parse their device only once the runtime has started, as torch's)
 

@@ -793,9 +793,17 @@ static PyObject *m_caching_allocator_alloc(PyObject *self, PyObject *const *args
     return PyLong_FromVoidPtr(p);
 }
 
-static PyObject *m_caching_allocator_delete(PyObject *self, PyObject *arg)
+static PyObject *m_caching_allocator_delete(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                            PyObject *kwnames)
 {
     (void)self;
+    /* torch's caching_allocator_delete(mem_ptr) is a Python function: mem_ptr= works too */
+    static const char *const names[] = {"mem_ptr"};
+    PyObject *arg = NULL;
+    if (!kwnames && nargs == 1)
+        arg = args[0];
+    else if (parse_args("caching_allocator_delete", args, nargs, kwnames, names, 1, 1, &arg) < 0)
+        return NULL;
     uint64_t p;
     if (as_u64(arg, "caching_allocator_delete", "mem_ptr", &p) < 0)
         return NULL;
@@ -2072,7 +2080,8 @@ static PyObject *m_event_elapsed(PyObject *self, PyObject *const *args, Py_ssize
 static PyMethodDef memory_methods[] = {
     {"caching_allocator_alloc", FAST(m_caching_allocator_alloc), METH_FASTCALL | METH_KEYWORDS,
      "caching_allocator_alloc(size, device=None, stream=None) -> int pointer"},
-    {"caching_allocator_delete", m_caching_allocator_delete, METH_O, "caching_allocator_delete(mem_ptr)"},
+    {"caching_allocator_delete", FAST(m_caching_allocator_delete), METH_FASTCALL | METH_KEYWORDS,
+     "caching_allocator_delete(mem_ptr)"},
     {"empty", FAST(m_empty), METH_FASTCALL | METH_KEYWORDS, "empty(nbytes, device=None, stream=None) -> Buffer"},
     {"_empty_cache", m_empty_cache, METH_NOARGS, NULL},
     {"_empty_virt_addr_cache", m_empty_virt_addr_cache, METH_NOARGS, NULL},
