@@ -11,6 +11,7 @@ Errors that torch_npu builds with ``pta_error(...)`` carry its suffix
 ``TORCH_NPU_COMPACT_ERROR_OUTPUT`` is a non-zero int (or Python runs interactively).
 """
 import collections
+import collections.abc
 import ctypes
 import inspect
 import os
@@ -479,12 +480,29 @@ def _check(device=None):
 
 # ---- snapshots and history ----
 
+def _mempool_id(mempool_id):
+    """A pool id as torch's binding reads it, two non-negative ints; TypeError for anything else."""
+    if isinstance(mempool_id, (str, bytes)) or not isinstance(mempool_id, collections.abc.Sequence) \
+            or len(mempool_id) != 2 or not all(isinstance(x, int) and x >= 0 for x in mempool_id):
+        raise TypeError(f"mempool_id must be a tuple of two non-negative ints, not {mempool_id!r:.80}")
+    return tuple(int(x) for x in mempool_id)
+
+
+def _pool_segments(mempool_id):
+    """The segments of one pool, the default pool (0, 0) included, of every device."""
+    want = _mempool_id(mempool_id)
+    _unsupported_by_pluggable("snapshot")
+    return [s for s in _M._snapshot()["segments"] if s["segment_pool_id"] == want]
+
+
 def memory_snapshot(mempool_id=None):
-    """The segments of every device (torch_npu's snapshot["segments"])."""
+    """The segments of every device (torch_npu's snapshot["segments"]).  As in torch, a ``mempool_id``
+    other than None or (0, 0) keeps only the segments of that private pool (none if there is no such
+    pool); (0, 0) is every segment, those of private pools included."""
+    want = None if mempool_id is None else _mempool_id(mempool_id)
     _unsupported_by_pluggable("snapshot")  # then the caching allocator's: no segments
     segments = _M._snapshot()["segments"]
-    if mempool_id is not None:
-        want = tuple(mempool_id)
+    if want is not None and want != (0, 0):
         segments = [s for s in segments if s["segment_pool_id"] == want]
     return segments
 

@@ -19,7 +19,7 @@ Semantics (torch's, reference section 3.14):
   before ``emptyCache(mempool_id)`` learned to skip the default pools during captures, ``empty_cache()``
   also releases the default pools while a ``use_mem_pool`` is active.)
 * ``memory_snapshot(mempool_id=pool.id)`` / ``pool.snapshot()`` list the pool's segments
-  (``segment_pool_id``).
+  (``segment_pool_id``); as in torch, ``mempool_id=(0, 0)`` lists every segment, not the default pool's.
 * ``MemPool(allocator=pluggable.allocator())`` (an ``NPUPluggableAllocator``): the pool's segments come
   from the library's functions instead of the device (torch's custom-allocator pools, as used to register
   communication buffers); the caching, splitting and statistics stay the allocator's.
@@ -168,7 +168,7 @@ def mempool_stats(pool, device=None):
         counts[metric]["all"] += n
         counts[metric][kind] += n
 
-    for seg in _memory.memory_snapshot(mempool_id=pid):
+    for seg in _memory._pool_segments(pid):
         if device is not None and seg["device"] != device:
             continue
         kind = "small_pool" if seg["segment_type"] == "small" else "large_pool"

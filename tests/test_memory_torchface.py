@@ -66,6 +66,40 @@ def test_caching_allocator_delete_takes_mem_ptr_by_keyword(mem):
         free(p, mem_ptr=p)
 
 
+# ---- memory_snapshot(mempool_id) ----
+
+def test_memory_snapshot_default_pool_id_means_every_segment(mem):
+    # torch's snapshot(mempool_id): (0, 0) returns the blocks of every pool, private ones too
+    p = alloc(1000)
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        q = alloc(1000)
+    everything = npualloc.memory_snapshot()
+    assert len(everything) == 2
+    assert npualloc.memory_snapshot((0, 0)) == everything
+    assert [s["segment_pool_id"] for s in npualloc.memory_snapshot(pool.id)] == [pool.id]
+    assert npualloc.memory_snapshot((5, 5)) == []
+    free(p)
+    free(q)
+
+
+@pytest.mark.parametrize("bad", ["ab", 5, (1,), (1, "x")])
+def test_memory_snapshot_rejects_a_malformed_pool_id(mem, bad):
+    with pytest.raises(TypeError):
+        npualloc.memory_snapshot(bad)
+
+
+def test_mempool_stats_keep_counting_the_default_pool_only(mem):
+    p = alloc(1000)
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        q = alloc(3000)
+    assert npualloc.mempool_stats((0, 0))["allocated_bytes.all.current"] == 1536
+    assert npualloc.mempool_stats(pool)["allocated_bytes.all.current"] == 3072
+    free(p)
+    free(q)
+
+
 # ---- device strings: c10's parser ----
 # (the statistics readers parse their device only once the runtime has started, as torch's)
 
