@@ -134,3 +134,19 @@ def test_known_device_types_that_are_not_npu(started):
         with pytest.raises(ValueError, match=f"^Expected a npu device, but got: {text}$"):
             npualloc.memory_reserved(text)
     assert npualloc.memory_allocated("npu:1") == 0 and npualloc.memory_allocated("npu") == 0
+
+
+# ---- use_mem_pool / MemPool errors: the allocator's message, as torch raises it ----
+
+def test_use_mem_pool_errors_carry_torchs_message_alone(mem):
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        with pytest.raises(RuntimeError) as err:
+            with npualloc.use_mem_pool(pool):
+                pass
+    assert str(err.value) == "beginAllocateToPool: already recording to mempool_id"
+    with pytest.raises(RuntimeError) as err:
+        with npualloc.use_mem_pool(pool, device=5):
+            pass
+    assert str(err.value) == "Invalid device argument 5: did you call init?"
+    assert pool.use_count() == 1

@@ -43,12 +43,17 @@ static PyObject *graph_error(aclError rc, const char *what)
     return NULL;
 }
 
+/* The allocator's own message alone, as torch raises it (use_mem_pool and MemPool surface these
+ * errors); the call and the code only when the allocator left no message. */
 static PyObject *cache_error(aclError rc, const char *what)
 {
     npualloc_error_kind kind;
     const char *msg = npualloc_last_error(&kind);
-    PyErr_Format(kind == NPUALLOC_ERR_VALUE ? PyExc_ValueError : PyExc_RuntimeError, "%s failed (ACL error %d): %s",
-                 what, (int)rc, kind != NPUALLOC_ERR_NONE && msg && msg[0] ? msg : "?");
+    PyObject *type = kind == NPUALLOC_ERR_VALUE ? PyExc_ValueError : PyExc_RuntimeError;
+    if (kind != NPUALLOC_ERR_NONE && msg && msg[0])
+        PyErr_SetString(type, msg);
+    else
+        PyErr_Format(type, "%s failed (ACL error %d)", what, (int)rc);
     return NULL;
 }
 
