@@ -232,8 +232,12 @@ def set_per_process_memory_fraction(fraction, device=None) -> None:
 
 
 def get_per_process_memory_fraction(device=None) -> float:
-    """The fraction set for ``device`` (1.0 when none was set)."""
-    return _M._get_fraction(_get_device_index(device, optional=True))
+    """The fraction set for ``device`` (1.0 when none was set).  As torch's, ``device`` needs an index
+    (``"npu"`` is a ValueError); None is the current device."""
+    current_device()  # torch's _lazy_init()
+    if device is None:
+        device = current_device()
+    return _M._get_fraction(_get_device_index(device))
 
 
 def empty_cache():

@@ -150,3 +150,14 @@ def test_use_mem_pool_errors_carry_torchs_message_alone(mem):
             pass
     assert str(err.value) == "Invalid device argument 5: did you call init?"
     assert pool.use_count() == 1
+
+
+# ---- get_per_process_memory_fraction: torch's device handling ----
+
+def test_get_fraction_needs_a_device_index(mem):
+    npualloc.set_per_process_memory_fraction(0.25, 1)
+    assert npualloc.get_per_process_memory_fraction() == 0.25
+    assert npualloc.get_per_process_memory_fraction("npu:0") == 1.0
+    with pytest.raises(ValueError) as err:
+        npualloc.get_per_process_memory_fraction("npu")
+    assert str(err.value) == "Expected a torch.device with a specified index or an integer, but got:npu"
