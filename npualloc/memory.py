@@ -442,6 +442,8 @@ def record_stream(ptr, stream):
     the work queued on ``stream`` when it is freed has run."""
     if isinstance(ptr, Buffer):
         return ptr.record_stream(stream)
+    if stream is None:  # as Buffer.record_stream (torch takes a Stream): not "the current stream of device 0"
+        raise TypeError("record_stream(): argument 'stream' must be npualloc.Stream or int")
     return _M._record_stream(ptr, stream)
 
 

@@ -161,3 +161,20 @@ def test_get_fraction_needs_a_device_index(mem):
     with pytest.raises(ValueError) as err:
         npualloc.get_per_process_memory_fraction("npu")
     assert str(err.value) == "Expected a torch.device with a specified index or an integer, but got:npu"
+
+
+# ---- record_stream(ptr, None) ----
+
+def test_record_stream_refuses_none_like_buffer_record_stream(mem):
+    p = alloc(100, device=1)
+    b = npualloc.empty(100, device=1)
+    for call in (lambda: npualloc.record_stream(p, None), lambda: b.record_stream(None),
+                 lambda: npualloc.record_stream(b, None)):
+        with pytest.raises(TypeError) as err:
+            call()
+        assert str(err.value) == "record_stream(): argument 'stream' must be npualloc.Stream or int"
+    s = npualloc.Stream(device=1)
+    npualloc.record_stream(p, s)
+    free(p)
+    b.free()
+    s.synchronize()
