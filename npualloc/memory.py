@@ -195,8 +195,10 @@ def set_device(device):
 
 
 def synchronize(device=None):
-    """Waits for everything queued on every stream of ``device`` (default: the current one)."""
-    return _M._synchronize(_get_device_index(device, optional=True))
+    """Waits for everything queued on every stream of ``device`` (default: the current one; -1 too, as
+    torch_npu's ``with device(-1)`` changes nothing)."""
+    device = _get_device_index(device, optional=True)
+    return _M._synchronize(current_device() if device == -1 else device)
 
 
 def mem_get_info(device=None):

@@ -503,7 +503,7 @@ def torch_calls(w):
         add(f"caching_allocator_alloc({size})", lambda s=size: M.caching_allocator_alloc(s), OverflowError)
     for bad in NON_INTS:
         add(f"caching_allocator_alloc({bad!r})", lambda b=bad: M.caching_allocator_alloc(b), TypeError)
-    for dev in (-1, 2, 7, 99):
+    for dev in (-2, 2, 7, 99):  # (-1 is the current device, as torch_npu passes it on to current_stream)
         add(f"caching_allocator_alloc(1, device={dev})", lambda d=dev: M.caching_allocator_alloc(1, device=d),
             RuntimeError)
     for dev in ("cpu", "npu:x", "gpu:0"):
@@ -543,6 +543,8 @@ def torch_calls(w):
         for fn in (M.memory_stats, M.memory_summary, M.reset_peak_memory_stats, M.reset_accumulated_memory_stats,
                    M.get_per_process_memory_fraction, M.mem_get_info, M.synchronize, M.memory._check,
                    M.memory_allocated, M.max_memory_reserved):
+            if fn is M.synchronize and dev == -1:
+                continue  # torch_npu's `with device(-1)` changes nothing: the current device is synchronized
             # torch_npu's mem_get_info raises AssertionError("Invalid device id") for an index out of range
             add(f"{fn.__name__}({dev!r})", lambda f=fn, d=dev: f(d),
                 ALLOWED + (AssertionError,) if fn is M.mem_get_info else ALLOWED)

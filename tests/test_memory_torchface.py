@@ -178,3 +178,17 @@ def test_record_stream_refuses_none_like_buffer_record_stream(mem):
     free(p)
     b.free()
     s.synchronize()
+
+
+# ---- device -1: torch_npu's "current device" where it passes -1 on ----
+
+def test_device_minus_one_is_the_current_device_where_torch_npu_passes_it_on(mem):
+    npualloc.set_device(1)
+    p = alloc(100, device=-1)    # current_stream(-1), then raw_alloc on the current device
+    assert npualloc.memory_allocated(1) == 512 and npualloc.memory_allocated(0) == 0
+    free(p)
+    npualloc.synchronize(-1)     # torch_npu: `with device(-1)` is a no-op
+    with pytest.raises(RuntimeError):
+        npualloc.synchronize(-2)
+    with pytest.raises(RuntimeError, match="^Invalid device argument -1: did you call init\\?$"):
+        npualloc.memory_stats(-1)

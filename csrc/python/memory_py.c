@@ -761,6 +761,9 @@ static PyObject *m_caching_allocator_alloc(PyObject *self, PyObject *const *args
     int32_t dev;
     if (resolve_device(a[1], &dev) < 0)
         return NULL;
+    /* torch_npu passes -1 on: current_stream(-1) and the allocation then take the current device */
+    if (dev == -1 && lazy_current_device(&dev) < 0)
+        return NULL;
     uint64_t stream;
     if (resolve_stream(a[2], dev, &stream) < 0)
         return NULL;
