@@ -162,6 +162,8 @@ def mempool_stats(pool, device=None):
     pid = _pool_id(pool)
     if device is not None:
         device = _memory._get_device_index(device)
+        if device < 0 or device >= _memory.device_count():  # memory_stats' error, not a table of zeros
+            raise RuntimeError(f"Invalid device argument {device}: did you call init?")
     counts = {m: dict.fromkeys(_POOLS, 0) for m in _METRICS}
 
     def add(metric, kind, n):

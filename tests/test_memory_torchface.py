@@ -192,3 +192,16 @@ def test_device_minus_one_is_the_current_device_where_torch_npu_passes_it_on(mem
         npualloc.synchronize(-2)
     with pytest.raises(RuntimeError, match="^Invalid device argument -1: did you call init\\?$"):
         npualloc.memory_stats(-1)
+
+
+# ---- mempool_stats / mempool_summary on a device out of range ----
+
+@pytest.mark.parametrize("device", [2, -1, "npu:9"])
+def test_mempool_stats_refuse_a_device_out_of_range(mem, device):
+    pool = npualloc.MemPool()
+    index = int(str(device).rpartition(":")[2])
+    for call in (npualloc.mempool_stats, npualloc.mempool_summary):
+        with pytest.raises(RuntimeError) as err:
+            call(pool, device)
+        assert str(err.value) == f"Invalid device argument {index}: did you call init?"
+    assert npualloc.mempool_stats(pool, 1)["reserved_bytes.all.current"] == 0
