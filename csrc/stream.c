@@ -6,7 +6,7 @@
  *   A stream is referenced by: its handle-table or default-stream slot ("listed"), each event
  *   whose current record is on it, each queued stream-wait task that waits on it, and each
  *   pin taken by stream_acquire*() (pins are also counted on their own, see the fork child).
- *   An event is referenced by its table slot and by each queued record task for it.
+ *   An event is referenced by its table slot and by each queued record, reset and wait task for it.
  *   Invariant: the listing reference of a stream is dropped only after its worker has been
  *   joined, so a stream is never freed by, or while being used by, its own worker, and a
  *   stream whose count reached 0 has an empty queue and no thread.
@@ -123,7 +123,14 @@ typedef struct npu_event {
     uint64_t time_ns;     /* host_now_ns() when the worker passed the current record */
     bool stamped;         /* time_ns belongs to the current record */
 
-    atomic_uint refs; /* the listing one and one per queued record task */
+    /* Immutable after creation: 0 for aclrtCreateEvent, else the ACL_EVENT_* bits it was created with;
+     * `ex` for aclrtCreateEventExWithFlag (CANN's "new mode" event, refused by some calls). */
+    uint32_t flags;
+    bool ex;
+    /* Stream-wait tasks queued on this event that have not finished waiting (aclrtQueryEventWaitStatus). */
+    atomic_uint pending_waits;
+
+    atomic_uint refs; /* the listing one and one per queued record, reset or wait task */
 
     /* Guarded by table_lock. */
     bool listed; /* in event_table (one reference) */
@@ -520,13 +527,15 @@ static npu_stream *stream_new(int32_t device)
  * arguments of this module's own tasks and of tasks whose cleanup is plain free() are freed;
  * any other argument is leaked, because its cleanup may take locks the child cannot own. */
 static void record_cleanup(void *arg);
+static void reset_cleanup(void *arg);
 static void wait_cleanup(void *arg);
 static void stream_drop_tasks(npu_stream *s)
 {
     stream_task *t = s->head;
     while (t) {
         stream_task *next = t->next;
-        if (t->cleanup == free || t->cleanup == record_cleanup || t->cleanup == wait_cleanup)
+        if (t->cleanup == free || t->cleanup == record_cleanup || t->cleanup == reset_cleanup ||
+            t->cleanup == wait_cleanup)
             free(t->arg);
         free(t);
         t = next;
@@ -930,7 +939,19 @@ static aclError device_streams(int32_t device, device_stream **out, size_t *coun
     return ACL_SUCCESS;
 }
 
-static aclError device_drain(int32_t device, bool take_errors)
+/* Returns and clears the sticky error of s without waiting. */
+static aclError stream_take_error(npu_stream *s)
+{
+    pthread_mutex_lock(&s->lock);
+    aclError rc = s->sticky;
+    s->sticky = ACL_SUCCESS;
+    pthread_mutex_unlock(&s->lock);
+    return rc;
+}
+
+/* With a deadline (CLOCK_MONOTONIC; NULL: none) that comes first, returns ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
+ * and takes no error: every stream keeps its sticky error for the next synchronize. */
+static aclError device_drain(int32_t device, bool take_errors, const struct timespec *deadline)
 {
     if (!device_valid(device))
         return ACL_ERROR_RT_INVALID_DEVICEID;
@@ -944,19 +965,31 @@ static aclError device_drain(int32_t device, bool take_errors)
     /* Every stream is drained, a stream being destroyed included (its queued work is still the
      * device's work).  With take_errors a listed stream's sticky error is returned and cleared (the
      * first error wins); a destroyed stream's is not reported: its handle is gone. */
-    for (size_t i = 0; i < n; i++) {
-        aclError one = stream_drain(list[i].s, take_errors && list[i].listed, NULL);
-        if (rc == ACL_SUCCESS)
-            rc = one;
-        stream_put(list[i].s);
+    if (deadline) {
+        /* Errors are taken (all of them, the first one returned) only once every stream drained in time. */
+        for (size_t i = 0; i < n && rc == ACL_SUCCESS; i++)
+            rc = stream_drain(list[i].s, false, deadline);
+        for (size_t i = 0; i < n && take_errors && rc != ACL_ERROR_RT_STREAM_SYNC_TIMEOUT; i++) {
+            aclError one = list[i].listed ? stream_take_error(list[i].s) : ACL_SUCCESS;
+            if (rc == ACL_SUCCESS)
+                rc = one;
+        }
+    } else {
+        for (size_t i = 0; i < n; i++) {
+            aclError one = stream_drain(list[i].s, take_errors && list[i].listed, NULL);
+            if (rc == ACL_SUCCESS)
+                rc = one;
+        }
     }
+    for (size_t i = 0; i < n; i++)
+        stream_put(list[i].s);
     free(list);
     return rc;
 }
 
-aclError stream_synchronize_device(int32_t device) { return device_drain(device, true); }
+aclError stream_synchronize_device(int32_t device) { return device_drain(device, true, NULL); }
 
-aclError stream_wait_device(int32_t device) { return device_drain(device, false); }
+aclError stream_wait_device(int32_t device) { return device_drain(device, false, NULL); }
 
 /* Lets the worker run every queued task and exit, then joins it.  Afterwards the stream has
  * passed every position it ever gave out and accepts no task.  Called by the one thread that
@@ -980,10 +1013,9 @@ static void stream_stop(npu_stream *s)
  * Stream API
  * ------------------------------------------------------------------------------------------ */
 
-aclError aclrtCreateStream(aclrtStream *stream)
+/* A new stream of the current device; with start_worker its worker runs before it is handed out. */
+static aclError stream_create(aclrtStream *stream, bool start_worker)
 {
-    if (!stream)
-        return ACL_ERROR_INVALID_PARAM;
     int32_t dev;
     aclError rc = runtime_current_device(&dev);
     if (rc != ACL_SUCCESS)
@@ -991,6 +1023,15 @@ aclError aclrtCreateStream(aclrtStream *stream)
     npu_stream *s = stream_new(dev);
     if (!s)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    if (start_worker) {
+        pthread_mutex_lock(&s->lock);
+        rc = ensure_worker_locked(s);
+        pthread_mutex_unlock(&s->lock);
+        if (rc != ACL_SUCCESS) {
+            stream_free(s);
+            return rc;
+        }
+    }
     pthread_mutex_lock(&table_lock);
     uint64_t h = handle_table_insert(&stream_table, s);
     if (h) {
@@ -1000,11 +1041,40 @@ aclError aclrtCreateStream(aclrtStream *stream)
     }
     pthread_mutex_unlock(&table_lock);
     if (!h) {
+        stream_stop(s); /* joins the worker, if one was started */
         stream_free(s);
         return ACL_ERROR_RT_NO_STREAM_RESOURCE;
     }
     *stream = (aclrtStream)(uintptr_t)h;
     return ACL_SUCCESS;
+}
+
+aclError aclrtCreateStream(aclrtStream *stream)
+{
+    if (!stream)
+        return ACL_ERROR_INVALID_PARAM;
+    return stream_create(stream, false);
+}
+
+#define STREAM_FLAGS_KNOWN 0x3FU /* ACL_STREAM_FAST_LAUNCH .. ACL_STREAM_DEVICE_USE_ONLY */
+
+aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag)
+{
+    (void)priority; /* CANN: reserved, and clamped into its range rather than refused; no effect here */
+    if (!stream)
+        return ACL_ERROR_INVALID_PARAM;
+    /* CANN's ACL layer passes on the known bits only (any other bit is ignored); its runtime refuses
+     * DEVICE_USE_ONLY with another of them. */
+    flag &= STREAM_FLAGS_KNOWN;
+    if ((flag & ACL_STREAM_DEVICE_USE_ONLY) && (flag & ~ACL_STREAM_DEVICE_USE_ONLY))
+        return ACL_ERROR_RT_PARAM_INVALID;
+    /* A persistent stream keeps its tasks for a model (aclmdlRI) to run, which npualloc does not have:
+     * its tasks would never run. */
+    if (flag & ACL_STREAM_PERSISTENT)
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    /* FAST_LAUNCH: CANN sets up the stream's resources at creation instead of at first use; here the
+     * resource is the worker thread.  The other flags change nothing in how a stream runs here. */
+    return stream_create(stream, flag & ACL_STREAM_FAST_LAUNCH);
 }
 
 aclError aclrtDestroyStream(aclrtStream stream)
@@ -1067,6 +1137,20 @@ aclError aclrtSynchronizeDevice(void)
     if (rc != ACL_SUCCESS)
         return rc;
     return stream_synchronize_device(dev);
+}
+
+aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout)
+{
+    if (timeout < -1)
+        return ACL_ERROR_RT_PARAM_INVALID; /* CANN: [-1, INT_MAX] */
+    if (timeout <= 0)
+        return aclrtSynchronizeDevice(); /* -1, and 0 as for the stream and event forms: forever */
+    int32_t dev;
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    struct timespec deadline = deadline_after_ms(timeout);
+    return device_drain(dev, true, &deadline);
 }
 
 /* Queues fn on a stream handle; `arg` is a malloc'd block freed after the task runs, or at
@@ -1495,10 +1579,35 @@ static aclError event_record(npu_event *e, npu_stream *s)
  * Event API
  * ------------------------------------------------------------------------------------------ */
 
-aclError aclrtCreateEvent(aclrtEvent *event)
+/* Event flags as CANN's runtime checks them (ACL passes them through).  DDSYNC is the runtime's bit
+ * between CAPTURE_STREAM_PROGRESS and TIME_LINE: it has no ACL name, CANN accepts it, and it makes an
+ * event one that streams can wait for, as ACL_EVENT_SYNC does. */
+#define EVENT_FLAG_DDSYNC 0x04U
+#define EVENT_FLAGS_WITH_FLAG 0x3FU /* SYNC .. EXTERNAL: what aclrtCreateEventWithFlag accepts */
+#define EVENT_FLAGS_EX 0x4FU        /* SYNC .. TIME_LINE, IPC: what aclrtCreateEventExWithFlag accepts */
+#define EVENT_FLAGS_WAITABLE (ACL_EVENT_SYNC | EVENT_FLAG_DDSYNC)
+
+/* True when `flag` contains `alone` together with another bit (CANN: those bits are never combined). */
+static bool combined(uint32_t flag, uint32_t alone) { return (flag & alone) && (flag & ~alone); }
+
+static aclError check_event_flag(uint32_t flag, bool ex)
 {
-    if (!event)
-        return ACL_ERROR_INVALID_PARAM;
+    uint32_t valid = ex ? EVENT_FLAGS_EX : EVENT_FLAGS_WITH_FLAG;
+    if (combined(flag, ACL_EVENT_DEVICE_USE_ONLY) || combined(flag, ACL_EVENT_EXTERNAL) ||
+        (ex && combined(flag, ACL_EVENT_IPC)))
+        return ACL_ERROR_RT_PARAM_INVALID;
+    /* CANN refuses an IPC event on chips without the feature with this code; npualloc has no IPC events.
+     * EXTERNAL events are for updating captured tasks, which npualloc's graph capture cannot do. */
+    if ((ex && flag == ACL_EVENT_IPC) || (!ex && flag == ACL_EVENT_EXTERNAL))
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    if (!(flag & valid) || flag > valid)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    return ACL_SUCCESS;
+}
+
+/* aclrtCreateEvent (flags 0) and the WithFlag forms (flags already checked). */
+static aclError event_create(aclrtEvent *event, uint32_t flags, bool ex)
+{
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
@@ -1509,6 +1618,9 @@ aclError aclrtCreateEvent(aclrtEvent *event)
         free(e);
         return ACL_ERROR_RT_NO_EVENT_RESOURCE;
     }
+    e->flags = flags;
+    e->ex = ex;
+    atomic_init(&e->pending_waits, 0);
     atomic_init(&e->refs, 1); /* the listing reference */
     pthread_mutex_lock(&table_lock);
     uint64_t h = handle_table_insert(&event_table, e);
@@ -1525,6 +1637,35 @@ aclError aclrtCreateEvent(aclrtEvent *event)
     *event = (aclrtEvent)(uintptr_t)h;
     return ACL_SUCCESS;
 }
+
+aclError aclrtCreateEvent(aclrtEvent *event)
+{
+    if (!event)
+        return ACL_ERROR_INVALID_PARAM;
+    return event_create(event, 0, false);
+}
+
+aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    if (!event)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = check_event_flag(flag, false);
+    return rc == ACL_SUCCESS ? event_create(event, flag, false) : rc;
+}
+
+aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag)
+{
+    if (!event)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = check_event_flag(flag, true);
+    return rc == ACL_SUCCESS ? event_create(event, flag, true) : rc;
+}
+
+/* CANN's runtime refuses, for a DEVICE_USE_ONLY event, every call that queues work for it on the host. */
+static bool device_use_only(const npu_event *e) { return e->flags & ACL_EVENT_DEVICE_USE_ONLY; }
+
+/* A stream can wait for (or reset) an event created without flags, or with SYNC (or DDSYNC). */
+static bool waitable(const npu_event *e) { return e->flags == 0 || (e->flags & EVENT_FLAGS_WAITABLE); }
 
 aclError aclrtDestroyEvent(aclrtEvent event)
 {
@@ -1552,6 +1693,10 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
     npu_event *e;
     if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
         return rc;
+    if (device_use_only(e)) {
+        event_put(e);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
     npu_stream *s;
     if ((rc = stream_lookup(stream, &s)) == ACL_SUCCESS) {
         /* graph capture (graph.c): a record on a capturing stream marks a point of the graph */
@@ -1563,8 +1708,9 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
     return rc;
 }
 
-/* True when the event's current record has passed; a never-recorded event counts as passed. */
-static aclError event_passed(aclrtEvent event, bool *recorded, bool *passed)
+/* True when the event's current record has passed; a never-recorded event counts as passed.  *ex:
+ * the event was made by aclrtCreateEventExWithFlag. */
+static aclError event_passed(aclrtEvent event, bool *recorded, bool *passed, bool *ex)
 {
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
@@ -1572,6 +1718,7 @@ static aclError event_passed(aclrtEvent event, bool *recorded, bool *passed)
     npu_event *e;
     if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
         return rc;
+    *ex = e->ex;
     pthread_mutex_lock(&e->lock);
     *recorded = e->stream != NULL;
     *passed = !e->stream || stream_passed(e->stream, e->position);
@@ -1584,22 +1731,120 @@ aclError aclrtQueryEvent(aclrtEvent event, aclrtEventStatus *status)
 {
     if (!status)
         return ACL_ERROR_INVALID_PARAM;
-    bool recorded, passed;
-    aclError rc = event_passed(event, &recorded, &passed);
+    bool recorded, passed, ex;
+    aclError rc = event_passed(event, &recorded, &passed, &ex);
+    if (rc == ACL_SUCCESS && ex)
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* CANN: not for aclrtCreateEventExWithFlag's events */
     if (rc == ACL_SUCCESS)
         *status = passed ? ACL_EVENT_STATUS_COMPLETE : ACL_EVENT_STATUS_NOT_READY;
     return rc;
 }
 
-/* CANN: NOT_READY also covers "never recorded" here, unlike aclrtQueryEvent. */
+/* CANN: NOT_READY also covers "never recorded" here, unlike aclrtQueryEvent, except for an event of
+ * aclrtCreateEventExWithFlag, which CANN's runtime reports COMPLETE until its first record. */
 aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)
 {
     if (!status)
         return ACL_ERROR_INVALID_PARAM;
-    bool recorded, passed;
-    aclError rc = event_passed(event, &recorded, &passed);
+    bool recorded, passed, ex;
+    aclError rc = event_passed(event, &recorded, &passed, &ex);
     if (rc == ACL_SUCCESS)
-        *status = recorded && passed ? ACL_EVENT_RECORDED_STATUS_COMPLETE : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+        *status = (recorded || ex) && passed ? ACL_EVENT_RECORDED_STATUS_COMPLETE
+                                             : ACL_EVENT_RECORDED_STATUS_NOT_READY;
+    return rc;
+}
+
+aclError aclrtQueryEventWaitStatus(aclrtEvent event, aclrtEventWaitStatus *status)
+{
+    if (!event || !status)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    npu_event *e;
+    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+        return rc;
+    if (e->ex) {
+        rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* CANN: not for aclrtCreateEventExWithFlag's events */
+    } else {
+        bool pending = atomic_load_explicit(&e->pending_waits, memory_order_acquire) != 0;
+        *status = pending ? ACL_EVENT_WAIT_STATUS_NOT_READY : ACL_EVENT_WAIT_STATUS_COMPLETE;
+    }
+    event_put(e);
+    return rc;
+}
+
+/* A reset task: puts the event back in its never-recorded state when its stream reaches it, unless the
+ * event was recorded again after the reset was queued (that newer record stays). */
+typedef struct reset_task {
+    npu_event *event; /* a reference */
+    uint64_t seq;     /* the event's record count when the reset was queued */
+} reset_task;
+
+static aclError run_reset(void *arg)
+{
+    reset_task *r = arg;
+    npu_event *e = r->event;
+    npu_stream *old = NULL;
+    pthread_mutex_lock(&e->lock);
+    if (e->seq == r->seq && e->stream) {
+        old = e->stream;
+        e->stream = NULL;
+        e->stamped = false;
+        e->seq++; /* a record task of the cleared record still queued must not stamp it */
+    }
+    pthread_mutex_unlock(&e->lock);
+    if (old)
+        stream_put(old); /* no lock held; it may free a destroyed stream, never this worker's own */
+    return ACL_SUCCESS;
+}
+
+static void reset_cleanup(void *arg)
+{
+    reset_task *r = arg;
+    event_put(r->event);
+    free(r);
+}
+
+aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
+{
+    if (!event)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    npu_event *e;
+    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+        return rc;
+    /* CANN's runtime, in this order: DEVICE_USE_ONLY, an event no stream waits for, then (with the
+     * stream resolved) an event of aclrtCreateEventExWithFlag. */
+    if (device_use_only(e))
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    else if (!waitable(e))
+        rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    npu_stream *s = NULL;
+    if (rc == ACL_SUCCESS && (rc = stream_lookup(stream, &s)) == ACL_SUCCESS && e->ex)
+        rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    reset_task *r = rc == ACL_SUCCESS ? malloc(sizeof *r) : NULL;
+    if (rc == ACL_SUCCESS && !r)
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    if (rc == ACL_SUCCESS) {
+        event_retain(e); /* the task's reference */
+        r->event = e;
+        /* The event lock is held across the enqueue, as for a record: the sequence number the task
+         * compares is the one in force at its place in the queue. */
+        pthread_mutex_lock(&e->lock);
+        r->seq = e->seq;
+        rc = stream_enqueue(s, run_reset, r, reset_cleanup, NULL);
+        pthread_mutex_unlock(&e->lock);
+        if (rc != ACL_SUCCESS) {
+            free(r);
+            event_put(e); /* the caller still holds one: this never frees */
+        }
+    }
+    if (s)
+        stream_put(s);
+    event_put(e);
     return rc;
 }
 
@@ -1675,16 +1920,19 @@ aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endE
     return ACL_SUCCESS;
 }
 
-/* A stream-wait task: holds its stream's worker until another stream passed a position. */
+/* A stream-wait task: holds its stream's worker until another stream passed a position.  It counts in
+ * its event's pending_waits until it finished waiting. */
 typedef struct wait_task {
     npu_stream *stream; /* a reference */
     uint64_t position;
+    npu_event *event; /* a reference */
 } wait_task;
 
 static aclError run_wait(void *arg)
 {
     wait_task *w = arg;
     stream_wait_position(w->stream, w->position);
+    atomic_fetch_sub_explicit(&w->event->pending_waits, 1, memory_order_release);
     return ACL_SUCCESS;
 }
 
@@ -1692,17 +1940,26 @@ static void wait_cleanup(void *arg)
 {
     wait_task *w = arg;
     stream_put(w->stream);
+    event_put(w->event);
     free(w);
 }
 
-/* Makes s wait until src passed position; takes over the caller's reference to src. */
-static aclError enqueue_wait(npu_stream *s, npu_stream *src, uint64_t position)
+/* Makes s wait until src passed position (the current record of e); takes over the caller's reference
+ * to src, takes one of its own to e. */
+static aclError enqueue_wait(npu_stream *s, npu_stream *src, uint64_t position, npu_event *e)
 {
     wait_task *w = malloc(sizeof *w);
     aclError rc = w ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
     if (w) {
-        *w = (wait_task){.stream = src, .position = position};
+        event_retain(e);
+        *w = (wait_task){.stream = src, .position = position, .event = e};
+        /* Counted before the task can run (and uncount itself). */
+        atomic_fetch_add_explicit(&e->pending_waits, 1, memory_order_relaxed);
         rc = stream_enqueue(s, run_wait, w, wait_cleanup, NULL);
+        if (rc != ACL_SUCCESS) {
+            atomic_fetch_sub_explicit(&e->pending_waits, 1, memory_order_relaxed);
+            event_put(e); /* the caller still holds one: this never frees */
+        }
     }
     if (rc != ACL_SUCCESS) {
         free(w);
@@ -1719,6 +1976,12 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     npu_event *e;
     if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
         return rc;
+    /* CANN's runtime: a DEVICE_USE_ONLY event is refused, one created without SYNC is not waited for. */
+    if (device_use_only(e) || !waitable(e)) {
+        rc = device_use_only(e) ? ACL_ERROR_RT_PARAM_INVALID : ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+        event_put(e);
+        return rc;
+    }
     npu_stream *s;
     if ((rc = stream_lookup(stream, &s)) != ACL_SUCCESS) {
         event_put(e);
@@ -1733,12 +1996,12 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     /* The position is taken now: a later re-record of the event does not change this wait. */
     uint64_t position;
     npu_stream *src = event_target(e, &position);
-    event_put(e);
     /* Nothing to wait for when never recorded, already passed, or on s itself (FIFO). */
     if (src && src != s && !stream_passed(src, position))
-        rc = enqueue_wait(s, src, position);
+        rc = enqueue_wait(s, src, position, e);
     else if (src)
         stream_put(src);
+    event_put(e);
     stream_put(s);
     return rc;
 }

@@ -197,6 +197,29 @@ typedef enum aclrtEventRecordedStatus {
     ACL_EVENT_RECORDED_STATUS_COMPLETE = 1
 } aclrtEventRecordedStatus;
 
+typedef enum aclrtEventWaitStatus {
+    ACL_EVENT_WAIT_STATUS_COMPLETE = 0,
+    ACL_EVENT_WAIT_STATUS_NOT_READY = 1,
+    ACL_EVENT_WAIT_STATUS_RESERVED = 0xFFFF
+} aclrtEventWaitStatus;
+
+/* aclrtCreateEventWithFlag / aclrtCreateEventExWithFlag flags (bits, may be OR-ed; what npualloc makes
+ * of each: docs/runtime.md). */
+#define ACL_EVENT_SYNC 0x00000001U
+#define ACL_EVENT_CAPTURE_STREAM_PROGRESS 0x00000002U
+#define ACL_EVENT_TIME_LINE 0x00000008U
+#define ACL_EVENT_DEVICE_USE_ONLY 0x00000010U
+#define ACL_EVENT_EXTERNAL 0x00000020U
+#define ACL_EVENT_IPC 0x00000040U
+
+/* aclrtCreateStreamWithConfig flags (bits, may be OR-ed; docs/runtime.md). */
+#define ACL_STREAM_FAST_LAUNCH 0x00000001U
+#define ACL_STREAM_FAST_SYNC 0x00000002U
+#define ACL_STREAM_PERSISTENT 0x00000004U
+#define ACL_STREAM_HUGE 0x00000008U
+#define ACL_STREAM_CPU_SCHEDULE 0x00000010U
+#define ACL_STREAM_DEVICE_USE_ONLY 0x00000020U
+
 #define ACL_RT_VMM_EXPORT_FLAG_DEFAULT 0x0UL
 #define ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION 0x1UL
 #define ACL_RT_IPC_MEM_EXPORT_FLAG_DEFAULT 0x0UL
@@ -227,6 +250,8 @@ aclError aclrtResetDeviceForce(int32_t deviceId);
 aclError aclrtGetDevice(int32_t *deviceId);
 aclError aclrtGetDeviceCount(uint32_t *count);
 aclError aclrtSynchronizeDevice(void);
+/* timeout: -1 waits forever, > 0 milliseconds; ACL_ERROR_RT_STREAM_SYNC_TIMEOUT when it ran out. */
+aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout);
 aclError aclrtDeviceCanAccessPeer(int32_t *canAccessPeer, int32_t deviceId, int32_t peerDeviceId);
 aclError aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags);
 aclError aclrtDeviceDisablePeerAccess(int32_t peerDeviceId);
@@ -266,6 +291,8 @@ aclError aclrtIpcMemClose(const char *key);
 
 /* ---- streams and events ---- */
 aclError aclrtCreateStream(aclrtStream *stream);
+/* priority is accepted and has no effect (CANN: reserved); flag: ACL_STREAM_* bits. */
+aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uint32_t flag);
 aclError aclrtDestroyStream(aclrtStream stream);
 aclError aclrtSynchronizeStream(aclrtStream stream);
 /* timeout: -1 waits forever, > 0 milliseconds; ACL_ERROR_RT_STREAM_SYNC_TIMEOUT when it ran out. */
@@ -281,10 +308,16 @@ aclError aclrtSubscribeReport(uint64_t threadId, aclrtStream stream);
 aclError aclrtUnSubscribeReport(uint64_t threadId, aclrtStream stream);
 aclError aclrtProcessReport(int32_t timeout);
 aclError aclrtCreateEvent(aclrtEvent *event);
+aclError aclrtCreateEventWithFlag(aclrtEvent *event, uint32_t flag);
+aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag);
+/* Queued on the stream: when the stream reaches it, the event is back in its never-recorded state. */
+aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream);
 aclError aclrtDestroyEvent(aclrtEvent event);
 aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream);
 aclError aclrtQueryEvent(aclrtEvent event, aclrtEventStatus *status);
 aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status);
+/* COMPLETE once every stream wait queued on the event (aclrtStreamWaitEvent) has finished waiting. */
+aclError aclrtQueryEventWaitStatus(aclrtEvent event, aclrtEventWaitStatus *status);
 aclError aclrtSynchronizeEvent(aclrtEvent event);
 /* timeout: -1 waits forever, > 0 milliseconds; ACL_ERROR_RT_EVENT_SYNC_TIMEOUT when it ran out. */
 aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout);
