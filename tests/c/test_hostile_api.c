@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "stream.h" /* stream_counts */
 #include "testutil.h"
 
 #define FORGED ((void *)(uintptr_t)0x4800000012345601ull) /* a plausible but unknown handle value */
@@ -364,6 +365,53 @@ static void test_streams_and_events_reject_bad_handles(void **state)
     assert_int_equal(aclrtDestroyEvent(e2), ACL_SUCCESS);
 }
 
+/* The flagged stream and event calls: NULL outputs, forged, crossed and destroyed handles, flags that
+ * are no flags; nothing is created by a refused call. */
+static void test_flagged_streams_and_events_reject_bad_arguments(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    aclrtStream s = (aclrtStream)0x1;
+    aclrtEvent e = (aclrtEvent)0x1;
+    aclrtEventWaitStatus ws = ACL_EVENT_WAIT_STATUS_RESERVED;
+    assert_int_equal(aclrtCreateStreamWithConfig(NULL, 0, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtCreateStreamWithConfig(&s, UINT32_MAX, UINT32_MAX), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtCreateEventWithFlag(NULL, ACL_EVENT_SYNC), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtCreateEventWithFlag(&e, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtCreateEventWithFlag(&e, UINT32_MAX), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtCreateEventExWithFlag(NULL, ACL_EVENT_SYNC), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtCreateEventExWithFlag(&e, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtCreateEventExWithFlag(&e, UINT32_MAX), ACL_ERROR_RT_PARAM_INVALID);
+    assert_ptr_equal(s, (aclrtStream)0x1);
+    assert_ptr_equal(e, (aclrtEvent)0x1);
+    assert_int_equal(aclrtResetEvent(NULL, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtResetEvent(FORGED, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEventWaitStatus(NULL, &ws), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEventWaitStatus(FORGED, &ws), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeDeviceWithTimeout(-2), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtSynchronizeDeviceWithTimeout(INT32_MIN), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtSynchronizeDeviceWithTimeout(INT32_MAX), ACL_SUCCESS); /* nothing queued */
+    assert_int_equal(aclrtCreateStreamWithConfig(&s, 0, ACL_STREAM_FAST_LAUNCH), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateEventWithFlag(&e, ACL_EVENT_SYNC), ACL_SUCCESS);
+    /* a stream where an event belongs, and the other way round */
+    assert_int_equal(aclrtResetEvent((aclrtEvent)s, s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtResetEvent(e, (aclrtStream)e), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEventWaitStatus((aclrtEvent)s, &ws), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEventWaitStatus(e, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtResetEvent(e, FORGED), ACL_ERROR_INVALID_PARAM);
+    /* destroyed: every use of the old values */
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtResetEvent(e, s), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtResetEvent(e, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtQueryEventWaitStatus(e, &ws), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(ws, ACL_EVENT_WAIT_STATUS_RESERVED);
+    size_t streams = 1, events = 1;
+    stream_counts(&streams, &events);
+    assert_int_equal(streams, 0);
+    assert_int_equal(events, 0);
+}
+
 static void test_sharing_rejects_bad_arguments(void **state)
 {
     (void)state;
@@ -648,6 +696,14 @@ static void test_a_malformed_environment_fails_every_call(void **state)
     assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &prop, 0), ACL_ERROR_UNINITIALIZE);
     assert_int_equal(aclrtReserveMemAddress(&p, 2 * MiB_, 0, NULL, 0), ACL_ERROR_UNINITIALIZE);
     assert_int_equal(aclrtCreateStream(&s), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtCreateStreamWithConfig(&s, 0, ACL_STREAM_FAST_LAUNCH), ACL_ERROR_UNINITIALIZE);
+    aclrtEvent e;
+    aclrtEventWaitStatus ws;
+    assert_int_equal(aclrtCreateEventWithFlag(&e, ACL_EVENT_SYNC), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtCreateEventExWithFlag(&e, ACL_EVENT_SYNC), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtResetEvent(FORGED, NULL), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtQueryEventWaitStatus(FORGED, &ws), ACL_ERROR_UNINITIALIZE);
+    assert_int_equal(aclrtSynchronizeDeviceWithTimeout(10), ACL_ERROR_UNINITIALIZE);
     assert_int_equal(aclInit(NULL), ACL_ERROR_UNINITIALIZE);
     npualloc_stats st;
     npualloc_error_kind kind;
@@ -736,6 +792,8 @@ static void test_calls_without_a_context(void **state)
     assert_int_equal(aclrtGetMemInfo(ACL_HBM_MEM, &f, &t), ACL_ERROR_RT_CONTEXT_NULL);
     assert_int_equal(aclrtCreateStream(&s2), ACL_ERROR_RT_CONTEXT_NULL);
     assert_int_equal(aclrtSynchronizeDevice(), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtSynchronizeDeviceWithTimeout(10), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtCreateStreamWithConfig(&s2, 0, 0), ACL_ERROR_RT_CONTEXT_NULL);
     assert_int_equal(aclrtSynchronizeStream(NULL), ACL_ERROR_RT_CONTEXT_NULL); /* the default stream */
     assert_int_equal(aclrtMemsetAsync(d, 4096, 0, 4096, NULL), ACL_ERROR_RT_CONTEXT_NULL);
     assert_int_equal(aclrtDeviceEnablePeerAccess(1, 0), ACL_ERROR_RT_CONTEXT_NULL);
@@ -878,6 +936,9 @@ static void test_parent_objects_are_stale_in_a_forked_child(void **state)
         bad += aclrtSynchronizeStream(s) != ACL_ERROR_INVALID_PARAM;
         bad += aclrtDestroyStream(s) != ACL_ERROR_INVALID_PARAM;
         bad += aclrtSynchronizeEvent(e) != ACL_ERROR_INVALID_PARAM;
+        aclrtEventWaitStatus ws;
+        bad += aclrtQueryEventWaitStatus(e, &ws) != ACL_ERROR_INVALID_PARAM;
+        bad += aclrtResetEvent(e, s) != ACL_ERROR_INVALID_PARAM;
         bad += aclrtDestroyEvent(e) != ACL_ERROR_INVALID_PARAM;
         bad += aclrtMemcpy(buf, sizeof buf, host, sizeof buf, ACL_MEMCPY_HOST_TO_HOST) != ACL_SUCCESS; /* inherited */
         bad += aclrtFreeHost(host) != ACL_SUCCESS;
@@ -888,6 +949,9 @@ static void test_parent_objects_are_stale_in_a_forked_child(void **state)
         aclrtPhysicalMemProp prop = good_prop();
         bad += aclrtMallocPhysical(&mine, 2 * MiB_, &prop, 0) != ACL_SUCCESS || aclrtFreePhysical(mine) != ACL_SUCCESS;
         bad += aclrtCreateStream(&ms) != ACL_SUCCESS || aclrtDestroyStream(ms) != ACL_SUCCESS;
+        bad += aclrtCreateStreamWithConfig(&ms, 0, ACL_STREAM_FAST_LAUNCH) != ACL_SUCCESS ||
+               aclrtDestroyStream(ms) != ACL_SUCCESS;
+        bad += aclrtSynchronizeDeviceWithTimeout(1000) != ACL_SUCCESS;
         npualloc_shutdown();
         _exit(bad);
     }
@@ -953,6 +1017,7 @@ int main(void)
         cmocka_unit_test_teardown(test_physical_memory_rejects_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_reservations_and_mappings_reject_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_streams_and_events_reject_bad_handles, stop_runtime),
+        cmocka_unit_test_teardown(test_flagged_streams_and_events_reject_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_together_cannot_exceed_the_machine, stop_runtime),
