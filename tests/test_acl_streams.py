@@ -429,3 +429,194 @@ def test_stream_query_status():
     assert rt.stream_query(s) == (0, 0)
     assert rt.destroy_stream(s) == 0
     assert rt.stream_query(s) == (0, acl.ACL_ERROR_INVALID_PARAM)
+
+
+# ---- flagged events and streams (CANN's values and codes; what npualloc makes of each flag: docs/runtime.md) ----
+
+def flagged_event(flag, ex=False):
+    e, ret = (rt.create_event_ex_with_flag if ex else rt.create_event_with_flag)(flag)
+    assert ret == 0 and e != 0
+    return e
+
+
+def held(s):
+    """Holds stream s behind a BLOCK callback until the returned gate is set."""
+    gate = threading.Event()
+    assert rt.launch_callback(lambda _: gate.wait(), None, acl.ACL_CALLBACK_BLOCK, s) == 0
+    return gate
+
+
+def test_flag_values_are_canns():
+    assert (acl.ACL_EVENT_SYNC, acl.ACL_EVENT_CAPTURE_STREAM_PROGRESS, acl.ACL_EVENT_TIME_LINE,
+            acl.ACL_EVENT_DEVICE_USE_ONLY, acl.ACL_EVENT_EXTERNAL, acl.ACL_EVENT_IPC) == (1, 2, 8, 0x10, 0x20, 0x40)
+    assert (acl.ACL_STREAM_FAST_LAUNCH, acl.ACL_STREAM_FAST_SYNC, acl.ACL_STREAM_PERSISTENT, acl.ACL_STREAM_HUGE,
+            acl.ACL_STREAM_CPU_SCHEDULE, acl.ACL_STREAM_DEVICE_USE_ONLY) == (1, 2, 4, 8, 0x10, 0x20)
+    assert (acl.ACL_EVENT_WAIT_STATUS_COMPLETE, acl.ACL_EVENT_WAIT_STATUS_NOT_READY,
+            acl.ACL_EVENT_WAIT_STATUS_RESERVED) == (0, 1, 0xFFFF)
+
+
+@pytest.mark.parametrize("flag", [acl.ACL_EVENT_SYNC, acl.ACL_EVENT_TIME_LINE, acl.ACL_EVENT_CAPTURE_STREAM_PROGRESS,
+                                  acl.ACL_EVENT_SYNC | acl.ACL_EVENT_TIME_LINE, 0x4, 0xF,
+                                  acl.ACL_EVENT_DEVICE_USE_ONLY])
+def test_create_event_with_flag_takes_canns_flags(flag):
+    assert rt.destroy_event(flagged_event(flag)) == 0
+
+
+@pytest.mark.parametrize("flag", [0, acl.ACL_EVENT_IPC, 0x80, 2**32 - 1, acl.ACL_EVENT_SYNC | acl.ACL_EVENT_EXTERNAL,
+                                  acl.ACL_EVENT_SYNC | acl.ACL_EVENT_DEVICE_USE_ONLY, 2**32, -1])
+def test_create_event_with_flag_refuses_the_rest(flag):
+    assert rt.create_event_with_flag(flag) == (0, acl.ACL_ERROR_RT_PARAM_INVALID)
+
+
+def test_flags_npualloc_cannot_honour_are_feature_not_supported():
+    nope = acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+    assert rt.create_event_with_flag(acl.ACL_EVENT_EXTERNAL) == (0, nope)  # updating captured tasks
+    assert rt.create_event_ex_with_flag(acl.ACL_EVENT_IPC) == (0, nope)    # IPC events
+    assert rt.create_stream_with_config(0, acl.ACL_STREAM_PERSISTENT) == (0, nope)  # model-bound streams
+
+
+@pytest.mark.parametrize("flag", [0, acl.ACL_EVENT_DEVICE_USE_ONLY, acl.ACL_EVENT_EXTERNAL,
+                                  acl.ACL_EVENT_IPC | acl.ACL_EVENT_SYNC, 0x80, 2**40])
+def test_create_event_ex_with_flag_refuses(flag):
+    assert rt.create_event_ex_with_flag(flag) == (0, acl.ACL_ERROR_RT_PARAM_INVALID)
+
+
+def test_event_without_sync_is_timed_but_not_waited_for_or_reset():
+    s, t = stream(), stream()
+    a, b = flagged_event(acl.ACL_EVENT_TIME_LINE), flagged_event(acl.ACL_EVENT_TIME_LINE)
+    assert rt.record_event(a, s) == 0
+    assert npualloc._sleep(0.05, s) == 0
+    assert rt.record_event(b, s) == 0
+    assert rt.synchronize_event(b) == 0
+    ms, ret = rt.event_elapsed_time(a, b)
+    assert ret == 0 and ms >= 45.0
+    assert rt.stream_wait_event(t, a) == acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+    assert rt.reset_event(a, t) == acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+    assert rt.query_event_wait_status(a) == (acl.ACL_EVENT_WAIT_STATUS_COMPLETE, 0)
+
+
+def test_device_use_only_event_takes_no_host_task():
+    s, e = stream(), flagged_event(acl.ACL_EVENT_DEVICE_USE_ONLY)
+    for ret in (rt.record_event(e, s), rt.stream_wait_event(s, e), rt.reset_event(e, s)):
+        assert ret == acl.ACL_ERROR_RT_PARAM_INVALID
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, 0)
+
+
+def test_ex_event():
+    s, t = stream(), stream()
+    e = flagged_event(acl.ACL_EVENT_SYNC, ex=True)
+    nope = acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_COMPLETE, 0)  # until its first record
+    assert rt.query_event(e)[1] == nope
+    assert rt.query_event_wait_status(e)[1] == nope
+    assert rt.reset_event(e, t) == nope
+    gate = held(s)
+    assert rt.record_event(e, s) == 0
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, 0)
+    assert rt.stream_wait_event(t, e) == 0
+    gate.set()
+    assert rt.synchronize_stream(t) == 0
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_COMPLETE, 0)
+
+
+def test_reset_event_takes_effect_when_the_stream_reaches_it():
+    s, t = stream(), stream()
+    e = flagged_event(acl.ACL_EVENT_SYNC | acl.ACL_EVENT_TIME_LINE)
+    assert rt.record_event(e, s) == 0 and rt.synchronize_stream(s) == 0
+    gate = held(t)
+    assert rt.reset_event(e, t) == 0
+    time.sleep(0.01)
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_COMPLETE, 0)  # still queued
+    gate.set()
+    assert rt.synchronize_stream(t) == 0
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, 0)
+    assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_COMPLETE, 0)
+    assert rt.event_elapsed_time(e, e) == (0.0, acl.ACL_ERROR_INVALID_PARAM)  # no record, no time
+    # a record made after the reset was queued stays
+    gate = held(t)
+    assert rt.reset_event(e, t) == 0
+    assert rt.record_event(e, s) == 0 and rt.synchronize_stream(s) == 0
+    gate.set()
+    assert rt.synchronize_stream(t) == 0
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_COMPLETE, 0)
+    # the default stream (0), and a plain event
+    plain = event()
+    assert rt.record_event(plain, s) == 0
+    assert rt.reset_event(plain, 0) == 0 and rt.synchronize_stream(0) == 0 and rt.synchronize_stream(s) == 0
+    assert rt.query_event_status(plain) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, 0)
+
+
+def test_reset_event_errors():
+    invalid = acl.ACL_ERROR_INVALID_PARAM
+    e, s = flagged_event(acl.ACL_EVENT_SYNC), stream()
+    for bad in (0, 777, -1, 2**64, s):
+        assert rt.reset_event(bad, s) == invalid, bad
+    for bad in (777, -1, 2**64, e):
+        assert rt.reset_event(e, bad) == invalid, bad
+    assert rt.destroy_event(e) == 0
+    assert rt.reset_event(e, s) == invalid
+    with pytest.raises(TypeError, match=r"acl\.rt\.reset_event args parse failed: .*argument 'stream' must be int"):
+        rt.reset_event(1, "s")
+
+
+def test_query_event_wait_status():
+    s, t, u = stream(), stream(), stream()
+    e = flagged_event(acl.ACL_EVENT_SYNC)
+    assert rt.query_event_wait_status(e) == (acl.ACL_EVENT_WAIT_STATUS_COMPLETE, 0)
+    gate = held(s)
+    assert rt.record_event(e, s) == 0
+    assert rt.stream_wait_event(t, e) == 0 and rt.stream_wait_event(u, e) == 0
+    assert rt.query_event_wait_status(e) == (acl.ACL_EVENT_WAIT_STATUS_NOT_READY, 0)
+    gate.set()
+    assert rt.synchronize_stream(t) == 0 and rt.synchronize_stream(u) == 0
+    assert rt.query_event_wait_status(e) == (acl.ACL_EVENT_WAIT_STATUS_COMPLETE, 0)
+    assert rt.destroy_event(e) == 0
+    for bad in (e, 0, 777, -1, 2**64, s):
+        assert rt.query_event_wait_status(bad) == (0, acl.ACL_ERROR_INVALID_PARAM), bad
+
+
+@pytest.mark.parametrize("priority,flag", [(0, 0), (7, acl.ACL_STREAM_FAST_LAUNCH),
+                                           (2**32 - 1, acl.ACL_STREAM_FAST_LAUNCH | acl.ACL_STREAM_FAST_SYNC),
+                                           (0, acl.ACL_STREAM_HUGE | acl.ACL_STREAM_CPU_SCHEDULE),
+                                           (0, acl.ACL_STREAM_DEVICE_USE_ONLY), (0, 0x40 | 0x80000000)])
+def test_create_stream_with_config(priority, flag):
+    s, ret = rt.create_stream_with_config(priority, flag)
+    assert ret == 0 and s != 0
+    src, dst = malloc(fill=0x33), malloc(fill=0)
+    assert rt.memcpy_async(dst, N, src, N, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s) == 0
+    assert rt.synchronize_stream(s) == 0
+    assert read(dst) == b"\x33" * N
+    assert rt.destroy_stream(s) == 0
+
+
+def test_create_stream_with_config_errors():
+    assert rt.create_stream_with_config(0, acl.ACL_STREAM_DEVICE_USE_ONLY | acl.ACL_STREAM_FAST_SYNC) == \
+        (0, acl.ACL_ERROR_RT_PARAM_INVALID)
+    assert rt.create_stream_with_config(0, 2**32) == (0, acl.ACL_ERROR_RT_PARAM_INVALID)
+    assert rt.create_stream_with_config(-1, 0) == (0, acl.ACL_ERROR_INVALID_PARAM)
+    with pytest.raises(TypeError, match=r"acl\.rt\.create_stream_with_config args parse failed"):
+        rt.create_stream_with_config(0)
+
+
+def test_synchronize_device_with_timeout():
+    s = stream()
+    src, dst = malloc(fill=0x44), malloc(fill=0)
+    assert rt.synchronize_device_with_timeout(5) == 0
+    gate = held(s)
+    assert rt.memcpy_async(dst, N, src, N, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s) == 0
+    assert rt.synchronize_device_with_timeout(20) == acl.ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
+    assert rt.synchronize_device_with_timeout(-2) == acl.ACL_ERROR_RT_PARAM_INVALID
+    assert rt.synchronize_device_with_timeout(2**31) == acl.ACL_ERROR_RT_PARAM_INVALID  # not an int32
+    threading.Timer(0.05, gate.set).start()
+    assert rt.synchronize_device_with_timeout(60000) == 0  # waits without the GIL: the callback needs it
+    assert read(dst) == b"\x44" * N
+    assert rt.synchronize_device_with_timeout(-1) == 0 and rt.synchronize_device_with_timeout(0) == 0
+
+
+def test_synchronize_device_with_timeout_and_create_stream_with_config_need_a_current_device():
+    out = []
+    t = threading.Thread(target=lambda: out.extend([rt.synchronize_device_with_timeout(10),
+                                                    rt.create_stream_with_config(0, 0)]))
+    t.start()
+    t.join()
+    assert out == [acl.ACL_ERROR_RT_CONTEXT_NULL, (0, acl.ACL_ERROR_RT_CONTEXT_NULL)]

@@ -157,6 +157,9 @@ RT = {
     "stream_wait_event": ["s", "e"], "subscribe_report": ["n", "s"], "unsubscribe_report": ["n", "s"],
     "process_report": ["n"], "synchronize_stream_with_timeout": ["s", "n"], "synchronize_event_with_timeout": ["e", "n"],
     "stream_query": ["s"],
+    "synchronize_device_with_timeout": ["n"], "create_stream_with_config": ["n", "n"],
+    "create_event_with_flag": ["n"], "create_event_ex_with_flag": ["n"], "reset_event": ["e", "s"],
+    "query_event_wait_status": ["e"],
     "mem_export_to_shareable_handle": ["h", "n", "n"], "mem_import_from_shareable_handle": ["n", "dev"],
     "mem_set_pid_to_shareable_handle": ["n", "pids"], "ipc_mem_get_export_key": ["p", "n", "n", "n"],
     "ipc_mem_set_import_pid": ["key", "pids"], "ipc_mem_import_by_key": ["key", "n"], "ipc_mem_close": ["key"],
@@ -218,9 +221,9 @@ def cleanup(name, args, result):
         assert rt.free_physical(value) == 0
     elif name == "reserve_mem_address":
         assert rt.release_mem_address(value) == 0
-    elif name == "create_stream":
+    elif name in ("create_stream", "create_stream_with_config"):
         rt.destroy_stream(value)
-    elif name == "create_event":
+    elif name in ("create_event", "create_event_with_flag", "create_event_ex_with_flag"):
         rt.destroy_event(value)
     elif name == "ipc_mem_get_export_key":
         rt.ipc_mem_close(value)

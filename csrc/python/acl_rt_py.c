@@ -106,6 +106,18 @@ static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py
     return ret_or_init_error(rc);
 }
 
+/* synchronize_device_with_timeout(timeout) -> ret: a timeout out of int32 range is invalid like one below -1. */
+static PyObject *rt_synchronize_device_with_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                                    PyObject *kwnames)
+{
+    RT_BEGIN("synchronize_device_with_timeout", 1);
+    int32_t timeout = 0;
+    RT_ARG_OR(arg_i32, 0, "timeout", timeout, INT32_MIN);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtSynchronizeDeviceWithTimeout(timeout));
+    return ret_or_init_error(rc);
+}
+
 static PyObject *rt_device_can_access_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("device_can_access_peer", 2);
@@ -454,6 +466,23 @@ static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssiz
     return ret_u64((uintptr_t)stream, rc);
 }
 
+/* create_stream_with_config(priority, flag) -> (stream, ret).  A flag out of uint32 range has every
+ * bit of one set: refused as CANN refuses its combination of flags. */
+static PyObject *rt_create_stream_with_config(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                              PyObject *kwnames)
+{
+    RT_BEGIN("create_stream_with_config", 2);
+    bool bad = false;
+    uint32_t priority = 0, flag = 0;
+    RT_ARG(arg_u32, 0, "priority", priority);
+    RT_ARG_OR(arg_u32, 1, "flag", flag, UINT32_MAX);
+    if (bad)
+        return ret_u64(0, ACL_ERROR_INVALID_PARAM);
+    aclrtStream stream = NULL;
+    aclError rc = aclrtCreateStreamWithConfig(&stream, priority, flag);
+    return ret_u64((uintptr_t)stream, rc);
+}
+
 RT_ON_HANDLE(destroy_stream, "stream", aclrtDestroyStream) /* waits for the stream's queued work */
 
 RT_ON_HANDLE(synchronize_stream, "stream", aclrtSynchronizeStream)
@@ -665,7 +694,39 @@ static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize
     return ret_u64((uintptr_t)event, rc);
 }
 
+/* name(flag) -> (event, ret): a flag out of uint32 range is one CANN refuses (UINT32_MAX). */
+static PyObject *create_flagged_event(const char *fn, PyObject *const *args, aclError (*create)(aclrtEvent *, uint32_t))
+{
+    uint32_t flag = 0;
+    RT_ARG_OR(arg_u32, 0, "flag", flag, UINT32_MAX);
+    aclrtEvent event = NULL;
+    aclError rc = create(&event, flag);
+    return ret_u64((uintptr_t)event, rc);
+}
+
+static PyObject *rt_create_event_with_flag(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("create_event_with_flag", 1);
+    return create_flagged_event(fn, args, aclrtCreateEventWithFlag);
+}
+
+static PyObject *rt_create_event_ex_with_flag(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                              PyObject *kwnames)
+{
+    RT_BEGIN("create_event_ex_with_flag", 1);
+    return create_flagged_event(fn, args, aclrtCreateEventExWithFlag);
+}
+
 RT_ON_HANDLE(destroy_event, "event", aclrtDestroyEvent)
+
+static PyObject *rt_reset_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("reset_event", 2);
+    void *event = NULL, *stream = NULL;
+    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
+    RT_ARG_OR(arg_ptr, 1, "stream", stream, BAD_HANDLE);
+    return ret_or_init_error(aclrtResetEvent(event, stream));
+}
 
 static PyObject *rt_record_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -693,6 +754,17 @@ static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py
     RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
     aclrtEventRecordedStatus status = ACL_EVENT_RECORDED_STATUS_NOT_READY;
     aclError rc = aclrtQueryEventStatus(event, &status);
+    return ret_i64(status, rc);
+}
+
+static PyObject *rt_query_event_wait_status(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
+                                            PyObject *kwnames)
+{
+    RT_BEGIN("query_event_wait_status", 1);
+    void *event = NULL;
+    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
+    aclrtEventWaitStatus status = ACL_EVENT_WAIT_STATUS_RESERVED;
+    aclError rc = aclrtQueryEventWaitStatus(event, &status);
     return ret_i64(status, rc);
 }
 
@@ -734,6 +806,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(get_device),
     RT_METHOD(get_device_count),
     RT_METHOD(synchronize_device),
+    RT_METHOD(synchronize_device_with_timeout),
     RT_METHOD(device_can_access_peer),
     RT_METHOD(device_enable_peer_access),
     RT_METHOD(device_disable_peer_access),
@@ -754,6 +827,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(map_mem),
     RT_METHOD(unmap_mem),
     RT_METHOD(create_stream),
+    RT_METHOD(create_stream_with_config),
     RT_METHOD(destroy_stream),
     RT_METHOD(synchronize_stream),
     RT_METHOD(synchronize_stream_with_timeout),
@@ -762,10 +836,14 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(memset_async),
     RT_METHOD(launch_callback),
     RT_METHOD(create_event),
+    RT_METHOD(create_event_with_flag),
+    RT_METHOD(create_event_ex_with_flag),
     RT_METHOD(destroy_event),
+    RT_METHOD(reset_event),
     RT_METHOD(record_event),
     RT_METHOD(query_event),
     RT_METHOD(query_event_status),
+    RT_METHOD(query_event_wait_status),
     RT_METHOD(synchronize_event),
     RT_METHOD(synchronize_event_with_timeout),
     RT_METHOD(event_elapsed_time),
