@@ -61,7 +61,8 @@ class Stream:
         _M._stream_synchronize(self.npu_stream, self._device)
 
     def query(self):
-        """True if everything queued so far has run."""
+        """True if everything queued so far has run.  A stream of a runtime that ended (a fork or
+        ``npualloc.testing.restart()`` since it was made) raises RuntimeError, as every use of it does."""
         return _M._stream_query(self.npu_stream, self._device)
 
     def wait_event(self, event):
@@ -107,7 +108,12 @@ class Stream:
 
 
 class Event:
-    """An NPU event: ``record(stream)`` marks the point after the work queued so far on the stream."""
+    """An NPU event: ``record(stream)`` marks the point after the work queued so far on the stream.
+
+    Like a Stream, an event recorded in a runtime that ended (a fork or ``npualloc.testing.restart()``
+    since) is stale: using its record (``query``, ``synchronize``, ``wait``, ``elapsed_time``) raises
+    RuntimeError with the ACL error code, and only a new ``record`` makes it usable again.
+    """
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
         self.enable_timing = enable_timing
@@ -116,9 +122,12 @@ class Event:
         self._handle = 0
         self._gen = 0
 
-    def _ensure(self):
+    def _ensure(self, renew=False):
+        """The handle, created on first use; with ``renew`` (a record, which starts the event afresh) a
+        stale one is replaced too.  Otherwise a stale handle is returned as it is, and the runtime refuses
+        it (INVALID_PARAM) as it refuses a stale stream."""
         gen = _M._generation()
-        if not self._handle or self._gen != gen:
+        if not self._handle or (renew and self._gen != gen):
             self._handle = _M._event_create()
             self._gen = gen
         return self._handle
@@ -133,7 +142,7 @@ class Event:
         """Records the event on ``stream`` (default: the current stream)."""
         if stream is None:
             stream = current_stream()
-        _M._event_record(stream.npu_stream, stream.device, self._ensure())
+        _M._event_record(stream.npu_stream, stream.device, self._ensure(renew=True))
 
     def wait(self, stream=None):
         """Makes ``stream`` (default: the current stream) wait for the event."""
@@ -143,13 +152,13 @@ class Event:
 
     def query(self):
         """True once the recorded work has run (True for an event never recorded)."""
-        if not self._handle or self._gen != _M._generation():
+        if not self._handle:
             return True
         return _M._event_query(self._handle)
 
     def synchronize(self):
         """Waits until the recorded work has run."""
-        if self._handle and self._gen == _M._generation():
+        if self._handle:
             _M._event_synchronize(self._handle)
 
     def elapsed_time(self, end_event):

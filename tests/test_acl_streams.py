@@ -1,6 +1,7 @@
 """Streams, events and callbacks through acl.rt: asynchronous copies in stream order behind
 npualloc._sleep, cross-stream waits, callbacks, elapsed time and the errors of each call."""
 import gc
+import os
 import sys
 import threading
 import time
@@ -620,3 +621,66 @@ def test_synchronize_device_with_timeout_and_create_stream_with_config_need_a_cu
     t.start()
     t.join()
     assert out == [acl.ACL_ERROR_RT_CONTEXT_NULL, (0, acl.ACL_ERROR_RT_CONTEXT_NULL)]
+
+
+# ---- stale handles after a restart or in a fork child: each face reports them its own way, the same for
+# streams and events (pyACL: the code as ret; npualloc.Stream / Event: RuntimeError with the code) ----
+
+def stale_pair():
+    """A Stream and an Event recorded on it (complete), with their raw handles for acl.rt."""
+    s = npualloc.Stream()
+    e = s.record_event()
+    s.synchronize()
+    assert s.query() and e.query()
+    return s, e, s.npu_stream, e.npu_event
+
+
+def check_stale(s, e, s_handle, e_handle):
+    """Raises AssertionError when a stale object answers differently from the rest of its face."""
+    invalid = acl.ACL_ERROR_INVALID_PARAM
+    assert rt.stream_query(s_handle) == (0, invalid)
+    assert rt.query_event(e_handle) == (0, invalid)
+    assert rt.query_event_status(e_handle) == (0, invalid)
+    assert rt.synchronize_stream(s_handle) == invalid
+    assert rt.synchronize_event(e_handle) == invalid
+    for use, what in ((s.query, "aclrtStreamQuery"), (e.query, "aclrtQueryEvent"),
+                      (s.synchronize, "aclrtSynchronizeStream"), (e.synchronize, "aclrtSynchronizeEvent"),
+                      (lambda: npualloc.Stream().wait_event(e), "aclrtStreamWaitEvent")):
+        with pytest.raises(RuntimeError, match=rf"NPU function error: {what}, error code is {invalid}"):
+            use()
+    assert npualloc.Event().query()  # never recorded: not stale, nothing to wait for
+    # a new record starts the event afresh; the stale stream stays refused
+    fresh = npualloc.Stream()
+    e.record(fresh)
+    e.synchronize()
+    assert e.query() and e.npu_event != e_handle
+    with pytest.raises(RuntimeError):
+        e.record(s)
+
+
+def test_stale_stream_and_event_after_a_restart(restart):
+    restart()
+    rt.set_device(0)
+    s, e, sh, eh = stale_pair()
+    restart()
+    rt.set_device(0)
+    check_stale(s, e, sh, eh)
+    del s, e  # releasing stale objects does nothing (and touches nothing of the new runtime)
+    assert rt.synchronize_device() == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_stale_stream_and_event_in_a_fork_child():
+    s, e, sh, eh = stale_pair()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            rt.set_device(0)
+            check_stale(s, e, sh, eh)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert s.query() and e.query()  # the parent's own are untouched
