@@ -1921,24 +1921,33 @@ aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endE
 }
 
 /* A stream-wait task: holds its stream's worker until another stream passed a position.  It counts in
- * its event's pending_waits until it finished waiting. */
+ * its event's pending_waits until it first finished waiting, or until it goes unrun (a graph that
+ * captured it, graph.c, may run it at every launch or never). */
 typedef struct wait_task {
     npu_stream *stream; /* a reference */
     uint64_t position;
     npu_event *event; /* a reference */
+    atomic_bool counted;
 } wait_task;
+
+static void wait_uncount(wait_task *w)
+{
+    if (atomic_exchange_explicit(&w->counted, false, memory_order_relaxed))
+        atomic_fetch_sub_explicit(&w->event->pending_waits, 1, memory_order_release);
+}
 
 static aclError run_wait(void *arg)
 {
     wait_task *w = arg;
     stream_wait_position(w->stream, w->position);
-    atomic_fetch_sub_explicit(&w->event->pending_waits, 1, memory_order_release);
+    wait_uncount(w);
     return ACL_SUCCESS;
 }
 
 static void wait_cleanup(void *arg)
 {
     wait_task *w = arg;
+    wait_uncount(w);
     stream_put(w->stream);
     event_put(w->event);
     free(w);
@@ -1954,6 +1963,7 @@ static aclError enqueue_wait(npu_stream *s, npu_stream *src, uint64_t position, 
         event_retain(e);
         *w = (wait_task){.stream = src, .position = position, .event = e};
         /* Counted before the task can run (and uncount itself). */
+        atomic_init(&w->counted, true);
         atomic_fetch_add_explicit(&e->pending_waits, 1, memory_order_relaxed);
         rc = stream_enqueue(s, run_wait, w, wait_cleanup, NULL);
         if (rc != ACL_SUCCESS) {
