@@ -50,14 +50,29 @@ static int32_t *pid_list(PyObject *o, const char *fn, size_t *n, bool *bad)
     return pids;
 }
 
-/* A key argument: str (TypeError otherwise); NULL-safe UTF-8. */
+/* A key argument: a str (TypeError otherwise) that is a C string, as pyACL parses it: ValueError for
+ * a NUL inside it, which C would take for the key's end (key + "\0junk" would name the key), or
+ * for a character UTF-8 cannot encode. */
 static const char *key_arg(PyObject *o, const char *fn)
 {
     if (!PyUnicode_Check(o)) {
         arg_type_error(fn, "argument 'key' must be str, not %.80s", Py_TYPE(o)->tp_name);
         return NULL;
     }
-    return PyUnicode_AsUTF8(o);
+    Py_ssize_t len = 0;
+    const char *key = PyUnicode_AsUTF8AndSize(o, &len);
+    if (!key) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+            return NULL; /* out of memory */
+        PyErr_Clear();
+        arg_value_error(fn, "argument 'key' cannot be encoded as UTF-8");
+        return NULL;
+    }
+    if (strlen(key) != (size_t)len) {
+        arg_value_error(fn, "argument 'key' contains a null character");
+        return NULL;
+    }
+    return key;
 }
 
 /* ---- acl.rt ---- */

@@ -6,21 +6,37 @@
 
 #include "npualloc.h"
 
-int arg_type_error(const char *fn, const char *format, ...)
+/* Raises `exc` with "FN() " + the detail, in pyACL's words for an acl.rt function (pyarg.h). */
+static int arg_error(PyObject *exc, const char *fn, const char *format, va_list ap)
 {
-    va_list ap;
-    va_start(ap, format);
     PyObject *detail = PyUnicode_FromFormatV(format, ap);
-    va_end(ap);
     if (!detail)
         return ARG_TYPE_ERROR;
     static const char pyacl_rt[] = "acl.rt.";
     if (strncmp(fn, pyacl_rt, sizeof pyacl_rt - 1) == 0)
-        PyErr_Format(PyExc_TypeError, "%s args parse failed: %s() %U", fn, fn, detail);
+        PyErr_Format(exc, "%s args parse failed: %s() %U", fn, fn, detail);
     else
-        PyErr_Format(PyExc_TypeError, "%s() %U", fn, detail);
+        PyErr_Format(exc, "%s() %U", fn, detail);
     Py_DECREF(detail);
     return ARG_TYPE_ERROR;
+}
+
+int arg_type_error(const char *fn, const char *format, ...)
+{
+    va_list ap;
+    va_start(ap, format);
+    int rc = arg_error(PyExc_TypeError, fn, format, ap);
+    va_end(ap);
+    return rc;
+}
+
+int arg_value_error(const char *fn, const char *format, ...)
+{
+    va_list ap;
+    va_start(ap, format);
+    int rc = arg_error(PyExc_ValueError, fn, format, ap);
+    va_end(ap);
+    return rc;
 }
 
 static int type_error(PyObject *o, const char *fn, const char *arg)

@@ -30,6 +30,9 @@ int arg_ptr(PyObject *o, const char *fn, const char *arg, void **out);
  * "acl.rt.NAME args parse failed", followed by ": " and npualloc's message.  The converters, the
  * argument checks below and the acl.rt bindings raise every argument TypeError with it. */
 int arg_type_error(const char *fn, const char *format, ...);
+/* The same words as a ValueError: an argument of the right type that cannot be parsed (a str that
+ * is no C string). */
+int arg_value_error(const char *fn, const char *format, ...);
 
 /* TypeError unless exactly `want` positional arguments were given. */
 bool check_nargs(const char *fn, Py_ssize_t nargs, Py_ssize_t want);

@@ -1,0 +1,39 @@
+"""The pyACL face checked against pyACL's documented behaviour, one deviation at a time (each test
+failed before its fix): docs and reference lines are named in the tests."""
+import pytest
+
+from npualloc import acl
+
+rt = acl.rt
+
+
+@pytest.mark.usefixtures("dev0")
+@pytest.mark.parametrize("name,rest", [("ipc_mem_set_import_pid", ([1],)), ("ipc_mem_import_by_key", (0,)),
+                                       ("ipc_mem_close", ())])
+def test_a_key_with_a_nul_character_is_refused_not_cut_short(name, rest):
+    """pyACL reads a key as a C string (a str argument, B1): a NUL inside it is a parse failure, as for
+    any str parsed to `const char *`.  npualloc used to pass the UTF-8 buffer on, and C saw only the part
+    before the NUL: acl.rt.ipc_mem_close(key + "\\0junk") withdrew `key` (a wrong success)."""
+    p, ret = rt.malloc(4096, 0)
+    assert ret == 0
+    key, ret = rt.ipc_mem_get_export_key(p, 4096, 65, 0)
+    assert ret == 0
+    fn = getattr(rt, name)
+    for bad in (key + "\0", key + "\0junk", "\0" + key):
+        with pytest.raises(ValueError, match=rf"^acl\.rt\.{name} args parse failed: acl\.rt\.{name}\(\) "
+                                             r"argument 'key' contains a null character"):
+            fn(bad, *rest)
+    assert rt.ipc_mem_close(key) == 0  # still exported: nothing above reached it
+    assert rt.ipc_mem_close(key) == acl.ACL_ERROR_RT_INVALID_HANDLE
+    assert rt.free(p) == 0
+
+
+@pytest.mark.usefixtures("dev0")
+@pytest.mark.parametrize("name,rest", [("ipc_mem_set_import_pid", ([1],)), ("ipc_mem_import_by_key", (0,)),
+                                       ("ipc_mem_close", ())])
+def test_a_key_that_is_not_utf8_encodable_is_a_parse_failure(name, rest):
+    """A lone surrogate cannot become a C string: pyACL's parse fails; npualloc's message starts as
+    pyACL's does (it used to be a bare UnicodeEncodeError)."""
+    with pytest.raises(ValueError, match=rf"^acl\.rt\.{name} args parse failed: acl\.rt\.{name}\(\) "
+                                         r"argument 'key' cannot be encoded"):
+        getattr(rt, name)("npualloc-\udc80", *rest)
