@@ -208,7 +208,9 @@ def finalize():
 
 # ---- acl.util ----
 
-# pyACL's npy_type codes (numpy's type numbers) -> numpy dtype names.
+# pyACL's npy_type codes (numpy's type numbers) -> numpy dtype names: the fixed-size numeric types.
+# pyACL lists 0-12 and 23 and defers to NumPy's numbering for the rest; 17 (object) would read
+# device bytes as object pointers, 18-22 have no fixed size or unit: those are refused.
 _NPY_TYPES = {
     0: "bool",
     1: "int8",
@@ -219,8 +221,14 @@ _NPY_TYPES = {
     6: "uint32",
     7: "int64",
     8: "uint64",
+    9: "longlong",
+    10: "ulonglong",
     11: "float32",
     12: "float64",
+    13: "longdouble",
+    14: "csingle",
+    15: "cdouble",
+    16: "clongdouble",
     23: "float16",
 }
 
@@ -250,8 +258,9 @@ def ptr_to_numpy(ptr, shape, npy_type):
 
     No copy: the array is a writable view, valid while the memory stays allocated (and mapped).
     A device range is checked when the view is made: ValueError unless it is mapped throughout.
-    ``npy_type`` is pyACL's code: 0 BOOL, 1 INT8, 2 UINT8, 3 INT16, 4 UINT16, 5 INT32, 6 UINT32,
-    7 INT64, 8 UINT64, 11 FLOAT32, 12 DOUBLE, 23 FLOAT16.
+    ``npy_type`` is pyACL's code (NumPy's type number): 0 BOOL, 1 INT8, 2 UINT8, 3 INT16, 4 UINT16,
+    5 INT32, 6 UINT32, 7 INT64, 8 UINT64, 9 LONGLONG, 10 ULONGLONG, 11 FLOAT32, 12 DOUBLE,
+    13 LONGDOUBLE, 14 CFLOAT, 15 CDOUBLE, 16 CLONGDOUBLE, 23 FLOAT16.
     """
     import numpy as np
 

@@ -411,7 +411,7 @@ def test_ptr_to_numpy_checks():
     assert acl.util.ptr_to_numpy(dev, 4, 5).shape == (4,)
     assert acl.util.ptr_to_numpy(dev, (0,), 5).size == 0
     with pytest.raises(ValueError, match="npy_type"):
-        acl.util.ptr_to_numpy(dev, (4,), 9)
+        acl.util.ptr_to_numpy(dev, (4,), 17)  # NPY_OBJECT
     with pytest.raises(ValueError, match="negative"):
         acl.util.ptr_to_numpy(dev, (-4,), 5)
     with pytest.raises(ValueError, match="not mapped device memory"):

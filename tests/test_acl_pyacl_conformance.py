@@ -1,5 +1,6 @@
 """The pyACL face checked against pyACL's documented behaviour, one deviation at a time (each test
 failed before its fix): docs and reference lines are named in the tests."""
+import numpy as np
 import pytest
 
 from npualloc import acl
@@ -37,3 +38,33 @@ def test_a_key_that_is_not_utf8_encodable_is_a_parse_failure(name, rest):
     with pytest.raises(ValueError, match=rf"^acl\.rt\.{name} args parse failed: acl\.rt\.{name}\(\) "
                                          r"argument 'key' cannot be encoded"):
         getattr(rt, name)("npualloc-\udc80", *rest)
+
+
+# pyACL's acl.util.ptr_to_numpy lists these npy_type codes (hiascend.com aclpythondevg_01_0050,
+# CANN 6.0.1: 9 NPY_LONGLONG, 10 NPY_ULONGLONG) and defers to the NumPy C-API numbering for the
+# others (13 NPY_LONGDOUBLE, 14-16 the complex types); npualloc refused 9, 10 and 13-16.
+@pytest.mark.usefixtures("dev0")
+@pytest.mark.parametrize("code,dtype", [(9, np.longlong), (10, np.ulonglong), (13, np.longdouble),
+                                        (14, np.csingle), (15, np.cdouble), (16, np.clongdouble)])
+def test_ptr_to_numpy_takes_numpys_other_numeric_type_numbers(code, dtype):
+    assert np.dtype(dtype).num == code
+    src = np.arange(6).astype(dtype)
+    dev, ret = rt.malloc(src.nbytes, 0)
+    assert ret == 0
+    assert rt.memcpy(dev, src.nbytes, acl.util.numpy_to_ptr(src), src.nbytes, acl.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    view = acl.util.ptr_to_numpy(dev, (2, 3), code)
+    assert view.dtype == np.dtype(dtype) and np.array_equal(view, src.reshape(2, 3))
+    del view
+    assert rt.free(dev) == 0
+
+
+@pytest.mark.usefixtures("dev0")
+@pytest.mark.parametrize("code", [17, 18, 19, 20, 21, 22, 24, 99, -1])
+def test_ptr_to_numpy_refuses_object_and_flexible_types(code):
+    """17 NPY_OBJECT would read device bytes as PyObject pointers, 18-20 and 21-22 have no fixed
+    item size or unit: a ValueError, never a view."""
+    dev, ret = rt.malloc(64, 0)
+    assert ret == 0
+    with pytest.raises(ValueError, match="npy_type"):
+        acl.util.ptr_to_numpy(dev, (2,), code)
+    assert rt.free(dev) == 0
