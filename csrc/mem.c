@@ -100,6 +100,13 @@ static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy p
 {
     if (!devPtr || size == 0)
         return ACL_ERROR_INVALID_PARAM;
+    /* CANN's ACL layer rounds size + 31 (+ the pad) down to 32 bytes before it asks the runtime,
+     * and refuses a size whose sum overflows size_t, with no device needed; its pad depends on the
+     * exact policy value (a 1 GiB one, flags not set). */
+    bool huge1g = policy == ACL_MEM_MALLOC_HUGE1G_ONLY || policy == ACL_MEM_MALLOC_HUGE1G_ONLY_P2P;
+    size_t append = pad && !huge1g ? 32 + MALLOC_PAD : 32;
+    if (size > SIZE_MAX - append)
+        return ACL_ERROR_INVALID_PARAM;
     int32_t dev;
     aclError rc = runtime_current_device(&dev);
     if (rc != ACL_SUCCESS)

@@ -187,7 +187,8 @@ BAD_VALUES = [
     ("reset_device_force", (BIG,), acl.ACL_ERROR_RT_INVALID_DEVICEID),
     ("malloc", (-1, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
     ("malloc", (BIG, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
-    ("malloc", (BIG - 1, 0), (0, acl.ACL_ERROR_RT_MEMORY_ALLOCATION)),
+    ("malloc", (BIG - 1, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),  # size + 31 + pad overflows, as in CANN's ACL
+    ("malloc", (BIG - 65, 0), (0, acl.ACL_ERROR_RT_MEMORY_ALLOCATION)),
     ("malloc", (64, BIG), (0, acl.ACL_ERROR_INVALID_PARAM)),
     ("malloc_align32", (-(2**100), 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
     ("malloc_cached", (0, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),

@@ -68,3 +68,29 @@ def test_ptr_to_numpy_refuses_object_and_flexible_types(code):
     with pytest.raises(ValueError, match="npy_type"):
         acl.util.ptr_to_numpy(dev, (2,), code)
     assert rt.free(dev) == 0
+
+
+# hicann/runtime src/acl/aclrt_impl/memory.cpp (GetAlignedAndPaddingSize): aclrtMalloc / MallocCached
+# add 31 + a 32-byte pad (31 alone for MallocAlign32 and the two 1 GiB policies) before rounding
+# to 32, and return ACL_ERROR_INVALID_PARAM when that sum overflows size_t, before the runtime (and
+# its context check) is asked.  npualloc answered 207001 (or 107002 without a device).
+SIZE_MAX = 2**64 - 1
+OVERFLOWING = [("malloc", SIZE_MAX - 63, 0), ("malloc", SIZE_MAX, 0), ("malloc_cached", SIZE_MAX - 63, 0),
+               ("malloc_align32", SIZE_MAX - 31, 0), ("malloc", SIZE_MAX - 31, acl.ACL_MEM_MALLOC_HUGE1G_ONLY),
+               ("malloc_cached", SIZE_MAX, acl.ACL_MEM_MALLOC_HUGE1G_ONLY_P2P)]
+NOT_OVERFLOWING = [("malloc", SIZE_MAX - 64, 0), ("malloc_cached", SIZE_MAX - 64, 0),
+                   ("malloc_align32", SIZE_MAX - 32, 0), ("malloc", SIZE_MAX - 32, acl.ACL_MEM_MALLOC_HUGE1G_ONLY)]
+
+
+@pytest.mark.parametrize("name,size,policy", OVERFLOWING)
+def test_a_size_whose_padding_overflows_is_an_invalid_param(npu, name, size, policy):
+    assert getattr(rt, name)(size, policy) == (0, acl.ACL_ERROR_INVALID_PARAM)  # no device yet
+    assert rt.set_device(0) == 0
+    assert getattr(rt, name)(size, policy) == (0, acl.ACL_ERROR_INVALID_PARAM)
+
+
+@pytest.mark.parametrize("name,size,policy", NOT_OVERFLOWING)
+def test_a_size_just_below_the_overflow_is_out_of_memory(npu, name, size, policy):
+    assert getattr(rt, name)(size, policy) == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
+    assert rt.set_device(0) == 0
+    assert getattr(rt, name)(size, policy) == (0, acl.ACL_ERROR_RT_MEMORY_ALLOCATION)

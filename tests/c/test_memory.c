@@ -183,7 +183,8 @@ static void test_malloc_and_free_errors(void **state)
     void *p;
     assert_int_equal(aclrtMalloc(NULL, 10, 0), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMalloc(&p, 0, 0), ACL_ERROR_INVALID_PARAM);
-    assert_int_equal(aclrtMalloc(&p, SIZE_MAX, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtMalloc(&p, SIZE_MAX, 0), ACL_ERROR_INVALID_PARAM); /* size + 31 + pad overflows */
+    assert_int_equal(aclrtMalloc(&p, SIZE_MAX - 64, 0), ACL_ERROR_RT_MEMORY_ALLOCATION);
     assert_int_equal(aclrtFree(NULL), ACL_ERROR_INVALID_PARAM);
     int local;
     assert_int_equal(aclrtFree(&local), ACL_ERROR_RT_MEMORY_FREE);
