@@ -440,22 +440,22 @@ aclError aclrtDeviceCanAccessPeer(int32_t *can, int32_t dev, int32_t peer)
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
+    if (dev == peer) /* CANN's ACL layer refuses it before it looks either id up */
+        return ACL_ERROR_INVALID_PARAM;
     if (!device_valid(dev) || !device_valid(peer))
         return ACL_ERROR_RT_INVALID_DEVICEID;
-    if (dev == peer)
-        return ACL_ERROR_INVALID_PARAM;
     *can = 1; /* every device of the virtual server is linked to every other */
     return ACL_SUCCESS;
 }
 
 aclError aclrtDeviceEnablePeerAccess(int32_t peer, uint32_t flags)
 {
+    if (flags != 0) /* reserved: CANN's ACL layer checks it before it asks for the context */
+        return ACL_ERROR_FEATURE_UNSUPPORTED;
     int32_t dev;
     aclError rc = runtime_current_device(&dev);
     if (rc != ACL_SUCCESS)
         return rc;
-    if (flags != 0)
-        return ACL_ERROR_FEATURE_UNSUPPORTED;
     if (!device_valid(peer))
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (peer == dev)

@@ -94,3 +94,26 @@ def test_a_size_just_below_the_overflow_is_out_of_memory(npu, name, size, policy
     assert getattr(rt, name)(size, policy) == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
     assert rt.set_device(0) == 0
     assert getattr(rt, name)(size, policy) == (0, acl.ACL_ERROR_RT_MEMORY_ALLOCATION)
+
+
+# hicann/runtime memory.cpp: aclrtDeviceCanAccessPeer refuses deviceId == peerDeviceId (100000) before
+# it looks either id up; aclrtDeviceEnablePeerAccess checks its reserved flags (200006) before it asks
+# for the current device.  npualloc answered 107001 and 107002 there.
+def test_can_access_peer_checks_equal_ids_before_their_validity(npu):
+    for dev in (npu["device_count"], 99, -1):
+        assert rt.device_can_access_peer(dev, dev) == (0, acl.ACL_ERROR_INVALID_PARAM)
+        assert rt.device_can_access_peer(0, dev) == (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)
+        assert rt.device_can_access_peer(dev, 0) == (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)
+    assert rt.device_can_access_peer(0, 0) == (0, acl.ACL_ERROR_INVALID_PARAM)
+    assert rt.device_can_access_peer(0, 1) == (1, 0)
+
+
+def test_enable_peer_access_checks_its_flags_before_the_context(npu):
+    assert rt.device_enable_peer_access(1, 1) == acl.ACL_ERROR_FEATURE_UNSUPPORTED  # no device set
+    assert rt.device_enable_peer_access(1, 0) == acl.ACL_ERROR_RT_CONTEXT_NULL
+    assert rt.set_device(0) == 0
+    assert rt.device_enable_peer_access(0, 1) == acl.ACL_ERROR_FEATURE_UNSUPPORTED
+    assert rt.device_enable_peer_access(0, 0) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.device_enable_peer_access(99, 0) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+    assert rt.device_enable_peer_access(1, 0) == 0
+    assert rt.device_disable_peer_access(1) == 0

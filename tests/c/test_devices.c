@@ -284,6 +284,7 @@ static void test_peer_access_rules(void **state)
     assert_int_equal(can, 1);
     assert_int_equal(aclrtDeviceCanAccessPeer(&can, 1, 1), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtDeviceCanAccessPeer(&can, 0, 3), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtDeviceCanAccessPeer(&can, 3, 3), ACL_ERROR_INVALID_PARAM); /* equal ids first, as CANN */
     assert_int_equal(aclrtDeviceCanAccessPeer(NULL, 0, 1), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtDeviceEnablePeerAccess(1, 1), ACL_ERROR_FEATURE_UNSUPPORTED);
     assert_int_equal(aclrtDeviceEnablePeerAccess(0, 0), ACL_ERROR_INVALID_PARAM);
