@@ -207,10 +207,10 @@ typedef struct prop_class {
     size_t granularity;
 } prop_class;
 
+/* Reads the location and memAttr of a property, as CANN's ACL layer does for both calls that take
+ * one (aclrtMemGetAllocationGranularity reads nothing else). */
 static aclError classify_prop(const aclrtPhysicalMemProp *prop, prop_class *out)
 {
-    if (prop->handleType != ACL_MEM_HANDLE_TYPE_NONE || prop->allocationType != ACL_MEM_ALLOCATION_TYPE_PINNED)
-        return ACL_ERROR_INVALID_PARAM;
     bool host;
     switch (prop->location.type) {
     case ACL_MEM_LOCATION_TYPE_HOST:
@@ -235,15 +235,12 @@ static aclError classify_prop(const aclrtPhysicalMemProp *prop, prop_class *out)
         out->kind = MEM_DDR;
         return ACL_SUCCESS;
     case ACL_HBM_MEM_HUGE:
-    case ACL_HBM_MEM_P2P_HUGE:
     case ACL_HBM_MEM_NORMAL: /* CANN allocates HBM "normal" physical memory as huge pages */
-    case ACL_HBM_MEM_P2P_NORMAL:
         if (host)
             return ACL_ERROR_INVALID_PARAM;
         out->kind = MEM_HUGE;
         return ACL_SUCCESS;
     case ACL_HBM_MEM_HUGE1G:
-    case ACL_HBM_MEM_P2P_HUGE1G:
         if (host)
             return ACL_ERROR_INVALID_PARAM;
         out->kind = MEM_HUGE1G;
@@ -260,7 +257,7 @@ static aclError classify_prop(const aclrtPhysicalMemProp *prop, prop_class *out)
         out->kind = MEM_HUGE1G;
         out->granularity = VMM_GRANULARITY_1G;
         return ACL_SUCCESS;
-    default: /* ACL_DDR_MEM / ACL_HBM_MEM and unknown values are not physical attributes */
+    default: /* ACL_DDR_MEM / ACL_HBM_MEM, ACL_HBM_MEM_P2P_* and unknown values: not in CANN's table */
         return ACL_ERROR_INVALID_PARAM;
     }
 }
@@ -287,7 +284,8 @@ aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, aclrtMemGr
 aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrtPhysicalMemProp *prop,
                              uint64_t flags)
 {
-    if (!handle || !prop || size == 0 || flags != 0)
+    if (!handle || !prop || size == 0 || flags != 0 || prop->handleType != ACL_MEM_HANDLE_TYPE_NONE ||
+        prop->allocationType != ACL_MEM_ALLOCATION_TYPE_PINNED)
         return ACL_ERROR_INVALID_PARAM;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)

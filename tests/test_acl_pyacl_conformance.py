@@ -117,3 +117,30 @@ def test_enable_peer_access_checks_its_flags_before_the_context(npu):
     assert rt.device_enable_peer_access(99, 0) == acl.ACL_ERROR_RT_INVALID_DEVICEID
     assert rt.device_enable_peer_access(1, 0) == 0
     assert rt.device_disable_peer_access(1) == 0
+
+
+PROP = {"handleType": 0, "allocationType": 0, "memAttr": acl.ACL_HBM_MEM_HUGE, "location": {"id": 0, "type": 1},
+        "reserve": 0}
+HBM_P2P = [acl.ACL_HBM_MEM_P2P_HUGE, acl.ACL_HBM_MEM_P2P_NORMAL, acl.ACL_HBM_MEM_P2P_HUGE1G]
+
+
+# hicann/runtime memory.cpp: aclrtMallocPhysical and aclrtMemGetAllocationGranularity map memAttr
+# through one table (HBM_HUGE/NORMAL/HUGE1G, DDR_* for host locations, ACL_MEM_* and ACL_MEM_P2P_*);
+# ACL_HBM_MEM_P2P_HUGE (8), _NORMAL (9) and _HUGE1G (11) are not in it: "memAttr [...] is not
+# supported", ACL_ERROR_INVALID_PARAM (reference B3: a memAttr not in the map gives 100000).
+@pytest.mark.parametrize("attr", HBM_P2P)
+def test_hbm_p2p_attributes_are_not_physical_attributes(dev0, attr):
+    size = 1 << 30 if attr == acl.ACL_HBM_MEM_P2P_HUGE1G else 2 << 20
+    assert rt.malloc_physical(size, dict(PROP, memAttr=attr), 0) == (0, acl.ACL_ERROR_INVALID_PARAM)
+    assert rt.mem_get_allocation_granularity(dict(PROP, memAttr=attr), 0) == (0, acl.ACL_ERROR_INVALID_PARAM)
+
+
+# The same source: aclrtMemGetAllocationGranularity reads only memAttr, location and reserve from the
+# property (the runtime's property has no handle or allocation type); malloc_physical checks both.
+@pytest.mark.parametrize("key,value", [("handleType", acl.ACL_MEM_HANDLE_TYPE_POSIX), ("handleType", 7),
+                                       ("allocationType", 1), ("allocationType", -1)])
+def test_granularity_ignores_handle_and_allocation_types(dev0, key, value):
+    assert rt.mem_get_allocation_granularity(dict(PROP, **{key: value}), 0) == (2 << 20, 0)
+    assert rt.mem_get_allocation_granularity(dict(PROP, **{key: value}, memAttr=acl.ACL_HBM_MEM_HUGE1G), 1) == \
+        (1 << 30, 0)
+    assert rt.malloc_physical(2 << 20, dict(PROP, **{key: value}), 0) == (0, acl.ACL_ERROR_INVALID_PARAM)

@@ -40,7 +40,16 @@ static void test_granularity_per_attribute(void **state)
     p.memAttr = ACL_HBM_MEM_HUGE1G;
     assert_int_equal(aclrtMemGetAllocationGranularity(&p, 0, &g), ACL_SUCCESS);
     assert_int_equal(g, GiB_);
+    p.memAttr = ACL_MEM_P2P_HUGE1G;
+    assert_int_equal(aclrtMemGetAllocationGranularity(&p, 0, &g), ACL_SUCCESS);
+    assert_int_equal(g, GiB_);
+    /* CANN's table of physical attributes has no ACL_HBM_MEM_P2P_* */
     p.memAttr = ACL_HBM_MEM_P2P_HUGE1G;
+    assert_int_equal(aclrtMemGetAllocationGranularity(&p, 0, &g), ACL_ERROR_INVALID_PARAM);
+    /* only location, memAttr and reserve are read: the handle and allocation types are not */
+    p = hbm_prop(ACL_HBM_MEM_HUGE1G, 0);
+    p.handleType = ACL_MEM_HANDLE_TYPE_POSIX;
+    p.allocationType = (aclrtMemAllocationType)1;
     assert_int_equal(aclrtMemGetAllocationGranularity(&p, 0, &g), ACL_SUCCESS);
     assert_int_equal(g, GiB_);
     assert_int_equal(aclrtMemGetAllocationGranularity(&p, 2, &g), ACL_ERROR_INVALID_PARAM);
