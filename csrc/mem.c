@@ -304,9 +304,11 @@ static aclError check_memset_locked(void *dst, size_t count, range_class *cp)
     return ACL_SUCCESS;
 }
 
-static aclError copy_args_check(void *dst, size_t destMax, const void *src, size_t count, int kind, int max_kind)
+/* The kinds CANN's ACL layer translates for aclrtMemcpy and aclrtMemcpyAsync alike: HOST_TO_HOST ..
+ * HOST_TO_BUF_TO_DEVICE (the INNER_ / INTER_DEVICE_TO_DEVICE kinds are not among them). */
+static aclError copy_args_check(void *dst, size_t destMax, const void *src, size_t count, int kind)
 {
-    if (!dst || !src || kind < 0 || kind > max_kind)
+    if (!dst || !src || kind < 0 || kind > ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE)
         return ACL_ERROR_INVALID_PARAM;
     if (count > destMax)
         return ACL_ERROR_RT_PARAM_INVALID;
@@ -317,7 +319,7 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
 {
     if (count == 0)
         return ACL_SUCCESS;
-    aclError rc = copy_args_check(dst, destMax, src, count, (int)kind, ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE);
+    aclError rc = copy_args_check(dst, destMax, src, count, (int)kind);
     if (rc != ACL_SUCCESS)
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
@@ -398,7 +400,7 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
 {
     if (count == 0)
         return ACL_SUCCESS;
-    aclError rc = copy_args_check(dst, destMax, src, count, (int)kind, ACL_MEMCPY_INTER_DEVICE_TO_DEVICE);
+    aclError rc = copy_args_check(dst, destMax, src, count, (int)kind);
     if (rc != ACL_SUCCESS)
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)

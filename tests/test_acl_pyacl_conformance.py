@@ -144,3 +144,18 @@ def test_granularity_ignores_handle_and_allocation_types(dev0, key, value):
     assert rt.mem_get_allocation_granularity(dict(PROP, **{key: value}, memAttr=acl.ACL_HBM_MEM_HUGE1G), 1) == \
         (1 << 30, 0)
     assert rt.malloc_physical(2 << 20, dict(PROP, **{key: value}), 0) == (0, acl.ACL_ERROR_INVALID_PARAM)
+
+
+# hicann/runtime memory.cpp: aclrtMemcpyAsync translates its kind with the same table as aclrtMemcpy
+# (MemcpyKindTranslate: HOST_TO_HOST .. HOST_TO_BUF_TO_DEVICE); INNER_ / INTER_DEVICE_TO_DEVICE (6, 7)
+# are ACL_ERROR_INVALID_PARAM for both.  npualloc queued them on the async copy.
+@pytest.mark.parametrize("kind", [acl.ACL_MEMCPY_INNER_DEVICE_TO_DEVICE, acl.ACL_MEMCPY_INTER_DEVICE_TO_DEVICE])
+def test_memcpy_async_takes_the_kinds_memcpy_takes(dev0, kind):
+    p, ret = rt.malloc(64, 0)
+    assert ret == 0
+    assert rt.memcpy(p, 32, p + 32, 32, kind) == acl.ACL_ERROR_INVALID_PARAM
+    assert rt.memcpy_async(p, 32, p + 32, 32, kind, 0) == acl.ACL_ERROR_INVALID_PARAM
+    for ok in range(acl.ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE + 1):
+        assert rt.memcpy_async(p, 32, p + 32, 32, ok, 0) == 0
+    assert rt.synchronize_stream(0) == 0
+    assert rt.free(p) == 0
