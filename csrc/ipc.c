@@ -1673,12 +1673,13 @@ aclError aclrtDeviceGetBareTgid(int32_t *pid)
 
 aclError aclrtIpcMemGetExportKey(void *devPtr, size_t size, char *key, size_t len, uint64_t flags)
 {
-    if (!devPtr || !key || size == 0)
+    if (!devPtr || !key)
         return ACL_ERROR_INVALID_PARAM;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    if (flags > ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+    /* CANN's ACL layer checks only the pointers; its runtime refuses the rest as parameters */
+    if (size == 0 || len == 0 || flags > ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
         return ACL_ERROR_RT_PARAM_INVALID;
     vmm_share_ref ref;
     vmm_share_info info;
@@ -1720,11 +1721,13 @@ static export_entry *find_key_of(const void *what)
 
 aclError aclrtIpcMemSetImportPid(const char *key, int32_t *pid, size_t num)
 {
-    if (!key || !pid || num == 0)
+    if (!key || !pid)
         return ACL_ERROR_INVALID_PARAM;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
+    if (num == 0 || num > INT32_MAX) /* CANN's runtime takes the count as an int32 > 0 */
+        return ACL_ERROR_RT_PARAM_INVALID;
     key_parts k;
     if (!parse_key(key, &k.pid, &k.secret, &k.device, k.token))
         return ACL_ERROR_RT_INVALID_HANDLE;

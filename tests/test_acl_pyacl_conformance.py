@@ -159,3 +159,23 @@ def test_memcpy_async_takes_the_kinds_memcpy_takes(dev0, kind):
         assert rt.memcpy_async(p, 32, p + 32, 32, ok, 0) == 0
     assert rt.synchronize_stream(0) == 0
     assert rt.free(p) == 0
+
+
+# hicann/runtime api_impl_ipc_memory.cc: the runtime refuses a zero size or key length for
+# rtsIpcMemGetExportKey and a pid count <= 0 for rtsIpcMemSetImportPid (RT_ERROR_INVALID_VALUE,
+# ACL_ERROR_RT_PARAM_INVALID); the ACL layer checks only the pointers (memory.cpp).  npualloc
+# answered ACL_ERROR_INVALID_PARAM.
+def test_ipc_key_zero_size_and_length_are_runtime_param_errors(dev0):
+    p, ret = rt.malloc(4096, 0)
+    assert ret == 0
+    assert rt.ipc_mem_get_export_key(p, 0, 65, 0) == ("", acl.ACL_ERROR_RT_PARAM_INVALID)
+    assert rt.ipc_mem_get_export_key(p, 4096, 0, 0) == ("", acl.ACL_ERROR_RT_PARAM_INVALID)
+    assert rt.ipc_mem_get_export_key(0, 0, 0, 0) == ("", acl.ACL_ERROR_INVALID_PARAM)  # the pointer first
+    assert rt.ipc_mem_get_export_key(p, 4096, 8, 0) == ("", acl.ACL_ERROR_INVALID_PARAM)  # too short for the key
+    key, ret = rt.ipc_mem_get_export_key(p, 4096, 65, 0)
+    assert ret == 0
+    assert rt.ipc_mem_set_import_pid(key, []) == acl.ACL_ERROR_RT_PARAM_INVALID
+    assert rt.ipc_mem_set_import_pid("no-such-key", []) == acl.ACL_ERROR_RT_PARAM_INVALID
+    assert rt.mem_set_pid_to_shareable_handle(1, []) == acl.ACL_ERROR_INVALID_PARAM  # ACL's own pidNum check
+    assert rt.ipc_mem_close(key) == 0
+    assert rt.free(p) == 0

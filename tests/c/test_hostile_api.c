@@ -449,7 +449,8 @@ static void test_sharing_rejects_bad_arguments(void **state)
     assert_int_equal(aclrtDeviceGetBareTgid(NULL), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
     assert_int_equal(aclrtIpcMemGetExportKey(NULL, 4096, key, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
-    assert_int_equal(aclrtIpcMemGetExportKey(d, 0, key, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemGetExportKey(d, 0, key, sizeof key, 0), ACL_ERROR_RT_PARAM_INVALID); /* CANN's runtime */
+    assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, key, 0, 0), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, NULL, sizeof key, 0), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, key, sizeof key, 2), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(aclrtIpcMemGetExportKey((char *)d + 64, 64, key, sizeof key, 0), ACL_ERROR_RT_PARAM_INVALID);
@@ -459,7 +460,8 @@ static void test_sharing_rejects_bad_arguments(void **state)
     assert_int_equal(aclrtIpcMemImportByKey(&d, "", 0), ACL_ERROR_RT_INVALID_HANDLE);
     assert_int_equal(aclrtIpcMemSetImportPid(NULL, &pid, 1), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtIpcMemSetImportPid("x", NULL, 1), ACL_ERROR_INVALID_PARAM);
-    assert_int_equal(aclrtIpcMemSetImportPid("x", &pid, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtIpcMemSetImportPid("x", &pid, 0), ACL_ERROR_RT_PARAM_INVALID); /* CANN's runtime */
+    assert_int_equal(aclrtIpcMemSetImportPid("x", &pid, (size_t)INT32_MAX + 1), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(aclrtIpcMemClose(NULL), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtIpcMemClose("not a key"), ACL_ERROR_RT_INVALID_HANDLE);
     assert_int_equal(aclrtIpcMemGetExportKey(d, 4096, key, 8, 0), ACL_ERROR_INVALID_PARAM); /* too short for it */
