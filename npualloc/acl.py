@@ -5,9 +5,10 @@ Conventions as pyACL: arguments are positional, outputs come first and ``ret`` l
 (``ptr, ret = acl.rt.malloc(size, policy)``); pointers, handles, streams and events are ints
 (0 = NULL, or the current device's default stream).  A wrong Python type, a wrong number of
 arguments or a keyword argument raises TypeError with pyACL's message, followed by the reason:
-``acl.rt.malloc args parse failed: acl.rt.malloc() argument 'size' must be int, not str``.  A value
-of the right type that is out of range is not an exception but the ACL error code the C function
-returns for it.  A runtime that cannot start
+``acl.rt.malloc args parse failed: acl.rt.malloc() argument 'size' must be int, not str``; a key
+(a ``str``) that is no C string (a NUL inside it, or a character UTF-8 cannot encode) raises
+ValueError with the same words.  A value of the right type that is out of range is not an exception
+but the ACL error code the C function returns for it.  A runtime that cannot start
 because an ``NPUALLOC_*`` variable is malformed raises ValueError.
 """
 import types as _types
