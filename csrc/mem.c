@@ -100,9 +100,9 @@ static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy p
 {
     if (!devPtr || size == 0)
         return ACL_ERROR_INVALID_PARAM;
-    /* CANN's ACL layer rounds size + 31 (+ the pad) down to 32 bytes before it asks the runtime,
-     * and refuses a size whose sum overflows size_t, with no device needed; its pad depends on the
-     * exact policy value (a 1 GiB one, flags not set). */
+    /* CANN's ACL layer computes (size + 32 + pad - 1) / 32 * 32 before it asks the runtime and
+     * refuses a size for which size + 32 + pad overflows, with no device needed; it leaves the pad
+     * out for the two exact 1 GiB policy values only. */
     bool huge1g = policy == ACL_MEM_MALLOC_HUGE1G_ONLY || policy == ACL_MEM_MALLOC_HUGE1G_ONLY_P2P;
     size_t append = pad && !huge1g ? 32 + MALLOC_PAD : 32;
     if (size > SIZE_MAX - append)

@@ -208,7 +208,8 @@ typedef struct prop_class {
 } prop_class;
 
 /* Reads the location and memAttr of a property, as CANN's ACL layer does for both calls that take
- * one (aclrtMemGetAllocationGranularity reads nothing else). */
+ * one; aclrtMemGetAllocationGranularity checks nothing else (its runtime property has no handle or
+ * allocation type), aclrtMallocPhysical checks those two first. */
 static aclError classify_prop(const aclrtPhysicalMemProp *prop, prop_class *out)
 {
     bool host;
