@@ -38,6 +38,7 @@ static int64_t started_max_split_stat;
 
 static _Thread_local npualloc_error_kind last_kind;
 static _Thread_local char last_message[1024];
+static _Thread_local int last_submodule = CONF_SUB_NONE, last_code = CONF_ERR_NONE;
 static _Thread_local npualloc_oom_info last_oom;
 
 void cache_set_error(npualloc_error_kind kind, const char *fmt, ...)
@@ -47,6 +48,16 @@ void cache_set_error(npualloc_error_kind kind, const char *fmt, ...)
     vsnprintf(last_message, sizeof last_message, fmt, ap);
     va_end(ap);
     last_kind = kind;
+    last_submodule = CONF_SUB_NONE;
+    last_code = CONF_ERR_NONE;
+}
+
+/* A settings error: torch_npu's message, and the PTA_ERROR / OPS_ERROR suffix it carries (if any). */
+static void cache_set_conf_error(const conf_result *r)
+{
+    cache_set_error(r->status == CONF_VALUE_ERROR ? NPUALLOC_ERR_VALUE : NPUALLOC_ERR_RUNTIME, "%s", r->message);
+    last_submodule = r->error_subsystem;
+    last_code = r->error_code;
 }
 
 const char *npualloc_last_error(npualloc_error_kind *kind)
@@ -54,6 +65,14 @@ const char *npualloc_last_error(npualloc_error_kind *kind)
     if (kind)
         *kind = last_kind;
     return last_message;
+}
+
+void npualloc_last_error_suffix(int *submodule, int *code)
+{
+    if (submodule)
+        *submodule = last_submodule;
+    if (code)
+        *code = last_code;
 }
 
 #define WARNING_SLOTS 32
@@ -255,11 +274,6 @@ static int expandable_probe(void *ctx)
     return rc;
 }
 
-static npualloc_error_kind conf_kind(conf_status st)
-{
-    return st == CONF_VALUE_ERROR ? NPUALLOC_ERR_VALUE : NPUALLOC_ERR_RUNTIME;
-}
-
 static void forward_warnings(const conf_result *r)
 {
     for (int i = 0; i < r->warning_count; i++)
@@ -299,7 +313,7 @@ static bool lock_settings(void)
     if (settings_error.status == CONF_OK)
         return true;
     pthread_mutex_unlock(&api_lock);
-    cache_set_error(conf_kind(settings_error.status), "%s", settings_error.message);
+    cache_set_conf_error(&settings_error);
     return false;
 }
 
@@ -442,7 +456,7 @@ aclError npualloc_cache_set_settings(const char *text)
     conf_status st = alloc_conf_parse_runtime(text, &next, expandable_probe, NULL, &r);
     if (st != CONF_OK) {
         pthread_mutex_unlock(&api_lock);
-        cache_set_error(conf_kind(st), "%s", r.message);
+        cache_set_conf_error(&r);
         return ACL_ERROR_INVALID_PARAM;
     }
     forward_warnings(&r);

@@ -119,6 +119,29 @@ def _pta_error(code):
         rank=-1, sub=0, code=num, msg=text)
 
 
+_SUBMODULES = ("PTA", "OPS", "DIST", "GRAPH", "PROF")
+_ERR_TEXTS = {num: text for num, text in _ERR_CODES.values()}
+
+
+def _strtol(text):
+    """C's strtol(text, NULL, 10): leading digits after blanks and a sign, 0 when none, clamped to a long."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    return max(-(1 << 63), min((1 << 63) - 1, int(m.group(1)))) if m else 0
+
+
+def _cpp_error_suffix(submodule, code):
+    """torch_npu's C++ ``PTA_ERROR`` / ``OPS_ERROR`` suffix (``formatErrorCode``): as ``pta_error`` but
+    with the submodule's own number and name, RankID from ``RANK`` and no check for an interactive
+    Python (the settings errors carry it)."""
+    if _compact_error_output():
+        return ""
+    rank = os.environ.get("RANK")
+    return "\n[ERROR] {time} (PID:{pid}, Device:{device}, RankID:{rank}) ERR{sub:0>2d}{code:0>3d} {name} {msg}".format(
+        time=time.strftime("%Y-%m-%d-%H:%M:%S", time.localtime()), pid=os.getpid(), device=_M._local_device(),
+        rank=-1 if rank is None else _strtol(rank), sub=submodule, code=code, name=_SUBMODULES[submodule],
+        msg=_ERR_TEXTS[code])
+
+
 # ---- devices ----
 
 # c10's device strings (c10/core/Device.cpp): a type, then optionally ':' and an index without sign,

@@ -74,6 +74,7 @@ import npualloc
 from npualloc import _C, memory
 
 warnings.simplefilter("ignore")
+os.environ["TORCH_NPU_COMPACT_ERROR_OUTPUT"] = "1"  # torch_npu's messages without the [ERROR] ... suffix
 
 def fresh(conf):
     _C.shutdown()
@@ -159,8 +160,10 @@ for call in (lambda: npualloc.caching_allocator_alloc(1), npualloc.memory_stats,
     both = run_python("import npualloc; npualloc.caching_allocator_alloc(1)",
                       env={"PYTORCH_NPU_ALLOC_CONF": "", "PYTORCH_ALLOC_CONF": ""})
     assert both.returncode == 1
-    assert both.stderr.rstrip().splitlines()[-1] == (
+    lines = both.stderr.rstrip().splitlines()
+    assert lines[-2] == (
         "RuntimeError: Both PYTORCH_NPU_ALLOC_CONF and PYTORCH_ALLOC_CONF have been set, please set only one of them.")
+    assert re.fullmatch(r"\[ERROR\] \S+ \(PID:\d+, Device:0, RankID:-?\d+\) ERR01003 OPS invalid value", lines[-1]), lines
 
 
 def test_run_time_settings_reset_the_c10_options():

@@ -338,6 +338,45 @@ def test_pta_error_suffix_shape(mem, monkeypatch):
         free(0x1234)
 
 
+SUFFIX_HEAD = r"\n\[ERROR\] \d{4}-\d\d-\d\d-\d\d:\d\d:\d\d \(PID:\d+, Device:0, RankID:"
+
+
+def test_settings_errors_carry_torch_npu_suffix(mem, monkeypatch):
+    """A1: torch_npu's settings errors end with their PTA_ERROR / OPS_ERROR suffix (the c10 ones have none)."""
+    monkeypatch.delenv("TORCH_NPU_COMPACT_ERROR_OUTPUT")
+    monkeypatch.delenv("RANK", raising=False)
+    mem(alloc_conf="foo:1")
+    with pytest.raises(ValueError) as err:
+        npualloc.caching_allocator_alloc(1)
+    assert re.fullmatch(r"Unrecognized key 'foo' in NPU allocator config, " + SUFFIX_HEAD +
+                        r"-1\) ERR01003 OPS invalid value", str(err.value)), str(err.value)
+    monkeypatch.setenv("RANK", "7")
+    mem(alloc_conf="multi_stream_lazy_reclaim:yes")
+    with pytest.raises(RuntimeError) as err:
+        npualloc.caching_allocator_alloc(1)
+    assert re.fullmatch(r"Expected a single True/False argument for multi_stream_lazy_reclaim" + SUFFIX_HEAD +
+                        r"7\) ERR00001 PTA invalid parameter", str(err.value)), str(err.value)
+    mem(alloc_conf="expandable_segments:True,max_split_size_mb:100")
+    with pytest.raises(RuntimeError, match=r"to `False`\.\n\[ERROR\] .* ERR01001 OPS invalid parameter$"):
+        npualloc.caching_allocator_alloc(1)
+    mem(alloc_conf="max_split_size_mb:5")  # c10's TORCH_CHECK_VALUE: no suffix
+    with pytest.raises(ValueError) as err:
+        npualloc.caching_allocator_alloc(1)
+    assert str(err.value) == "CachingAllocator option max_split_size_mb too small, must be >= 20"
+    mem()
+    with pytest.raises(RuntimeError, match=r"^torch_npu\.npu\.memory\._set_allocator_settings\(\) unsupported "
+                       r"setting: page_size\n\[ERROR\] .*, RankID:7\) ERR01003 OPS invalid value$"):
+        npualloc.memory._set_allocator_settings("page_size:1g")
+    monkeypatch.setenv("TORCH_NPU_COMPACT_ERROR_OUTPUT", "1")
+    with pytest.raises(RuntimeError) as err:
+        npualloc.memory._set_allocator_settings("base_addr_aligned_kb:1")
+    assert str(err.value) == "torch_npu.npu.memory._set_allocator_settings() unsupported setting: base_addr_aligned_kb"
+    # other allocator errors keep theirs (none here)
+    monkeypatch.setenv("TORCH_NPU_COMPACT_ERROR_OUTPUT", "0")
+    with pytest.raises(RuntimeError, match=r"^invalid device pointer: 0x1234$"):
+        free(0x1234)
+
+
 # ---- arguments ----
 
 def test_stream_argument_type_error(mem):

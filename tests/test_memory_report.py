@@ -272,7 +272,7 @@ def test_option_errors_in_a_fresh_process(conf, error):
     code = ("import npualloc\n"
             "assert npualloc.memory_stats() == {}\n"
             "npualloc.caching_allocator_alloc(1)\n")
-    r = run_python(code, env=conf)
+    r = run_python(code, env=dict(conf, TORCH_NPU_COMPACT_ERROR_OUTPUT="1"))  # no [ERROR] ... suffix
     assert r.returncode == 1
     assert r.stderr.rstrip().splitlines()[-1] == error
 

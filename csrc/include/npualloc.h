@@ -70,6 +70,10 @@ typedef enum npualloc_error_kind {
 
 /* The message and kind of the calling thread's last failed npualloc_cache_* call. */
 const char *npualloc_last_error(npualloc_error_kind *kind);
+/* The error-suffix parts torch_npu appends to that message (PTA_ERROR / OPS_ERROR: "\n[ERROR] <time>
+ * (PID:.., Device:.., RankID:..) ERR<submodule:02><code:03> <PTA|OPS> <text>"): submodule 0 (PTA) or 1 (OPS)
+ * and the ErrCode, or submodule -1 when torch_npu adds none (so far only settings errors carry one). */
+void npualloc_last_error_suffix(int *submodule, int *code);
 /* Pops the oldest pending warning (torch would emit it with TORCH_WARN); false when none. */
 bool npualloc_pop_warning(char *buf, size_t len);
 /* Cheap check for pending warnings. */

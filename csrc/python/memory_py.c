@@ -173,10 +173,25 @@ static PyObject *raise_cache_error(aclError rc)
         exc = PyExc_RuntimeError;
         break;
     }
-    if (kind == NPUALLOC_ERR_NONE || !msg || !msg[0])
+    int submodule, code;
+    npualloc_last_error_suffix(&submodule, &code);
+    if (kind == NPUALLOC_ERR_NONE || !msg || !msg[0]) {
         PyErr_Format(PyExc_RuntimeError, "npualloc: the allocator failed with ACL error %d", (int)rc);
-    else
+    } else if (submodule >= 0) {
+        /* torch_npu's C++ PTA_ERROR / OPS_ERROR suffix; built in Python, so msg is copied first. */
+        char text[1024];
+        snprintf(text, sizeof text, "%s", msg);
+        PyObject *args = Py_BuildValue("(ii)", submodule, code);
+        PyObject *suffix = args ? call_helper("_cpp_error_suffix", args) : NULL;
+        Py_XDECREF(args);
+        if (suffix && PyUnicode_Check(suffix))
+            PyErr_Format(exc, "%s%U", text, suffix);
+        else if (!PyErr_Occurred())
+            PyErr_SetString(exc, text);
+        Py_XDECREF(suffix);
+    } else {
         PyErr_SetString(exc, msg);
+    }
     return NULL;
 }
 

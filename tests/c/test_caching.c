@@ -1037,8 +1037,25 @@ static void test_settings_change_at_run_time(void **state)
     assert_string_equal(npualloc_cache_settings_text(), "max_split_size_mb:40");
     assert_int_equal(npualloc_cache_set_settings("page_size:1g"), ACL_ERROR_INVALID_PARAM);
     npualloc_error_kind kind;
-    assert_non_null(npualloc_last_error(&kind));
+    assert_string_equal(npualloc_last_error(&kind),
+                        "torch_npu.npu.memory._set_allocator_settings() unsupported setting: page_size");
+    assert_int_equal(kind, NPUALLOC_ERR_RUNTIME);
+    int sub = -1, code = -1;
+    npualloc_last_error_suffix(&sub, &code); /* OPS_ERROR(ErrCode::VALUE) */
+    assert_int_equal(sub, 1);
+    assert_int_equal(code, 3);
     assert_int_equal(cache_settings.max_split_size, 40 * MiB_); /* unchanged by the failure */
+    /* c10's errors carry no suffix, and a later error of another kind drops the last one's */
+    assert_int_equal(npualloc_cache_set_settings("max_split_size_mb:5"), ACL_ERROR_INVALID_PARAM);
+    npualloc_last_error_suffix(&sub, &code);
+    assert_int_equal(sub, -1);
+    assert_int_equal(code, 0);
+    assert_int_equal(npualloc_cache_set_settings("throw_on_npumalloc_oom:1"), ACL_ERROR_INVALID_PARAM);
+    npualloc_last_error_suffix(&sub, NULL); /* PTA_ERROR(ErrCode::PARAM) */
+    assert_int_equal(sub, 0);
+    assert_int_not_equal(npualloc_cache_free((void *)(uintptr_t)0x1234), ACL_SUCCESS);
+    npualloc_last_error_suffix(&sub, &code);
+    assert_int_equal(sub, -1);
 }
 
 static void test_bad_environment_fails_every_allocation(void **state)
