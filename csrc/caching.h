@@ -43,6 +43,9 @@
 #define K_EXTRA_LARGE_BUFFER ((size_t)1 << 30)
 #define K_PAD_SIZE ((size_t)32)
 #define K_ONE_EB ((size_t)1 << 60)
+/* raw_alloc sizes from here on would wrap around in torch_npu's size arithmetic (only a negative
+ * Python size gets there): refused with the 1 EB message instead. */
+#define K_RAW_ALLOC_LIMIT ((size_t)1 << 63)
 
 typedef struct expandable_segment expandable_segment;
 

@@ -562,7 +562,9 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
         return device_ready(device) ? pluggable_malloc(device, size, stream, ptr) : ACL_ERROR_INVALID_PARAM;
     if (size == 0)
         return ACL_SUCCESS; /* torch returns a null pointer without allocating */
-    if (size >= K_ONE_EB) {
+    /* No 1 EB check: torch_npu has it in allocate() (npualloc_allocate) only, raw_alloc takes the
+     * ordinary path and its OOM. */
+    if (size >= K_RAW_ALLOC_LIMIT) {
         npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
         return report_oom(&info);
     }
@@ -725,17 +727,24 @@ bool npualloc_caching_disabled(void)
 
 aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **ptr)
 {
-    if (!npualloc_caching_disabled() || pluggable_active()) /* a pluggable allocator decides for itself */
-        return npualloc_cache_malloc(device, size, stream, ptr);
+    return npualloc_allocate_ctx(device, size, stream, NULL, ptr);
+}
+
+aclError npualloc_allocate_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr)
+{
+    if (pluggable_active()) /* a pluggable allocator decides for itself */
+        return npualloc_cache_malloc_ctx(device, size, stream, ctx, ptr);
     if (!ptr)
         return ACL_ERROR_INVALID_PARAM;
     *ptr = NULL;
-    if (size == 0)
-        return ACL_SUCCESS;
-    if (size >= K_ONE_EB) {
+    if (size >= K_ONE_EB) { /* torch_npu's allocate() checks before anything else */
         npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
         return report_oom(&info);
     }
+    if (!npualloc_caching_disabled())
+        return npualloc_cache_malloc_ctx(device, size, stream, ctx, ptr);
+    if (size == 0)
+        return ACL_SUCCESS;
     aclError rc = runtime_ensure_init();
     /* graph capture hook (graph.c): an allocation on a capturing stream is a graph ALLOC node */
     if (rc == ACL_SUCCESS && unlikely(graph_capture_active()) && graph_capture_malloc(device, size, stream, ptr, &rc))

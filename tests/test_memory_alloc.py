@@ -274,20 +274,25 @@ def test_oom_message_without_a_fraction(mem):
 
 
 def test_more_than_one_exabyte(mem):
+    """torch_npu checks for 1 EB in allocate() (tensors: empty) only; caching_allocator_alloc (raw_alloc)
+    takes the ordinary path to the ordinary OOM."""
     observed = []
     npualloc.memory._attach_out_of_memory_observer(lambda *args: observed.append(args))
     with pytest.raises(npualloc.OutOfMemoryError, match=r"^NPU out of memory\. Tried to allocate more than 1EB "
                                                           r"memory\.$"):
-        alloc(1 << 60)
+        npualloc.empty(1 << 60)
+    assert observed == [] and stat("num_ooms") == 0
     with pytest.raises(npualloc.OutOfMemoryError, match="more than 1EB"):
-        alloc(-1)                                   # torch_npu: a negative size wraps around
-    with pytest.raises(npualloc.OutOfMemoryError) as err:
-        alloc((1 << 60) - 1)                        # below 1 EB: the ordinary path and message
-    want = (1 << 60) + 2 * MiB
-    assert str(err.value) == oom_message(want, 0, GiB, 0, 0, GiB, 0)
-    assert "Tried to allocate 1073741824.00 GiB" in str(err.value)
-    assert observed == [(0, want, GiB, GiB)]       # only the ordinary OOM is observed and counted
-    assert stat("num_ooms") == 1
+        alloc(-1)                                   # torch_npu: a negative size wraps around (here: refused)
+    for size in (1 << 60, (1 << 60) - 1):
+        with pytest.raises(npualloc.OutOfMemoryError) as err:
+            alloc(size)
+        want = (1 << 60) + 2 * MiB
+        assert str(err.value) == oom_message(want, 0, GiB, 0, 0, GiB, 0)
+        assert "Tried to allocate 1073741824.00 GiB" in str(err.value)
+    assert observed == [(0, want, GiB, GiB)] * 2   # the ordinary OOMs are observed and counted
+    assert stat("num_ooms") == 2 and stat("num_alloc_retries") == 2
+    check_all()
 
 
 def test_oom_observer_exception_propagates(mem):

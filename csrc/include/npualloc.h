@@ -120,9 +120,12 @@ typedef struct npualloc_oom_info {
     size_t allowed;       /* the fraction's limit, when set */
 } npualloc_oom_info;
 
-/* Allocates `size` bytes for `stream` (a stream handle, 0 = the device's default stream).
- * size 0 gives NULL.  On out-of-memory returns ACL_ERROR_RT_MEMORY_ALLOCATION; the message
- * (npualloc_last_error, kind OOM) is torch_npu's, and npualloc_cache_last_oom() has the figures. */
+/* Allocates `size` bytes for `stream` (a stream handle, 0 = the device's default stream): torch_npu's
+ * raw_alloc (caching_allocator_alloc), which has no 1 EB check (npualloc_allocate has): 2^60 bytes
+ * take the ordinary path to its OOM; 2^63 or more, which torch_npu's size arithmetic would wrap,
+ * get the 1 EB message.  size 0 gives NULL.  On out-of-memory returns ACL_ERROR_RT_MEMORY_ALLOCATION;
+ * the message (npualloc_last_error, kind OOM) is torch_npu's, and npualloc_cache_last_oom() has the
+ * figures. */
 aclError npualloc_cache_malloc(int32_t device, size_t size, uint64_t stream, void **ptr);
 /* Frees a pointer from npualloc_cache_malloc (NULL is ignored). */
 aclError npualloc_cache_free(void *ptr);
@@ -168,9 +171,11 @@ aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out);
 aclError npualloc_cache_reset_peak(int32_t device);
 aclError npualloc_cache_reset_accumulated(int32_t device);
 
-/* torch's allocate() path (tensors, npualloc.empty): like npualloc_cache_malloc, but with
- * PYTORCH_NO_NPU_MEMORY_CACHING set (to a non-zero number) memory comes straight from the
- * device and goes back on free (after a device synchronize), bypassing the cache and stats. */
+/* torch's allocate() path (tensors, npualloc.empty): like npualloc_cache_malloc, but 2^60 bytes
+ * or more fail at once with "NPU out of memory. Tried to allocate more than 1EB memory." (no
+ * counters, no observers), and with PYTORCH_NO_NPU_MEMORY_CACHING set (to a non-zero number) memory
+ * comes straight from the device and goes back on free (after a device synchronize), bypassing the
+ * cache and stats. */
 aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **ptr);
 /* Frees memory from npualloc_allocate or npualloc_cache_malloc. */
 aclError npualloc_deallocate(void *ptr);
@@ -204,6 +209,8 @@ npualloc_record_context npualloc_cache_record_context(void);
 
 /* npualloc_cache_malloc / free with the caller's context (may be NULL; borrowed). */
 aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr);
+/* npualloc_allocate with the caller's context (used when the memory comes from the cache). */
+aclError npualloc_allocate_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr);
 /* The same allocation when the cache can serve it at once: true with *ptr set, or false with
  * nothing changed when it would need the device, a wait, a contended lock, or a started
  * allocator (then call npualloc_cache_malloc_ctx).  Never blocks, so a binding can call it

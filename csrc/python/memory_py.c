@@ -1062,10 +1062,10 @@ static PyObject *m_empty(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (n > 0 && npualloc_caching_disabled()) {
         WAITING_CALL(rc = npualloc_allocate(dev, (size_t)n, stream, &p)); /* no cache, no history */
     } else if (n > 0) {
-        /* npualloc_allocate of cached memory is npualloc_cache_malloc: with the caller's stack */
+        /* cached memory, with the caller's stack; a miss (or 1 EB) goes the whole allocate() way */
         npualloc_context *ctx = GATHER(NPUALLOC_RECORD_STATE);
         if (!npualloc_cache_malloc_cached(dev, (size_t)n, stream, ctx, &p))
-            WAITING_CALL(rc = npualloc_cache_malloc_ctx(dev, (size_t)n, stream, ctx, &p));
+            WAITING_CALL(rc = npualloc_allocate_ctx(dev, (size_t)n, stream, ctx, &p));
         npualloc_context_release(ctx);
     }
     if (rc != ACL_SUCCESS) {

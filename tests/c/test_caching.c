@@ -536,11 +536,22 @@ static void test_out_of_memory_message_and_counters(void **state)
     npualloc_stats s = stats();
     assert_int_equal(s.num_ooms, 1);
     assert_int_equal(s.num_alloc_retries, 1);
-    /* 1 EB or more: its own message, no counters. */
-    rc = npualloc_cache_malloc(0, (size_t)1 << 60, 0, &p);
+    /* 1 EB or more: allocate()'s own message, no counters; raw_alloc has no such check (its OOM is the
+     * ordinary one) up to sizes torch_npu's arithmetic would wrap. */
+    rc = npualloc_allocate(0, (size_t)1 << 60, 0, &p);
     assert_int_equal(rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
     assert_string_equal(npualloc_last_error(NULL), "NPU out of memory. Tried to allocate more than 1EB memory.");
     assert_int_equal(stats().num_ooms, 1);
+    rc = npualloc_cache_malloc(0, SIZE_MAX, 0, &p);
+    assert_int_equal(rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_string_equal(npualloc_last_error(NULL), "NPU out of memory. Tried to allocate more than 1EB memory.");
+    assert_int_equal(stats().num_ooms, 1);
+    rc = npualloc_cache_malloc(0, (size_t)1 << 60, 0, &p);
+    assert_int_equal(rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_non_null(strstr(npualloc_last_error(NULL), "Tried to allocate 1073741824.00 GiB (NPU 0; "));
+    npualloc_cache_last_oom(&info);
+    assert_int_equal(info.alloc_size, ((size_t)1 << 60) + 2 * MiB_);
+    assert_int_equal(stats().num_ooms, 2);
     npualloc_cache_free(a);
     check();
 }

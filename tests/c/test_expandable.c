@@ -122,6 +122,28 @@ static void test_small_pool_uses_2mib_pages(void **state)
     check();
 }
 
+/* raw_alloc has no 1 EB check: the largest sizes it takes (just under 2^63) go all the way to the
+ * ordinary OOM, through the expandable segment and page rounding, without overflowing. */
+static void test_huge_raw_alloc_is_an_ordinary_oom(void **state)
+{
+    (void)state;
+    const char *confs[] = {"expandable_segments:True", "expandable_segments:True,page_size:1g",
+                           "roundup_power2_divisions:4", "page_size:1g"};
+    for (size_t i = 0; i < sizeof confs / sizeof *confs; i++) {
+        start_cache(GiB_, 0, confs[i]);
+        void *p = NULL;
+        void *keep = alloc(30 * MiB_);
+        for (size_t size = (size_t)1 << 60; size != 0 && size < ((size_t)1 << 63); size = size * 2 + 1) {
+            assert_int_equal(npualloc_cache_malloc(0, size, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+            assert_null(p);
+            assert_non_null(strstr(npualloc_last_error(NULL), " GiB (NPU 0; 1024.00 MiB total capacity; "));
+        }
+        assert_int_equal(stats().num_ooms, 3);
+        npualloc_cache_free(keep);
+        check();
+    }
+}
+
 static void test_empty_cache_unmaps_exactly_the_fully_free_pages(void **state)
 {
     (void)state;
@@ -843,6 +865,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_one_segment_grows_page_by_page, stop_cache),
         cmocka_unit_test_teardown(test_small_pool_uses_2mib_pages, stop_cache),
+        cmocka_unit_test_teardown(test_huge_raw_alloc_is_an_ordinary_oom, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_unmaps_exactly_the_fully_free_pages, stop_cache),
         cmocka_unit_test_teardown(test_one_map_released_in_two_parts_counts_two_device_frees, stop_cache),
         cmocka_unit_test_teardown(test_empty_virt_addr_cache_keeps_physical_pages, stop_cache),
