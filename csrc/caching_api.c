@@ -287,10 +287,11 @@ static void load_settings(void)
         return;
     alloc_settings_default(&cache_settings);
     const char *used = NULL;
-    conf_status st = alloc_conf_from_env(NULL, &cache_settings, expandable_probe, NULL, &settings_error, &used);
+    /* the outcome stays in settings_error (lock_settings reports it) */
+    (void)alloc_conf_from_env(NULL, &cache_settings, expandable_probe, NULL, &settings_error, &used);
     snprintf(settings_text, sizeof settings_text, "%s", used ? used : "");
-    if (st == CONF_OK)
-        forward_warnings(&settings_error);
+    /* torch_npu warns as its parser goes: what came before an error is given too, once */
+    forward_warnings(&settings_error);
     settings_loaded = true;
 }
 

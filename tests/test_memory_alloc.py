@@ -382,6 +382,20 @@ def test_settings_errors_carry_torch_npu_suffix(mem, monkeypatch):
         free(0x1234)
 
 
+def test_settings_warnings_before_an_error_are_given(mem):
+    """torch_npu warns as its parser goes (TORCH_NPU_WARN_ONCE), so a warning given before the error
+    that ends the parse is still seen."""
+    mem(alloc_conf="segment_size_mb:5")
+    with pytest.warns(UserWarning, match=r"^`segment_size_mb` is deprecated, please use `large_segment_size_mb` "
+                                         r"instead\.$"):
+        with pytest.raises(RuntimeError, match=r"^CachingAllocator option segment_size_mb error, must be \[20, 512\]"):
+            alloc(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # once per process, as TORCH_NPU_WARN_ONCE
+        with pytest.raises(RuntimeError, match="segment_size_mb error"):
+            alloc(1)
+
+
 # ---- arguments ----
 
 def test_stream_argument_type_error(mem):

@@ -1079,6 +1079,20 @@ static void test_bad_environment_fails_every_allocation(void **state)
     const char *msg = npualloc_last_error(&kind);
     assert_non_null(strstr(msg, "max_split_size_mb"));
     assert_true(kind == NPUALLOC_ERR_VALUE || kind == NPUALLOC_ERR_RUNTIME);
+    /* a warning the parser gave before its error is given too, once */
+    start_cache(GiB_, "segment_size_mb:5");
+    while (npualloc_has_warnings()) { /* whatever the restart left */
+        char w[512];
+        npualloc_pop_warning(w, sizeof w);
+    }
+    assert_int_not_equal(npualloc_cache_malloc(0, 100, 0, &p), ACL_SUCCESS);
+    assert_string_equal(npualloc_last_error(NULL), "CachingAllocator option segment_size_mb error, must be [20, 512], "
+                                                   "dtype is int");
+    char w[512];
+    assert_true(npualloc_pop_warning(w, sizeof w));
+    assert_string_equal(w, "`segment_size_mb` is deprecated, please use `large_segment_size_mb` instead.");
+    assert_int_not_equal(npualloc_cache_malloc(0, 100, 0, &p), ACL_SUCCESS);
+    assert_false(npualloc_has_warnings());
 }
 
 /* ---- randomized sequence ---- */
