@@ -21,7 +21,8 @@
  * ignores, so "key,value" is read like "key:value". That is reproduced, not fixed.
  *
  * Exceptions are modelled as a failing bool return that has filled conf_result. The settings are parsed into
- * a copy and committed only on success.
+ * a copy, committed on success; a failed run-time parse commits it too (torch_npu keeps what the text set
+ * before its error), a failed start-up parse does not (torch_npu retries it at every use).
  */
 #include "alloc_conf.h"
 
@@ -870,7 +871,7 @@ static conf_status run(const char *text, size_t len, alloc_settings *s, conf_exp
     p.n = tl.n;
     p.w = &w;
 
-    bool ok;
+    bool ok, keep_partial = false;
     if (mode == MODE_STARTUP) {
         ok = npu_validate(&p) && c10_parse(&p) && expandable_check(&p, probe, probe_ctx) &&
              npu_parse(&p, false, NULL);
@@ -883,11 +884,15 @@ static conf_status run(const char *text, size_t len, alloc_settings *s, conf_exp
         }
     } else {
         bool c10_ran = false;
+        ok = npu_parse(&p, true, &c10_ran);
+        /* torch_npu parses a run-time text straight into its settings (its own, and c10's, which c10's
+           pass resets first): what the text set before its error stays set. */
+        keep_partial = !ok;
         /* UNVERIFIED: the start-up cross-check and probe are applied after a runtime c10 parse too */
-        ok = npu_parse(&p, true, &c10_ran) && (!c10_ran || expandable_check(&p, probe, probe_ctx));
+        ok = ok && (!c10_ran || expandable_check(&p, probe, probe_ctx));
     }
     tokens_free(&tl);
-    if (ok)
+    if (ok || keep_partial)
         *s = w;
     return r->status;
 }

@@ -79,7 +79,10 @@ conf_status alloc_conf_parse(const char *text, alloc_settings *s, conf_expandabl
 conf_status alloc_conf_parse_n(const char *text, size_t len, alloc_settings *s, conf_expandable_probe probe,
                                void *probe_ctx, conf_result *r);
 
-/* torch_npu.npu.memory._set_allocator_settings(text): only the keys in torch_npu's allowed set. */
+/* torch_npu.npu.memory._set_allocator_settings(text): only the keys in torch_npu's allowed set.  On a parse
+   error `s` keeps what the text set before it, as torch_npu's settings do (c10's pass, when it ran, has
+   reset max_split_size, garbage_collection_threshold and roundup_power2_divisions); on the expandable
+   cross-check's error (after the parse) `s` is unchanged. */
 conf_status alloc_conf_parse_runtime(const char *text, alloc_settings *s, conf_expandable_probe probe,
                                      void *probe_ctx, conf_result *r);
 

@@ -455,33 +455,35 @@ aclError npualloc_cache_set_settings(const char *text)
     next.per_process_memory_fraction_set = false; /* set again only by a text that names the key */
     conf_result r;
     conf_status st = alloc_conf_parse_runtime(text, &next, expandable_probe, NULL, &r);
-    if (st != CONF_OK) {
-        pthread_mutex_unlock(&api_lock);
-        cache_set_conf_error(&r);
-        return ACL_ERROR_INVALID_PARAM;
-    }
     forward_warnings(&r);
-    /* torch_npu empties the NPU streams first; then the change happens under every device lock. */
+    /* torch_npu empties the NPU streams first; then the change happens under every device lock.  A
+     * failed text changes what it set before its error (alloc_conf_parse_runtime), as in torch_npu. */
     for (int d = 0; d < device_count(); d++)
         if (caches[d].started)
             (void)stream_wait_device(d);
     for (int d = 0; d < NPU_MAX_DEVICES; d++)
         cache_lock_acquire(&caches[d].lock);
-    if (next.per_process_memory_fraction_set) {
+    if (st == CONF_OK && next.per_process_memory_fraction_set) {
         for (int d = 0; d < NPU_MAX_DEVICES; d++)
             if (caches[d].started)
                 cache_set_fraction_locked(&caches[d], next.per_process_memory_fraction);
     } else {
         /* A text without the key leaves every fraction alone, and caches started later still take
-         * the fraction the settings had (the environment's, or an earlier text's). */
+         * the fraction the settings had (the environment's, or an earlier text's).  A failed text's
+         * fraction is not applied (torch_npu's parse only stores it; applying comes after). */
         next.per_process_memory_fraction_set = cache_settings.per_process_memory_fraction_set;
         next.per_process_memory_fraction = cache_settings.per_process_memory_fraction;
     }
     cache_settings = next;
-    snprintf(settings_text, sizeof settings_text, "%s", text);
+    if (st == CONF_OK)
+        snprintf(settings_text, sizeof settings_text, "%s", text);
     for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
         cache_lock_release(&caches[d].lock);
     pthread_mutex_unlock(&api_lock);
+    if (st != CONF_OK) {
+        cache_set_conf_error(&r);
+        return ACL_ERROR_INVALID_PARAM;
+    }
     return ACL_SUCCESS;
 }
 

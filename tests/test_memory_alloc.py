@@ -396,6 +396,30 @@ def test_settings_warnings_before_an_error_are_given(mem):
             alloc(1)
 
 
+def test_failed_run_time_settings_keep_what_came_before(mem):
+    """torch_npu parses a run-time text straight into its settings: what it set before its error stays
+    (c10's pass having reset max_split_size, garbage_collection_threshold and roundup_power2_divisions)."""
+    conf = "garbage_collection_threshold:0.5,roundup_power2_divisions:4"
+    mem(alloc_conf=conf)
+    free(alloc(1))
+    with pytest.raises(ValueError, match=r"^Unrecognized key 'foo' in Accelerator allocator config\.$"):
+        npualloc.memory._set_allocator_settings("max_split_size_mb:64,foo:1")
+    s = npualloc.memory._snapshot()["allocator_settings"]
+    assert s["max_split_size"] == 64 * MiB and s["garbage_collection_threshold"] == 0
+    assert set(s["roundup_power2_divisions"].values()) == {0}
+    assert s["PYTORCH_NPU_ALLOC_CONF"] == conf     # the last text that worked
+    with pytest.raises(RuntimeError, match=r"^per_process_memory_fraction is invalid, set it in \[0\.0, 1\.0\]$"):
+        npualloc.memory._set_allocator_settings("throw_on_npumalloc_oom:True,per_process_memory_fraction:2")
+    assert npualloc.memory._snapshot()["allocator_settings"]["throw_on_npumalloc_oom"] is True
+    with pytest.raises(ValueError, match="max_split_size_mb too small"):
+        npualloc.memory._set_allocator_settings("per_process_memory_fraction:0.5,max_split_size_mb:1")
+    assert npualloc.get_per_process_memory_fraction() == 1.0   # a failed text's fraction is not applied
+    assert npualloc.memory._snapshot()["allocator_settings"]["max_split_size"] == -1
+    p = alloc(30 * MiB)                            # the allocator works on with what was kept
+    free(p)
+    check_all()
+
+
 # ---- arguments ----
 
 def test_stream_argument_type_error(mem):

@@ -47,6 +47,18 @@ static void assert_settings_eq(const alloc_settings *a, const alloc_settings *b)
     assert_true(a->pinned_reserve_segment_size == b->pinned_reserve_segment_size);
 }
 
+/* The fields only start-up NPU keys set: a run-time text never changes them. */
+static void assert_npu_startup_fields_eq(const alloc_settings *a, const alloc_settings *b)
+{
+    assert_true(a->base_addr_aligned_size == b->base_addr_aligned_size);
+    assert_int_equal(a->page_size_1g, b->page_size_1g);
+    assert_true(a->segment_size == b->segment_size);
+    assert_int_equal(a->multi_stream_lazy_reclaim, b->multi_stream_lazy_reclaim);
+    assert_int_equal(a->pin_memory_expandable_segments, b->pin_memory_expandable_segments);
+    assert_int_equal(a->pinned_mem_register, b->pinned_mem_register);
+    assert_true(a->pinned_reserve_segment_size == b->pinned_reserve_segment_size);
+}
+
 static int probe_ok(void *ctx)
 {
     if (ctx)
@@ -740,23 +752,66 @@ static const err_case runtime_errs[] = {
     {"max_split_size_mb:64,pinned_free_catch_all:1", RT, OPS_V, UNSUP("pinned_free_catch_all")},
 };
 
+/* What each text of runtime_errs leaves set: torch_npu parses a run-time text straight into its settings
+   (its own and c10's, which c10's pass resets first), so what came before the error stays.  From
+   max_split_size 128 MiB, release_lock_on_npumalloc and expandable_segments_explicit off. */
+typedef struct after_error {
+    size_t max_split_size;
+    bool release_lock, expandable_explicit;
+} after_error;
+#define KEPT {128 * MiB_, false, false}
+#define RESET {SIZE_MAX, false, false}
+static const after_error runtime_errs_after[] = {
+    KEPT, KEPT, KEPT, KEPT, KEPT, KEPT, KEPT, KEPT, KEPT, KEPT, KEPT, KEPT,
+    {128 * MiB_, true, false}, /* release_lock_on_npumalloc:True came first */
+    KEPT, KEPT, KEPT, KEPT, KEPT, KEPT, KEPT,
+    RESET,                     /* c10's pass reset max_split_size, then failed */
+    {SIZE_MAX, true, false}, RESET, RESET,
+    KEPT,                      /* the expandable cross-check (after the parse): nothing is kept */
+    RESET, {64 * MiB_, false, false}, {SIZE_MAX, true, true}, {64 * MiB_, false, false}, {64 * MiB_, false, false},
+};
+
 static void test_runtime_errors(void **state)
 {
     (void)state;
+    assert_int_equal(sizeof runtime_errs / sizeof runtime_errs[0],
+                     sizeof runtime_errs_after / sizeof runtime_errs_after[0]);
     for (size_t c = 0; c < sizeof runtime_errs / sizeof runtime_errs[0]; c++) {
         const err_case *ec = &runtime_errs[c];
-        alloc_settings s, before;
+        alloc_settings s, want;
         conf_result r;
         alloc_settings_default(&s);
         s.max_split_size = 128 * MiB_;
-        before = s;
+        want = s;
+        want.max_split_size = runtime_errs_after[c].max_split_size;
+        want.release_lock_on_npumalloc = runtime_errs_after[c].release_lock;
+        want.expandable_segments_explicit = runtime_errs_after[c].expandable_explicit;
         conf_status st = alloc_conf_parse_runtime(ec->text, &s, NULL, NULL, &r);
         if (st != ec->st || strcmp(r.message, ec->msg) != 0 || r.error_subsystem != ec->sub ||
             r.error_code != ec->code)
             fail_msg("case %zu '%s': got %s [%d/%d] '%s'", c, ec->text, alloc_conf_status_name(st),
                      r.error_subsystem, r.error_code, r.message);
-        assert_settings_eq(&s, &before);
+        assert_settings_eq(&s, &want);
     }
+    /* c10's pass also drops a start-up garbage_collection_threshold and roundup_power2_divisions, and NPU
+       values parsed before the error stay, the fraction included */
+    alloc_settings s, want;
+    conf_result r;
+    alloc_settings_default(&s);
+    assert_int_equal(alloc_conf_parse("garbage_collection_threshold:0.5,roundup_power2_divisions:4,"
+                                      "large_segment_size_mb:32", &s, NULL, NULL, &r), CONF_OK);
+    want = s;
+    want.garbage_collection_threshold = 0;
+    memset(want.roundup_power2_divisions, 0, sizeof want.roundup_power2_divisions);
+    want.throw_on_npumalloc_oom = true;
+    want.per_process_memory_fraction = 0.25;
+    want.per_process_memory_fraction_set = true;
+    want.max_non_split_rounding_size = 32 * MiB_;
+    assert_int_equal(alloc_conf_parse_runtime("throw_on_npumalloc_oom:True,per_process_memory_fraction:0.25,"
+                                              "max_non_split_rounding_mb:31", &s, NULL, NULL, &r),
+                     CONF_VALUE_ERROR);
+    assert_string_equal(r.message, "CachingAllocator option max_non_split_rounding_mb too small, must be >= 32");
+    assert_settings_eq(&s, &want);
 }
 
 static void test_runtime_valid(void **state)
@@ -1051,7 +1106,10 @@ static void test_random_soup(void **state)
             assert_string_equal(r.message, "");
         } else {
             assert_true(r.message[0] != '\0');
-            assert_settings_eq(&s, &before);
+            if (runtime) /* what a failed run-time text set stays; the NPU-only start-up keys never change */
+                assert_npu_startup_fields_eq(&s, &before);
+            else
+                assert_settings_eq(&s, &before);
         }
     }
     /* raw random bytes */
