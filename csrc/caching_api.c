@@ -735,19 +735,18 @@ aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **
 
 aclError npualloc_allocate_ctx(int32_t device, size_t size, uint64_t stream, npualloc_context *ctx, void **ptr)
 {
-    if (pluggable_active()) /* a pluggable allocator decides for itself */
+    /* a pluggable allocator decides for itself; torch_npu's allocate() checks for 1 EB first */
+    if (pluggable_active() || (size < K_ONE_EB && !npualloc_caching_disabled()))
         return npualloc_cache_malloc_ctx(device, size, stream, ctx, ptr);
     if (!ptr)
         return ACL_ERROR_INVALID_PARAM;
     *ptr = NULL;
-    if (size >= K_ONE_EB) { /* torch_npu's allocate() checks before anything else */
+    if (size == 0)
+        return ACL_SUCCESS;
+    if (size >= K_ONE_EB) {
         npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
         return report_oom(&info);
     }
-    if (!npualloc_caching_disabled())
-        return npualloc_cache_malloc_ctx(device, size, stream, ctx, ptr);
-    if (size == 0)
-        return ACL_SUCCESS;
     aclError rc = runtime_ensure_init();
     /* graph capture hook (graph.c): an allocation on a capturing stream is a graph ALLOC node */
     if (rc == ACL_SUCCESS && unlikely(graph_capture_active()) && graph_capture_malloc(device, size, stream, ptr, &rc))

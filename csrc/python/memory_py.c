@@ -184,10 +184,12 @@ static PyObject *raise_cache_error(aclError rc)
         PyObject *args = Py_BuildValue("(ii)", submodule, code);
         PyObject *suffix = args ? call_helper("_cpp_error_suffix", args) : NULL;
         Py_XDECREF(args);
-        if (suffix && PyUnicode_Check(suffix))
+        if (suffix && PyUnicode_Check(suffix)) {
             PyErr_Format(exc, "%s%U", text, suffix);
-        else if (!PyErr_Occurred())
+        } else { /* no suffix then, as pta_suffix does: the settings error is the one to raise */
+            PyErr_Clear();
             PyErr_SetString(exc, text);
+        }
         Py_XDECREF(suffix);
     } else {
         PyErr_SetString(exc, msg);
