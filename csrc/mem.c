@@ -465,6 +465,7 @@ void mem_shutdown(void)
         host_block *b = AVL_ENTRY(host_blocks.root, host_block, node);
         avl_remove(&host_blocks, &b->node);
         host_free_pinned((void *)b->addr, b->size);
+        host_pinned_uncharge(b->size); /* the count is the process's: it outlives the runtime */
         free(b);
     }
     pthread_rwlock_unlock(&host_lock);

@@ -136,7 +136,6 @@ static aclError share_fd_error(int err)
 
 /* ---- physical handles ---- */
 
-/* Creates a handle's memory and charges it; the handle is not yet in the table. */
 /* Gives back what handle_create charged: the device's capacity, or the process's pinned host memory. */
 static void uncharge(const phys_handle *h)
 {
@@ -146,6 +145,7 @@ static void uncharge(const phys_handle *h)
         host_pinned_uncharge(h->charged);
 }
 
+/* Creates a handle's memory and charges it; the handle is not yet in the table. */
 static aclError handle_create(int32_t device, mem_kind kind, size_t size, size_t charge, phys_handle **out)
 {
     phys_handle *h = calloc(1, sizeof *h);

@@ -526,6 +526,12 @@ static void test_pinned_host_memory_together_cannot_exceed_the_machine(void **st
     start_runtime(1, GiB_, GiB_, 0, 0);
     assert_int_equal(aclrtMallocPhysical(&second, over_half, &hp, 0), ACL_SUCCESS);
     assert_int_equal(aclrtFreePhysical(second), ACL_SUCCESS);
+    /* and so does one shut down with an aclrtMallocHost block still held */
+    assert_int_equal(aclrtMallocHost(&p, over_half), ACL_SUCCESS);
+    npualloc_shutdown();
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    assert_int_equal(aclrtMallocHost(&p, over_half), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(p), ACL_SUCCESS);
 }
 
 /* npualloc.h's functions that report through an aclError say ACL_ERROR_INVALID_PARAM for a NULL
