@@ -146,6 +146,11 @@ static npu_stream *default_streams[NPU_MAX_DEVICES];
 /* Every allocated object, listed or not: fork and shutdown must reach all of them. */
 static npu_stream *stream_registry;
 static npu_event *event_registry;
+/* The forks this process is a child of (written only by stream_atfork_child, while the child has one
+ * thread).  A record, reset or wait task made before the fork that outlives it (one a graph captured,
+ * graph.c, is freed when the graph is) names objects the child freed or recounted: its cleanup frees
+ * only its argument, as stream_drop_tasks does. */
+static unsigned forks_since_start;
 
 /* The stream whose worker is the calling thread, NULL on other threads. */
 static _Thread_local npu_stream *tl_worker;
@@ -1520,6 +1525,7 @@ static npu_stream *event_target(npu_event *e, uint64_t *position)
 typedef struct record_task {
     npu_event *event; /* a reference */
     uint64_t seq;
+    unsigned forks; /* forks_since_start when made */
 } record_task;
 
 static aclError run_record(void *arg)
@@ -1539,7 +1545,8 @@ static aclError run_record(void *arg)
 static void record_cleanup(void *arg)
 {
     record_task *r = arg;
-    event_put(r->event);
+    if (r->forks == forks_since_start)
+        event_put(r->event);
     free(r);
 }
 
@@ -1552,6 +1559,7 @@ static aclError event_record(npu_event *e, npu_stream *s)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     event_retain(e); /* the task's reference */
     r->event = e;
+    r->forks = forks_since_start;
     npu_stream *old = NULL;
     pthread_mutex_lock(&e->lock);
     uint64_t seq = e->seq + 1, position;
@@ -1779,6 +1787,7 @@ aclError aclrtQueryEventWaitStatus(aclrtEvent event, aclrtEventWaitStatus *statu
 typedef struct reset_task {
     npu_event *event; /* a reference */
     uint64_t seq;     /* the event's record count when the reset was queued */
+    unsigned forks;   /* forks_since_start when made */
 } reset_task;
 
 static aclError run_reset(void *arg)
@@ -1802,7 +1811,8 @@ static aclError run_reset(void *arg)
 static void reset_cleanup(void *arg)
 {
     reset_task *r = arg;
-    event_put(r->event);
+    if (r->forks == forks_since_start)
+        event_put(r->event);
     free(r);
 }
 
@@ -1831,6 +1841,7 @@ aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     if (rc == ACL_SUCCESS) {
         event_retain(e); /* the task's reference */
         r->event = e;
+        r->forks = forks_since_start;
         /* The event lock is held across the enqueue, as for a record: the sequence number the task
          * compares is the one in force at its place in the queue. */
         pthread_mutex_lock(&e->lock);
@@ -1928,6 +1939,7 @@ typedef struct wait_task {
     uint64_t position;
     npu_event *event; /* a reference */
     atomic_bool counted;
+    unsigned forks; /* forks_since_start when made */
 } wait_task;
 
 static void wait_uncount(wait_task *w)
@@ -1947,9 +1959,11 @@ static aclError run_wait(void *arg)
 static void wait_cleanup(void *arg)
 {
     wait_task *w = arg;
-    wait_uncount(w);
-    stream_put(w->stream);
-    event_put(w->event);
+    if (w->forks == forks_since_start) {
+        wait_uncount(w);
+        stream_put(w->stream);
+        event_put(w->event);
+    }
     free(w);
 }
 
@@ -1961,7 +1975,7 @@ static aclError enqueue_wait(npu_stream *s, npu_stream *src, uint64_t position, 
     aclError rc = w ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
     if (w) {
         event_retain(e);
-        *w = (wait_task){.stream = src, .position = position, .event = e};
+        *w = (wait_task){.stream = src, .position = position, .event = e, .forks = forks_since_start};
         /* Counted before the task can run (and uncount itself). */
         atomic_init(&w->counted, true);
         atomic_fetch_add_explicit(&e->pending_waits, 1, memory_order_relaxed);
@@ -2069,6 +2083,7 @@ static void reports_atfork_child(void)
 void stream_atfork_child(void)
 {
     pthread_mutex_unlock(&table_lock);
+    forks_since_start++;
     tl_worker = NULL;
     reports_atfork_child();
 

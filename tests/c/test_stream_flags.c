@@ -5,8 +5,11 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "host.h"
+#include "npualloc_graph.h"
 #include "stream.h"
 #include "testutil.h"
 
@@ -314,6 +317,36 @@ static void test_reset_of_a_plain_event_and_bad_arguments(void **state)
     assert_int_equal(aclrtResetEvent(e, NULL), ACL_ERROR_INVALID_PARAM); /* destroyed */
 }
 
+/* A reset queued on a capturing stream is a node of the graph, which keeps its event referenced until
+ * the graph goes.  A fork child that destroys the parent's graph must not release the event: the child
+ * freed the parent's events. */
+static void test_graph_captured_reset_is_freed_in_a_fork_child(void **state)
+{
+    (void)state;
+    aclrtStream t = new_stream();
+    aclrtEvent e = flagged(ACL_EVENT_SYNC);
+    npualloc_graph *g;
+    assert_int_equal(npualloc_graph_create(0, &g), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_begin(g, t, 0, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtResetEvent(e, t), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_end(g), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS); /* the graph still holds it */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        npualloc_graph_destroy(g);
+        aclrtEvent fresh = NULL; /* the child's own events work */
+        bool ok = aclrtCreateEvent(&fresh) == ACL_SUCCESS && aclrtDestroyEvent(fresh) == ACL_SUCCESS;
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+    npualloc_graph_destroy(g); /* the parent's reference is real: the event goes now */
+    assert_int_equal(aclrtDestroyStream(t), ACL_SUCCESS);
+}
+
 /* ---- aclrtQueryEventWaitStatus ---- */
 
 static void test_wait_status_is_not_ready_while_a_queued_wait_still_waits(void **state)
@@ -558,6 +591,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_reset_of_a_record_still_pending_clears_it_and_its_late_stamp, setup,
                                         stop_runtime),
         cmocka_unit_test_setup_teardown(test_reset_of_a_plain_event_and_bad_arguments, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_graph_captured_reset_is_freed_in_a_fork_child, setup, stop_runtime),
         cmocka_unit_test_setup_teardown(test_wait_status_is_not_ready_while_a_queued_wait_still_waits, setup,
                                         stop_runtime),
         cmocka_unit_test_setup_teardown(test_create_stream_with_config_flags, setup, stop_runtime),
