@@ -1783,12 +1783,15 @@ aclError aclrtQueryEventWaitStatus(aclrtEvent event, aclrtEventWaitStatus *statu
 }
 
 /* A reset task: puts the event back in its never-recorded state when its stream reaches it, unless the
- * event was recorded again after the reset was queued (that newer record stays). */
+ * event was recorded again after the reset was queued (that newer record stays).  A graph queues a
+ * captured reset again at every launch, long after it was made: it clears whatever record is current. */
 typedef struct reset_task {
     npu_event *event; /* a reference */
-    uint64_t seq;     /* the event's record count when the reset was queued */
+    uint64_t seq;     /* the event's record count when the reset was queued, or RESET_CAPTURED */
     unsigned forks;   /* forks_since_start when made */
 } reset_task;
+
+#define RESET_CAPTURED UINT64_MAX /* no record count: the counts only go up from 0, one per record */
 
 static aclError run_reset(void *arg)
 {
@@ -1796,7 +1799,7 @@ static aclError run_reset(void *arg)
     npu_event *e = r->event;
     npu_stream *old = NULL;
     pthread_mutex_lock(&e->lock);
-    if (e->seq == r->seq && e->stream) {
+    if ((r->seq == RESET_CAPTURED || e->seq == r->seq) && e->stream) {
         old = e->stream;
         e->stream = NULL;
         e->stamped = false;
@@ -1845,7 +1848,7 @@ aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
         /* The event lock is held across the enqueue, as for a record: the sequence number the task
          * compares is the one in force at its place in the queue. */
         pthread_mutex_lock(&e->lock);
-        r->seq = e->seq;
+        r->seq = stream_capture_get(s) ? RESET_CAPTURED : e->seq;
         rc = stream_enqueue(s, run_reset, r, reset_cleanup, NULL);
         pthread_mutex_unlock(&e->lock);
         if (rc != ACL_SUCCESS) {

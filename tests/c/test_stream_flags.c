@@ -347,6 +347,35 @@ static void test_graph_captured_reset_is_freed_in_a_fork_child(void **state)
     assert_int_equal(aclrtDestroyStream(t), ACL_SUCCESS);
 }
 
+/* A graph queues a captured reset again at every launch: each launch clears the record current then, not
+ * only a record that was current when the reset was captured. */
+static void test_graph_captured_reset_clears_the_record_current_at_each_launch(void **state)
+{
+    (void)state;
+    aclrtStream s = new_stream(), t = new_stream();
+    aclrtEvent e = flagged(ACL_EVENT_SYNC);
+    npualloc_graph *g;
+    npualloc_graph_exec *x;
+    assert_int_equal(npualloc_graph_create(0, &g), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_begin(g, t, 0, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtResetEvent(e, t), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_end(g), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_instantiate(g, &x), ACL_SUCCESS);
+    for (int launch = 0; launch < 2; launch++) {
+        assert_int_equal(aclrtRecordEvent(e, s), ACL_SUCCESS);
+        assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+        assert_int_equal(recorded(e), ACL_EVENT_RECORDED_STATUS_COMPLETE);
+        assert_int_equal(npualloc_graph_launch(x, t, 0), ACL_SUCCESS);
+        assert_int_equal(aclrtSynchronizeStream(t), ACL_SUCCESS);
+        assert_int_equal(recorded(e), ACL_EVENT_RECORDED_STATUS_NOT_READY);
+    }
+    npualloc_graph_exec_destroy(x);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(t), ACL_SUCCESS);
+}
+
 /* ---- aclrtQueryEventWaitStatus ---- */
 
 static void test_wait_status_is_not_ready_while_a_queued_wait_still_waits(void **state)
@@ -592,6 +621,8 @@ int main(void)
                                         stop_runtime),
         cmocka_unit_test_setup_teardown(test_reset_of_a_plain_event_and_bad_arguments, setup, stop_runtime),
         cmocka_unit_test_setup_teardown(test_graph_captured_reset_is_freed_in_a_fork_child, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_graph_captured_reset_clears_the_record_current_at_each_launch, setup,
+                                        stop_runtime),
         cmocka_unit_test_setup_teardown(test_wait_status_is_not_ready_while_a_queued_wait_still_waits, setup,
                                         stop_runtime),
         cmocka_unit_test_setup_teardown(test_create_stream_with_config_flags, setup, stop_runtime),
