@@ -531,16 +531,14 @@ static npu_stream *stream_new(int32_t device)
 /* Frees the queued tasks without running them or their cleanups (fork child only). The
  * arguments of this module's own tasks and of tasks whose cleanup is plain free() are freed;
  * any other argument is leaked, because its cleanup may take locks the child cannot own. */
-static void record_cleanup(void *arg);
-static void reset_cleanup(void *arg);
+static void event_task_free(void *arg);
 static void wait_cleanup(void *arg);
 static void stream_drop_tasks(npu_stream *s)
 {
     stream_task *t = s->head;
     while (t) {
         stream_task *next = t->next;
-        if (t->cleanup == free || t->cleanup == record_cleanup || t->cleanup == reset_cleanup ||
-            t->cleanup == wait_cleanup)
+        if (t->cleanup == free || t->cleanup == event_task_free || t->cleanup == wait_cleanup)
             free(t->arg);
         free(t);
         t = next;
@@ -1520,17 +1518,39 @@ static npu_stream *event_target(npu_event *e, uint64_t *position)
     return s;
 }
 
-/* A record task: stamps the completion time if its record is still the event's current one
- * (a later record made this one obsolete otherwise). */
-typedef struct record_task {
+/* A record or reset task (run_record, run_reset): its event and the record count it is for. */
+typedef struct event_task {
     npu_event *event; /* a reference */
     uint64_t seq;
     unsigned forks; /* forks_since_start when made */
-} record_task;
+} event_task;
 
+/* A task for e with its own reference to it (seq still to be set); NULL when out of memory. */
+static event_task *event_task_new(npu_event *e)
+{
+    event_task *t = malloc(sizeof *t);
+    if (t) {
+        event_retain(e);
+        *t = (event_task){.event = e, .forks = forks_since_start};
+    }
+    return t;
+}
+
+/* The tasks' cleanup; also frees one that could not be queued (its caller still holds a reference, so
+ * this never frees the event then). */
+static void event_task_free(void *arg)
+{
+    event_task *t = arg;
+    if (t->forks == forks_since_start)
+        event_put(t->event);
+    free(t);
+}
+
+/* A record task: stamps the completion time if its record is still the event's current one
+ * (a later record made this one obsolete otherwise). */
 static aclError run_record(void *arg)
 {
-    record_task *r = arg;
+    event_task *r = arg;
     uint64_t now = host_now_ns(); /* the moment the worker reached the record */
     npu_event *e = r->event;
     pthread_mutex_lock(&e->lock);
@@ -1542,29 +1562,18 @@ static aclError run_record(void *arg)
     return ACL_SUCCESS;
 }
 
-static void record_cleanup(void *arg)
-{
-    record_task *r = arg;
-    if (r->forks == forks_since_start)
-        event_put(r->event);
-    free(r);
-}
-
 /* Moves the event's record to the end of stream s.  The event lock is held across the
  * enqueue so the record task cannot check its sequence number before it is current. */
 static aclError event_record(npu_event *e, npu_stream *s)
 {
-    record_task *r = malloc(sizeof *r);
+    event_task *r = event_task_new(e);
     if (!r)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    event_retain(e); /* the task's reference */
-    r->event = e;
-    r->forks = forks_since_start;
     npu_stream *old = NULL;
     pthread_mutex_lock(&e->lock);
     uint64_t seq = e->seq + 1, position;
     r->seq = seq;
-    aclError rc = stream_enqueue(s, run_record, r, record_cleanup, &position);
+    aclError rc = stream_enqueue(s, run_record, r, event_task_free, &position);
     if (rc == ACL_SUCCESS) {
         old = e->stream;
         stream_retain(s);
@@ -1574,10 +1583,8 @@ static aclError event_record(npu_event *e, npu_stream *s)
         e->stamped = false;
     }
     pthread_mutex_unlock(&e->lock);
-    if (rc != ACL_SUCCESS) {
-        free(r);
-        event_put(e); /* the caller still holds one: this never frees */
-    }
+    if (rc != ACL_SUCCESS)
+        event_task_free(r);
     if (old)
         stream_put(old);
     return rc;
@@ -1782,20 +1789,16 @@ aclError aclrtQueryEventWaitStatus(aclrtEvent event, aclrtEventWaitStatus *statu
     return rc;
 }
 
-/* A reset task: puts the event back in its never-recorded state when its stream reaches it, unless the
- * event was recorded again after the reset was queued (that newer record stays).  A graph queues a
- * captured reset again at every launch, long after it was made: it clears whatever record is current. */
-typedef struct reset_task {
-    npu_event *event; /* a reference */
-    uint64_t seq;     /* the event's record count when the reset was queued, or RESET_CAPTURED */
-    unsigned forks;   /* forks_since_start when made */
-} reset_task;
+/* A reset task's seq: a graph queues a captured reset again at every launch, long after it was made, to
+ * clear whatever record is current then.  No record count: the counts go up from 0, one per record. */
+#define RESET_CAPTURED UINT64_MAX
 
-#define RESET_CAPTURED UINT64_MAX /* no record count: the counts only go up from 0, one per record */
-
+/* A reset task (seq: the event's record count when it was queued, or RESET_CAPTURED): puts the event
+ * back in its never-recorded state when its stream reaches it, unless the event was recorded again
+ * after the reset was queued (that newer record stays). */
 static aclError run_reset(void *arg)
 {
-    reset_task *r = arg;
+    event_task *r = arg;
     npu_event *e = r->event;
     npu_stream *old = NULL;
     pthread_mutex_lock(&e->lock);
@@ -1809,14 +1812,6 @@ static aclError run_reset(void *arg)
     if (old)
         stream_put(old); /* no lock held; it may free a destroyed stream, never this worker's own */
     return ACL_SUCCESS;
-}
-
-static void reset_cleanup(void *arg)
-{
-    reset_task *r = arg;
-    if (r->forks == forks_since_start)
-        event_put(r->event);
-    free(r);
 }
 
 aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
@@ -1838,23 +1833,18 @@ aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     npu_stream *s = NULL;
     if (rc == ACL_SUCCESS && (rc = stream_lookup(stream, &s)) == ACL_SUCCESS && e->ex)
         rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
-    reset_task *r = rc == ACL_SUCCESS ? malloc(sizeof *r) : NULL;
+    event_task *r = rc == ACL_SUCCESS ? event_task_new(e) : NULL;
     if (rc == ACL_SUCCESS && !r)
         rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
     if (rc == ACL_SUCCESS) {
-        event_retain(e); /* the task's reference */
-        r->event = e;
-        r->forks = forks_since_start;
         /* The event lock is held across the enqueue, as for a record: the sequence number the task
          * compares is the one in force at its place in the queue. */
         pthread_mutex_lock(&e->lock);
         r->seq = stream_capture_get(s) ? RESET_CAPTURED : e->seq;
-        rc = stream_enqueue(s, run_reset, r, reset_cleanup, NULL);
+        rc = stream_enqueue(s, run_reset, r, event_task_free, NULL);
         pthread_mutex_unlock(&e->lock);
-        if (rc != ACL_SUCCESS) {
-            free(r);
-            event_put(e); /* the caller still holds one: this never frees */
-        }
+        if (rc != ACL_SUCCESS)
+            event_task_free(r);
     }
     if (s)
         stream_put(s);
