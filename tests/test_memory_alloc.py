@@ -355,6 +355,10 @@ def test_settings_errors_carry_torch_npu_suffix(mem, monkeypatch):
         npualloc.caching_allocator_alloc(1)
     assert re.fullmatch(r"Unrecognized key 'foo' in NPU allocator config, " + SUFFIX_HEAD +
                         r"-1\) ERR01003 OPS invalid value", str(err.value)), str(err.value)
+    with pytest.raises(ValueError) as err:      # the pool face too
+        npualloc.MemPool()
+    assert re.fullmatch(r"Unrecognized key 'foo' in NPU allocator config, " + SUFFIX_HEAD +
+                        r"-1\) ERR01003 OPS invalid value", str(err.value)), str(err.value)
     monkeypatch.setenv("RANK", "7")
     mem(alloc_conf="multi_stream_lazy_reclaim:yes")
     with pytest.raises(RuntimeError) as err:

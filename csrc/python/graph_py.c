@@ -24,6 +24,7 @@
 #include <stdint.h>
 
 #include "binding.h"
+#include "memory_py.h"
 #include "npualloc.h"
 #include "npualloc_graph.h"
 #include "pyarg.h"
@@ -44,16 +45,15 @@ static PyObject *graph_error(aclError rc, const char *what)
 }
 
 /* The allocator's own message alone, as torch raises it (use_mem_pool and MemPool surface these
- * errors); the call and the code only when the allocator left no message. */
+ * errors), with torch_npu's suffix where it has one; the call and the code only when the allocator
+ * left no message. */
 static PyObject *cache_error(aclError rc, const char *what)
 {
     npualloc_error_kind kind;
     const char *msg = npualloc_last_error(&kind);
-    PyObject *type = kind == NPUALLOC_ERR_VALUE ? PyExc_ValueError : PyExc_RuntimeError;
     if (kind != NPUALLOC_ERR_NONE && msg && msg[0])
-        PyErr_SetString(type, msg);
-    else
-        PyErr_Format(type, "%s failed (ACL error %d)", what, (int)rc);
+        return raise_cache_error(rc);
+    PyErr_Format(PyExc_RuntimeError, "%s failed (ACL error %d)", what, (int)rc);
     return NULL;
 }
 

@@ -153,8 +153,7 @@ static PyObject *raise_acl(const char *what, aclError rc)
     return raise_pta(PyExc_RuntimeError, "ACL", "NPU function error: %s, error code is %d", what, (int)rc);
 }
 
-/* A failed npualloc_cache_* call, raised by npualloc_last_error's kind. */
-static PyObject *raise_cache_error(aclError rc)
+PyObject *raise_cache_error(aclError rc)
 {
     npualloc_error_kind kind;
     const char *msg = npualloc_last_error(&kind);

@@ -16,6 +16,11 @@
  * Returns 0, or -1 with an exception set. */
 int memory_py_attach(PyObject *module);
 
+/* Raises the failure of an npualloc_cache_* call by npualloc_last_error's kind, with torch_npu's error
+ * suffix where the allocator recorded one (npualloc_last_error_suffix); always NULL.  Shared with the
+ * graph face (MemPool, use_mem_pool), whose pool calls fail with the same errors. */
+PyObject *raise_cache_error(aclError rc);
+
 /* _snapshot()'s "allocator_settings" dict for settings s and their text (NULL: ""); NULL with an
  * exception set on failure.  Shared with the replay sessions, whose snapshots carry their own. */
 PyObject *allocator_settings_dict(const npualloc_allocator_settings *s, const char *text);
