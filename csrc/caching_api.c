@@ -558,7 +558,7 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
     /* graph capture hook (graph.c): an allocation on a capturing stream is a graph ALLOC node, whichever
      * allocator is current (the graph plans its memory itself) */
     aclError grc;
-    if (unlikely(graph_capture_active()) && size != 0 && size < K_ONE_EB &&
+    if (unlikely(graph_capture_active()) && size != 0 && size < K_RAW_ALLOC_LIMIT &&
         graph_capture_malloc(device, size, stream, ptr, &grc))
         return grc;
     if (unlikely(pluggable_active())) /* told only devices that exist */

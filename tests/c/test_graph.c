@@ -100,6 +100,25 @@ static void test_chain_reuses_freed_address(void **state)
 }
 
 /* a -> (x on s1 | y on s2) -> z: x and y may run at once, z follows both frees. */
+/* raw_alloc has no 1 EB check: on a capturing stream such a size is the graph's to refuse, as any size
+ * too large for graph memory, not an allocation of the ordinary cache outside the graph. */
+static void test_an_exabyte_on_a_capturing_stream_is_the_graphs_oom(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    void *p = (void *)0x1;
+    assert_int_equal(npualloc_cache_malloc(0, (size_t)1 << 61, sh(s), &p), ACL_ERROR_RT_DEVICE_OOM);
+    assert_non_null(strstr(npualloc_last_error(NULL), "cannot fit in graph memory"));
+    npualloc_stats st;
+    assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_SUCCESS);
+    assert_int_equal(st.num_ooms, 0); /* the device's cache was not asked */
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+}
+
 static void test_diamond(void **state)
 {
     (void)state;
@@ -673,6 +692,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_chain_reuses_freed_address, stop_runtime),
+        cmocka_unit_test_teardown(test_an_exabyte_on_a_capturing_stream_is_the_graphs_oom, stop_runtime),
         cmocka_unit_test_teardown(test_diamond, stop_runtime),
         cmocka_unit_test_teardown(test_unjoined_stream_fails_the_capture, stop_runtime),
         cmocka_unit_test_teardown(test_graphs_on_one_stream_alias, stop_runtime),
