@@ -121,15 +121,17 @@ class Event:
         self.interprocess = interprocess
         self._handle = 0
         self._gen = 0
+        self._recorded = False  # the handle carries a record (which a restart or fork makes stale)
 
     def _ensure(self, renew=False):
-        """The handle, created on first use; with ``renew`` (a record, which starts the event afresh) a
-        stale one is replaced too.  Otherwise a stale handle is returned as it is, and the runtime refuses
-        it (INVALID_PARAM) as it refuses a stale stream."""
+        """The handle, created on first use.  A stale one is replaced when it carries no record, or with
+        ``renew`` (a record, which starts the event afresh); a stale record is returned as it is, and the
+        runtime refuses it (INVALID_PARAM) as it refuses a stale stream."""
         gen = _M._generation()
-        if not self._handle or (renew and self._gen != gen):
+        if not self._handle or (self._gen != gen and (renew or not self._recorded)):
             self._handle = _M._event_create()
             self._gen = gen
+            self._recorded = False
         return self._handle
 
     @property
@@ -143,6 +145,7 @@ class Event:
         if stream is None:
             stream = current_stream()
         _M._event_record(stream.npu_stream, stream.device, self._ensure(renew=True))
+        self._recorded = True
 
     def wait(self, stream=None):
         """Makes ``stream`` (default: the current stream) wait for the event."""
@@ -152,13 +155,13 @@ class Event:
 
     def query(self):
         """True once the recorded work has run (True for an event never recorded)."""
-        if not self._handle:
+        if not self._recorded:
             return True
         return _M._event_query(self._handle)
 
     def synchronize(self):
         """Waits until the recorded work has run."""
-        if self._handle:
+        if self._recorded:
             _M._event_synchronize(self._handle)
 
     def elapsed_time(self, end_event):

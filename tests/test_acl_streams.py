@@ -684,3 +684,21 @@ def test_stale_stream_and_event_in_a_fork_child():
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert s.query() and e.query()  # the parent's own are untouched
+
+
+def test_an_event_waited_for_but_never_recorded_is_not_stale_after_a_restart(restart):
+    """Only a record goes stale: an Event that a stream waited for (which gave it a handle) but that was
+    never recorded answers as a never-recorded one after a restart."""
+    restart()
+    rt.set_device(0)
+    e = npualloc.Event()
+    npualloc.Stream().wait_event(e)
+    assert e.npu_event != 0
+    restart()
+    rt.set_device(0)
+    assert e.query()
+    e.synchronize()
+    npualloc.Stream().wait_event(e)
+    e.record()
+    e.synchronize()
+    assert e.query()
