@@ -39,6 +39,8 @@ runs (:class:`UnsafeTraceError`).
 import io
 import os
 import pickle
+import pickletools
+import stat
 import struct
 import sys
 import time
@@ -99,16 +101,53 @@ def _unpickle(data, name):
         raise TraceError(f"{name}: not a readable pickle ({type(e).__name__}: {e})") from None
 
 
+def _memory_limit():
+    """The largest trace file load_trace reads: half the machine's physical memory (its objects take several
+    times the pickle's size, so a larger file cannot be loaded anyway)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+_PICKLE_OPCODES = frozenset(op.code.encode("latin-1")[0] for op in pickletools.opcodes)
+
+
+def _read_bounded(f, name):
+    """The bytes of an open file, refusing at once a file larger than _memory_limit() (which reading whole
+    would exhaust the machine's memory) and a stream that does not start like a pickle (/dev/zero would be
+    read forever); a stream (a pipe, a device) is read in chunks up to the same limit."""
+    limit = _memory_limit()
+    st = os.fstat(f.fileno())
+    too_large = f"{name}: too large to load ({{}}; the limit is half of this machine's memory, {format_size(limit)})"
+    if stat.S_ISREG(st.st_mode):
+        if st.st_size > limit:
+            raise TraceError(too_large.format(format_size(st.st_size)))
+        return f.read()
+    chunks, total = [], 0
+    while True:
+        chunk = f.read(1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        if not chunks and chunk[0] not in _PICKLE_OPCODES:
+            raise TraceError(f"{name}: not a readable pickle (unknown opcode at byte 0)")
+        total += len(chunk)
+        if total > limit:
+            raise TraceError(too_large.format(f"more than {format_size(limit)}"))
+        chunks.append(chunk)
+
+
 def load_trace(path):
     """Reads a snapshot pickle with an unpickler that refuses every global; returns the snapshot (a dict).
 
-    Raises :class:`TraceError` for a missing, unreadable or damaged file and :class:`UnsafeTraceError` for a
-    pickle that refers to any class or function (nothing in it is executed).
+    Raises :class:`TraceError` for a missing, unreadable or damaged file, a file larger than half of the
+    machine's memory, a stream (a pipe, a device) that does not start like a pickle, and
+    :class:`UnsafeTraceError` for a pickle that refers to any class or function (nothing in it is executed).
     """
     name = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            data = _read_bounded(f, name)
     except FileNotFoundError:
         raise TraceError(f"{name}: no such file") from None
     except IsADirectoryError:
@@ -117,6 +156,8 @@ def load_trace(path):
         raise TraceError(f"{name}: permission denied") from None
     except OSError as e:
         raise TraceError(f"{name}: cannot read ({e.strerror or e})") from None
+    except MemoryError:
+        raise TraceError(f"{name}: the file needs more memory than this machine has") from None
     if not data:
         raise TraceError(f"{name}: empty file, not a snapshot pickle")
     return _unpickle(data, name)

@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -17,12 +18,19 @@ from npualloc import workload
 PKG_PARENT = str(Path(npualloc.__file__).resolve().parent.parent)  # the checkout this test imported
 
 
-def cli(*args, cwd=None, timeout=120):
+def _limit_address_space():
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def cli(*args, cwd=None, timeout=120, input=None, limit_memory=False):
+    """Runs the CLI; limit_memory caps its address space at 2 GiB (a runaway read fails instead of
+    taking the machine's memory)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUALLOC_", "PYTORCH_"))}
     env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
     env["MPLBACKEND"] = "Agg"
     return subprocess.run([sys.executable, "-m", "npualloc", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=input is None, timeout=timeout, input=input,
+                          preexec_fn=_limit_address_space if limit_memory else None)
 
 
 def assert_one_line_error(p, *needles):
@@ -151,6 +159,26 @@ def test_not_a_pickle(tmp_path):
 
 def test_a_directory_is_not_a_trace(tmp_path):
     assert_one_line_error(cli("replay", tmp_path), "is a directory")
+
+
+def test_a_file_larger_than_memory_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "huge.pickle"
+    with open(path, "wb") as f:  # sparse: twice the machine's memory, no disk
+        f.truncate(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 2)
+    assert_one_line_error(cli("replay", path, limit_memory=True), "huge.pickle", "too large to load",
+                          "half of this machine's memory")
+
+
+def test_an_endless_stream_is_refused_at_its_first_byte():
+    # /dev/zero was read until memory ran out
+    assert_one_line_error(cli("replay", "/dev/zero", limit_memory=True, timeout=60), "/dev/zero",
+                          "not a readable pickle (unknown opcode at byte 0)")
+
+
+def test_a_trace_from_a_pipe_replays(tiny_trace):
+    p = cli("replay", "/dev/stdin", input=tiny_trace.read_bytes())
+    assert p.returncode == 0, p.stderr
+    assert b"least waste: " in p.stdout
 
 
 def test_unreadable_file(tmp_path):
