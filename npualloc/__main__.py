@@ -12,10 +12,14 @@
 
 ``replay`` prints one row per configuration (peak requested, allocated, active and reserved, fragmentation,
 device allocations and frees, retries, OOMs, wall time, replay speed) under a row with the recorded run's own
-reservations, and where the first OOM of each configuration happened (position in ``device_traces``).  A missing, unreadable or
-malformed trace is reported on one line (exit status 2).  ``--plot FILE`` writes the timeline in the format its
-extension names (none: ``FILE.png``, and the last line names it); an extension matplotlib cannot write or a
-directory is refused the same way, before the replay runs.
+reservations, and where the first OOM of each configuration happened (position in ``device_traces``).
+``--plot FILE`` writes the timeline in the format its extension names (none: ``FILE.png``, and the last line
+names it); an extension matplotlib cannot write or a directory is refused before the replay runs.
+
+Exit status: 0 when the command did its work; 2 for a usage error (the command line itself is wrong: an unknown
+option, a bad size or fraction, a settings string torch_npu would refuse, options that conflict), as argparse
+does; 1 for a run that failed (a missing, unreadable or malformed trace, an output that cannot be written).
+Either way the error is one line on stderr.
 
 ``demo`` (what ``make demo`` runs) generates a transformer training trace with npualloc's workload model,
 replays it under a set of allocator settings, prints the comparison, writes a timeline plot and the trace as a
@@ -33,7 +37,16 @@ GiB = 1 << 30
 
 
 class CliError(Exception):
-    """A user error: printed on one line, exit status 2."""
+    """A usage error (the command line itself is wrong): printed on one line, exit status 2, as argparse's."""
+
+    status = 2
+
+
+class RunError(CliError):
+    """A run that failed (a trace that cannot be read or replayed, an output that cannot be written):
+    printed on one line, exit status 1."""
+
+    status = 1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -80,7 +93,7 @@ def _load(path):
     try:
         return rp.Trace.load(path)
     except rp.TraceError as e:
-        raise CliError(str(e)) from None
+        raise RunError(str(e)) from None
 
 
 def _replay_settings(confs, fraction, huge1g_memory=None):
@@ -101,7 +114,7 @@ def _run_settings(trace, settings, device_memory, rounding, on_oom, device, prog
     results = []
     for dev in devices:
         if dev not in trace.devices:
-            raise CliError(f"{trace.name}: no events on device {dev} (devices: {sorted(trace.devices)})")
+            raise RunError(f"{trace.name}: no events on device {dev} (devices: {sorted(trace.devices)})")
         n = len(trace.devices[dev])
         long_trace = n * len(settings) >= 200_000
         for i, s in enumerate(settings):
@@ -121,7 +134,7 @@ def _agg_canvas():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
-        raise CliError("the timeline plot needs matplotlib (pip install matplotlib)") from None
+        raise RunError("the timeline plot needs matplotlib (pip install matplotlib)") from None
     return FigureCanvasAgg
 
 
@@ -133,7 +146,7 @@ def _plot_target(path):
     turned into ``DIR.png`` next to it."""
     supported = _agg_canvas().get_supported_filetypes()
     if os.path.isdir(path) or path.endswith(os.sep):
-        raise CliError(f"--plot {path}: is a directory; give a file name such as "
+        raise RunError(f"--plot {path}: is a directory; give a file name such as "
                        f"{os.path.join(path, 'timeline.png')}")
     extension = os.path.splitext(path)[1][1:].lower()
     if not extension:
@@ -160,9 +173,9 @@ def _plot(groups, path, file_format):
     try:
         fig.savefig(path, dpi=110, format=file_format)
     except OSError as e:
-        raise CliError(f"{path}: cannot write the plot ({e.strerror or e})") from None
+        raise RunError(f"{path}: cannot write the plot ({e.strerror or e})") from None
     except RuntimeError as e:  # a listed format whose writer is missing, e.g. .pgf without xelatex
-        raise CliError(f"{path}: cannot write the plot ({e})") from None
+        raise RunError(f"{path}: cannot write the plot ({e})") from None
 
 
 def _groups(comparison):
@@ -181,7 +194,7 @@ def _write_json(path, payload):
         with open(path, "w") as f:
             json.dump(payload, f, indent=1)
     except OSError as e:
-        raise CliError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise RunError(f"{path}: cannot write ({e.strerror or e})") from None
 
 
 def _parse_memory(text, option="--device-memory", allow_zero=False):
@@ -214,7 +227,7 @@ def cmd_replay(args):
         try:
             n = rp.export_events(traces[0], args.export_events, device=args.device)
         except (ValueError, OSError) as e:
-            raise CliError(str(e)) from None
+            raise RunError(str(e)) from None
         print(f"wrote {n} events of {traces[0].name} to {args.export_events}")
         return 0
     huge1g = None
@@ -284,7 +297,7 @@ def cmd_demo(args):
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise CliError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
+        raise RunError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
     gen_memory = _parse_memory(args.device_memory)
     print("npualloc allocator lab: which PYTORCH_NPU_ALLOC_CONF wastes the least memory on a workload?")
     print("Each setting replays the same trace through npualloc's caching allocator (torch_npu's algorithm) on a "
@@ -311,7 +324,7 @@ def cmd_demo(args):
 
     # 2. the PyTorch traces
     if args.traces and not args.no_traces and not Path(args.traces).is_dir():
-        raise CliError(f"--traces {args.traces}: not a directory")
+        raise RunError(f"--traces {args.traces}: not a directory")
     traces_dir = None if args.no_traces else (Path(args.traces) if args.traces else _default_traces_dir())
     if traces_dir is not None:
         files = sorted(traces_dir.glob("*.pickle"))
@@ -412,7 +425,7 @@ def main(argv=None):
         return args.func(args)
     except CliError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return e.status
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

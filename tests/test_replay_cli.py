@@ -1,5 +1,6 @@
 """`python -m npualloc replay` and `python -m npualloc demo`, in subprocesses: tables, JSON, plots, and one-line
-errors (exit status 2, no traceback) for missing, unreadable and malformed traces."""
+errors, no traceback: exit status 2 for usage errors, 1 for a run that failed (missing, unreadable and
+malformed traces, outputs that cannot be written)."""
 import json
 import os
 import pickle
@@ -33,14 +34,24 @@ def cli(*args, cwd=None, timeout=120, input=None, limit_memory=False):
                           preexec_fn=_limit_address_space if limit_memory else None)
 
 
-def assert_one_line_error(p, *needles):
-    assert p.returncode == 2, (p.stdout, p.stderr)
+def assert_one_line_error(p, *needles, status, command="replay"):
+    assert p.returncode == status, (p.returncode, p.stdout, p.stderr)
     assert "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
-    assert lines[0].startswith("python -m npualloc replay: error: "), lines[0]
+    assert lines[0].startswith(f"python -m npualloc {command}: error: "), lines[0]
     for n in needles:
         assert n in lines[0], lines[0]
+
+
+def assert_usage_error(p, *needles, command="replay"):
+    """The command line itself is wrong: exit status 2, as argparse's usage errors."""
+    assert_one_line_error(p, *needles, status=2, command=command)
+
+
+def assert_run_error(p, *needles, command="replay"):
+    """A valid command line whose run failed (input or output): exit status 1."""
+    assert_one_line_error(p, *needles, status=1, command=command)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +108,7 @@ def test_plot_names_the_file_it_wrote(tiny_trace, tmp_path, given, written, magi
 
 def test_plot_with_an_unknown_extension_fails_before_the_replay(tiny_trace, tmp_path):
     p = cli("replay", tiny_trace, "--plot", tmp_path / "t.xyz")
-    assert_one_line_error(p, "--plot", "t.xyz", "cannot write .xyz files", ".png", ".svg")
+    assert_usage_error(p, "--plot", "t.xyz", "cannot write .xyz files", ".png", ".svg")
     assert p.stdout == ""  # no table: the replay did not run
     assert list(tmp_path.iterdir()) == []
 
@@ -109,7 +120,7 @@ def test_plot_to_a_directory_is_refused_before_the_replay(tiny_trace, tmp_path, 
         plots.mkdir()
     given = plots if existing else f"{plots}{os.sep}"  # a path ending in a separator names a directory
     p = cli("replay", tiny_trace, "--plot", given)
-    assert_one_line_error(p, "is a directory", f"such as {plots / 'timeline.png'}")
+    assert_run_error(p, "is a directory", f"such as {plots / 'timeline.png'}")
     assert p.stdout == ""
     assert [f.name for f in tmp_path.iterdir()] == (["plots"] if existing else [])  # no plots.png beside it
     assert not existing or list(plots.iterdir()) == []
@@ -117,7 +128,7 @@ def test_plot_to_a_directory_is_refused_before_the_replay(tiny_trace, tmp_path, 
 
 @pytest.mark.skipif(shutil.which("xelatex") is not None, reason="xelatex installed: .pgf can be written")
 def test_plot_format_whose_writer_is_missing_is_a_one_line_error(tiny_trace, tmp_path):
-    assert_one_line_error(cli("replay", tiny_trace, "--plot", tmp_path / "t.pgf"), "t.pgf: cannot write the plot",
+    assert_run_error(cli("replay", tiny_trace, "--plot", tmp_path / "t.pgf"), "t.pgf: cannot write the plot",
                           "xelatex")
 
 
@@ -148,30 +159,30 @@ def test_replay_cuda_rounding_and_export(tiny_trace, tmp_path):
 
 
 def test_missing_file(tmp_path):
-    assert_one_line_error(cli("replay", tmp_path / "nope.pickle"), "nope.pickle", "no such file")
+    assert_run_error(cli("replay", tmp_path / "nope.pickle"), "nope.pickle", "no such file")
 
 
 def test_not_a_pickle(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello, this is text\n")
-    assert_one_line_error(cli("replay", path), "notes.txt", "not a readable pickle")
+    assert_run_error(cli("replay", path), "notes.txt", "not a readable pickle")
 
 
 def test_a_directory_is_not_a_trace(tmp_path):
-    assert_one_line_error(cli("replay", tmp_path), "is a directory")
+    assert_run_error(cli("replay", tmp_path), "is a directory")
 
 
 def test_a_file_larger_than_memory_is_refused_before_it_is_read(tmp_path):
     path = tmp_path / "huge.pickle"
     with open(path, "wb") as f:  # sparse: twice the machine's memory, no disk
         f.truncate(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 2)
-    assert_one_line_error(cli("replay", path, limit_memory=True), "huge.pickle", "too large to load",
+    assert_run_error(cli("replay", path, limit_memory=True), "huge.pickle", "too large to load",
                           "half of this machine's memory")
 
 
 def test_an_endless_stream_is_refused_at_its_first_byte():
     # /dev/zero was read until memory ran out
-    assert_one_line_error(cli("replay", "/dev/zero", limit_memory=True, timeout=60), "/dev/zero",
+    assert_run_error(cli("replay", "/dev/zero", limit_memory=True, timeout=60), "/dev/zero",
                           "not a readable pickle (unknown opcode at byte 0)")
 
 
@@ -186,7 +197,7 @@ def test_unreadable_file(tmp_path):
     path.write_bytes(pickle.dumps({}))
     path.chmod(0)
     if os.geteuid() != 0:
-        assert_one_line_error(cli("replay", path), "permission denied")
+        assert_run_error(cli("replay", path), "permission denied")
         return
     # root reads every file: run the CLI as nobody, with the trace in a directory nobody may enter
     tmp_path.chmod(0o755)
@@ -199,7 +210,7 @@ def test_unreadable_file(tmp_path):
     env["PYTHONPATH"] = PKG_PARENT
     p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
                         "npualloc", "replay", str(path)], env=env, capture_output=True, text=True, timeout=120)
-    assert_one_line_error(p, "permission denied")
+    assert_run_error(p, "permission denied")
 
 
 @pytest.mark.parametrize("obj, needle", [
@@ -226,7 +237,7 @@ def test_malformed_snapshot(tmp_path, obj, needle):
     path = tmp_path / "bad.pickle"
     with open(path, "wb") as f:
         pickle.dump(obj, f)
-    assert_one_line_error(cli("replay", path), "bad.pickle", needle)
+    assert_run_error(cli("replay", path), "bad.pickle", needle)
 
 
 class _Evil:
@@ -242,7 +253,7 @@ def test_malicious_pickle_is_refused_without_running(tmp_path):
     path = tmp_path / "evil.pickle"
     payload = pickle.dumps({"device_traces": [[_Evil(f"touch {marker}")]]})
     path.write_bytes(payload)
-    assert_one_line_error(cli("replay", path), "refused to load", "posix.system")
+    assert_run_error(cli("replay", path), "refused to load", "posix.system")
     assert not marker.exists()
 
 
@@ -268,9 +279,9 @@ def test_on_oom_stop_and_where(tmp_path):
 
 
 def test_bad_conf_and_options(tiny_trace):
-    assert_one_line_error(cli("replay", tiny_trace, "--conf", "max_split_size_mb:1"),
+    assert_usage_error(cli("replay", tiny_trace, "--conf", "max_split_size_mb:1"),
                           "max_split_size_mb too small")
-    assert_one_line_error(cli("replay", tiny_trace, "--device-memory", "lots"), "--device-memory")
+    assert_usage_error(cli("replay", tiny_trace, "--device-memory", "lots"), "--device-memory")
     p = cli("replay", tiny_trace, "--rounding", "tpu")
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
