@@ -138,6 +138,20 @@ def _agg_canvas():
     return FigureCanvasAgg
 
 
+def _check_output(path, option):
+    """Refuses, before anything runs, an output file that cannot be written: a directory, a file in a directory
+    that does not exist, or where this user may not write (a replay of a long trace is not wasted on it)."""
+    name = f"{option} {path}"
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise RunError(f"{name}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        why = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise RunError(f"{name}: cannot write (the directory {parent} {why})")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.lexists(path) and not os.access(path, os.W_OK)):
+        raise RunError(f"{name}: cannot write (permission denied)")
+
+
 def _plot_target(path):
     """Checks a --plot path before the replay runs (so a bad one fails at once); returns (file, format).
 
@@ -150,10 +164,13 @@ def _plot_target(path):
                        f"{os.path.join(path, 'timeline.png')}")
     extension = os.path.splitext(path)[1][1:].lower()
     if not extension:
-        return path.rstrip(".") + ".png", "png"
+        path = path.rstrip(".") + ".png"
+        _check_output(path, "--plot")
+        return path, "png"
     if extension not in supported:
         raise CliError(f"--plot {path}: matplotlib cannot write .{extension} files (it writes "
                        f"{', '.join('.' + e for e in sorted(supported))})")
+    _check_output(path, "--plot")
     return path, extension
 
 
@@ -220,14 +237,20 @@ def cmd_replay(args):
     if args.fraction is not None and not 0.0 < args.fraction <= 1.0:
         raise CliError(f"--fraction must be in (0, 1], got {args.fraction}")
     plot_path, plot_format = _plot_target(args.plot) if args.plot else (None, None)
+    if args.json:
+        _check_output(args.json, "--json")
+    if args.export_events:
+        if len(args.trace) != 1:
+            raise CliError("--export-events takes a single trace")
+        _check_output(args.export_events, "--export-events")
     traces = [_load(p) for p in args.trace]
     if args.export_events:
-        if len(traces) != 1:
-            raise CliError("--export-events takes a single trace")
         try:
             n = rp.export_events(traces[0], args.export_events, device=args.device)
-        except (ValueError, OSError) as e:
+        except ValueError as e:
             raise RunError(str(e)) from None
+        except OSError as e:
+            raise RunError(f"--export-events {args.export_events}: cannot write ({e.strerror or e})") from None
         print(f"wrote {n} events of {traces[0].name} to {args.export_events}")
         return 0
     huge1g = None

@@ -126,6 +126,22 @@ def test_plot_to_a_directory_is_refused_before_the_replay(tiny_trace, tmp_path, 
     assert not existing or list(plots.iterdir()) == []
 
 
+@pytest.mark.parametrize("option, name, written", [("--json", "r.json", "r.json"), ("--plot", "t", "t.png"),
+                                                    ("--export-events", "e.bin", "e.bin")])
+def test_an_output_in_a_missing_directory_fails_before_the_replay(tiny_trace, tmp_path, option, name, written):
+    missing = tmp_path / "no-such-dir"
+    p = cli("replay", tiny_trace, option, missing / name)
+    assert_run_error(p, f"{option} {missing / written}: cannot write (the directory {missing} does not exist)")
+    assert p.stdout == ""  # no table: the replay did not run
+
+
+def test_an_output_that_is_a_directory_fails_before_the_replay(tiny_trace, tmp_path):
+    for option in ("--json", "--export-events"):
+        p = cli("replay", tiny_trace, option, tmp_path)
+        assert_run_error(p, f"{option} {tmp_path}: is a directory")
+        assert p.stdout == ""
+
+
 @pytest.mark.skipif(shutil.which("xelatex") is not None, reason="xelatex installed: .pgf can be written")
 def test_plot_format_whose_writer_is_missing_is_a_one_line_error(tiny_trace, tmp_path):
     assert_run_error(cli("replay", tiny_trace, "--plot", tmp_path / "t.pgf"), "t.pgf: cannot write the plot",
