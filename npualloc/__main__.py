@@ -230,9 +230,22 @@ def _parse_memory(text, option="--device-memory", allow_zero=False):
 # replay
 
 
+_REPLAY_ONLY = (("--conf", "conf"), ("--device-memory", "device_memory"), ("--rounding", "rounding"),
+                ("--huge1g-memory", "huge1g_memory"), ("--fraction", "fraction"), ("--on-oom", "on_oom"),
+                ("--json", "json"), ("--plot", "plot"), ("--progress", "progress"))
+
+
 def cmd_replay(args):
     from . import replay as rp
 
+    if args.export_events:
+        given = [option for option, attr in _REPLAY_ONLY if getattr(args, attr) not in (None, False)]
+        if given:
+            raise CliError(f"--export-events writes the events and stops, without replaying: "
+                           f"{', '.join(given)} would have no effect")
+    args.device_memory = args.device_memory or "80GiB"
+    args.rounding = args.rounding or "npu"
+    args.on_oom = args.on_oom or "continue"
     device_memory = _parse_memory(args.device_memory)
     if args.fraction is not None and not 0.0 < args.fraction <= 1.0:
         raise CliError(f"--fraction must be in (0, 1], got {args.fraction}")
@@ -423,13 +436,13 @@ def main(argv=None):
     r.add_argument("--conf", action="extend", nargs="+", metavar="SETTINGS",
                    help="PYTORCH_NPU_ALLOC_CONF settings to compare, one row each (--conf A B or --conf A "
                         "--conf B; '' or 'default' = the defaults)")
-    r.add_argument("--device-memory", default="80GiB", help="simulated device capacity (default 80GiB)")
-    r.add_argument("--rounding", default="npu", choices=["npu", "cuda"],
+    r.add_argument("--device-memory", default=None, help="simulated device capacity (default 80GiB)")
+    r.add_argument("--rounding", default=None, choices=["npu", "cuda"],
                    help="npu: torch_npu's +32-byte pad; cuda: torch's CUDA rounding (default npu)")
     r.add_argument("--huge1g-memory", default=None, metavar="SIZE",
                    help="the device's pool of 1 GiB pages for page_size:1g (default: 3/4 of the device)")
     r.add_argument("--fraction", type=float, default=None, help="per-process memory fraction for every setting")
-    r.add_argument("--on-oom", default="continue", choices=["continue", "stop"], help="on an OOM (default continue)")
+    r.add_argument("--on-oom", default=None, choices=["continue", "stop"], help="on an OOM (default continue)")
     r.add_argument("--device", type=int, default=None, help="replay one device's events (default: all)")
     r.add_argument("--json", metavar="FILE", help="write every result as JSON")
     r.add_argument("--plot", metavar="FILE",
@@ -437,7 +450,8 @@ def main(argv=None):
                         "format (.png, .pdf, .svg, ...), none means .png appended (--plot t writes t.png)")
     r.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a tty")
     r.add_argument("--export-events", metavar="FILE",
-                   help="write the replay events as a binary file for benchmarks/bench_replay.c, and stop")
+                   help="write the replay events (of --device's events) as a binary file for "
+                        "benchmarks/bench_replay.c, and stop: no replay, so no other option applies")
     r.set_defaults(func=cmd_replay)
 
     i = sub.add_parser("include", help="print the directory of npualloc's C headers (for -I)")

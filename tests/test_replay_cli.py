@@ -174,6 +174,15 @@ def test_replay_cuda_rounding_and_export(tiny_trace, tmp_path):
     assert p.returncode == 0 and (tmp_path / "e.bin").read_bytes()[:8] == b"NPUREPL1"
 
 
+@pytest.mark.parametrize("options", [["--conf", "max_split_size_mb:1"], ["--json", "r.json"], ["--plot", "t.png"],
+                                     ["--device-memory", "1GiB"], ["--rounding", "npu"], ["--on-oom", "stop"],
+                                     ["--fraction", "0.5"], ["--huge1g-memory", "1GiB"], ["--progress"]])
+def test_export_events_refuses_the_replay_options_it_would_ignore(tiny_trace, tmp_path, options):
+    p = cli("replay", tiny_trace, "--export-events", tmp_path / "e.bin", *options)
+    assert_usage_error(p, "--export-events writes the events and stops", f"{options[0]} would have no effect")
+    assert sorted(tmp_path.iterdir()) == []  # neither the events nor the ignored outputs were written
+
+
 def test_missing_file(tmp_path):
     assert_run_error(cli("replay", tmp_path / "nope.pickle"), "nope.pickle", "no such file")
 
