@@ -53,6 +53,7 @@ __all__ = ["TraceError", "UnsafeTraceError", "Unavailable", "load_trace", "Trace
 
 GiB = 1 << 30
 MiB = 1 << 20
+MAX_DEVICE_MEMORY = 1 << 60  # the largest simulated device (1 EiB)
 CHUNK = 1 << 16  # events per call into C (progress is reported between chunks)
 
 Unavailable = _C.replay.Unavailable  # NotImplementedError: a setting this build's allocator does not implement
@@ -184,6 +185,8 @@ def _parse_size(value, what):
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{what} must not be negative")
+        if value > _U64:
+            raise ValueError(f"{what} is too large")
         return value
     if isinstance(value, float) and value.is_integer() and value >= 0:
         return int(value)
@@ -574,6 +577,8 @@ class Setting:
             conf = ""
         if not isinstance(conf, str):
             raise TypeError(f"conf must be a str, not {type(conf).__name__}")
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
+            raise TypeError(f"fraction must be a number in (0, 1], not {type(fraction).__name__}")
         self.conf = conf
         self.fraction = fraction
         self.huge1g_memory = huge1g_memory
@@ -710,7 +715,8 @@ def _rounding_pad(rounding):
     raise ValueError(f"rounding must be 'npu' or 'cuda', not {rounding!r}")
 
 
-def _run(events, trace_name, setting, rounding, device_memory, on_oom, timeline_points, progress):
+def _session_config(setting, rounding, device_memory):
+    """(rounding, pad, huge1g_memory, fraction) of a session replaying under ``setting``."""
     rounding = setting.rounding or rounding
     pad = _rounding_pad(rounding)
     huge1g = setting.huge1g_memory
@@ -723,6 +729,24 @@ def _run(events, trace_name, setting, rounding, device_memory, on_oom, timeline_
         fraction = float(fraction)
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    return rounding, pad, huge1g, fraction
+
+
+def _check_setting(setting, device_memory="80GiB", rounding="npu"):
+    """Raises ValueError (torch_npu's message for a settings text it refuses) unless ``setting`` (what
+    :func:`compare` accepts as one configuration) can be replayed on such a device; nothing is replayed.  A
+    setting this build does not implement passes: its replay reports it not available."""
+    device_memory = _check_common(device_memory, "continue", rounding)
+    setting = Setting.of(setting)
+    _, pad, huge1g, fraction = _session_config(setting, rounding, device_memory)
+    try:
+        _C.replay.Session(setting.conf, device_memory, huge1g, pad, fraction or 0.0, False, 2)
+    except Unavailable:
+        pass
+
+
+def _run(events, trace_name, setting, rounding, device_memory, on_oom, timeline_points, progress):
+    rounding, pad, huge1g, fraction = _session_config(setting, rounding, device_memory)
     res = ReplayResult(trace_name, events.device, setting, rounding, device_memory, huge1g, on_oom,
                        events.recorded, events)
     try:
@@ -773,6 +797,8 @@ def _check_common(device_memory, on_oom, rounding):
     device_memory = _parse_size(device_memory, "device_memory")
     if device_memory <= 0:
         raise ValueError("device_memory must be more than 0 bytes")
+    if device_memory > MAX_DEVICE_MEMORY:
+        raise ValueError("device_memory must be at most 1 EiB")
     if on_oom not in ("continue", "stop"):
         raise ValueError(f"on_oom must be 'continue' or 'stop', not {on_oom!r}")
     _rounding_pad(rounding)
@@ -990,20 +1016,27 @@ def compare(trace, confs=("",), device_memory="80GiB", rounding="npu", fraction=
     """Replays a trace under each configuration; returns a :class:`Comparison` (printable as a table).
 
     confs: settings texts, or dicts / :class:`Setting` objects with ``conf``, ``label``, ``fraction``,
-    ``huge1g_memory``, ``rounding``.  ``fraction`` applies to the configurations that set none.  With
-    device=None every device that has events is replayed.
+    ``huge1g_memory``, ``rounding`` (a single text or Setting is one configuration).  ``fraction`` applies to
+    the configurations that set none.  Every configuration is checked before the trace is loaded or anything
+    replayed (ValueError with torch_npu's message for a settings text it refuses).  With device=None every
+    device that has events is replayed.
     """
     device_memory = _check_common(device_memory, on_oom, rounding)
+    if isinstance(confs, (str, Setting)) or confs is None:
+        confs = [confs]  # one setting (a str is not a list of one-letter settings)
+    settings = []
+    for c in confs:
+        s = Setting.of(c)
+        if s.fraction is None and fraction is not None:
+            s = Setting(s.conf, label=s.label, fraction=fraction, huge1g_memory=s.huge1g_memory, rounding=s.rounding)
+        _check_setting(s, device_memory, rounding)  # every setting before any replay
+        settings.append(s)
     tr = _as_trace(trace)
-    settings = [Setting.of(c) for c in confs]
     devices = sorted(tr.devices) if device is None else [device]
     results = []
     for dev in devices:
         events = tr.device_events(dev)
         for s in settings:
-            if s.fraction is None and fraction is not None:
-                s = Setting(s.conf, label=s.label, fraction=fraction, huge1g_memory=s.huge1g_memory,
-                            rounding=s.rounding)
             results.append(_run(events, tr.name, s, rounding, device_memory, on_oom, timeline_points, progress))
     return Comparison(results)
 

@@ -578,6 +578,32 @@ def test_bad_settings_raise_value_error_with_torch_npus_message():
         replay.replay(small_trace(), on_oom="ignore")
 
 
+def test_compare_checks_every_setting_before_it_replays_any():
+    calls = []
+    with pytest.raises(ValueError, match="Unrecognized key 'foo'"):
+        replay.compare(small_trace(), ["", "foo:1"], progress=lambda done, total: calls.append(done))
+    assert calls == []  # the default was not replayed first
+    with pytest.raises(replay.TraceError, match="no such file"):  # the settings are fine: then the trace is read
+        replay.compare("/nonexistent/trace.pickle", ["", "expandable_segments:True"])
+
+
+def test_compare_takes_a_single_settings_text_as_one_setting():
+    (only,) = replay.compare(small_trace(), "max_split_size_mb:128", device_memory="1GiB")
+    assert only.label == "max_split_size_mb:128"  # not the one-letter settings 'm', 'a', ...
+
+
+@pytest.mark.parametrize("size, message", [(2**64, "device_memory is too large"),
+                                           (2**61, "device_memory must be at most 1 EiB")])
+def test_device_memory_beyond_the_largest_device_is_named(size, message):
+    with pytest.raises(ValueError, match=message):  # 2**64 wrapped to 0: "must be more than 0 bytes"
+        replay.replay(small_trace(), device_memory=size)
+
+
+def test_a_fraction_that_is_not_a_number_is_a_type_error():
+    with pytest.raises(TypeError, match="fraction must be a number"):
+        replay.replay(small_trace(), fraction="0.5")
+
+
 def test_oom_continue_and_stop():
     ev = alloc(0x1000, 60 * MiB) + alloc(0x2000, 60 * MiB) + free(0x2000, 60 * MiB) + free(0x1000, 60 * MiB)
     go = replay.replay(snapshot(ev), device_memory="100MiB")
