@@ -34,6 +34,7 @@ from pathlib import Path
 
 PROG = "python -m npualloc"
 GiB = 1 << 30
+MAX_DEVICE_MEMORY = 1 << 60  # replay.MAX_DEVICE_MEMORY (not imported here: --help needs no extension)
 
 
 class CliError(Exception):
@@ -96,13 +97,28 @@ def _load(path):
         raise RunError(str(e)) from None
 
 
-def _replay_settings(confs, fraction, huge1g_memory=None):
+def _setting_error(setting, e):
+    # torch_npu's messages end with ", " where its error code follows; npualloc has none to add
+    return CliError(f"setting {setting.conf!r}: {str(e).rstrip(', ')}")
+
+
+def _replay_settings(confs, fraction, device_memory, rounding, huge1g_memory=None):
+    """The Settings of the --conf texts, each checked (a usage error for one torch_npu refuses) before any trace
+    is read; huge1g_memory is the pool of the settings that ask for page_size:1g (the others' device has none)."""
     from . import replay as rp
 
     out = []
     for c in confs:
         text = "" if c is None or c.strip().lower() in ("", "default") else c
-        out.append(rp.Setting(text, fraction=fraction, huge1g_memory=huge1g_memory))
+        pool = huge1g_memory if rp._wants_1g_pages(text) else None
+        setting = rp.Setting(text, fraction=fraction, huge1g_memory=pool)
+        try:
+            rp._check_setting(setting, device_memory, rounding)
+        except ValueError as e:
+            raise _setting_error(setting, e) from None
+        out.append(setting)
+    if huge1g_memory is not None and not any(rp._wants_1g_pages(s.conf) for s in out):
+        raise CliError("--huge1g-memory is the pool of page_size:1g: no --conf setting asks for page_size:1g")
     return out
 
 
@@ -124,7 +140,7 @@ def _run_settings(trace, settings, device_memory, rounding, on_oom, device, prog
                 results.extend(rp.compare(trace, [s], device_memory=device_memory, rounding=rounding,
                                           on_oom=on_oom, device=dev, progress=bar))
             except ValueError as e:
-                raise CliError(f"setting {s.conf!r}: {e}") from None
+                raise _setting_error(s, e) from None
             finally:
                 bar.close()
     return rp.Comparison(results)
@@ -223,6 +239,8 @@ def _parse_memory(text, option="--device-memory", allow_zero=False):
         raise CliError(f"{option}: {e}") from None
     if n <= 0 and not allow_zero:
         raise CliError(f"{option} must be more than 0 bytes")
+    if n > MAX_DEVICE_MEMORY:
+        raise CliError(f"{option} must be at most 1 EiB")
     return n
 
 
@@ -249,12 +267,20 @@ def cmd_replay(args):
     device_memory = _parse_memory(args.device_memory)
     if args.fraction is not None and not 0.0 < args.fraction <= 1.0:
         raise CliError(f"--fraction must be in (0, 1], got {args.fraction}")
+    if args.export_events and len(args.trace) != 1:
+        raise CliError("--export-events takes a single trace")
+    huge1g = None
+    if args.huge1g_memory is not None:
+        huge1g = _parse_memory(args.huge1g_memory, "--huge1g-memory", allow_zero=True)
+        if huge1g % GiB or huge1g > device_memory:
+            raise CliError("--huge1g-memory must be a multiple of 1 GiB and at most --device-memory")
+    settings = [] if args.export_events else _replay_settings(args.conf or [""], args.fraction, device_memory,
+                                                              args.rounding, huge1g)
+    # usage errors above; below, what the file system may refuse, before a trace is read
     plot_path, plot_format = _plot_target(args.plot) if args.plot else (None, None)
     if args.json:
         _check_output(args.json, "--json")
     if args.export_events:
-        if len(args.trace) != 1:
-            raise CliError("--export-events takes a single trace")
         _check_output(args.export_events, "--export-events")
     traces = [_load(p) for p in args.trace]
     if args.export_events:
@@ -266,12 +292,6 @@ def cmd_replay(args):
             raise RunError(f"--export-events {args.export_events}: cannot write ({e.strerror or e})") from None
         print(f"wrote {n} events of {traces[0].name} to {args.export_events}")
         return 0
-    huge1g = None
-    if args.huge1g_memory is not None:
-        huge1g = _parse_memory(args.huge1g_memory, "--huge1g-memory", allow_zero=True)
-        if huge1g % GiB or huge1g > device_memory:
-            raise CliError("--huge1g-memory must be a multiple of 1 GiB and at most --device-memory")
-    settings = _replay_settings(args.conf or [""], args.fraction, huge1g)
     all_results = []
     for tr in traces:
         comp = _run_settings(tr, settings, device_memory, args.rounding, args.on_oom, args.device,
@@ -440,7 +460,8 @@ def main(argv=None):
     r.add_argument("--rounding", default=None, choices=["npu", "cuda"],
                    help="npu: torch_npu's +32-byte pad; cuda: torch's CUDA rounding (default npu)")
     r.add_argument("--huge1g-memory", default=None, metavar="SIZE",
-                   help="the device's pool of 1 GiB pages for page_size:1g (default: 3/4 of the device)")
+                   help="the device's pool of 1 GiB pages for the page_size:1g settings (default: 3/4 of the "
+                        "device; the other settings' device has none)")
     r.add_argument("--fraction", type=float, default=None, help="per-process memory fraction for every setting")
     r.add_argument("--on-oom", default=None, choices=["continue", "stop"], help="on an OOM (default continue)")
     r.add_argument("--device", type=int, default=None, help="replay one device's events (default: all)")

@@ -311,6 +311,28 @@ def test_bad_conf_and_options(tiny_trace):
     assert p.returncode == 2 and "Traceback" not in p.stderr
 
 
+def test_a_bad_setting_is_a_usage_error_before_any_trace_is_read(tmp_path):
+    p = cli("replay", tmp_path / "missing.pickle", "--conf", "", "foo:1")
+    assert_usage_error(p, "setting 'foo:1': Unrecognized key 'foo' in NPU allocator config")
+    assert p.stderr.rstrip("\n").endswith("config")  # not torch_npu's dangling ", "
+
+
+def test_device_memory_beyond_the_largest_device_names_the_option(tiny_trace):
+    assert_usage_error(cli("replay", tiny_trace, "--device-memory", "2000000TiB"), "--device-memory must be at most 1 EiB")
+
+
+def test_huge1g_memory_is_the_pool_of_the_page_size_1g_settings_only(tiny_trace, tmp_path):
+    out = tmp_path / "r.json"
+    p = cli("replay", tiny_trace, "--conf", "", "page_size:1g", "--device-memory", "2GiB", "--huge1g-memory", "2GiB",
+            "--json", out)
+    assert p.returncode == 0, p.stderr
+    default, huge = json.loads(out.read_text())["results"]
+    assert default["huge1g_memory"] == 0 and default["ooms"] == 0  # its device kept its memory
+    assert huge["huge1g_memory"] == 2 << 30
+    assert_usage_error(cli("replay", tiny_trace, "--huge1g-memory", "1GiB"), "--huge1g-memory",
+                       "no --conf setting asks for page_size:1g")
+
+
 def test_demo_runs_end_to_end(tiny_trace, tmp_path):
     traces = tmp_path / "traces"
     traces.mkdir()
