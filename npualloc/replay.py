@@ -625,7 +625,8 @@ class ReplayResult:
     """What one configuration did with one trace (plain attributes; ``to_dict()`` for JSON).
 
     Peaks are bytes over the whole replay (the reconstructed memory included).  ``fragmentation`` is
-    1 - peak_active / peak_reserved, as GMLake defines it.  ``available`` is False (and ``error`` says why)
+    1 - peak_active / peak_reserved, as GMLake defines it.  ``oom_events`` describes the first 64 of the
+    ``ooms`` allocations that failed.  ``available`` is False (and ``error`` says why)
     when the configuration cannot run in this build, e.g. expandable segments before they exist.
     """
 
@@ -699,8 +700,8 @@ class ReplayResult:
         ]
         for oom in self.oom_events[:3]:
             lines.append("  " + describe_oom(self, oom))
-        if len(self.oom_events) > 3:
-            lines.append(f"  ... {len(self.oom_events) - 3} more OOMs")
+        if self.ooms > 3 and self.oom_events:
+            lines.append(f"  ... {self.ooms - 3} more OOMs")
         if self.recorded is not None:
             lines.append(f"  recorded run: peak reserved {format_size(self.recorded.peak_reserved)}, final "
                          f"{format_size(self.recorded.final_reserved)}")
@@ -987,7 +988,7 @@ def format_table(results):
                          f"{r.fragmentation:.1%}", str(r.device_allocs), str(r.device_frees), str(r.retries), ooms,
                          f"{r.wall_seconds * 1e3:.1f}", f"{r.events_per_second / 1e6:.1f}"])
             if r.oom_events:
-                more = len(r.oom_events) - 1
+                more = r.ooms - 1  # oom_events holds the first 64 only
                 oom_lines.append("first " + describe_oom(r, r.oom_events[0]) + (f" ({more} more)" if more else ""))
         r0 = rs[0]
         lines.append(f"{trace} (device {device}): {r0.trace_events} events, reconstructed "

@@ -629,6 +629,14 @@ def test_oom_events_say_where_in_the_trace():
     assert res.oom_events[0]["trace_index"] is None and "reconstructed" in repr(res)
 
 
+def test_the_count_of_further_ooms_is_not_capped_by_the_ooms_described():
+    ev = [entry("alloc", 0x1000 * (i + 1), 60 * MiB, t=i) for i in range(100)]
+    res = replay.replay(snapshot(ev), device_memory="100MiB")
+    assert res.ooms == 99 and len(res.oom_events) == 64  # the first 64 are described
+    assert "OOM at device_traces[0][1] (time_us 1): 60.00 MiB on stream 0x0 (98 more)" in replay.format_table([res])
+    assert "... 96 more OOMs" in repr(res)
+
+
 def test_device_frees_count_released_segments():
     # the cached 62 MiB segment cannot serve 70 MiB and both do not fit: it is released, then the retry works
     ev = alloc(0x1000, 60 * MiB) + free(0x1000, 60 * MiB) + alloc(0x2000, 70 * MiB) + free(0x2000, 70 * MiB)
