@@ -349,12 +349,16 @@ def cmd_demo(args):
     from . import workload
 
     t_start = time.perf_counter()
+    gen_memory = _parse_memory(args.device_memory)
+    shared_memory = _parse_memory(args.traces_device_memory, "--traces-device-memory")
+    if args.traces and not Path(args.traces).is_dir():
+        raise RunError(f"--traces {args.traces}: not a directory")
+    traces_dir = None if args.no_traces else (Path(args.traces) if args.traces else _default_traces_dir())
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunError(f"{out}: cannot create the output directory ({e.strerror or e})") from None
-    gen_memory = _parse_memory(args.device_memory)
     print("npualloc allocator lab: which PYTORCH_NPU_ALLOC_CONF wastes the least memory on a workload?")
     print("Each setting replays the same trace through npualloc's caching allocator (torch_npu's algorithm) on a "
           "simulated device;\nfragmentation = 1 - peak active / peak reserved (GMLake).\n")
@@ -379,12 +383,8 @@ def cmd_demo(args):
     plot_ok = _demo_plot(comp, out / "timeline-transformer.png", plots)
 
     # 2. the PyTorch traces
-    if args.traces and not args.no_traces and not Path(args.traces).is_dir():
-        raise RunError(f"--traces {args.traces}: not a directory")
-    traces_dir = None if args.no_traces else (Path(args.traces) if args.traces else _default_traces_dir())
     if traces_dir is not None:
         files = sorted(traces_dir.glob("*.pickle"))
-        shared_memory = _parse_memory(args.traces_device_memory, "--traces-device-memory")
         shared_settings = [rp.Setting("", label="default (cuda rounding)", rounding="cuda")] + \
             demo_settings(shared_memory)
         print(f"PyTorch CUDA traces in {traces_dir} ({len(files)}): replayed with CUDA rounding (the allocator that "
@@ -443,12 +443,14 @@ def main(argv=None):
     d = sub.add_parser("demo", help="generate a workload trace, compare allocator settings, plot (make demo)")
     d.add_argument("--out", default="npualloc-demo-out", help="output directory (default: ./npualloc-demo-out)")
     d.add_argument("--size", default="default", choices=["tiny", "small", "default"],
-                   help="size of the generated workload (default: default, ~15k events)")
+                   help="size of the generated workload (default: default, ~12k events)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     d.add_argument("--device-memory", default="8GiB", help="simulated device for the generated workload (8GiB)")
-    d.add_argument("--traces", default=None, help="directory of PyTorch snapshot pickles (default: ../shared/traces)")
+    which = d.add_mutually_exclusive_group()
+    which.add_argument("--traces", default=None,
+                       help="directory of PyTorch snapshot pickles (default: ../shared/traces)")
     d.add_argument("--traces-device-memory", default="80GiB", help="simulated device for those traces (80GiB)")
-    d.add_argument("--no-traces", action="store_true", help="do not replay the PyTorch traces")
+    which.add_argument("--no-traces", action="store_true", help="do not replay the PyTorch traces")
     d.set_defaults(func=cmd_demo)
 
     r = sub.add_parser("replay", help="replay memory-snapshot traces under allocator settings")

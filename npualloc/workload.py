@@ -38,7 +38,7 @@ SIZES = {
     "tiny": dict(layers=2, hidden=256, heads=4, vocab=2048, batch=2, seq_choices=(48, 64, 96), steps=3),
     # ~3k events
     "small": dict(layers=4, hidden=512, heads=8, vocab=8192, batch=4, seq_choices=(128, 192, 256), steps=4),
-    # ~15k events, a ~4 GiB peak
+    # ~12k events (10k recorded), a ~5.7 GiB peak
     "default": dict(layers=12, hidden=1024, heads=16, vocab=32000, batch=8, seq_choices=(256, 320, 384, 448, 512),
                     steps=8),
 }

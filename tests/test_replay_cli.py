@@ -333,6 +333,20 @@ def test_huge1g_memory_is_the_pool_of_the_page_size_1g_settings_only(tiny_trace,
                        "no --conf setting asks for page_size:1g")
 
 
+def test_demo_checks_its_options_before_it_runs(tmp_path):
+    out = tmp_path / "out"
+    p = cli("demo", "--size", "tiny", "--out", out, "--traces-device-memory", "lots", cwd=tmp_path)
+    assert_usage_error(p, "--traces-device-memory", command="demo")
+    assert p.stdout == "" and not out.exists()  # the generated workload was not replayed first
+    (tmp_path / "afile").write_text("")
+    p = cli("demo", "--size", "tiny", "--out", out, "--traces", tmp_path / "afile", cwd=tmp_path)
+    assert_run_error(p, "--traces", "not a directory", command="demo")
+    assert p.stdout == "" and not out.exists()
+    p = cli("demo", "--size", "tiny", "--out", out, "--traces", tmp_path, "--no-traces", cwd=tmp_path)
+    assert_usage_error(p, "not allowed with argument --traces", command="demo")
+    assert not out.exists()
+
+
 def test_demo_runs_end_to_end(tiny_trace, tmp_path):
     traces = tmp_path / "traces"
     traces.mkdir()
