@@ -207,13 +207,17 @@ class RecordedRun:
     segment_unmap); ``peak_reserved`` is the largest total along the way.  ``segment_allocs`` /
     ``segment_frees`` count the device allocations and frees (segment_alloc and segment_map / segment_free and
     segment_unmap entries), as the allocator's num_device_alloc / num_device_free and the replay's
-    ``device_allocs`` / ``device_frees`` do.  ``peak_requested`` counts the bytes
+    ``device_allocs`` / ``device_frees`` do, but only those made while recording: ``initial_segments`` is the
+    number of segments held when recording began (the final segments, less those allocated in the trace, plus
+    those freed in it; None when that cannot be told: expandable segments, whose mappings before recording
+    are unknown), so that ``initial_segments + segment_allocs`` compares with the replay's ``device_allocs``,
+    which include the reconstruction's.  ``peak_requested`` counts the bytes
     requested by live allocations (the memory alive before recording included), so a replay that completes
     without OOM reaches exactly this peak.
     """
 
     __slots__ = ("device", "initial_reserved", "peak_reserved", "final_reserved", "final_allocated",
-                 "segment_allocs", "segment_frees", "peak_requested", "ooms", "settings", "timeline")
+                 "initial_segments", "segment_allocs", "segment_frees", "peak_requested", "ooms", "settings", "timeline")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -301,6 +305,7 @@ def _extract_device(name, device, entries, segments):
     pre = []  # (address, size, stream) alive before recording began
     reserve_deltas = []  # (replay event index without prefix, delta)
     seg_allocs = seg_frees = ooms = 0
+    mapped = False  # expandable segments' segment_map / segment_unmap entries seen
     live_requested = peak_requested_trace = 0  # relative to the start of the trace
     requested = {}
     # A free completes (its block returns to the cache, its bytes leave the requested count) at its
@@ -389,6 +394,7 @@ def _extract_device(name, device, entries, segments):
         elif act in _RESERVE_DELTA:
             size = _int_field(e, "size", name, f"device_traces[{device}][{i}]")
             reserve_deltas.append((len(actions), _RESERVE_DELTA[act] * size))
+            mapped = mapped or act in ("segment_map", "segment_unmap")
             if _RESERVE_DELTA[act] > 0:  # a mapping of an expandable segment is a device allocation too
                 seg_allocs += 1
                 release_at = None  # the releases before it were this allocation's
@@ -472,9 +478,15 @@ def _extract_device(name, device, entries, segments):
         tl_reserved.append(cur)
     tl_events.append(n_pre + len(actions))
     tl_reserved.append(cur)
+    if initial == 0:
+        initial_segments = 0
+    elif mapped or any(seg.get("is_expandable") for seg in segments):
+        initial_segments = None
+    else:
+        initial_segments = len(segments) - seg_allocs + seg_frees
     ev.recorded = RecordedRun(device=device, initial_reserved=initial, peak_reserved=peak,
                               final_reserved=final_reserved, final_allocated=final_allocated,
-                              segment_allocs=seg_allocs, segment_frees=seg_frees,
+                              initial_segments=initial_segments, segment_allocs=seg_allocs, segment_frees=seg_frees,
                               peak_requested=pre_bytes + peak_requested_trace if actions or pre_all else 0,
                               ooms=ooms, settings=None, timeline=(tl_events, tl_reserved))
     return ev
@@ -871,7 +883,7 @@ class Comparison:
                 out.append({"trace": r.trace, "device": r.device, "setting": "(recorded run)", "rounding": "",
                             "peak_allocated": None, "peak_reserved": rec.peak_reserved,
                             "final_reserved": rec.final_reserved, "fragmentation": None,
-                            "device_allocs": rec.segment_allocs, "retries": None, "ooms": rec.ooms,
+                            "device_allocs": _recorded_device_allocs(rec), "retries": None, "ooms": rec.ooms,
                             "events_per_second": None, "available": True})
             out.append({"trace": r.trace, "device": r.device, "setting": r.label, "rounding": r.rounding,
                         "peak_allocated": r.peak_allocated, "peak_reserved": r.peak_reserved,
@@ -897,6 +909,16 @@ class Comparison:
 
     def __repr__(self):
         return self.format()
+
+
+def _recorded_device_allocs(rec, text=False):
+    """The recorded run's device allocations, those before recording included (as the replay's count its
+    reconstruction's); unknown before recording (expandable segments): None, or in text the count while
+    recording followed by "+"."""
+    if rec.initial_segments is None:
+        return f"{rec.segment_allocs}+" if text else None
+    n = rec.initial_segments + rec.segment_allocs
+    return str(n) if text else n
 
 
 def _fmt_gib(n):
@@ -975,7 +997,8 @@ def format_table(results):
         rec = rs[0].recorded
         if rec is not None:
             rows.append(["(recorded run)", "", _fmt_gib(rec.peak_requested), "-", "-", _fmt_gib(rec.peak_reserved),
-                         _fmt_gib(rec.final_reserved), "-", str(rec.segment_allocs), str(rec.segment_frees), "-",
+                         _fmt_gib(rec.final_reserved), "-", _recorded_device_allocs(rec, text=True),
+                         str(rec.segment_frees), "-",
                          str(rec.ooms), "-", "-"])
         for r in rs:
             if not r.available:

@@ -377,6 +377,29 @@ def test_memory_alive_before_recording_is_reconstructed():
     assert rec.timeline[1][0] == 42 * MiB and rec.timeline[1][-1] == 22 * MiB
 
 
+def test_the_recorded_runs_device_allocations_include_the_segments_held_before_recording():
+    # one 16 MiB segment held before recording (its block freed in the trace), one allocated in the trace
+    ev = [entry("segment_alloc", 0x9000000, 16 * MiB)] + alloc(0x9000000, 16 * MiB) + free(0x7000, 16 * MiB)
+    segs = [{"device": 0, "address": a, "total_size": 16 * MiB, "stream": 0, "segment_type": "large",
+             "blocks": [{"address": a, "size": 16 * MiB, "requested_size": 0, "state": "inactive", "frames": []}]}
+            for a in (0x7000, 0x9000000)]
+    segs[1]["blocks"][0].update(state="active_allocated", requested_size=16 * MiB)
+    r = replay.replay(snapshot(ev, segs), rounding="cuda")
+    rec = r.recorded
+    assert (rec.initial_segments, rec.segment_allocs) == (1, 1)
+    assert r.device_allocs == 2  # the reconstructed block's segment, then the trace's
+    (row,) = [line for line in replay.format_table([r]).splitlines() if line.startswith("(recorded run)")]
+    assert row.split()[8] == "2"  # dev allocs: was 1, next to the replay's 2 for the same run
+    assert replay.Comparison([r]).rows()[0]["device_allocs"] == 2
+    # expandable segments: how many mappings made the segments held before recording is unknown
+    segs[0]["is_expandable"] = True
+    rec = replay.replay(snapshot(ev, segs), rounding="cuda").recorded
+    assert rec.initial_segments is None
+    (row,) = [line for line in replay.format_table([replay.replay(snapshot(ev, segs))]).splitlines()
+              if line.startswith("(recorded run)")]
+    assert row.split()[8] == "1+"
+
+
 def test_a_block_freed_in_the_trace_and_pending_at_the_end_is_not_reconstructed():
     # 0xA000 was allocated before recording, 0xB000 in the trace; both frees wait for another stream
     ev = [entry("free_requested", 0xA000, 5000)] + alloc(0xB000, 3000) + [entry("free_requested", 0xB000, 3000)]
@@ -848,6 +871,7 @@ def test_fullstep_trace_replays_fast_and_sanely():
     # CUDA rounding is the allocator that recorded the trace: its reservations come back.
     cuda = replay.replay(FULLSTEP, rounding="cuda")
     assert abs(cuda.peak_reserved - rec.peak_reserved) <= 0.01 * rec.peak_reserved
+    assert rec.initial_segments + rec.segment_allocs == cuda.device_allocs  # the segments of the run, all of them
     assert npu.peak_requested == cuda.peak_requested == rec.peak_requested
 
 
