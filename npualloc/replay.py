@@ -902,7 +902,7 @@ class Comparison:
 
     def format(self):
         """The plain-text table :func:`format_table` makes of the results (also ``str()`` of the comparison):
-        sizes in GiB, a row per configuration under the recorded run's, a least-waste line per trace and device."""
+        sizes in GiB (MiB for a trace whose peaks stay below 1 GiB), a row per configuration under the recorded run's, a least-waste line per trace and device."""
         return format_table(self.results)
 
     __str__ = format
@@ -921,8 +921,11 @@ def _recorded_device_allocs(rec, text=False):
     return str(n) if text else n
 
 
-def _fmt_gib(n):
-    return "-" if n is None else f"{n / GiB:,.2f}"
+def _table_unit(rs):
+    """("GiB", GiB) for a trace whose peaks reach 1 GiB, else ("MiB", MiB): a small trace's figures would all
+    read 0.00 in GiB."""
+    peaks = [r.peak_reserved or 0 for r in rs] + [rs[0].recorded.peak_reserved if rs[0].recorded else 0]
+    return ("GiB", GiB) if max(peaks) >= GiB else ("MiB", MiB)
 
 
 def _is_default(r):
@@ -994,10 +997,12 @@ def format_table(results):
     for (trace, device), rs in groups:
         rows = []
         oom_lines = []
+        unit, scale = _table_unit(rs)
+        fmt = lambda n: "-" if n is None else f"{n / scale:,.2f}"  # noqa: E731
         rec = rs[0].recorded
         if rec is not None:
-            rows.append(["(recorded run)", "", _fmt_gib(rec.peak_requested), "-", "-", _fmt_gib(rec.peak_reserved),
-                         _fmt_gib(rec.final_reserved), "-", _recorded_device_allocs(rec, text=True),
+            rows.append(["(recorded run)", "", fmt(rec.peak_requested), "-", "-", fmt(rec.peak_reserved),
+                         fmt(rec.final_reserved), "-", _recorded_device_allocs(rec, text=True),
                          str(rec.segment_frees), "-",
                          str(rec.ooms), "-", "-"])
         for r in rs:
@@ -1006,8 +1011,8 @@ def format_table(results):
                 notes.append(f"{r.label}: {r.error}")
                 continue
             ooms = str(r.ooms) + (" stop" if r.stopped else "")
-            rows.append([r.label, r.rounding, _fmt_gib(r.peak_requested), _fmt_gib(r.peak_allocated),
-                         _fmt_gib(r.peak_active), _fmt_gib(r.peak_reserved), _fmt_gib(r.final_reserved),
+            rows.append([r.label, r.rounding, fmt(r.peak_requested), fmt(r.peak_allocated),
+                         fmt(r.peak_active), fmt(r.peak_reserved), fmt(r.final_reserved),
                          f"{r.fragmentation:.1%}", str(r.device_allocs), str(r.device_frees), str(r.retries), ooms,
                          f"{r.wall_seconds * 1e3:.1f}", f"{r.events_per_second / 1e6:.1f}"])
             if r.oom_events:
@@ -1017,7 +1022,7 @@ def format_table(results):
         lines.append(f"{trace} (device {device}): {r0.trace_events} events, reconstructed "
                      f"{r0.reconstructed_count} allocations alive before recording "
                      f"({format_size(r0.reconstructed_bytes)}); device memory {format_size(r0.device_memory)}; "
-                     "sizes in GiB")
+                     f"sizes in {unit}")
         widths = [max(len(cols[i]), *(len(row[i]) for row in rows)) for i in range(len(cols))]
         if any(row[2] == "not available" for row in rows):
             widths[2] = max(widths[2], len("not available"))

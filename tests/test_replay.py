@@ -695,6 +695,15 @@ def test_compare_gives_a_table():
     json.dumps(table.to_dict())
 
 
+def test_a_small_traces_table_is_in_mib():
+    text = replay.format_table([replay.replay(small_trace(), device_memory="1GiB")])
+    assert text.splitlines()[0].endswith("sizes in MiB")
+    (row,) = [line for line in text.splitlines() if line.startswith("default ")]
+    assert row.split()[5] == "22.00"  # peak resv: read 0.02 in GiB
+    big = replay.replay(snapshot(alloc(0x1000, 3 * GiB)), device_memory="8GiB")
+    assert replay.format_table([big]).splitlines()[0].endswith("sizes in GiB")
+
+
 # ---- which setting wastes least ----
 
 def three_big_buffers():
