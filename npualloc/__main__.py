@@ -10,7 +10,8 @@
 
 ``include`` prints the directory of npualloc's C headers (``-I`` for a pluggable allocator's build).
 
-``replay`` prints one row per configuration (peak requested, allocated, active and reserved, fragmentation,
+``replay`` prints, per trace (named after its file, or by its path when two traces share a file name),
+one row per configuration (peak requested, allocated, active and reserved, fragmentation,
 device allocations and frees, retries, OOMs, wall time, replay speed) under a row with the recorded run's own
 reservations, and where the first OOM of each configuration happened (position in ``device_traces``).
 ``--plot FILE`` writes the timeline in the format its extension names (none: ``FILE.png``, and the last line
@@ -100,6 +101,23 @@ def _load(path):
 def _setting_error(setting, e):
     # torch_npu's messages end with ", " where its error code follows; npualloc has none to add
     return CliError(f"setting {setting.conf!r}: {str(e).rstrip(', ')}")
+
+
+def _load_all(paths):
+    """The traces, named after their files; traces whose file names are the same (run1/snapshot.pickle,
+    run2/snapshot.pickle) are named by their paths as given, and a path given twice gets "#2", ... so that each
+    trace keeps its own table, winner (JSON) and plot panel."""
+    traces = [_load(p) for p in paths]
+    names = [t.name for t in traces]
+    for i, t in enumerate(traces):
+        if names.count(t.name) > 1:
+            t.name = os.fspath(paths[i])
+    seen = {}
+    for t in traces:
+        seen[t.name] = seen.get(t.name, 0) + 1
+        if seen[t.name] > 1:
+            t.name = f"{t.name}#{seen[t.name]}"
+    return traces
 
 
 def _replay_settings(confs, fraction, device_memory, rounding, huge1g_memory=None):
@@ -282,7 +300,7 @@ def cmd_replay(args):
         _check_output(args.json, "--json")
     if args.export_events:
         _check_output(args.export_events, "--export-events")
-    traces = [_load(p) for p in args.trace]
+    traces = _load_all(args.trace)
     if args.export_events:
         try:
             n = rp.export_events(traces[0], args.export_events, device=args.device)

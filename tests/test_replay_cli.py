@@ -333,6 +333,24 @@ def test_huge1g_memory_is_the_pool_of_the_page_size_1g_settings_only(tiny_trace,
                        "no --conf setting asks for page_size:1g")
 
 
+def test_traces_of_the_same_file_name_keep_their_own_results(tmp_path):
+    paths = []
+    for run, seed in (("run1", 0), ("run2", 1)):
+        (tmp_path / run).mkdir()
+        paths.append(tmp_path / run / "snapshot.pickle")
+        paths[-1].write_bytes(pickle.dumps(workload.transformer_trace("tiny", seed=seed)))
+    out = tmp_path / "r.json"
+    p = cli("replay", *paths, paths[0], "--conf", "", "expandable_segments:True", "--json", out)
+    assert p.returncode == 0, p.stderr
+    names = [str(paths[0]), str(paths[1]), f"{paths[0]}#2"]
+    assert [line.split(" (device")[0] for line in p.stdout.splitlines() if " (device 0): " in line] == names
+    data = json.loads(out.read_text())
+    assert [w["trace"] for w in data["least_waste"]] == names  # was one winner for the three
+    # a file name seen once keeps its short name
+    p = cli("replay", paths[0], "--json", out)
+    assert json.loads(out.read_text())["least_waste"][0]["trace"] == "snapshot.pickle"
+
+
 def test_demo_checks_its_options_before_it_runs(tmp_path):
     out = tmp_path / "out"
     p = cli("demo", "--size", "tiny", "--out", out, "--traces-device-memory", "lots", cwd=tmp_path)
