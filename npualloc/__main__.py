@@ -302,8 +302,12 @@ def cmd_replay(args):
         _check_output(args.export_events, "--export-events")
     traces = _load_all(args.trace)
     if args.export_events:
+        tr = traces[0]
+        if args.device is None and len(tr.devices) > 1:
+            raise RunError(f"{tr.name}: the trace has events on devices {sorted(tr.devices)}: choose one with "
+                           "--device")
         try:
-            n = rp.export_events(traces[0], args.export_events, device=args.device)
+            n = rp.export_events(tr, args.export_events, device=args.device)
         except ValueError as e:
             raise RunError(str(e)) from None
         except OSError as e:
@@ -463,11 +467,13 @@ def main(argv=None):
     d.add_argument("--size", default="default", choices=["tiny", "small", "default"],
                    help="size of the generated workload (default: default, ~12k events)")
     d.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    d.add_argument("--device-memory", default="8GiB", help="simulated device for the generated workload (8GiB)")
+    d.add_argument("--device-memory", default="8GiB", metavar="SIZE",
+                   help="simulated device for the generated workload (8GiB)")
     which = d.add_mutually_exclusive_group()
     which.add_argument("--traces", default=None,
                        help="directory of PyTorch snapshot pickles (default: ../shared/traces)")
-    d.add_argument("--traces-device-memory", default="80GiB", help="simulated device for those traces (80GiB)")
+    d.add_argument("--traces-device-memory", default="80GiB", metavar="SIZE",
+                   help="simulated device for those traces (80GiB)")
     which.add_argument("--no-traces", action="store_true", help="do not replay the PyTorch traces")
     d.set_defaults(func=cmd_demo)
 
@@ -476,7 +482,7 @@ def main(argv=None):
     r.add_argument("--conf", action="extend", nargs="+", metavar="SETTINGS",
                    help="PYTORCH_NPU_ALLOC_CONF settings to compare, one row each (--conf A B or --conf A "
                         "--conf B; '' or 'default' = the defaults)")
-    r.add_argument("--device-memory", default=None, help="simulated device capacity (default 80GiB)")
+    r.add_argument("--device-memory", default=None, metavar="SIZE", help="simulated device capacity (default 80GiB)")
     r.add_argument("--rounding", default=None, choices=["npu", "cuda"],
                    help="npu: torch_npu's +32-byte pad; cuda: torch's CUDA rounding (default npu)")
     r.add_argument("--huge1g-memory", default=None, metavar="SIZE",

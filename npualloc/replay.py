@@ -217,7 +217,8 @@ class RecordedRun:
     """
 
     __slots__ = ("device", "initial_reserved", "peak_reserved", "final_reserved", "final_allocated",
-                 "initial_segments", "segment_allocs", "segment_frees", "peak_requested", "ooms", "settings", "timeline")
+                 "initial_segments", "segment_allocs", "segment_frees", "peak_requested", "ooms", "settings",
+                 "timeline")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -902,7 +903,8 @@ class Comparison:
 
     def format(self):
         """The plain-text table :func:`format_table` makes of the results (also ``str()`` of the comparison):
-        sizes in GiB (MiB for a trace whose peaks stay below 1 GiB), a row per configuration under the recorded run's, a least-waste line per trace and device."""
+        sizes in GiB (MiB for a trace whose peaks stay below 1 GiB), a row per configuration under the recorded
+        run's, a least-waste line per trace and device."""
         return format_table(self.results)
 
     __str__ = format

@@ -183,6 +183,16 @@ def test_export_events_refuses_the_replay_options_it_would_ignore(tiny_trace, tm
     assert sorted(tmp_path.iterdir()) == []  # neither the events nor the ignored outputs were written
 
 
+def test_export_events_of_a_trace_of_several_devices_asks_for_the_option(tmp_path):
+    path = tmp_path / "two.pickle"
+    ev = [{"action": "alloc", "addr": 0x1000, "size": 5 << 20, "stream": 0}]
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [ev, ev]}))
+    assert_run_error(cli("replay", path, "--export-events", tmp_path / "e.bin"),
+                     "events on devices [0, 1]: choose one with --device")  # was "with device="
+    p = cli("replay", path, "--export-events", tmp_path / "e.bin", "--device", "1")
+    assert p.returncode == 0 and "wrote 1 events" in p.stdout
+
+
 def test_missing_file(tmp_path):
     assert_run_error(cli("replay", tmp_path / "nope.pickle"), "nope.pickle", "no such file")
 
@@ -318,7 +328,8 @@ def test_a_bad_setting_is_a_usage_error_before_any_trace_is_read(tmp_path):
 
 
 def test_device_memory_beyond_the_largest_device_names_the_option(tiny_trace):
-    assert_usage_error(cli("replay", tiny_trace, "--device-memory", "2000000TiB"), "--device-memory must be at most 1 EiB")
+    assert_usage_error(cli("replay", tiny_trace, "--device-memory", "2000000TiB"),
+                       "--device-memory must be at most 1 EiB")
 
 
 def test_huge1g_memory_is_the_pool_of_the_page_size_1g_settings_only(tiny_trace, tmp_path):
