@@ -873,7 +873,10 @@ class Comparison:
                                 for (trace, device), r in self.least_waste().items()]}
 
     def rows(self):
-        """The table as a list of dicts (one per configuration, plus the recorded run per trace/device)."""
+        """The table as a list of dicts (one per configuration, plus the recorded run per trace/device), every
+        one with the same keys (a ``csv.DictWriter`` takes them as they are): ``trace``, ``device``,
+        ``setting``, ``rounding``, the table's columns in bytes, counts and seconds (None where the table shows
+        "-"), ``available`` and ``error``."""
         out = []
         seen = set()
         for r in self.results:
@@ -882,14 +885,17 @@ class Comparison:
                 seen.add(key)
                 rec = r.recorded
                 out.append({"trace": r.trace, "device": r.device, "setting": "(recorded run)", "rounding": "",
-                            "peak_allocated": None, "peak_reserved": rec.peak_reserved,
-                            "final_reserved": rec.final_reserved, "fragmentation": None,
-                            "device_allocs": _recorded_device_allocs(rec), "retries": None, "ooms": rec.ooms,
-                            "events_per_second": None, "available": True})
+                            "peak_requested": rec.peak_requested, "peak_allocated": None, "peak_active": None,
+                            "peak_reserved": rec.peak_reserved, "final_reserved": rec.final_reserved,
+                            "fragmentation": None, "device_allocs": _recorded_device_allocs(rec),
+                            "device_frees": rec.segment_frees, "retries": None, "ooms": rec.ooms, "stopped": False,
+                            "wall_seconds": None, "events_per_second": None, "available": True, "error": None})
             out.append({"trace": r.trace, "device": r.device, "setting": r.label, "rounding": r.rounding,
-                        "peak_allocated": r.peak_allocated, "peak_reserved": r.peak_reserved,
+                        "peak_requested": r.peak_requested, "peak_allocated": r.peak_allocated,
+                        "peak_active": r.peak_active, "peak_reserved": r.peak_reserved,
                         "final_reserved": r.final_reserved, "fragmentation": r.fragmentation,
-                        "device_allocs": r.device_allocs, "retries": r.retries, "ooms": r.ooms,
+                        "device_allocs": r.device_allocs, "device_frees": r.device_frees, "retries": r.retries,
+                        "ooms": r.ooms, "stopped": r.stopped, "wall_seconds": r.wall_seconds,
                         "events_per_second": r.events_per_second, "available": r.available, "error": r.error})
         return out
 

@@ -1,7 +1,9 @@
 """npualloc.replay: exact peaks on hand-written traces, the reconstruction of memory alive before recording,
 the recorded run's reservations, pickle round trips, the restricted unpickler, results and plots, and the
 PyTorch traces in ../shared/traces/ (skipped when absent)."""
+import csv
 import enum
+import io
 import json
 import os
 import pickle
@@ -693,6 +695,21 @@ def test_compare_gives_a_table():
     rows = table.rows()
     assert rows[0]["setting"] == "(recorded run)" and len(rows) == 5
     json.dumps(table.to_dict())
+
+
+def test_rows_have_the_same_keys_and_the_tables_columns():
+    table = replay.compare(small_trace(), ["", "max_split_size_mb:128"], device_memory="1GiB")
+    rows = table.rows()
+    assert all(list(row) == list(rows[0]) for row in rows)  # csv.DictWriter refused the 'error' of row 2
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    assert len(out.getvalue().splitlines()) == 1 + len(rows)
+    r = table[0]
+    assert rows[1]["peak_requested"] == r.peak_requested and rows[1]["peak_active"] == r.peak_active
+    assert rows[1]["device_frees"] == r.device_frees and rows[1]["wall_seconds"] == r.wall_seconds
+    assert rows[0]["peak_requested"] == r.recorded.peak_requested
 
 
 def test_a_small_traces_table_is_in_mib():
