@@ -241,9 +241,10 @@ def _groups(comparison):
 
 
 def _write_json(path, payload):
+    text = json.dumps(payload, indent=1)  # whole before the file is opened: no half-written file on an error
     try:
         with open(path, "w") as f:
-            json.dump(payload, f, indent=1)
+            f.write(text)
     except OSError as e:
         raise RunError(f"{path}: cannot write ({e.strerror or e})") from None
 

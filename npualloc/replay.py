@@ -37,6 +37,7 @@ numbers, strings and bools, so a pickle that names any class or function is reje
 runs (:class:`UnsafeTraceError`).
 """
 import io
+import math
 import os
 import pickle
 import pickletools
@@ -226,8 +227,11 @@ class RecordedRun:
 
     def to_dict(self):
         """The attributes as a JSON-ready dict (bytes and counts as ints); ``timeline`` becomes
-        ``{"event": [...], "reserved": [...]}``, the reserved bytes after each replay event index."""
+        ``{"event": [...], "reserved": [...]}``, the reserved bytes after each replay event index; ``settings``
+        (the snapshot's own ``allocator_settings``, whatever plain data it holds) is made JSON-ready: keys as
+        strings, tuples and sets as lists, bytes decoded, non-finite floats as strings."""
         d = {k: getattr(self, k) for k in self.__slots__ if k != "timeline"}
+        d["settings"] = _json_ready(self.settings)
         d["timeline"] = {"event": list(self.timeline[0]), "reserved": list(self.timeline[1])}
         return d
 
@@ -235,6 +239,21 @@ class RecordedRun:
         return (f"RecordedRun(device={self.device}, peak_reserved={format_size(self.peak_reserved)}, "
                 f"final_reserved={format_size(self.final_reserved)}, segment_allocs={self.segment_allocs}, "
                 f"segment_frees={self.segment_frees})")
+
+
+def _json_ready(v):
+    """Plain data from a snapshot (what the no-globals unpickler can build) as values json.dump writes."""
+    if isinstance(v, dict):
+        return {k if isinstance(k, str) else str(k): _json_ready(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [_json_ready(x) for x in v]
+    if isinstance(v, (bytes, bytearray)):
+        return bytes(v).decode("utf-8", "replace")
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if v is None or isinstance(v, (str, int, float)):
+        return v
+    return repr(v)
 
 
 class _DeviceEvents:

@@ -344,6 +344,19 @@ def test_huge1g_memory_is_the_pool_of_the_page_size_1g_settings_only(tiny_trace,
                        "no --conf setting asks for page_size:1g")
 
 
+def test_json_of_a_trace_whose_allocator_settings_hold_any_plain_data(tmp_path):
+    path, out = tmp_path / "odd.pickle", tmp_path / "r.json"
+    ev = [{"action": "alloc", "addr": 0x1000, "size": 5 << 20, "stream": 0}]
+    settings = {"bytes": b"abc", (1, 2): "tuple key", "set": {3}, "nan": float("nan"), "nested": {"t": (1, 2)}}
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [ev], "allocator_settings": settings}))
+    p = cli("replay", path, "--json", out)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr  # was a TypeError and a half-written file
+    text = out.read_text()
+    assert "NaN" not in text  # strict JSON
+    got = json.loads(text)["results"][0]["recorded"]["settings"]
+    assert got == {"bytes": "abc", "(1, 2)": "tuple key", "set": [3], "nan": "nan", "nested": {"t": [1, 2]}}
+
+
 def test_traces_of_the_same_file_name_keep_their_own_results(tmp_path):
     paths = []
     for run, seed in (("run1", 0), ("run2", 1)):
