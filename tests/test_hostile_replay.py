@@ -5,6 +5,7 @@ that names a global: nothing in it runs); Trace() on any loaded value either bui
 TraceError; replay() of a trace that loaded gives a consistent result.  Never another exception, never
 a crash.  The C engine under the loader is fuzzed by fuzz/fuzz_replay.c.
 """
+import json
 import os
 import pickle
 import tempfile
@@ -64,6 +65,10 @@ def check_result(r):
     assert r.final_allocated <= r.final_reserved <= r.peak_reserved
     assert 0.0 <= r.fragmentation <= 1.0
     assert r.allocs >= r.live_allocations
+    # what the CLI prints and writes of it: the table, the repr, strict JSON
+    replay.format_table([r])
+    repr(r)
+    json.dumps(replay.Comparison([r]).to_dict(), allow_nan=False)
 
 
 def load_trace_and_replay(value):
