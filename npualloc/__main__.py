@@ -127,7 +127,7 @@ def _replay_settings(confs, fraction, device_memory, rounding, huge1g_memory=Non
 
     out = []
     for c in confs:
-        text = "" if c is None or c.strip().lower() in ("", "default") else c
+        text = "" if c is None or c.strip().lower() in ("", "default") else c.strip()
         pool = huge1g_memory if rp._wants_1g_pages(text) else None
         setting = rp.Setting(text, fraction=fraction, huge1g_memory=pool)
         try:
@@ -489,17 +489,25 @@ def main(argv=None):
     r.add_argument("--huge1g-memory", default=None, metavar="SIZE",
                    help="the device's pool of 1 GiB pages for the page_size:1g settings (default: 3/4 of the "
                         "device; the other settings' device has none)")
-    r.add_argument("--fraction", type=float, default=None, help="per-process memory fraction for every setting")
-    r.add_argument("--on-oom", default=None, choices=["continue", "stop"], help="on an OOM (default continue)")
-    r.add_argument("--device", type=int, default=None, help="replay one device's events (default: all)")
+    r.add_argument("--fraction", type=float, default=None, metavar="F",
+                   help="per-process memory fraction in (0, 1] for every setting, as "
+                        "set_per_process_memory_fraction(F) after start-up (so it overrides a "
+                        "per_process_memory_fraction in --conf)")
+    r.add_argument("--on-oom", default=None, choices=["continue", "stop"],
+                   help="on an OOM: skip that allocation and its free and go on, or end that replay there "
+                        "(default continue)")
+    r.add_argument("--device", type=int, default=None, metavar="N",
+                   help="replay one device's events (default: every device with events)")
     r.add_argument("--json", metavar="FILE", help="write every result as JSON")
     r.add_argument("--plot", metavar="FILE",
                    help="write the allocated/reserved timeline to FILE (needs matplotlib); its extension picks the "
                         "format (.png, .pdf, .svg, ...), none means .png appended (--plot t writes t.png)")
-    r.add_argument("--progress", action="store_true", help="show a progress bar even when stderr is not a tty")
+    r.add_argument("--progress", action="store_true",
+                   help="show a progress bar on stderr (without it: only on a terminal, for long replays)")
     r.add_argument("--export-events", metavar="FILE",
-                   help="write the replay events (of --device's events) as a binary file for "
-                        "benchmarks/bench_replay.c, and stop: no replay, so no other option applies")
+                   help="write the trace's replay events (those of --device N for a trace of several devices) as "
+                        "the binary file benchmarks/bench_replay.c reads, and stop: nothing is replayed, so no other "
+                        "option applies")
     r.set_defaults(func=cmd_replay)
 
     i = sub.add_parser("include", help="print the directory of npualloc's C headers (for -I)")
