@@ -454,6 +454,40 @@ def cmd_include(args):
     return 0
 
 
+class _PipeSafeStdout:
+    """sys.stdout for a run whose reader may go away (``| head -1``): from the first broken pipe on, the output
+    goes to /dev/null (its file descriptor too, so that what is buffered flushes there) and the run goes on, so
+    that --json, --plot and the demo's files are still written."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _drop(self):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor (captured output): drop it in Python
+            self.stream = open(os.devnull, "w")
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._drop()
+            self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's usage errors: one line, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -514,20 +548,20 @@ def main(argv=None):
     i.set_defaults(func=cmd_include)
 
     args = parser.parse_args(argv)
+    stdout = sys.stdout
+    sys.stdout = _PipeSafeStdout(stdout)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()
+        return status
     except CliError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return e.status
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
-        return 0
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -375,6 +375,25 @@ def test_traces_of_the_same_file_name_keep_their_own_results(tmp_path):
     assert json.loads(out.read_text())["least_waste"][0]["trace"] == "snapshot.pickle"
 
 
+def test_a_reader_that_goes_away_does_not_stop_the_run(tiny_trace, tmp_path):
+    """`... --json r.json | head -1`: the table goes nowhere once head has left, the JSON and plot are still
+    written, no traceback, exit status 0 (the run ended at the first broken pipe, with status 0 and no files)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUALLOC_", "PYTORCH_"))}
+    env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
+    env["MPLBACKEND"] = "Agg"
+    args = [tiny_trace] * 12 + ["--json", tmp_path / "r.json", "--plot", tmp_path / "t.png"]  # > a pipe buffer
+    try:
+        p = subprocess.run([sys.executable, "-m", "npualloc", "replay", *map(str, args)], stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    finally:
+        os.close(write_end)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert len(json.loads((tmp_path / "r.json").read_text())["least_waste"]) == 12
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_demo_checks_its_options_before_it_runs(tmp_path):
     out = tmp_path / "out"
     p = cli("demo", "--size", "tiny", "--out", out, "--traces-device-memory", "lots", cwd=tmp_path)
