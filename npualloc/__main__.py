@@ -410,8 +410,11 @@ def cmd_demo(args):
         files = sorted(traces_dir.glob("*.pickle"))
         shared_settings = [rp.Setting("", label="default (cuda rounding)", rounding="cuda")] + \
             demo_settings(shared_memory)
-        print(f"PyTorch CUDA traces in {traces_dir} ({len(files)}): replayed with CUDA rounding (the allocator that "
-              f"recorded them) and NPU rounding (+32 bytes), {rp.format_size(shared_memory)} device.\n")
+        if files:
+            print(f"PyTorch CUDA traces in {traces_dir} ({len(files)}): replayed with CUDA rounding (the allocator "
+                  f"that recorded them) and NPU rounding (+32 bytes), {rp.format_size(shared_memory)} device.\n")
+        else:
+            print(f"No PyTorch traces (*.pickle) in {traces_dir}.\n")
         for p in files:
             try:
                 tr = rp.Trace.load(p)

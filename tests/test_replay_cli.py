@@ -403,6 +403,11 @@ def test_demo_checks_its_options_before_it_runs(tmp_path):
     p = cli("demo", "--size", "tiny", "--out", out, "--traces", tmp_path / "afile", cwd=tmp_path)
     assert_run_error(p, "--traces", "not a directory", command="demo")
     assert p.stdout == "" and not out.exists()
+    (tmp_path / "empty").mkdir()
+    p = cli("demo", "--size", "tiny", "--out", out, "--traces", tmp_path / "empty", cwd=tmp_path)
+    assert p.returncode == 0 and f"No PyTorch traces (*.pickle) in {tmp_path / 'empty'}." in p.stdout
+    assert "traces in" not in p.stdout  # not "PyTorch CUDA traces in DIR (0): replayed with ..."
+    shutil.rmtree(out)
     p = cli("demo", "--size", "tiny", "--out", out, "--traces", tmp_path, "--no-traces", cwd=tmp_path)
     assert_usage_error(p, "not allowed with argument --traces", command="demo")
     assert not out.exists()
