@@ -186,6 +186,18 @@ def _check_output(path, option):
         raise RunError(f"{name}: cannot write (permission denied)")
 
 
+def _check_distinct_outputs(traces, outputs):
+    """A usage error when an output file is a trace (it would be overwritten) or another output."""
+    seen = {os.path.realpath(t): "a trace" for t in traces}
+    for option, path in outputs:
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise CliError(f"{option} {path} is {seen[real]} given on the command line: it would be overwritten")
+        seen[real] = f"the {option} file"
+
+
 def _plot_target(path):
     """Checks a --plot path before the replay runs (so a bad one fails at once); returns (file, format).
 
@@ -297,6 +309,8 @@ def cmd_replay(args):
                                                               args.rounding, huge1g)
     # usage errors above; below, what the file system may refuse, before a trace is read
     plot_path, plot_format = _plot_target(args.plot) if args.plot else (None, None)
+    _check_distinct_outputs(args.trace, [("--json", args.json), ("--plot", plot_path),
+                                         ("--export-events", args.export_events)])
     if args.json:
         _check_output(args.json, "--json")
     if args.export_events:

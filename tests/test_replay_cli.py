@@ -135,6 +135,21 @@ def test_an_output_in_a_missing_directory_fails_before_the_replay(tiny_trace, tm
     assert p.stdout == ""  # no table: the replay did not run
 
 
+@pytest.mark.parametrize("option", ["--json", "--plot", "--export-events"])
+def test_an_output_that_is_the_trace_is_refused(tiny_trace, tmp_path, option):
+    trace = tmp_path / "t.png" if option == "--plot" else tmp_path / "t.pickle"  # --plot names its format
+    trace.write_bytes(tiny_trace.read_bytes())
+    p = cli("replay", trace, option, trace)
+    assert_usage_error(p, f"{option} {trace} is a trace given on the command line: it would be overwritten")
+    assert trace.read_bytes() == tiny_trace.read_bytes()  # --json wrote over it
+
+
+def test_two_outputs_in_one_file_are_refused(tiny_trace, tmp_path):
+    p = cli("replay", tiny_trace, "--json", tmp_path / "out.png", "--plot", tmp_path / "out.png")
+    assert_usage_error(p, f"--plot {tmp_path / 'out.png'} is the --json file")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_output_that_is_a_directory_fails_before_the_replay(tiny_trace, tmp_path):
     for option in ("--json", "--export-events"):
         p = cli("replay", tiny_trace, option, tmp_path)
