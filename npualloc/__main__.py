@@ -421,7 +421,8 @@ def cmd_demo(args):
 
     # 2. the PyTorch traces
     if traces_dir is not None:
-        files = sorted(traces_dir.glob("*.pickle"))
+        # (not the trace written above, when --traces is the output directory)
+        files = [p for p in sorted(traces_dir.glob("*.pickle")) if p.resolve() != trace_path.resolve()]
         shared_settings = [rp.Setting("", label="default (cuda rounding)", rounding="cuda")] + \
             demo_settings(shared_memory)
         if files:

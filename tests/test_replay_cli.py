@@ -423,6 +423,11 @@ def test_demo_checks_its_options_before_it_runs(tmp_path):
     assert p.returncode == 0 and f"No PyTorch traces (*.pickle) in {tmp_path / 'empty'}." in p.stdout
     assert "traces in" not in p.stdout  # not "PyTorch CUDA traces in DIR (0): replayed with ..."
     shutil.rmtree(out)
+    # the output directory as --traces: the generated trace written there is not replayed again as a PyTorch one
+    (tmp_path / "again").mkdir()
+    p = cli("demo", "--size", "tiny", "--out", tmp_path / "again", "--traces", tmp_path / "again", cwd=tmp_path)
+    assert p.returncode == 0 and "No PyTorch traces (*.pickle) in " in p.stdout, p.stdout
+    assert len(json.loads((tmp_path / "again" / "results.json").read_text())["least_waste"]) == 1
     p = cli("demo", "--size", "tiny", "--out", out, "--traces", tmp_path, "--no-traces", cwd=tmp_path)
     assert_usage_error(p, "not allowed with argument --traces", command="demo")
     assert not out.exists()
