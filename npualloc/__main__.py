@@ -100,7 +100,10 @@ def _load(path):
 
 def _setting_error(setting, e):
     # torch_npu's messages end with ", " where its error code follows; npualloc has none to add
-    return CliError(f"setting {setting.conf!r}: {str(e).rstrip(', ')}")
+    message = f"setting {setting.conf!r}: {str(e).rstrip(', ')}"
+    if setting.conf.endswith(".pickle") or os.path.isfile(setting.conf):
+        message += " (a trace? --conf takes every word after it: give the traces first, or end the settings with --)"
+    return CliError(message)
 
 
 def _load_all(paths):
@@ -534,7 +537,8 @@ def main(argv=None):
     r.add_argument("trace", nargs="+", help="snapshot pickle (torch/npualloc _dump_snapshot output)")
     r.add_argument("--conf", action="extend", nargs="+", metavar="SETTINGS",
                    help="PYTORCH_NPU_ALLOC_CONF settings to compare, one row each (--conf A B or --conf A "
-                        "--conf B; '' or 'default' = the defaults)")
+                        "--conf B; '' or 'default' = the defaults); it takes every word after it, so give the "
+                        "traces first or end the settings with --")
     r.add_argument("--device-memory", default=None, metavar="SIZE", help="simulated device capacity (default 80GiB)")
     r.add_argument("--rounding", default=None, choices=["npu", "cuda"],
                    help="npu: torch_npu's +32-byte pad; cuda: torch's CUDA rounding (default npu)")

@@ -342,6 +342,13 @@ def test_a_bad_setting_is_a_usage_error_before_any_trace_is_read(tmp_path):
     assert p.stderr.rstrip("\n").endswith("config")  # not torch_npu's dangling ", "
 
 
+def test_a_trace_taken_for_a_setting_is_pointed_out(tiny_trace):
+    p = cli("replay", tiny_trace, "--conf", "expandable_segments:True", tiny_trace)
+    assert_usage_error(p, f"setting '{tiny_trace}': Unrecognized key", "(a trace? --conf takes every word after it")
+    p = cli("replay", "--conf", "expandable_segments:True", "--", tiny_trace)  # as the hint says
+    assert p.returncode == 0, p.stderr
+
+
 def test_device_memory_beyond_the_largest_device_names_the_option(tiny_trace):
     assert_usage_error(cli("replay", tiny_trace, "--device-memory", "2000000TiB"),
                        "--device-memory must be at most 1 EiB")
