@@ -571,10 +571,12 @@ def main(argv=None):
 
     args = parser.parse_args(argv)
     stdout = sys.stdout
-    sys.stdout = _PipeSafeStdout(stdout)
+    if stdout is not None:  # None: no stdout at all (>&-), and print() writes nothing
+        sys.stdout = _PipeSafeStdout(stdout)
     try:
         status = args.func(args)
-        sys.stdout.flush()
+        if sys.stdout is not None:
+            sys.stdout.flush()
         return status
     except CliError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)

@@ -416,6 +416,16 @@ def test_a_reader_that_goes_away_does_not_stop_the_run(tiny_trace, tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_closed_stdout_is_no_error(tiny_trace, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUALLOC_", "PYTORCH_"))}
+    env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, "-m", "npualloc", "replay", str(tiny_trace), "--json",
+                        str(tmp_path / "r.json")], stderr=subprocess.PIPE, text=True, env=env, timeout=120,
+                       preexec_fn=lambda: os.close(1))  # >&-
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["results"]
+
+
 def test_demo_checks_its_options_before_it_runs(tmp_path):
     out = tmp_path / "out"
     p = cli("demo", "--size", "tiny", "--out", out, "--traces-device-memory", "lots", cwd=tmp_path)
