@@ -478,7 +478,8 @@ def cmd_include(args):
 class _PipeSafeStdout:
     """sys.stdout for a run whose reader may go away (``| head -1``): from the first broken pipe on, the output
     goes to /dev/null (its file descriptor too, so that what is buffered flushes there) and the run goes on, so
-    that --json, --plot and the demo's files are still written."""
+    that --json, --plot and the demo's files are still written.  Any other write error (a full disk) fails the
+    run with one line on stderr."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -491,12 +492,19 @@ class _PipeSafeStdout:
         except (OSError, ValueError, AttributeError):  # no descriptor (captured output): drop it in Python
             self.stream = open(os.devnull, "w")
 
+    def _failed(self, e):
+        # another write error (a full disk): the run failed; what is buffered goes nowhere, not to an exit traceback
+        self._drop()
+        return RunError(f"cannot write the output ({e.strerror or e})")
+
     def write(self, text):
         try:
             return self.stream.write(text)
         except BrokenPipeError:
             self._drop()
             return len(text)
+        except OSError as e:
+            raise self._failed(e) from None
 
     def flush(self):
         try:
@@ -504,6 +512,8 @@ class _PipeSafeStdout:
         except BrokenPipeError:
             self._drop()
             self.stream.flush()
+        except OSError as e:
+            raise self._failed(e) from None
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

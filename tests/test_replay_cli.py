@@ -426,6 +426,18 @@ def test_a_closed_stdout_is_no_error(tiny_trace, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["results"]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+@pytest.mark.parametrize("command", [["include"], ["replay", "TRACE"]])
+def test_a_full_disk_on_stdout_is_a_one_line_error(tiny_trace, command):
+    command = [str(tiny_trace) if c == "TRACE" else c for c in command]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUALLOC_", "PYTORCH_"))}
+    env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "npualloc", *command], stdout=full, stderr=subprocess.PIPE,
+                           text=True, env=env, timeout=120)
+    assert_run_error(p, "cannot write the output (No space left on device)", command=command[0])
+
+
 def test_demo_checks_its_options_before_it_runs(tmp_path):
     out = tmp_path / "out"
     p = cli("demo", "--size", "tiny", "--out", out, "--traces-device-memory", "lots", cwd=tmp_path)
