@@ -498,12 +498,11 @@ def _extract_device(name, device, entries, segments):
         tl_reserved.append(cur)
     tl_events.append(n_pre + len(actions))
     tl_reserved.append(cur)
+    initial_segments = len(segments) - seg_allocs + seg_frees
     if initial == 0:
         initial_segments = 0
-    elif mapped or any(seg.get("is_expandable") for seg in segments):
-        initial_segments = None
-    else:
-        initial_segments = len(segments) - seg_allocs + seg_frees
+    elif mapped or any(seg.get("is_expandable") for seg in segments) or initial_segments < 0:
+        initial_segments = None  # unknown, or a trace whose segments do not add up
     ev.recorded = RecordedRun(device=device, initial_reserved=initial, peak_reserved=peak,
                               final_reserved=final_reserved, final_allocated=final_allocated,
                               initial_segments=initial_segments, segment_allocs=seg_allocs, segment_frees=seg_frees,
