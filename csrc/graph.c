@@ -966,8 +966,9 @@ static cap_event *find_event(npualloc_graph *g, uint64_t handle)
 }
 
 /* c or the next capturing graph of the running runtime (graph_lock held).  A graph that was capturing
- * when the runtime shut down stays listed until its capture ends, but the new runtime hands out the
- * same event handles and addresses: those are not the old graph's. */
+ * when the runtime shut down stays listed until its capture ends, but its events and addresses are
+ * not the new runtime's: the new runtime's handles never match them, and its address ranges may sit
+ * where the old graph's did. */
 static npualloc_graph *live_capture(npualloc_graph *c)
 {
     while (c && graph_stale(c))
