@@ -267,14 +267,26 @@ int host_alloc_pinned(size_t size, void **out)
 {
     if (size == 0)
         return EINVAL;
-    void *p = mmap(NULL, round_to_page(size), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-        return errno;
+    if (size > SIZE_MAX - host_page_size())
+        return ENOMEM;
+    size_t bytes = round_to_page(size); /* whole pages are resident, so whole pages are charged */
+    if (!host_pinned_charge(bytes))
+        return ENOMEM;
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        int err = errno;
+        host_pinned_uncharge(bytes);
+        return err;
+    }
     *out = p;
     return 0;
 }
 
-void host_free_pinned(void *p, size_t size) { munmap(p, round_to_page(size)); }
+void host_free_pinned(void *p, size_t size)
+{
+    munmap(p, round_to_page(size));
+    host_pinned_uncharge(round_to_page(size));
+}
 
 size_t host_ram_bytes(void)
 {

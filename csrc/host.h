@@ -51,7 +51,8 @@ int host_map(void *va, const host_memfile *mf);
 /* Puts reserved, inaccessible memory back over [va, va + size). */
 int host_unmap(void *va, size_t size);
 
-/* Page-aligned host memory for pinned-host allocations (inherited by fork like any memory). */
+/* Page-aligned host memory for pinned-host allocations (inherited by fork like any memory), charged
+ * to the pinned count below in whole pages (ENOMEM when it would pass the machine's memory). */
 int host_alloc_pinned(size_t size, void **out);
 void host_free_pinned(void *p, size_t size);
 /* The machine's physical memory. */

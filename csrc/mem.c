@@ -181,13 +181,10 @@ aclError aclrtMallocHost(void **hostPtr, size_t size)
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    if (!host_pinned_charge(size))
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     host_block *b = malloc(sizeof *b);
     void *p;
-    if (!b || host_alloc_pinned(size, &p) != 0) {
+    if (!b || host_alloc_pinned(size, &p) != 0) { /* host_alloc_pinned charges the pinned count */
         free(b);
-        host_pinned_uncharge(size);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
     b->addr = (uintptr_t)p;
@@ -213,7 +210,6 @@ aclError aclrtFreeHost(void *hostPtr)
         return ACL_ERROR_RT_MEMORY_FREE;
     host_block *b = AVL_ENTRY(n, host_block, node);
     host_free_pinned(hostPtr, b->size);
-    host_pinned_uncharge(b->size);
     free(b);
     return ACL_SUCCESS;
 }
@@ -465,7 +461,6 @@ void mem_shutdown(void)
         host_block *b = AVL_ENTRY(host_blocks.root, host_block, node);
         avl_remove(&host_blocks, &b->node);
         host_free_pinned((void *)b->addr, b->size);
-        host_pinned_uncharge(b->size); /* the count is the process's: it outlives the runtime */
         free(b);
     }
     pthread_rwlock_unlock(&host_lock);

@@ -534,6 +534,36 @@ static void test_pinned_host_memory_together_cannot_exceed_the_machine(void **st
     assert_int_equal(aclrtFreeHost(p), ACL_SUCCESS);
 }
 
+/* aclrtMallocHost memory is resident in whole pages, so it is charged in whole pages: with less than
+ * 2 MiB of the machine left unpinned, exactly as many one-byte allocations fit as there are pages. */
+static void test_pinned_host_memory_is_charged_in_whole_pages(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t ram = (size_t)sysconf(_SC_PHYS_PAGES) * page;
+    size_t held = ram / (2 * MiB_) * (2 * MiB_);
+    if (held == ram)
+        held -= 2 * MiB_;
+    aclrtPhysicalMemProp hp = hbm_prop(ACL_DDR_MEM_HUGE, 0);
+    hp.location.type = ACL_MEM_LOCATION_TYPE_HOST;
+    aclrtDrvMemHandle h;
+    assert_int_equal(aclrtMallocPhysical(&h, held, &hp, 0), ACL_SUCCESS);
+    size_t pages = (ram - held) / page;
+    void **blocks = calloc(pages, sizeof *blocks);
+    assert_non_null(blocks);
+    for (size_t i = 0; i < pages; i++)
+        assert_int_equal(aclrtMallocHost(&blocks[i], 1), ACL_SUCCESS);
+    void *one_more;
+    assert_int_equal(aclrtMallocHost(&one_more, 1), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(aclrtFreeHost(blocks[0]), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost(&blocks[0], page), ACL_SUCCESS); /* the freed page is free again */
+    for (size_t i = 0; i < pages; i++)
+        assert_int_equal(aclrtFreeHost(blocks[i]), ACL_SUCCESS);
+    free(blocks);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
 /* npualloc.h's functions that report through an aclError say ACL_ERROR_INVALID_PARAM for a NULL
  * they need, as the aclrt* functions do, instead of writing through it. */
 static void test_npualloc_functions_reject_null_pointers(void **state)
@@ -1036,6 +1066,7 @@ int main(void)
         cmocka_unit_test_teardown(test_sharing_rejects_bad_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_beyond_the_machine_is_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_together_cannot_exceed_the_machine, stop_runtime),
+        cmocka_unit_test_teardown(test_pinned_host_memory_is_charged_in_whole_pages, stop_runtime),
         cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
         cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
         cmocka_unit_test_teardown(test_history_level_is_reset_with_the_caches, stop_runtime),
