@@ -39,7 +39,10 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   private pool at real addresses (no plan); several captures may share a pool one after another, but
   as in torch only one may record into it at a time (a second ``capture(pool=)`` or ``use_mem_pool``
   on that pool meanwhile raises RuntimeError "...already recording to mempool_id"); streams that join
-  the capture allocate from its pool.
+  the capture allocate from its pool.  After the capture, ``g.pool()`` is that pool's id (torch's
+  ``NPUGraph.pool()``; RuntimeError "Called NPUGraph::pool() without a preceding successful capture."
+  before), and ``g.reset()`` drops the captured graph and its executables and gives the pool's reference
+  back, after which ``g`` may be captured again.
 """
 import contextlib
 import weakref
@@ -107,7 +110,8 @@ class Graph:
         self._owned = None  # the C executable launch() made (the graph keeps it, like torch's replay); not a
                             # GraphExec, which points back at the graph: that cycle would keep the memory
                             # mapped until the cycle collector ran
-        self.pool = None
+        self._capture_pool = None  # the pool capture_begin routed to (None: planned memory)
+        self._captured = False     # capture_end succeeded: pool() answers
 
     # ---- capture ----
     def capture_begin(self, stream=None, access=None, pool=None):
@@ -120,12 +124,23 @@ class Graph:
         if pid is not None and mask is not None:
             raise ValueError("access applies to planned graph memory, not to a pool capture")
         self._g.capture_begin(s.npu_stream, s.device, mask, pid)
-        self.pool = pid
+        self._capture_pool = pid
         return s
 
     def capture_end(self):
         """Ends the capture; every stream that joined it leaves capture mode."""
         self._g.capture_end()
+        self._captured = True
+
+    def pool(self):
+        """The id of the private pool a successful ``capture(pool=...)`` allocated from (torch's
+        ``NPUGraph.pool()``), to pass to another capture that shares it.  RuntimeError before a successful
+        capture, and for a capture with planned memory, which has no private pool."""
+        if not self._captured:
+            raise RuntimeError("Called NPUGraph::pool() without a preceding successful capture.")
+        if self._capture_pool is None:
+            raise RuntimeError("pool(): the graph was captured with planned memory, not into a private pool")
+        return self._capture_pool
 
     @contextlib.contextmanager
     def capture(self, stream=None, access=None, pool=None):
@@ -141,7 +156,7 @@ class Graph:
             except RuntimeError:
                 pass
             raise
-        self._g.capture_end()
+        self.capture_end()
 
     # ---- execution ----
     def instantiate(self):
@@ -164,6 +179,21 @@ class Graph:
         self._owned.launch(s.npu_stream, s.device)
 
     replay = launch
+
+    def reset(self):
+        """torch's ``NPUGraph.reset()``: destroys the executable graphs, ends a capture under way and drops
+        what was captured, giving back the graph's reference to its private pool (whose free memory
+        ``empty_cache()`` then returns once nothing else uses the pool); the graph may then be captured
+        again.  Free the graph's allocations first: an allocation still live after the reset keeps its pool's
+        segment."""
+        exe = self._exec() if self._exec is not None else None
+        for e in (exe, self._owned):
+            if e is not None:
+                e.destroy()
+        self._exec = self._owned = None
+        self._g = _G.Graph(self.checked)  # the old graph goes now: its executables no longer hold it
+        self._capture_pool = None
+        self._captured = False
 
     # ---- introspection ----
     def nodes(self):

@@ -241,7 +241,7 @@ def test_capture_refuses_pool_ids_out_of_range_as_use_mem_pool_does(mem):
                 pass
         with pytest.raises(ValueError, match=r"^capture_begin\(\): an argument is out of range$"):
             g.capture_begin(s, pool=bad)
-        assert g.pool is None and pool.use_count() == 1
+        assert pool.use_count() == 1
     raw = npualloc._C.graph.Graph(False)
     for bad, why in [(5, "or None, not int"), (pool.id + (0,), "not a tuple of 3"), (("a", 1), "'first' must be int")]:
         with pytest.raises(TypeError, match=f"^capture_begin\\(\\) argument .*{why}"):
@@ -297,5 +297,76 @@ def test_pool_capture_shares_a_pool_between_graphs(mem):
     free(x)
     free(y)
     del g1, g2
+    gc.collect()
+    assert pool.use_count() == 1
+
+
+def test_graph_pool_is_a_method_with_torch_npus_check(mem):
+    """torch_npu's NPUGraph.pool() is a method: RuntimeError "Called NPUGraph::pool() without a preceding
+    successful capture." before capture_end, then the pool id, which another capture may share
+    (``pool=g1.pool()``).  A planned capture has no private pool: RuntimeError too."""
+    pool = npualloc.graph_pool_handle()
+    s = npualloc.Stream()
+    g1, g2 = npualloc.Graph(), npualloc.Graph()
+    msg = r"^Called NPUGraph::pool\(\) without a preceding successful capture\.$"
+    with pytest.raises(RuntimeError, match=msg):
+        g1.pool()
+    g1.capture_begin(s, pool=pool)
+    with pytest.raises(RuntimeError, match=msg):  # not before capture_end
+        g1.pool()
+    with npualloc.stream(s):
+        x = alloc(1000)
+    g1.capture_end()
+    assert g1.pool() == pool
+    with g2.capture(stream=s, pool=g1.pool()):
+        y = alloc(1000)
+    assert pool_of(x) == pool_of(y) == pool == g2.pool()
+    planned = npualloc.Graph()
+    with planned.capture(stream=s):
+        pass
+    with pytest.raises(RuntimeError, match="planned memory"):
+        planned.pool()
+    free(x)
+    free(y)
+    del g1, g2, planned
+    gc.collect()
+
+
+def test_graph_reset_releases_the_pool_and_allows_a_new_capture(mem):
+    """torch's reset(): the graph gives back its pool reference at once (even while the executable it
+    instantiated is still referenced), so empty_cache() returns the pool's memory; the graph can be captured
+    again; reset() during a capture ends it."""
+    pool = npualloc.MemPool()
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s, pool=pool):
+        x = alloc(1000)
+    exe = g.instantiate()
+    g.replay(s)
+    s.synchronize()
+    assert pool.use_count() == 2
+    free(x)
+    g.reset()
+    assert exe.destroyed and pool.use_count() == 1
+    with pytest.raises(RuntimeError, match="without a preceding successful capture"):
+        g.pool()
+    handle = npualloc.graph_pool_handle()
+    with g.capture(stream=s, pool=handle):  # captured again, into another pool
+        y = alloc(1000)
+    assert pool_of(y) == handle == g.pool()
+    free(y)
+    reserved = npualloc.memory_reserved()
+    g.reset()
+    npualloc.empty_cache()
+    assert npualloc.memory_reserved() < reserved  # the handle's pool went with the graph's reference
+    g.capture_begin(s, pool=pool)
+    with npualloc.stream(s):
+        assert pool.use_count() == 2 and npualloc.is_current_stream_capturing()
+        g.reset()  # ends the capture: the stream leaves capture mode, the pool's reference goes
+        assert pool.use_count() == 1 and not npualloc.is_current_stream_capturing()
+    with g.capture(stream=s, pool=pool):
+        z = alloc(1000)
+    free(z)
+    del exe, g
     gc.collect()
     assert pool.use_count() == 1

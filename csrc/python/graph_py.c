@@ -610,6 +610,9 @@ static PyObject *Exec_destroy(ExecObject *self, PyObject *unused)
 {
     (void)unused;
     exec_release(self);
+    /* a destroyed executable no longer needs its graph: letting it go lets Graph.reset() release the
+     * graph (and its private pool's reference) at once, while the executable object lives on */
+    Py_CLEAR(self->graph);
     Py_RETURN_NONE;
 }
 
