@@ -39,7 +39,10 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   private pool at real addresses (no plan); several captures may share a pool one after another, but
   as in torch only one may record into it at a time (a second ``capture(pool=)`` or ``use_mem_pool``
   on that pool meanwhile raises RuntimeError "...already recording to mempool_id"); streams that join
-  the capture allocate from its pool.  After the capture, ``g.pool()`` is that pool's id (torch's
+  the capture allocate from its pool.  As in torch_npu, such a capture refuses the default stream
+  (RuntimeError "NPU graphs must be captured on a non-default stream. ...").  A graph is captured once:
+  a second ``capture_begin`` raises RuntimeError "This NPUGraph instance already owns a captured graph.
+  ..." until ``reset()``.  After the capture, ``g.pool()`` is that pool's id (torch's
   ``NPUGraph.pool()``; RuntimeError "Called NPUGraph::pool() without a preceding successful capture."
   before), and ``g.reset()`` drops the captured graph and its executables and gives the pool's reference
   back, after which ``g`` may be captured again.
@@ -118,11 +121,17 @@ class Graph:
         """Starts capturing ``stream`` (default: the current stream).  ``access``: devices that may access the
         allocations (default: the device's ``set_graph_mem_access`` setting at each allocation).  ``pool``:
         capture torch-style into a private pool instead (a MemPool or an id)."""
+        if self._captured:  # torch_npu's check and words; reset() makes the graph capturable again
+            raise RuntimeError("This NPUGraph instance already owns a captured graph. "
+                               "To capture a new graph, create a new instance.")
         s = _as_stream(stream)
         mask = None if access is None else _device_mask(access)
         pid = None if pool is None else _pool_id(pool)
         if pid is not None and mask is not None:
             raise ValueError("access applies to planned graph memory, not to a pool capture")
+        if pid is not None and s.npu_stream == 0:  # torch_npu refuses a torch-style capture there
+            raise RuntimeError("NPU graphs must be captured on a non-default stream. "
+                               "(However, after capture, it's ok to replay them on the default stream.)")
         self._g.capture_begin(s.npu_stream, s.device, mask, pid)
         self._capture_pool = pid
         return s

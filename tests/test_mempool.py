@@ -370,3 +370,31 @@ def test_graph_reset_releases_the_pool_and_allows_a_new_capture(mem):
     del exe, g
     gc.collect()
     assert pool.use_count() == 1
+
+
+def test_pool_capture_refuses_the_default_stream_and_a_second_capture(mem):
+    """torch_npu's NPUGraph.capture_begin: RuntimeError on the default stream (nothing routed to the pool, no
+    reference taken), and on a graph that already owns a captured graph (until reset())."""
+    pool = npualloc.MemPool()
+    g = npualloc.Graph()
+    with pytest.raises(RuntimeError, match=r"^NPU graphs must be captured on a non-default stream\. \(However, "
+                       r"after capture, it's ok to replay them on the default stream\.\)$"):
+        with g.capture(pool=pool):  # the current stream: the default one
+            pass
+    assert pool.use_count() == 1 and not npualloc.is_current_stream_capturing()
+    s = npualloc.Stream()
+    with g.capture(stream=s, pool=pool):
+        x = alloc(1000)
+    g.replay(npualloc.default_stream())  # replaying there is fine
+    npualloc.default_stream().synchronize()
+    with pytest.raises(RuntimeError, match=r"^This NPUGraph instance already owns a captured graph\. "
+                       r"To capture a new graph, create a new instance\.$"):
+        g.capture_begin(s, pool=pool)
+    assert pool.use_count() == 2
+    free(x)
+    g.reset()
+    g.capture_begin(s, pool=pool)
+    g.capture_end()
+    del g
+    gc.collect()
+    assert pool.use_count() == 1
