@@ -526,10 +526,12 @@ def _pool_segments(mempool_id):
     return [s for s in _M._snapshot()["segments"] if s["segment_pool_id"] == want]
 
 
-def memory_snapshot(mempool_id=None):
+def memory_snapshot(mempool_id=None, include_traces=True):
     """The segments of every device (torch_npu's snapshot["segments"]).  As in torch, a ``mempool_id``
     other than None or (0, 0) keeps only the segments of that private pool (none if there is no such
-    pool); (0, 0) is every segment, those of private pools included."""
+    pool); (0, 0) is every segment, those of private pools included.  ``include_traces`` is torch's
+    argument: it only decides whether the snapshot's trace entries are gathered, and the segments returned
+    here carry none either way."""
     want = None if mempool_id is None else _mempool_id(mempool_id)
     _unsupported_by_pluggable("snapshot")  # then the caching allocator's: no segments
     segments = _M._snapshot()["segments"]

@@ -108,9 +108,9 @@ class MemPool:
         """References held on the pool: this object, active use_mem_pool contexts, captures."""
         return _G.pool_use_count(self._device, *self._id) if self._gen == _M._generation() else 0
 
-    def snapshot(self):
-        """``memory_snapshot(mempool_id=self.id)``: the pool's segments."""
-        return _memory.memory_snapshot(mempool_id=self._id)
+    def snapshot(self, include_traces=True):
+        """``memory_snapshot(mempool_id=self.id, include_traces=include_traces)``: the pool's segments."""
+        return _memory.memory_snapshot(mempool_id=self._id, include_traces=include_traces)
 
     def memory_stats(self):
         """``mempool_stats(self)``."""

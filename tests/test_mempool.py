@@ -398,3 +398,14 @@ def test_pool_capture_refuses_the_default_stream_and_a_second_capture(mem):
     del g
     gc.collect()
     assert pool.use_count() == 1
+
+
+def test_snapshot_takes_torchs_include_traces(mem):
+    """torch's MemPool.snapshot(include_traces=True) and memory_snapshot(mempool_id=None, include_traces=True):
+    the argument only decides whether trace entries are gathered, so the segments are the same either way."""
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        x = alloc(1000)
+    assert pool.snapshot(include_traces=False) == pool.snapshot() == npualloc.memory_snapshot(pool.id, False)
+    assert npualloc.memory_snapshot(include_traces=False) == npualloc.memory_snapshot()
+    free(x)
