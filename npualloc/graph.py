@@ -177,7 +177,10 @@ class Graph:
 
     def launch(self, stream=None):
         """Launches on ``stream`` (default: the current stream) the executable graph instantiate() returned if
-        it is still alive, else one the graph instantiates on first use and keeps."""
+        it is still alive, else one the graph instantiates on first use and keeps.  RuntimeError (torch_npu's
+        words) before a successful capture."""
+        if not self._captured:
+            raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
         exe = self._exec() if self._exec is not None else None
         if exe is not None and not exe.destroyed:
             exe.launch(stream)

@@ -409,3 +409,23 @@ def test_snapshot_takes_torchs_include_traces(mem):
     assert pool.snapshot(include_traces=False) == pool.snapshot() == npualloc.memory_snapshot(pool.id, False)
     assert npualloc.memory_snapshot(include_traces=False) == npualloc.memory_snapshot()
     free(x)
+
+
+def test_graph_replay_before_a_successful_capture_has_torch_npus_message(mem):
+    """NPUGraph.replay(): RuntimeError "Called NPUGraph::replay without a preceding successful capture." before
+    capture_end, during the capture and after reset()."""
+    msg = r"^Called NPUGraph::replay without a preceding successful capture\.$"
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with pytest.raises(RuntimeError, match=msg):
+        g.replay(s)
+    pool = npualloc.graph_pool_handle()
+    g.capture_begin(s, pool=pool)
+    with pytest.raises(RuntimeError, match=msg):
+        g.replay(npualloc.Stream())
+    g.capture_end()
+    g.replay(s)
+    s.synchronize()
+    g.reset()
+    with pytest.raises(RuntimeError, match=msg):
+        g.replay(s)
