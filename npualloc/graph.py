@@ -161,7 +161,7 @@ class Graph:
                 yield self
         except BaseException:
             try:
-                self._g.capture_end()
+                self.capture_end()  # as torch's graph.__exit__: a capture that ends well is captured
             except RuntimeError:
                 pass
             raise

@@ -429,3 +429,19 @@ def test_graph_replay_before_a_successful_capture_has_torch_npus_message(mem):
     g.reset()
     with pytest.raises(RuntimeError, match=msg):
         g.replay(s)
+
+
+def test_a_capture_block_that_raises_still_ends_the_capture_as_torchs_graph_exit(mem):
+    """torch's graph.__exit__ calls capture_end even when the block raised: the capture that ends well is a
+    captured graph (pool() and replay() work), the exception goes on."""
+    pool = npualloc.graph_pool_handle()
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with pytest.raises(KeyError):
+        with g.capture(stream=s, pool=pool):
+            x = alloc(1000)
+            raise KeyError("in the block")
+    assert g.pool() == pool
+    g.replay(s)
+    s.synchronize()
+    free(x)
