@@ -1,0 +1,81 @@
+"""README.md as written: its Python examples run in a fresh interpreter with the runtime's defaults and print what
+their comments say, the make targets it names exist, and the allocator lab's command runs (when ../shared/traces
+is there) and prints what the text after it lists."""
+import re
+
+import pytest
+
+from docs_examples import ROOT, blocks, make_targets, printed_claims, run_python
+
+DOC = "README.md"
+BLOCKS = blocks(DOC)
+PYTHON = [b for b in BLOCKS if b.lang == "python"]
+SHELL = [b for b in BLOCKS if b.lang == "sh"]
+
+
+def test_the_blocks_are_the_ones_tested_here():
+    assert [b.lang for b in BLOCKS] == ["sh", "python", "python", "sh", "python"], BLOCKS
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=repr)
+def test_python_example_prints_what_it_says(block):
+    claims = printed_claims(block.text)
+    assert claims, f"{block}: no print with its output in a comment"
+    proc = run_python(block.text)
+    assert proc.returncode == 0, f"{block} failed:\n{proc.stderr}"
+    out = iter(proc.stdout.splitlines())
+    for claim in claims:        # in order, among the other lines printed (memory_summary's table)
+        assert any(line == claim for line in out), f"{block}: {claim!r} not printed:\n{proc.stdout}"
+
+
+def test_the_make_targets_exist():
+    commands = SHELL[0].text
+    named = set(re.findall(r"^make (\S+)", commands, re.M))
+    assert named == {"demo", "test"}
+    prose = (ROOT / DOC).read_text()
+    named |= set(re.findall(r"`make ([\w-]+)", prose))
+    assert {"bench", "bench-count", "fuzz", "stress"} <= named
+    assert named <= make_targets(), named - make_targets()
+
+
+def test_the_lab_command_runs_and_prints_what_the_text_says(tmp_path):
+    command = SHELL[1].text.replace("\\\n", " ")
+    words = command.split()
+    assert words[:3] == ["python", "-m", "npualloc"], command
+    trace = ROOT / words[4]
+    if not trace.exists():
+        pytest.skip(f"{words[4]} absent")
+    args = [a.strip('"') if a != '""' else "" for a in words[3:]]
+    args[1] = str(trace)
+    args[args.index("--plot") + 1] = str(tmp_path / "timeline.png")
+    code = "import runpy, sys; sys.argv = ['npualloc'] + sys.argv[1:]; runpy.run_module('npualloc', run_name='__main__')"
+    proc = run_python(code, args=args, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    out = proc.stdout.splitlines()
+    header = next(line for line in out if line.startswith("setting "))
+    for column in ("peak req", "peak alloc", "peak active", "peak resv", "frag", "dev allocs", "dev frees", "retries",
+                   "OOMs", "wall ms", "Mev/s"):
+        assert column in header, column
+    rows = [line.split()[0] for line in out if line.split() and line.split()[0] in
+            ("(recorded", "default", "expandable_segments:True", "max_split_size_mb:128")]
+    assert rows == ["(recorded", "default", "expandable_segments:True", "max_split_size_mb:128"], out
+    assert any(line.startswith("least waste: expandable_segments:True, peak reserved ") for line in out), out
+
+
+def test_on_oom_stop_is_an_option():
+    proc = run_python("import runpy, sys; sys.argv = ['npualloc', 'replay', '--help']; "
+                      "runpy.run_module('npualloc', run_name='__main__')")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"--on-oom \{[^}]*\bstop\b", proc.stdout), proc.stdout
+
+
+def test_the_graph_benchmark_named_exists():
+    text = (ROOT / DOC).read_text()
+    assert "PYTHONPATH=. python3 benchmarks/bench_graph.py [TRACE.pickle ...]" in text
+    assert (ROOT / "benchmarks" / "bench_graph.py").is_file()
+    assert "1.05" in (ROOT / "tests" / "test_graph.py").read_text()
+
+
+def test_the_hot_path_test_named_exists():
+    assert (ROOT / "tests" / "c" / "test_hot_path.c").is_file()
