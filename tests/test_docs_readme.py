@@ -79,3 +79,9 @@ def test_the_graph_benchmark_named_exists():
 
 def test_the_hot_path_test_named_exists():
     assert (ROOT / "tests" / "c" / "test_hot_path.c").is_file()
+
+
+def test_memory_stats_has_the_pairs_the_text_counts():
+    assert "`memory_stats()` builds its 123 pairs" in (ROOT / DOC).read_text()
+    proc = run_python("import npualloc; npualloc.caching_allocator_alloc(1); print(len(npualloc.memory_stats()))")
+    assert proc.stdout.strip() == "123", proc.stdout + proc.stderr
