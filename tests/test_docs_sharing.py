@@ -133,5 +133,13 @@ except ValueError as e:
 
 def test_the_values_codes_and_messages_the_doc_states():
     from docs_examples import run_python
+    text = " ".join((ROOT / DOC).read_text().split())
+    for phrase in ("bits 32-39 are the exporting device", "Exporting a handle again fails with 507899",
+                   '(`ValueError("argument 2 only support the format of list")`)', "setting pids fails with 207006",
+                   "at most 64 characters (`npualloc-k1-<pid>-<secret>-<device>-<128-bit token>`)",
+                   "any other pointer gives 107000", "Asking again for the same allocation returns the same key",
+                   '`len >= 1024` raises `ValueError("key len should be less than 1024")`',
+                   "a `len` with no room for the key and its NUL gives 100000"):
+        assert phrase in text, phrase
     proc = run_python("import re\n" + STATED)
     assert proc.returncode == 0, proc.stderr
