@@ -1,5 +1,8 @@
 """docs/runtime.md as written: the C example of "Using npualloc from C" builds with the command the doc gives,
-against the static library `make lib` builds, and prints what the doc says it prints."""
+against the static library `make lib` builds, and prints what the doc says it prints; the table of "Devices"
+lists the variables `npualloc.configure` and the environment take, with their defaults and ranges."""
+import inspect
+import os
 import re
 import shutil
 import subprocess
@@ -7,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import npualloc
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "runtime.md"
@@ -36,3 +41,58 @@ def test_the_include_command_names_the_headers_of_the_doc():
     include = Path(out.stdout.strip())
     for header in ("acl/acl.h", "acl/acl_rt.h", "npualloc.h"):
         assert (include / header).is_file(), header
+
+
+# ---- the table of "Devices" ----
+
+def _devices_table():
+    section = DOC.read_text().split("\n## Devices\n", 1)[1].split("\n## ", 1)[0]
+    return {cells[0].strip("`"): (cells[1], cells[2]) for cells in
+            ([c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+             if line.startswith("| `NPUALLOC_"))}
+
+
+PROBE = """
+import npualloc
+try:
+    npualloc.acl.rt.set_device(0)
+    print("ok", npualloc.acl.rt.get_device_count()[0], npualloc.mem_get_info(0)[1])
+except ValueError as e:
+    print(e)
+"""
+
+
+def _start(var=None, value=None):
+    env = {} if var is None else {var: value}
+    return subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("NPUALLOC_")},
+                               "PYTHONPATH": str(ROOT), **env}).stdout.strip()
+
+
+@pytest.mark.parametrize("var, good, bad", [
+    ("NPUALLOC_DEVICE_COUNT", ["1", "64"], ["0", "65"]),
+    ("NPUALLOC_FD_BUDGET", ["0", str((1 << 30) - 1)], [str(1 << 30)]),
+    ("NPUALLOC_VA_SPACE", ["1GiB", "128TiB"], ["1023MiB", "129TiB"]),
+    ("NPUALLOC_IPC_TIMEOUT_MS", ["1", "3600000"], ["0", "3600001"]),
+    ("NPUALLOC_DEVICE_MEMORY", ["2G", "2GiB", str(2 << 30)], ["2X"]),
+])
+def test_the_ranges_of_the_table(var, good, bad):
+    meaning = _devices_table()[var][0]
+    if var != "NPUALLOC_DEVICE_MEMORY":
+        assert re.search(r"\(1\.\.64\)|0 \.\. 2\^30 - 1|1GiB \.\. 128TiB|1 \.\. 3600000", meaning), meaning
+    for value in good:
+        assert _start(var, value).startswith("ok "), (var, value)
+    for value in bad:                       # "raises ValueError naming the variable and the value"
+        assert _start(var, value).startswith(f"{var}='{value}' is not "), (var, value)
+
+
+def test_the_defaults_of_the_table():
+    table = _devices_table()
+    assert set(table) == {"NPUALLOC_DEVICE_COUNT", "NPUALLOC_DEVICE_MEMORY", "NPUALLOC_HUGE_MEMORY",
+                          "NPUALLOC_HUGE1G_MEMORY", "NPUALLOC_DDR_MEMORY", "NPUALLOC_FD_BUDGET", "NPUALLOC_VA_SPACE",
+                          "NPUALLOC_IPC_TIMEOUT_MS"}
+    assert table["NPUALLOC_DEVICE_COUNT"][1] == "8" and table["NPUALLOC_DEVICE_MEMORY"][1] == "64GiB"
+    assert _start() == f"ok 8 {64 << 30}"
+    # "`npualloc.configure(...)` replaces the first five variables"
+    first_five = [v[len("NPUALLOC_"):].lower() for v in table][:5]
+    assert list(inspect.signature(npualloc.configure).parameters) == first_five
