@@ -1,6 +1,6 @@
 """docs/allocator.md's blocks that are not Python examples (test_docs_allocator.py runs those): the pluggable
 allocator's C declarations, built as a library with the doc's command and swapped in as the doc says, and the
-pytest plugin's example suite, run as a suite."""
+pytest plugin's example suite, run as a suite; and the messages and errors its text states."""
 import os
 import re
 import shutil
@@ -97,3 +97,66 @@ def test_the_plugin_example_runs_as_a_suite(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 passed" in proc.stdout, proc.stdout
+
+
+# ---- the messages and errors the text states ----
+
+STATED = r"""
+import os
+import npualloc
+from npualloc import _C, memory
+
+def error(fn):
+    try:
+        fn()
+    except BaseException as e:
+        return f"{type(e).__name__}: {e}"
+    raise SystemExit(f"no error from {fn}")
+
+for conf, want in (("max_split_size_mb:abc", "RuntimeError: Invalid value 'abc' for allocator option max_split_size_mb "
+                                             "(std::stoull: "),
+                   ("max_split_size_mb:", "RuntimeError: Index out of bounds in ConfigTokenizer")):
+    _C.shutdown()
+    os.environ["PYTORCH_NPU_ALLOC_CONF"] = conf
+    assert error(lambda: npualloc.caching_allocator_alloc(1)).startswith(want), conf
+_C.shutdown()
+del os.environ["PYTORCH_NPU_ALLOC_CONF"]
+npualloc.configure(device_count=2, device_memory="1GiB")
+eb = "OutOfMemoryError: NPU out of memory. Tried to allocate more than 1EB memory."
+assert error(lambda: npualloc.empty(1 << 60)) == eb
+assert error(lambda: npualloc.caching_allocator_alloc(-1)) == eb
+assert error(lambda: npualloc.caching_allocator_alloc(1 << 60)).startswith(
+    "OutOfMemoryError: NPU out of memory. Tried to allocate 1073741824.00 GiB (NPU 0;")
+assert npualloc.memory_stats()["num_ooms"] == 1          # the 1 EB ones count nothing
+assert issubclass(npualloc.OutOfMemoryError, RuntimeError)
+assert error(lambda: memory._record_memory_history(skip_actions=["nope"])) == (
+    "RuntimeError: Unknown TraceEntry action: nope")
+assert error(lambda: memory._record_memory_history(nope=1)).startswith("TypeError: ")
+assert error(lambda: npualloc.mem_get_info(2)) == "AssertionError: Invalid device id"
+assert npualloc.mem_get_info("npu") == npualloc.mem_get_info(0)
+assert npualloc.caching_allocator_alloc(0) == 0
+p = npualloc.caching_allocator_alloc(10)
+assert error(lambda: npualloc.record_stream(p, None)).startswith("TypeError: ")
+assert error(lambda: npualloc.empty(10).record_stream(None)).startswith("TypeError: ")
+assert error(npualloc.empty_virt_addr_cache).startswith("RuntimeError: ")
+assert sorted(memory._snapshot()) == ["allocator_settings", "device_traces", "external_annotations", "segments"]
+assert memory._snapshot()["external_annotations"] == []
+assert len(npualloc.memory_stats()) == 123
+assert error(lambda: npualloc.MemPool(use_on_oom=True))
+"""
+
+
+def test_the_messages_the_text_states():
+    text = " ".join(TEXT.split())
+    for phrase in ("(`Invalid value 'abc' for allocator option max_split_size_mb (std::stoull: ...)`)",
+                   "gives `RuntimeError: Index out of bounds in ConfigTokenizer`",
+                   "`empty()` of 2^60 bytes or more fails at once with `NPU out of memory. Tried to allocate more "
+                   "than 1EB memory.`", "a negative size, which torch_npu's arithmetic wraps around, gets the 1 EB",
+                   "raises `RuntimeError: Unknown TraceEntry action: <name>`", "any other keyword is a `TypeError`",
+                   "`AssertionError: Invalid device id`", "`npualloc.OutOfMemoryError` (a `RuntimeError`)",
+                   "`None` is a `TypeError`", "it raises `RuntimeError` unless `expandable_segments:True`",
+                   "123 flat keys", "returns `segments`, `device_traces`, `allocator_settings` and "
+                   "`external_annotations`", "`use_on_oom` is refused", "returns a pointer (0 for size 0;"):
+        assert phrase in text, phrase
+    proc = run_python(STATED, env={"TORCH_NPU_COMPACT_ERROR_OUTPUT": "1"})
+    assert proc.returncode == 0, proc.stderr
