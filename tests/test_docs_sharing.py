@@ -4,6 +4,7 @@ example gives it, the bytes the exporter wrote. The glue only fills in what the 
 the property, the pid, carrying the value across) and puts the check where the doc writes `...`."""
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -142,4 +143,38 @@ def test_the_values_codes_and_messages_the_doc_states():
                    "a `len` with no room for the key and its NUL gives 100000"):
         assert phrase in text, phrase
     proc = run_python("import re\n" + STATED)
+    assert proc.returncode == 0, proc.stderr
+
+
+CODES = """
+from npualloc import acl
+acl.rt.set_device(0)
+size = 2 << 20
+prop = {"handleType": 0, "allocationType": 0, "memAttr": 4, "location": {"id": 0, "type": 1}, "reserve": 0}
+h, ret = acl.rt.malloc_physical(size, prop, 0)
+assert acl.rt.mem_export_to_shareable_handle(h, 1, 0)[1] == 100000            # handle_type not NONE
+assert acl.rt.mem_export_to_shareable_handle(h, 0, 2)[1] == 107000            # export flags above 1
+sh, ret = acl.rt.mem_export_to_shareable_handle(h, 0, 0)
+assert acl.rt.mem_set_pid_to_shareable_handle(sh, []) == 100000               # an empty pid list
+assert acl.rt.mem_import_from_shareable_handle(sh, 0)[1] == 507899            # the exporter importing its own
+assert acl.rt.mem_import_from_shareable_handle(sh, 99)[1] == 107001           # no such device
+assert acl.rt.mem_import_from_shareable_handle(sh ^ 1, 0)[1] == 107017        # a forged value
+ptr, ret = acl.rt.malloc(size, 0)
+assert acl.rt.ipc_mem_get_export_key(ptr, 0, 65, 0)[1] == 107000              # size 0
+assert acl.rt.ipc_mem_get_export_key(ptr, size, 0, 0)[1] == 107000            # a key buffer of length 0
+assert acl.rt.ipc_mem_get_export_key(ptr, 64 << 20, 65, 0)[1] == 107000       # larger than the allocation
+key, ret = acl.rt.ipc_mem_get_export_key(ptr, size, 65, 0)
+assert acl.rt.ipc_mem_set_import_pid(key, []) == 107000                       # an empty pid list for a key
+assert acl.rt.ipc_mem_import_by_key(key[:-1] + ("0" if key[-1] != "0" else "1"), 0)[1] == 107017
+"""
+
+
+def test_the_table_of_codes():
+    from docs_examples import run_python
+    from npualloc import acl
+    rows = re.findall(r"^\| (\d+) `(\w+)` \|", (ROOT / DOC).read_text(), re.M)
+    assert len(rows) == 9, rows
+    for value, name in rows:
+        assert getattr(acl, name) == int(value), name
+    proc = run_python(CODES)
     assert proc.returncode == 0, proc.stderr
