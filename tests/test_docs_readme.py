@@ -12,6 +12,8 @@ BLOCKS = blocks(DOC)
 PYTHON = [b for b in BLOCKS if b.lang == "python"]
 SHELL = [b for b in BLOCKS if b.lang == "sh"]
 
+LAB = "import runpy, sys; sys.argv = ['npualloc'] + sys.argv[1:]; runpy.run_module('npualloc', run_name='__main__')"
+
 
 def test_the_blocks_are_the_ones_tested_here():
     assert [b.lang for b in BLOCKS] == ["sh", "python", "python", "sh", "python"], BLOCKS
@@ -48,8 +50,7 @@ def test_the_lab_command_runs_and_prints_what_the_text_says(tmp_path):
     args = [a.strip('"') if a != '""' else "" for a in words[3:]]
     args[1] = str(trace)
     args[args.index("--plot") + 1] = str(tmp_path / "timeline.png")
-    code = "import runpy, sys; sys.argv = ['npualloc'] + sys.argv[1:]; runpy.run_module('npualloc', run_name='__main__')"
-    proc = run_python(code, args=args, timeout=300)
+    proc = run_python(LAB, args=args, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "timeline.png").stat().st_size > 0
     out = proc.stdout.splitlines()
@@ -64,8 +65,7 @@ def test_the_lab_command_runs_and_prints_what_the_text_says(tmp_path):
 
 
 def test_on_oom_stop_is_an_option():
-    proc = run_python("import runpy, sys; sys.argv = ['npualloc', 'replay', '--help']; "
-                      "runpy.run_module('npualloc', run_name='__main__')")
+    proc = run_python(LAB, args=["replay", "--help"])
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"--on-oom \{[^}]*\bstop\b", proc.stdout), proc.stdout
 
@@ -85,3 +85,20 @@ def test_memory_stats_has_the_pairs_the_text_counts():
     assert "`memory_stats()` builds its 123 pairs" in (ROOT / DOC).read_text()
     proc = run_python("import npualloc; npualloc.caching_allocator_alloc(1); print(len(npualloc.memory_stats()))")
     assert proc.stdout.strip() == "123", proc.stdout + proc.stderr
+
+
+
+def test_a_lab_error_is_one_line_with_the_status_the_text_gives(tmp_path):
+    text = " ".join((ROOT / DOC).read_text().split())
+    assert ("An error is one line on stderr, with exit status 2 for a usage error (the command line itself is wrong, "
+            "as argparse reports) and 1 for a run that failed") in text
+    trace = tmp_path / "t.pickle"
+    made = run_python("import sys, npualloc; from npualloc import memory; memory._record_memory_history(); "
+                      "npualloc.caching_allocator_delete(npualloc.caching_allocator_alloc(1 << 20)); "
+                      "memory._dump_snapshot(sys.argv[1])", args=[str(trace)])
+    assert made.returncode == 0, made.stderr
+    for args, status in ((["replay", str(trace), "--bogus"], 2), (["replay", str(tmp_path / "none.pickle")], 1),
+                         (["replay", str(trace), "--json", str(tmp_path / "no" / "dir.json")], 1)):
+        proc = run_python(LAB, args=args)
+        assert proc.returncode == status, (args, proc.returncode, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1, (args, proc.stderr)
