@@ -1,6 +1,8 @@
 """docs/reliability.md, and what every doc says about the make targets: each `make ...` a doc names is a target of
 the Makefile (none is run here: they are the long ones), the Makefile's variables have the defaults the doc gives,
-the fault switch's examples work as written, and every fenced block of every doc is one a test_docs_* module runs."""
+the fault switch's examples work as written, every fenced block of every doc is one a test_docs_* module runs, and
+every Python name (`npualloc.*`, `acl.rt.*`, `memory._*`) and C name (`aclrt*`, `npualloc_*`, `ACL_*`) a doc gives
+exists."""
 import re
 from collections import Counter
 
@@ -80,3 +82,37 @@ def test_every_block_of_every_doc_is_run_by_a_test():
         assert not found, f"{doc}: blocks no test runs: {dict(found)} (add them to {module})"
     runtime = (ROOT / "docs" / "runtime.md").read_text().split("## Using npualloc from C", 1)[1].split("\n## ", 1)[0]
     assert [b.lang for b in blocks("docs/runtime.md")] == re.findall(r"^```(\w+)", runtime, re.M) == ["c", "sh"]
+
+
+# Names in the docs that are not the code's on purpose: prefixes (`ACL_MEM_*`), the pytest fixture, the function
+# runtime.md says npualloc leaves out, and the `npualloc.h` header (a file, not a module).
+NOT_NAMES = {"ACL_DDR_MEM_", "ACL_HBM_MEM_P2P_", "ACL_MEM_", "ACL_MEM_P2P_", "aclrtIpcMem", "npualloc_runtime",
+             "aclrtStreamWaitEventWithTimeout", "npualloc.h", "acl.rt.synchronize_", "acl.rt.NAME"}
+
+
+def test_every_name_the_docs_give_exists():
+    import importlib
+
+    import npualloc
+    from npualloc import _C, acl, memory
+    headers = "".join(p.read_text() for p in (ROOT / "csrc" / "include").rglob("*.h"))
+    roots = {"npualloc": npualloc, "acl": acl, "memory": memory, "_C": _C}
+    missing = set()
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for m in re.finditer(r"\b((?:npualloc|acl|memory|_C)(?:\.\w+)+)", text):
+            if m.group(1) in NOT_NAMES or m.group(1).startswith(("acl.h", "acl.rt.h")):
+                continue
+            obj, *rest = m.group(1).split(".")
+            obj = roots[obj]
+            for part in rest:
+                try:
+                    obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(f"{obj.__name__}.{part}")
+                except (ImportError, AttributeError):
+                    missing.add((doc, m.group(1)))
+                    break
+        for code in re.findall(r"`[^`]*`", text):
+            for name in re.findall(r"\b((?:aclrt|npualloc_|acl[A-Z])\w+|ACL_[A-Z0-9_]+|NPUALLOC_STAT_\w+)\b", code):
+                if name not in NOT_NAMES and not re.search(rf"\b{name}\b", headers):
+                    missing.add((doc, name))
+    assert not missing, sorted(missing)
