@@ -160,3 +160,48 @@ def test_the_messages_the_text_states():
         assert phrase in text, phrase
     proc = run_python(STATED, env={"TORCH_NPU_COMPACT_ERROR_OUTPUT": "1"})
     assert proc.returncode == 0, proc.stderr
+
+
+GIVING = r"""
+import os
+import npualloc
+from npualloc import _C, memory
+
+def start(conf):
+    _C.shutdown()
+    os.environ["PYTORCH_NPU_ALLOC_CONF"] = conf
+    npualloc.configure(device_count=1, device_memory="1GiB")
+    npualloc.caching_allocator_delete(npualloc.caching_allocator_alloc(1))
+    return memory._snapshot()["allocator_settings"]
+
+assert start("max_split_size_mb:64abc")["max_split_size"] == 64 << 20
+assert start("max_split_size_mb,64")["max_split_size"] == 64 << 20
+assert start("garbage_collection_threshold:0.5")["garbage_collection_threshold"] == 0.5
+try:
+    memory._set_allocator_settings("max_split_size_mb:64,foo:1")
+    raise SystemExit("no error")
+except ValueError:
+    pass
+s = memory._snapshot()["allocator_settings"]
+assert s["max_split_size"] == 64 << 20 and s["garbage_collection_threshold"] == 0, s
+assert s["PYTORCH_NPU_ALLOC_CONF"] == "garbage_collection_threshold:0.5", s
+_C.shutdown()
+del os.environ["PYTORCH_NPU_ALLOC_CONF"]
+os.environ["PYTORCH_NO_NPU_MEMORY_CACHING"] = "1"
+npualloc.configure(device_count=1, device_memory="1GiB")
+b = npualloc.empty(1000)
+assert npualloc.memory_allocated() == 0 and npualloc.memory_snapshot() == [] and npualloc.mem_get_info()[0] < 1 << 30
+b.free()
+assert npualloc.mem_get_info()[0] == 1 << 30
+"""
+
+
+def test_what_giving_settings_says():
+    text = " ".join(TEXT.split())
+    for phrase in ("so `max_split_size_mb:64abc` is 64", "`max_split_size_mb,64` is read like `max_split_size_mb:64`",
+                   'after `_set_allocator_settings("max_split_size_mb:64,foo:1")` raises, `max_split_size_mb` is 64 '
+                   "and a start-up `garbage_collection_threshold` is gone", "its text is not shown as",
+                   "`npualloc.empty()` buffers bypass the cache", "no stats, not in snapshots"):
+        assert phrase in text, phrase
+    proc = run_python(GIVING, env={"TORCH_NPU_COMPACT_ERROR_OUTPUT": "1"})
+    assert proc.returncode == 0, proc.stderr
