@@ -205,3 +205,58 @@ def test_what_giving_settings_says():
         assert phrase in text, phrase
     proc = run_python(GIVING, env={"TORCH_NPU_COMPACT_ERROR_OUTPUT": "1"})
     assert proc.returncode == 0, proc.stderr
+
+
+DECIDES = r"""
+import os
+import npualloc
+from npualloc import _C, acl
+
+MiB = 1 << 20
+
+def start(conf):
+    _C.shutdown()
+    os.environ["PYTORCH_NPU_ALLOC_CONF"] = conf
+    npualloc.configure(device_count=2, device_memory="1GiB")
+
+def error(fn):
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    raise SystemExit(f"no error from {fn}")
+
+start("roundup_power2_divisions:4")
+npualloc.caching_allocator_alloc(84 * MiB)
+assert npualloc.memory_allocated() == 96 * MiB                 # an 84 MiB request becomes a 96 MiB block
+start("")
+p = npualloc.caching_allocator_alloc(MiB)
+assert npualloc.memory_stats()["allocated_bytes.large_pool.current"] == MiB + 512
+assert acl.rt.free(p) == 207002 and acl.rt.unmap_mem(p) == 107000
+start("")
+npualloc.caching_allocator_alloc(10 * MiB)
+assert npualloc.memory_reserved() == 12 * MiB                   # 10 MiB asks for a 12 MiB segment
+assert error(lambda: npualloc.set_per_process_memory_fraction(1)).startswith("TypeError: ")
+assert error(lambda: npualloc.set_per_process_memory_fraction(1.5)).startswith("ValueError: ")
+assert error(lambda: npualloc.set_per_process_memory_fraction(0.5, 5)) == (
+    "RuntimeError: Allocator not initialized for device 5: did you call init?")
+assert acl.rt.get_device() == (0, 0)
+assert error(lambda: npualloc.get_per_process_memory_fraction("npu")).startswith("ValueError: ")
+assert npualloc.get_per_process_memory_fraction() == 1.0
+start("expandable_segments:True")
+q = npualloc.caching_allocator_alloc(30 * MiB)
+assert (acl.rt.free(q), acl.rt.unmap_mem(q), acl.rt.release_mem_address(q)) == (207002, 107000, 107000)
+"""
+
+
+def test_what_how_the_allocator_decides_says():
+    text = " ".join(TEXT.split())
+    for phrase in ("With N = 4, an 84 MiB request becomes a 96 MiB block", "A request of exactly 1 MiB is large "
+                   "(1 MiB + 32 B pad rounds to 1 MiB + 512 B)", "10 MiB asks for a 12 MiB segment",
+                   "takes a `float` (`TypeError` otherwise) in [0, 1] (`ValueError` otherwise)",
+                   "`RuntimeError: Allocator not initialized for device <d>: did you call init?`, the current "
+                   "device unchanged", "(1.0 when none was set", '`"npu"` is a `ValueError`',
+                   "which `acl.rt.free` refuses with 207002", "on an address in it, mapped or not, return 107000"):
+        assert phrase in text, phrase
+    proc = run_python(DECIDES, env={"TORCH_NPU_COMPACT_ERROR_OUTPUT": "1"})
+    assert proc.returncode == 0, proc.stderr
