@@ -96,3 +96,45 @@ def test_the_defaults_of_the_table():
     # "`npualloc.configure(...)` replaces the first five variables"
     first_five = [v[len("NPUALLOC_"):].lower() for v in table][:5]
     assert list(inspect.signature(npualloc.configure).parameters) == first_five
+
+
+# ---- codes the text gives ----
+
+CODES = """
+import os
+import npualloc
+from npualloc import acl
+acl.rt.set_device(0)
+assert acl.rt.memcpy(0, 0, 0, 0, 1) == 0 and acl.rt.memset(0, 0, 0, 0) == 0     # 0 bytes, null pointers
+p, ret = acl.rt.malloc(4096, 0)
+h, ret = acl.rt.malloc_host(4096)
+assert acl.rt.memcpy(p, 16, h, 16, 5) == 0 and acl.rt.memcpy(p, 16, h, 16, 6) == 100000
+assert acl.rt.malloc((1 << 64) - 64, 0)[1] == 100000                               # rounding and pad overflow
+assert acl.rt.malloc((1 << 64) - 65, 0)[1] == 207001 == acl.rt.malloc(1 << 50, 0)[1]
+s, ret = acl.rt.create_stream()
+assert acl.rt.synchronize_stream_with_timeout(s, -2) == 107000
+assert acl.rt.synchronize_stream_with_timeout(s, 0) == 0
+assert acl.rt.stream_query(s) == (acl.ACL_STREAM_STATUS_COMPLETE, 0)
+assert acl.rt.create_event_with_flag(0x40)[1] == 107000 and acl.rt.create_event_with_flag(0x30)[1] == 107000
+assert acl.rt.create_event_with_flag(0x20)[1] == 207000 and acl.rt.create_event_ex_with_flag(0x40)[1] == 207000
+assert acl.rt.create_stream_with_config(0, 0x4)[1] == 207000 and acl.rt.create_stream_with_config(0, 0x21)[1] == 107000
+pid = os.fork()
+if pid == 0:                                   # stale handles in the child; an Event never recorded is not stale
+    os._exit(0 if acl.rt.stream_query(s) == (0, 100000) and npualloc.Event().query() is True else 3)
+assert os.waitpid(pid, 0)[1] == 0
+"""
+
+
+def test_the_codes_the_text_gives():
+    text = " ".join(DOC.read_text().split())
+    for phrase in ("A copy or memset of 0 bytes", "null pointers included", "(0..5); any other",
+                   "(within 64 bytes of `SIZE_MAX`, 32 without the pad) is `ACL_ERROR_INVALID_PARAM`",
+                   "any other size too large for the device is `ACL_ERROR_RT_MEMORY_ALLOCATION`",
+                   "below -1 `ACL_ERROR_RT_PARAM_INVALID`", "| `ACL_EVENT_IPC` | 0x40 | 107000 here",
+                   "`ACL_EVENT_IPC` alone 207000", "| `ACL_STREAM_PERSISTENT` | 0x4 | 207000",
+                   "`acl.rt.query_event` alike: `(0, 100000)`", "its `query()` is True"):
+        assert phrase in text, phrase
+    proc = subprocess.run([sys.executable, "-c", CODES], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("NPUALLOC_")},
+                               "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
