@@ -122,6 +122,13 @@ pid = os.fork()
 if pid == 0:                                   # stale handles in the child; an Event never recorded is not stale
     os._exit(0 if acl.rt.stream_query(s) == (0, 100000) and npualloc.Event().query() is True else 3)
 assert os.waitpid(pid, 0)[1] == 0
+assert acl.rt.reserve_mem_address(2 << 20, 0, 16 << 40, 0)[1] == 107000     # CANN's 16 TiB window
+assert acl.rt.memcpy(p, 16, 8, 16, 1) == 107000                              # a host address not mapped
+assert acl.rt.memcpy_async(p, 16, 8, 16, 1, s) == 0 and acl.rt.synchronize_stream(s) == 507053
+assert (acl.init(), acl.init(), acl.finalize(), acl.finalize()) == (
+    0, acl.ACL_ERROR_REPEAT_INITIALIZE, 0, acl.ACL_ERROR_REPEAT_FINALIZE)
+assert acl.rt.malloc(4096, 0)[1] == 0                                        # still works after aclFinalize
+assert acl.rt.reset_device(0) == 0 and acl.rt.get_device() == (0, 107002) and acl.rt.reset_device(0) == 0
 """
 
 
@@ -132,7 +139,11 @@ def test_the_codes_the_text_gives():
                    "any other size too large for the device is `ACL_ERROR_RT_MEMORY_ALLOCATION`",
                    "below -1 `ACL_ERROR_RT_PARAM_INVALID`", "| `ACL_EVENT_IPC` | 0x40 | 107000 here",
                    "`ACL_EVENT_IPC` alone 207000", "| `ACL_STREAM_PERSISTENT` | 0x4 | 207000",
-                   "`acl.rt.query_event` alike: `(0, 100000)`", "its `query()` is True"):
+                   "`acl.rt.query_event` alike: `(0, 100000)`", "its `query()` is True",
+                   "not in CANN's experimental 16 TiB - 24 TiB window: an address there returns 107000",
+                   "returns `ACL_ERROR_RT_PARAM_INVALID` (107000) instead of faulting",
+                   "`ACL_ERROR_RT_DEVICE_MEM_ERROR` (507053)", "`ACL_ERROR_RT_CONTEXT_NULL`, 107002",
+                   "a reset with no reference left succeeds and does nothing"):
         assert phrase in text, phrase
     proc = subprocess.run([sys.executable, "-c", CODES], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("NPUALLOC_")},
