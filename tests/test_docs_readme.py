@@ -102,3 +102,19 @@ def test_a_lab_error_is_one_line_with_the_status_the_text_gives(tmp_path):
         proc = run_python(LAB, args=args)
         assert proc.returncode == status, (args, proc.returncode, proc.stderr)
         assert len(proc.stderr.splitlines()) == 1, (args, proc.stderr)
+
+
+def test_the_graph_memory_api_named_exists():
+    import inspect
+
+    import npualloc
+    text = (ROOT / DOC).read_text().split("## Graph memory", 1)[1].split("\n## ", 1)[0]
+    for name in ("set_graph_mem_access", "graph_pool_handle", "use_mem_pool", "MemPool", "Graph", "Stream"):
+        assert f"`{name}" in text or f"npualloc.{name}" in text, name
+        assert hasattr(npualloc, name), name
+    assert {"stream", "access", "pool"} <= set(inspect.signature(npualloc.Graph.capture).parameters)
+    assert "checked" in inspect.signature(npualloc.Graph).parameters
+    assert "allocator" in inspect.signature(npualloc.MemPool).parameters
+    for part in ("`with g.capture(stream=s):`", "`capture(access=...)`", "`Graph(checked=True)`", "`capture(pool=...)`",
+                 "`MemPool(allocator=...)`", "`g.instantiate()`", "`launch(s)`"):
+        assert part in " ".join(text.split()), part
