@@ -178,3 +178,14 @@ def test_the_table_of_codes():
         assert getattr(acl, name) == int(value), name
     proc = run_python(CODES)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_kinds_of_a_shared_block():
+    from docs_examples import run_python
+    text = (ROOT / DOC).read_text()
+    assert "**Plain segments** (`kind == 'c'`)" in text and "(`kind == 'e'`, `expandable_segments:True`)" in text
+    code = ("import pickle, npualloc; p = npualloc.caching_allocator_alloc(30 << 20); h = npualloc.share(p); "
+            "assert pickle.loads(pickle.dumps(h)) == h == npualloc.share(p); print(h.kind)")
+    for conf, kind in (("", "c"), ("expandable_segments:True", "e")):
+        proc = run_python(code, env={"PYTORCH_NPU_ALLOC_CONF": conf} if conf else None)
+        assert proc.stdout.strip() == kind, proc.stderr
