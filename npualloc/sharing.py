@@ -55,7 +55,7 @@ class SharedBlock:
 
 def _device_index(device):
     if device is None:
-        return -1
+        return None
     if isinstance(device, str):
         name = device.strip()
         if name.startswith("npu:"):
@@ -85,10 +85,11 @@ def share(ptr):
 def open_shared(handle, device=None):
     """``open_shared(handle, device=None) -> ptr``: maps a block shared by another process.
 
-    ``device`` (default: the owner's device) is the device the memory is mapped for; another
+    ``device`` (default None: the owner's device) is the device the memory is mapped for; another
     device than the owner's needs peer access between the two (``acl.rt.device_enable_peer_access``).
     Opening the same handle again returns the same pointer (close it as many times).
-    RuntimeError when the owner freed the block or exited, refused, or is not of this user.
+    RuntimeError when the owner freed the block or exited, refused, or is not of this user, and
+    for a device that does not exist (a negative index included).
     """
     if isinstance(handle, SharedBlock):
         data = handle._data

@@ -208,3 +208,18 @@ def test_opener_cannot_touch_neighbouring_blocks(segments, workers):  # noqa: F8
     for p in (lo, mid, hi):
         npualloc.caching_allocator_delete(p)
     assert wait_for(lambda: counts()["shares"] == 0 and counts()["pins"] == 0)
+
+
+def test_a_negative_device_is_no_device(dev0, workers):  # noqa: F811
+    """Only device=None means the owner's device: a negative index is refused like any device
+    that does not exist (it used to open the block on the owner's device)."""
+    (w,) = workers()
+    w.call("import pickle")
+    ptr = npualloc.caching_allocator_alloc(MiB, 0)
+    blob = pickle.dumps(npualloc.share(ptr))
+    for device in (-1, -5, "npu:-3"):
+        with pytest.raises(AssertionError, match=r"invalid device \(ACL error 107001\)"):
+            w.call("npualloc.open_shared(pickle.loads(blob), device=d)", blob=blob, d=device)
+    assert w.call("ret = _C.ipc.counts()['opens']") == 0
+    npualloc.caching_allocator_delete(ptr)
+

@@ -280,7 +280,7 @@ static PyObject *py_share(PyObject *self, PyObject *arg)
     return share_error("share", rc);
 }
 
-/* open_shared(desc: bytes, device: int (-1: the owner's)) -> ptr */
+/* open_shared(desc: bytes, device: int or None (the owner's)) -> ptr */
 static PyObject *py_open_shared(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -290,14 +290,16 @@ static PyObject *py_open_shared(PyObject *self, PyObject *const *args, Py_ssize_
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0)
         return NULL;
     int32_t dev = -1;
-    int a = arg_i32(args[1], "open_shared", "device", &dev);
+    int a = args[1] == Py_None ? ARG_OK : arg_i32(args[1], "open_shared", "device", &dev);
     if (a == ARG_TYPE_ERROR) {
         PyBuffer_Release(&view);
         return NULL;
     }
     void *ptr = NULL;
     aclError rc;
-    if (a == ARG_OUT_OF_RANGE)
+    /* ipc_open_shared reads any negative device as "the owner's": only None may ask for that,
+     * a negative index is no device (it used to open on the owner's device). */
+    if (a == ARG_OUT_OF_RANGE || (args[1] != Py_None && dev < 0))
         rc = ACL_ERROR_RT_INVALID_DEVICEID;
     else
         CALL_NOGIL(rc = ipc_open_shared(view.buf, (size_t)view.len, dev, &ptr));
@@ -379,7 +381,7 @@ static PyObject *py_server_name(PyObject *self, PyObject *args)
 static PyMethodDef ipc_methods[] = {
     {"share", py_share, METH_O, "share(ptr) -> bytes: a handle for a live caching-allocator block"},
     {"open_shared", (PyCFunction)(void (*)(void))py_open_shared, METH_FASTCALL,
-     "open_shared(handle, device) -> ptr (device -1: the owner's)"},
+     "open_shared(handle, device) -> ptr (device None: the owner's)"},
     {"close_shared", py_close_shared, METH_O, "close_shared(ptr)"},
     {"describe", py_describe, METH_O, "describe(handle) -> (kind, pid, device, size)"},
     {"counts", py_counts, METH_NOARGS, "Live exports, imports, shares, opens, sessions, server clients, pins."},
