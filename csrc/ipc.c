@@ -2164,6 +2164,15 @@ static aclError confine_to_block(void *base, size_t total, uint64_t offset, uint
     return ACL_SUCCESS;
 }
 
+/* The open of a handle for a device in this process, or NULL (ipc.lock held). */
+static open_share *open_find(const share_desc *d, int32_t device)
+{
+    for (open_share *o = ipc.opens; o; o = o->next)
+        if (o->exporter == d->pid && o->device == device && memcmp(o->token, d->token, 16) == 0)
+            return o;
+    return NULL;
+}
+
 aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **ptr)
 {
     share_desc d;
@@ -2178,15 +2187,14 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
     if (d.pid == self_pid())
         return ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* the owner has the block already */
     pthread_mutex_lock(&ipc.lock);
-    for (open_share *o = ipc.opens; o; o = o->next) {
-        if (o->exporter == d.pid && o->device == target && memcmp(o->token, d.token, 16) == 0) {
-            o->refs++;
-            *ptr = o->ptr;
-            pthread_mutex_unlock(&ipc.lock);
-            return ACL_SUCCESS;
-        }
+    open_share *same = open_find(&d, target);
+    if (same) {
+        same->refs++;
+        *ptr = same->ptr;
     }
     pthread_mutex_unlock(&ipc.lock);
+    if (same)
+        return ACL_SUCCESS;
 
     session *s;
     if ((rc = session_get(d.pid, d.secret, &s)) != ACL_SUCCESS)
@@ -2228,7 +2236,16 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
             break;
     if (rc == ACL_SUCCESS)
         rc = confine_to_block(base, count * page, d.offset, d.size);
-    if (rc != ACL_SUCCESS) {
+    pthread_mutex_lock(&ipc.lock);
+    /* Another thread opened the same handle meanwhile: its pointer, so that one handle has
+     * one pointer in a process (ours is undone below, as a failed open is). */
+    same = rc == ACL_SUCCESS ? open_find(&d, target) : NULL;
+    if (same) {
+        same->refs++;
+        *ptr = same->ptr;
+    }
+    pthread_mutex_unlock(&ipc.lock);
+    if (rc != ACL_SUCCESS || same) {
         if (handles)
             unmap_open(base, count, page, handles, mapped);
         (void)session_request(s, IPC_OP_CLOSE, d.token);

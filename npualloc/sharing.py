@@ -87,9 +87,9 @@ def open_shared(handle, device=None):
 
     ``device`` (default None: the owner's device) is the device the memory is mapped for; another
     device than the owner's needs peer access between the two (``acl.rt.device_enable_peer_access``).
-    Opening the same handle again returns the same pointer (close it as many times).
-    RuntimeError when the owner freed the block or exited, refused, or is not of this user, and
-    for a device that does not exist (a negative index included).
+    Opening the same handle again, also from several threads at once, returns the same pointer
+    (close it as many times).  RuntimeError when the owner freed the block or exited, refused, or
+    is not of this user, and for a device that does not exist (a negative index included).
     """
     if isinstance(handle, SharedBlock):
         data = handle._data

@@ -223,3 +223,36 @@ def test_a_negative_device_is_no_device(dev0, workers):  # noqa: F811
     assert w.call("ret = _C.ipc.counts()['opens']") == 0
     npualloc.caching_allocator_delete(ptr)
 
+
+def test_threads_opening_one_handle_get_one_pointer(segments, workers):  # noqa: F811
+    """Opening a handle again returns the same pointer, also when threads open it at once (each
+    used to map it at a pointer of its own)."""
+    (w,) = workers()
+    size = 3 * MiB
+    ptr = npualloc.caching_allocator_alloc(size, 0)
+    ctypes.memset(ptr, 0x54, size)
+    blob = pickle.dumps(npualloc.share(ptr))
+    code = """
+import pickle, threading
+h = pickle.loads(blob)
+go = threading.Barrier(8)
+got = []
+def one():
+    go.wait()
+    got.append(npualloc.open_shared(h))
+ts = [threading.Thread(target=one) for _ in range(8)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+ret = (sorted(set(got)), _C.ipc.counts()["opens"], ctypes.string_at(got[0], 2))
+"""
+    for _ in range(3):
+        ptrs, opens, head = w.call(code, blob=blob)
+        assert len(ptrs) == 1 and opens == 1 and head == b"TT"
+        assert wait_for(lambda: counts()["pins"] == 1)  # one open, one pin
+        w.call("for _ in range(8): npualloc.close_shared(p)", p=ptrs[0])
+        assert w.call("ret = (_C.ipc.counts()['opens'], _C.vmm_counts()['mappings'])") == (0, 0)
+        assert wait_for(lambda: counts()["pins"] == 0)
+    npualloc.caching_allocator_delete(ptr)
+    assert wait_for(lambda: counts()["shares"] == 0)
