@@ -107,6 +107,11 @@ typedef struct session {
     int fd;
     uint32_t refs;
     pthread_mutex_t lock; /* one request at a time */
+    /* A request went unanswered (timeout, garbled reply): replies carry no request id, so a
+     * late one would be read as the answer to the next request.  Nothing more is sent on it
+     * and new opens connect anew; its pins stay until the opens using it are closed.
+     * Written under both locks, read under either. */
+    bool broken;
 } session;
 
 /* A caching-allocator block shared by npualloc.share (owner side). */
@@ -1446,6 +1451,7 @@ typedef struct import_spec {
     int32_t key_device; /* keys: the device named in the key */
     int32_t device;     /* the device to import for */
     int conn;           /* a session's connection, or -1 for a connection of its own */
+    bool *conn_lost;    /* with conn: set when its request went unanswered */
 } import_spec;
 
 static import_entry *import_find(const import_spec *sp)
@@ -1520,6 +1526,8 @@ static aclError import_handle(const import_spec *sp, uint64_t *handle_out, size_
                            &fd);
         if (sp->conn < 0 && sock >= 0)
             close(sock);
+        else if (rc != ACL_SUCCESS && sp->conn_lost)
+            *sp->conn_lost = true;
     }
     if (rc == ACL_SUCCESS && rp.status != ACL_SUCCESS)
         rc = rp.status;
@@ -2066,7 +2074,7 @@ static aclError session_get(int32_t pid, uint32_t secret, session **out)
 {
     pthread_mutex_lock(&ipc.lock);
     for (session *s = ipc.sessions; s; s = s->next) {
-        if (s->pid == pid && s->secret == secret) {
+        if (s->pid == pid && s->secret == secret && !s->broken) {
             s->refs++;
             *out = s;
             pthread_mutex_unlock(&ipc.lock);
@@ -2090,7 +2098,7 @@ static aclError session_get(int32_t pid, uint32_t secret, session **out)
     pthread_mutex_init(&s->lock, NULL);
     pthread_mutex_lock(&ipc.lock);
     for (session *o = ipc.sessions; o; o = o->next) {
-        if (o->pid == pid && o->secret == secret) { /* another thread connected meanwhile */
+        if (o->pid == pid && o->secret == secret && !o->broken) { /* another thread connected meanwhile */
             o->refs++;
             pthread_mutex_unlock(&ipc.lock);
             close(fd);
@@ -2127,11 +2135,21 @@ static void session_put(session *s)
     }
 }
 
+/* s->lock held. */
+static void session_break(session *s)
+{
+    pthread_mutex_lock(&ipc.lock);
+    s->broken = true;
+    pthread_mutex_unlock(&ipc.lock);
+}
+
 static aclError session_request(session *s, uint16_t op, const uint8_t token[16])
 {
     ipc_reply rp;
+    aclError rc = ACL_ERROR_RT_IPC_ERROR;
     pthread_mutex_lock(&s->lock);
-    aclError rc = roundtrip(s->fd, op, 0, token, &rp, NULL);
+    if (!s->broken && (rc = roundtrip(s->fd, op, 0, token, &rp, NULL)) != ACL_SUCCESS)
+        session_break(s);
     pthread_mutex_unlock(&s->lock);
     return rc == ACL_SUCCESS ? rp.status : rc;
 }
@@ -2209,9 +2227,12 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
     void *base = NULL;
     if (!handles || !o)
         rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    bool lost = false;
     pthread_mutex_lock(&s->lock); /* page imports travel on the pinned connection */
+    if (s->broken) /* by another thread's request since our OPEN */
+        rc = ACL_ERROR_RT_IPC_ERROR;
     for (size_t i = 0; i < count && rc == ACL_SUCCESS; i++) {
-        import_spec sp = {.exporter = d.pid, .secret = d.secret, .device = target, .conn = s->fd};
+        import_spec sp = {.exporter = d.pid, .secret = d.secret, .device = target, .conn = s->fd, .conn_lost = &lost};
         if (d.kind == 'e') {
             memcpy(&sp.value, (const char *)desc + sizeof d + i * sizeof(uint64_t), sizeof sp.value);
         } else {
@@ -2225,6 +2246,8 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
             rc = ACL_ERROR_RT_IPC_ERROR;
         page = size;
     }
+    if (lost)
+        session_break(s);
     pthread_mutex_unlock(&s->lock);
     if (rc == ACL_SUCCESS && d.kind == 'c' && (d.offset >= page || d.size > page - d.offset))
         rc = ACL_ERROR_RT_IPC_ERROR;

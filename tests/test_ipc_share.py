@@ -256,3 +256,42 @@ ret = (sorted(set(got)), _C.ipc.counts()["opens"], ctypes.string_at(got[0], 2))
         assert wait_for(lambda: counts()["pins"] == 0)
     npualloc.caching_allocator_delete(ptr)
     assert wait_for(lambda: counts()["shares"] == 0)
+
+
+def stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_reply_that_comes_late_answers_nothing(dev0, workers, monkeypatch):  # noqa: F811
+    """A close whose reply timed out (the owner was stopped) leaves its reply to come later on
+    the connection; it used to be read as the answer to the next request there, so that a freed
+    block opened (memory the owner may reuse) and a live one was refused.  The connection is
+    given up: later closes on it return at once, and new opens connect anew."""
+    monkeypatch.setenv("NPUALLOC_IPC_TIMEOUT_MS", "300")
+    (owner,) = workers()
+    handles = owner.call("""
+bs = [npualloc.caching_allocator_alloc(2**20, 0) for _ in range(3)]
+for i, b in enumerate(bs):
+    ctypes.memset(b, 0x41 + i, 2**20)
+ret = [bytes(npualloc.share(b)) for b in bs]
+npualloc.caching_allocator_delete(bs[2])  # no longer shared
+""")
+    o0 = npualloc.open_shared(handles[0])
+    o1 = npualloc.open_shared(handles[1])  # the same connection
+    owner.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: stopped(owner.proc.pid))
+        npualloc.close_shared(o1)  # unanswered: its reply comes after SIGCONT
+    finally:
+        owner.proc.send_signal(signal.SIGCONT)
+    with pytest.raises(RuntimeError, match="no longer shared"):
+        npualloc.open_shared(handles[2])
+    o1 = npualloc.open_shared(handles[1])
+    assert ctypes.string_at(o1, 2) == b"BB" and ctypes.string_at(o0, 2) == b"AA"
+    start = time.monotonic()
+    npualloc.close_shared(o0)  # on the given-up connection: nothing to wait for
+    assert time.monotonic() - start < 0.2
+    npualloc.close_shared(o1)
+    assert counts()["opens"] == 0 and counts()["sessions"] == 0
+    assert wait_for(lambda: owner.call("ret = _C.ipc.counts()['pins']") == 0)
