@@ -11,6 +11,7 @@ waiting for stream events) until the last opener closed it, or died.  A block fr
 can no longer be opened.  Details: docs/sharing.md.
 """
 from . import _C
+from .memory import Buffer
 
 _I = _C.ipc
 
@@ -73,12 +74,14 @@ def _device_index(device):
 def share(ptr):
     """``share(ptr) -> SharedBlock``: a handle another process can open with ``open_shared``.
 
-    ``ptr`` is a pointer returned by the caching allocator (``caching_allocator_alloc``,
-    ``empty``) that has not been freed. Sharing the same block again returns an equal handle.
+    ``ptr`` is a pointer returned by ``caching_allocator_alloc``, or a Buffer returned by
+    ``empty``, that has not been freed. Sharing the same block again returns an equal handle.
     RuntimeError for anything else.
     """
+    if isinstance(ptr, Buffer):  # as record_stream takes one: empty() hands out Buffers, not ints
+        ptr = ptr.ptr
     if isinstance(ptr, bool) or not isinstance(ptr, int):
-        raise TypeError(f"share() argument 'ptr' must be int, not {type(ptr).__name__}")
+        raise TypeError(f"share() argument 'ptr' must be int or Buffer, not {type(ptr).__name__}")
     return SharedBlock(_I.share(ptr))
 
 

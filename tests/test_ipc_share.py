@@ -295,3 +295,15 @@ npualloc.caching_allocator_delete(bs[2])  # no longer shared
     npualloc.close_shared(o1)
     assert counts()["opens"] == 0 and counts()["sessions"] == 0
     assert wait_for(lambda: owner.call("ret = _C.ipc.counts()['pins']") == 0)
+
+
+def test_share_takes_a_buffer_from_empty(dev0):
+    """share() names empty() as a source of blocks, and empty() returns a Buffer: share takes
+    it (it raised TypeError), as record_stream does."""
+    buf = npualloc.empty(1000)
+    handle = npualloc.share(buf)
+    assert handle == npualloc.share(buf.ptr) and handle.size >= 1000
+    buf.free()
+    with pytest.raises(RuntimeError, match="not a live block"):
+        npualloc.share(buf)
+    assert counts()["shares"] == 0
