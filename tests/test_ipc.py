@@ -801,3 +801,15 @@ for _ in range(10):
     assert _C.ipc.counts()["exports"] == 2  # and the exports are as they were
     release(handle, va)
     assert rt.free(ptr) == 0
+
+
+def test_share_past_the_descriptor_budget_says_why(workers):
+    """npualloc.share of memory the export above refuses (207005) says what is missing; the
+    message was "share: failed"."""
+    (w,) = workers(env={"NPUALLOC_FD_BUDGET": "0"})
+    w.call(DROP_REOPEN_CAPS)
+    if w.call(MAP_FILES_REOPEN) != "refused":
+        pytest.skip("/proc/self/map_files still reopens without CAP_SYS_ADMIN and CAP_CHECKPOINT_RESTORE")
+    with pytest.raises(AssertionError, match=r"share: out of descriptors \(memory created past NPUALLOC_FD_BUDGET"
+                                             r" .* CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE\) \(ACL error 207005\)"):
+        w.call("npualloc.share(npualloc.caching_allocator_alloc(2**20, 0))")

@@ -237,6 +237,11 @@ static PyObject *share_error(const char *what, aclError rc)
     case ACL_ERROR_RT_IPC_ERROR:
         why = "the owner did not answer properly";
         break;
+    case ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: /* docs/sharing.md, Limits: the two ways out of descriptors */
+        why = strcmp(what, "share") == 0 ? "out of descriptors (memory created past NPUALLOC_FD_BUDGET is exported "
+                                           "only with CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE)"
+                                         : "out of descriptors (the owner had none free to hand out)";
+        break;
     default:
         why = "failed";
         break;
