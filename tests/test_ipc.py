@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+import npualloc
 from conftest import MiB, ROOT, SMALL
 from npualloc import _C, acl
 
@@ -31,6 +32,7 @@ NO_SUCH_HANDLE = acl.ACL_ERROR_RT_INVALID_HANDLE  # 107017: "Share handle doesn'
 _WORKER = r"""
 import base64, ctypes, os, pickle, sys, traceback
 sys.path.insert(0, sys.argv[1])
+import npualloc
 import npualloc
 from npualloc import _C, acl
 npualloc.configure(**pickle.loads(base64.b64decode(sys.argv[2])))
@@ -813,3 +815,24 @@ def test_share_past_the_descriptor_budget_says_why(workers):
     with pytest.raises(AssertionError, match=r"share: out of descriptors \(memory created past NPUALLOC_FD_BUDGET"
                                              r" .* CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE\) \(ACL error 207005\)"):
         w.call("npualloc.share(npualloc.caching_allocator_alloc(2**20, 0))")
+
+
+def test_the_runtime_does_not_free_an_imported_range(dev0, workers):
+    """docs/sharing.md: acl.rt.free of a key's imported range (or of one open_shared mapped) is
+    refused with 207002, as for the caching allocator's segments; the mapping stays."""
+    (w,) = workers()
+    ptr, ret = rt.malloc(MiB, 0)
+    ctypes.memset(ptr, 0x46, MiB)
+    key, ret = rt.ipc_mem_get_export_key(ptr, MiB, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+    block = npualloc.caching_allocator_alloc(MiB, 0)
+    ctypes.memset(block, 0x47, MiB)
+    got = w.call("""
+import pickle
+p, r = rt.ipc_mem_import_by_key(key, 0)
+o = npualloc.open_shared(pickle.loads(blob))
+ret = (r, rt.free(p), rt.free(o), ctypes.string_at(p, 2), ctypes.string_at(o, 2), rt.ipc_mem_close(key))
+npualloc.close_shared(o)
+""", key=key, blob=pickle.dumps(npualloc.share(block)))
+    assert got == (0, acl.ACL_ERROR_RT_MEMORY_FREE, acl.ACL_ERROR_RT_MEMORY_FREE, b"FF", b"GG", 0)
+    npualloc.caching_allocator_delete(block)
+    assert rt.free(ptr) == 0
