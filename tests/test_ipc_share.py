@@ -307,3 +307,44 @@ def test_share_takes_a_buffer_from_empty(dev0):
     with pytest.raises(RuntimeError, match="not a live block"):
         npualloc.share(buf)
     assert counts()["shares"] == 0
+
+
+
+def test_a_forked_child_has_none_of_its_parents_opens(dev0, workers):  # noqa: F811
+    """docs/sharing.md, Fork and threads: the parent's open is not the child's (close_shared
+    raises, the range faults); the child opens for itself, and the owner sees two pins."""
+    (w,) = workers()
+    ptr = npualloc.caching_allocator_alloc(MiB, 0)
+    ctypes.memset(ptr, 0x46, MiB)
+    code = """
+import pickle
+p = npualloc.open_shared(pickle.loads(blob))
+up_rd, up_wr = os.pipe()
+down_rd, down_wr = os.pipe()
+pid = os.fork()
+if pid == 0:
+    code = 1
+    try:
+        try:
+            npualloc.close_shared(p)
+        except RuntimeError:  # not opened here
+            q = npualloc.open_shared(pickle.loads(blob))
+            os.write(up_wr, ctypes.string_at(q, 2))
+            os.read(down_rd, 1)  # the owner counted the pins
+            npualloc.close_shared(q)
+            code = 0
+    finally:
+        os._exit(code)
+ret = os.read(up_rd, 2)
+"""
+    assert w.call(code, blob=pickle.dumps(npualloc.share(ptr))) == b"FF"
+    assert wait_for(lambda: counts()["pins"] == 2)
+    assert w.call("os.write(down_wr, b'x'); ret = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])") == 0
+    assert wait_for(lambda: counts()["pins"] == 1)
+    touch = "ret = os.fork()\nif ret == 0:\n    ctypes.string_at(p, 1)\n    os._exit(0)\n" \
+            "ret = os.waitstatus_to_exitcode(os.waitpid(ret, 0)[1])"
+    assert w.call(touch) == -signal.SIGSEGV  # the parent's range is not mapped in a child
+    assert w.call("ret = ctypes.string_at(p, 2)") == b"FF"
+    w.call("npualloc.close_shared(p)")
+    assert wait_for(lambda: counts()["pins"] == 0)
+    npualloc.caching_allocator_delete(ptr)
