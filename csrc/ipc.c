@@ -1845,17 +1845,18 @@ aclError aclrtIpcMemClose(const char *key)
     pthread_mutex_lock(&ipc.lock);
     /* An importer closes its mapping (the last close of several imports)... */
     key_import *found = NULL;
+    bool last = false; /* decided under the lock: another close may free `found` once it is out */
     for (key_import **link = &ipc.key_imports; *link; link = &(*link)->next) {
         if (strncmp((*link)->key, key, IPC_KEY_LEN) == 0) {
             found = *link;
-            if (--found->refs == 0)
+            if ((last = --found->refs == 0))
                 *link = found->next;
             break;
         }
     }
     if (found) {
         pthread_mutex_unlock(&ipc.lock);
-        if (found->refs == 0) {
+        if (last) {
             vmm_unmap_private(found->ptr);
             vmm_release_private(found->ptr);
             aclrtFreePhysical((aclrtDrvMemHandle)(uintptr_t)found->handle_id);
@@ -2301,10 +2302,11 @@ aclError ipc_close_shared(void *ptr)
         return ACL_ERROR_INVALID_PARAM;
     pthread_mutex_lock(&ipc.lock);
     open_share *o = NULL;
+    bool last = false; /* decided under the lock: another close may free `o` once it is out */
     for (open_share **link = &ipc.opens; *link; link = &(*link)->next) {
         if ((*link)->ptr == ptr) {
             o = *link;
-            if (--o->refs == 0)
+            if ((last = --o->refs == 0))
                 *link = o->next;
             break;
         }
@@ -2312,7 +2314,7 @@ aclError ipc_close_shared(void *ptr)
     pthread_mutex_unlock(&ipc.lock);
     if (!o)
         return ACL_ERROR_INVALID_PARAM;
-    if (o->refs == 0) {
+    if (last) {
         unmap_open(o->base, o->count, o->page_size, o->handles, o->count);
         (void)session_request(o->s, IPC_OP_CLOSE, o->token);
         session_put(o->s);

@@ -836,3 +836,45 @@ npualloc.close_shared(o)
     assert got == (0, acl.ACL_ERROR_RT_MEMORY_FREE, acl.ACL_ERROR_RT_MEMORY_FREE, b"FF", b"GG", 0)
     npualloc.caching_allocator_delete(block)
     assert rt.free(ptr) == 0
+
+
+CHURN = """
+import threading, time
+stop = time.monotonic() + seconds
+bad = []
+def churn():
+    while time.monotonic() < stop:
+        one()
+def one_key():
+    p, r = rt.ipc_mem_import_by_key(key, 0)
+    if r != 0 or ctypes.string_at(p, 1) != b"C" or rt.ipc_mem_close(key) != 0:
+        bad.append(r)
+def one_open():
+    p = npualloc.open_shared(handle)
+    if ctypes.string_at(p, 1) != b"C":
+        bad.append(p)
+    npualloc.close_shared(p)
+one = one_key if key else one_open
+ts = [threading.Thread(target=churn) for _ in range(4)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+ret = (bad, _C.ipc.counts()["key_imports"], _C.ipc.counts()["opens"], _C.vmm_counts()["mappings"])
+"""
+
+
+def test_threads_importing_and_closing_at_once(dev0, workers):
+    """Threads importing and closing one key (or opening and closing one shared block) at once:
+    a close read its entry's count after letting go of the lock, so that two closes could both
+    see the last one and free it twice (the importer aborted: "double free or corruption")."""
+    (w,) = workers()
+    ptr, ret = rt.malloc(MiB, 0)
+    ctypes.memset(ptr, 0x43, MiB)
+    key, ret = rt.ipc_mem_get_export_key(ptr, MiB, 65, acl.ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION)
+    assert w.call(CHURN, key=key, handle=None, seconds=1.5) == ([], 0, 0, 0)
+    block = npualloc.caching_allocator_alloc(MiB, 0)
+    ctypes.memset(block, 0x43, MiB)
+    assert w.call(CHURN, key="", handle=npualloc.share(block), seconds=1.5) == ([], 0, 0, 0)
+    npualloc.caching_allocator_delete(block)
+    assert rt.free(ptr) == 0
