@@ -1490,8 +1490,12 @@ static void event_put(npu_event *e)
         stream_put(s);
 }
 
+/* Starts the runtime if need be, then finds the event (referenced: event_put it). */
 static aclError event_lookup(aclrtEvent handle, npu_event **out)
 {
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
     if (!handle)
         return ACL_ERROR_INVALID_PARAM;
     pthread_mutex_lock(&table_lock);
@@ -1702,11 +1706,9 @@ aclError aclrtDestroyEvent(aclrtEvent event)
 
 aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     npu_event *e;
-    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+    aclError rc = event_lookup(event, &e);
+    if (rc != ACL_SUCCESS)
         return rc;
     if (device_use_only(e)) {
         event_put(e);
@@ -1727,11 +1729,9 @@ aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)
  * the event was made by aclrtCreateEventExWithFlag. */
 static aclError event_passed(aclrtEvent event, bool *recorded, bool *passed, bool *ex)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     npu_event *e;
-    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+    aclError rc = event_lookup(event, &e);
+    if (rc != ACL_SUCCESS)
         return rc;
     *ex = e->ex;
     pthread_mutex_lock(&e->lock);
@@ -1773,11 +1773,9 @@ aclError aclrtQueryEventWaitStatus(aclrtEvent event, aclrtEventWaitStatus *statu
 {
     if (!event || !status)
         return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     npu_event *e;
-    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+    aclError rc = event_lookup(event, &e);
+    if (rc != ACL_SUCCESS)
         return rc;
     if (e->ex) {
         rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* CANN: not for aclrtCreateEventExWithFlag's events */
@@ -1818,11 +1816,9 @@ aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
 {
     if (!event)
         return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     npu_event *e;
-    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+    aclError rc = event_lookup(event, &e);
+    if (rc != ACL_SUCCESS)
         return rc;
     /* CANN's runtime, in this order: DEVICE_USE_ONLY, an event no stream waits for, then (with the
      * stream resolved) an event of aclrtCreateEventExWithFlag. */
@@ -1855,11 +1851,9 @@ aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
 /* aclrtSynchronizeEvent(WithTimeout): timeout as synchronize_handle's. */
 static aclError synchronize_event(aclrtEvent event, int32_t timeout)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     npu_event *e;
-    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+    aclError rc = event_lookup(event, &e);
+    if (rc != ACL_SUCCESS)
         return rc;
     uint64_t position;
     npu_stream *s = event_target(e, &position);
@@ -1987,11 +1981,9 @@ static aclError enqueue_wait(npu_stream *s, npu_stream *src, uint64_t position, 
 
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
 {
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
     npu_event *e;
-    if ((rc = event_lookup(event, &e)) != ACL_SUCCESS)
+    aclError rc = event_lookup(event, &e);
+    if (rc != ACL_SUCCESS)
         return rc;
     /* CANN's runtime: a DEVICE_USE_ONLY event is refused, one created without SYNC is not waited for. */
     if (device_use_only(e) || !waitable(e)) {
