@@ -42,6 +42,17 @@ static PyObject *call_on_handle(const char *fn, PyObject *const *args, Py_ssize_
         return call_on_handle("acl.rt." #name, args, nargs, kwnames, argname, call);                               \
     }
 
+/* name(first, second) -> ret for a call on two handles that only queues work (it keeps the GIL). */
+#define RT_ON_TWO_HANDLES(name, first, second, call)                                                               \
+    static PyObject *rt_##name(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)         \
+    {                                                                                                              \
+        RT_BEGIN(#name, 2);                                                                                        \
+        void *a = NULL, *b = NULL;                                                                                 \
+        RT_ARG_OR(arg_ptr, 0, first, a, BAD_HANDLE);                                                               \
+        RT_ARG_OR(arg_ptr, 1, second, b, BAD_HANDLE);                                                              \
+        return ret_or_init_error(call(a, b));                                                                      \
+    }
+
 /* ---- devices ---- */
 
 static PyObject *rt_set_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -719,23 +730,9 @@ static PyObject *rt_create_event_ex_with_flag(PyObject *self, PyObject *const *a
 
 RT_ON_HANDLE(destroy_event, "event", aclrtDestroyEvent)
 
-static PyObject *rt_reset_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("reset_event", 2);
-    void *event = NULL, *stream = NULL;
-    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
-    RT_ARG_OR(arg_ptr, 1, "stream", stream, BAD_HANDLE);
-    return ret_or_init_error(aclrtResetEvent(event, stream));
-}
+RT_ON_TWO_HANDLES(reset_event, "event", "stream", aclrtResetEvent)
 
-static PyObject *rt_record_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("record_event", 2);
-    void *event = NULL, *stream = NULL;
-    RT_ARG_OR(arg_ptr, 0, "event", event, BAD_HANDLE);
-    RT_ARG_OR(arg_ptr, 1, "stream", stream, BAD_HANDLE);
-    return ret_or_init_error(aclrtRecordEvent(event, stream));
-}
+RT_ON_TWO_HANDLES(record_event, "event", "stream", aclrtRecordEvent)
 
 static PyObject *rt_query_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
@@ -790,14 +787,7 @@ static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py
     return Py_BuildValue("(di)", rc == ACL_SUCCESS ? (double)ms : 0.0, rc);
 }
 
-static PyObject *rt_stream_wait_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("stream_wait_event", 2);
-    void *stream = NULL, *event = NULL;
-    RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
-    RT_ARG_OR(arg_ptr, 1, "event", event, BAD_HANDLE);
-    return ret_or_init_error(aclrtStreamWaitEvent(stream, event));
-}
+RT_ON_TWO_HANDLES(stream_wait_event, "stream", "event", aclrtStreamWaitEvent)
 
 static PyMethodDef rt_methods[] = {
     RT_METHOD(set_device),
