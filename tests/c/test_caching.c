@@ -687,6 +687,16 @@ static void cb_wait_gate(void *user_data)
         host_sleep_ns(1000000);
 }
 
+/* A block recorded on `stream`, whose queued work (which may use it) is held until *gate opens. */
+static void *block_used_by_held_stream(aclrtStream stream, atomic_int *gate)
+{
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)stream), ACL_SUCCESS);
+    atomic_store(gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, gate, ACL_CALLBACK_BLOCK, stream), ACL_SUCCESS);
+    return a;
+}
+
 static void *destroy_stream_thread(void *arg) { return (void *)(intptr_t)aclrtDestroyStream((aclrtStream)arg); }
 
 static void test_free_waits_for_a_recorded_stream_being_destroyed(void **state)
@@ -695,12 +705,8 @@ static void test_free_waits_for_a_recorded_stream_being_destroyed(void **state)
     start_cache(GiB_, NULL);
     aclrtStream side;
     assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
-    void *a = alloc(1000);
-    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    /* The side stream's work (which may use `a`) is held until the gate opens. */
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, side), ACL_SUCCESS);
+    void *a = block_used_by_held_stream(side, &gate);
     /* Another thread destroys the stream: its handle goes at once, its queued work still runs. */
     pthread_t t;
     assert_int_equal(pthread_create(&t, NULL, destroy_stream_thread, side), 0);
@@ -744,11 +750,8 @@ static void test_empty_cache_waits_for_another_devices_stream_without_the_lock(v
     aclrtStream other;
     assert_int_equal(aclrtCreateStream(&other), ACL_SUCCESS); /* device 1's */
     assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
-    void *a = alloc(1000);
-    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)other), ACL_SUCCESS);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, other), ACL_SUCCESS);
+    void *a = block_used_by_held_stream(other, &gate);
     npualloc_cache_free(a); /* waits for the held callback */
     pthread_t t;
     assert_int_equal(pthread_create(&t, NULL, empty_cache_thread, NULL), 0);
@@ -802,11 +805,8 @@ static void test_free_without_host_memory_does_not_wait_holding_the_lock(void **
     start_cache(GiB_, NULL);
     aclrtStream side;
     assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
-    void *a = alloc(1000);
-    assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, side), ACL_SUCCESS);
+    void *a = block_used_by_held_stream(side, &gate);
     atomic_store(&free_returned, false);
     pthread_t t;
     assert_int_equal(pthread_create(&t, NULL, free_without_host_memory_thread, a), 0);
