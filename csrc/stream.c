@@ -1683,8 +1683,14 @@ aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag)
 /* CANN's runtime refuses, for a DEVICE_USE_ONLY event, every call that queues work for it on the host. */
 static bool device_use_only(const npu_event *e) { return e->flags & ACL_EVENT_DEVICE_USE_ONLY; }
 
-/* A stream can wait for (or reset) an event created without flags, or with SYNC (or DDSYNC). */
-static bool waitable(const npu_event *e) { return e->flags == 0 || (e->flags & EVENT_FLAGS_WAITABLE); }
+/* CANN's runtime, in this order, for a stream to wait for or reset an event: a DEVICE_USE_ONLY event is
+ * refused, and one created with flags but without SYNC (or DDSYNC) is not waited for. */
+static aclError check_waitable(const npu_event *e)
+{
+    if (device_use_only(e))
+        return ACL_ERROR_RT_PARAM_INVALID;
+    return e->flags == 0 || (e->flags & EVENT_FLAGS_WAITABLE) ? ACL_SUCCESS : ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+}
 
 aclError aclrtDestroyEvent(aclrtEvent event)
 {
@@ -1820,12 +1826,9 @@ aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
     aclError rc = event_lookup(event, &e);
     if (rc != ACL_SUCCESS)
         return rc;
-    /* CANN's runtime, in this order: DEVICE_USE_ONLY, an event no stream waits for, then (with the
-     * stream resolved) an event of aclrtCreateEventExWithFlag. */
-    if (device_use_only(e))
-        rc = ACL_ERROR_RT_PARAM_INVALID;
-    else if (!waitable(e))
-        rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    /* CANN's runtime: what check_waitable() refuses, then (with the stream resolved) an event of
+     * aclrtCreateEventExWithFlag. */
+    rc = check_waitable(e);
     npu_stream *s = NULL;
     if (rc == ACL_SUCCESS && (rc = stream_lookup(stream, &s)) == ACL_SUCCESS && e->ex)
         rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
@@ -1985,9 +1988,7 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)
     aclError rc = event_lookup(event, &e);
     if (rc != ACL_SUCCESS)
         return rc;
-    /* CANN's runtime: a DEVICE_USE_ONLY event is refused, one created without SYNC is not waited for. */
-    if (device_use_only(e) || !waitable(e)) {
-        rc = device_use_only(e) ? ACL_ERROR_RT_PARAM_INVALID : ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    if ((rc = check_waitable(e)) != ACL_SUCCESS) {
         event_put(e);
         return rc;
     }
