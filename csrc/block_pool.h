@@ -32,6 +32,7 @@ typedef struct block_pool {
     size_t count;          /* free blocks indexed */
     avl_tree unmapped;     /* unmapped address space of expandable segments, ordered (stream, ptr) */
     bool is_small;
+    bool no_split;         /* torch's no_split_pools: its blocks are handed out whole (should_split) */
     uint64_t search_count; /* free-block searches while garbage collection is on: a block's age
                               is search_count - block->gc_base */
     private_pool *owner;   /* NULL for the device's default pools */

@@ -747,8 +747,11 @@ static void garbage_collect_cached_blocks(device_cache *dc)
 
 static bool should_split(const device_cache *dc, const cache_block *b, size_t size)
 {
+    const block_pool *pool = b->pool;
+    if (unlikely(pool->no_split)) /* torch: a no_split pool hands out whole blocks */
+        return false;
     size_t remaining = b->size - size;
-    if (b->pool->is_small || dc->settings->expandable_segments)
+    if (pool->is_small || dc->settings->expandable_segments)
         return remaining >= K_MIN_BLOCK_SIZE;
     return size < max_split_size(dc) && remaining > K_SMALL_SIZE;
 }
@@ -1076,6 +1079,47 @@ static void fill_oom(device_cache *dc, const alloc_params *p, size_t orig_size, 
     oom->allowed = dc->allowed_memory_maximum;
 }
 
+/* The use_on_oom pool marked next after `after` (torch iterates a hash set, in no documented
+ * order: npualloc takes the pools in the order they were marked), or NULL. */
+static private_pool *next_oom_pool(device_cache *dc, uint64_t after)
+{
+    private_pool *next = NULL;
+    for (private_pool *pp = dc->private_pools; pp; pp = pp->next)
+        if (pp->use_on_oom && pp->oom_mark > after && (!next || pp->oom_mark < next->oom_mark))
+            next = pp;
+    return next;
+}
+
+/* torch's try_mempool_fallback, after the device refused a new segment: a request of the default
+ * pools takes a free block of the first use_on_oom pool that has one, searched as the pool's own
+ * allocations are (same size, stream and rules).  The block stays the pool's: its stats kind,
+ * snapshot and free are that pool's.  A request already routed to a private pool just goes on.
+ * torch enters each pool as beginAllocateToPool does (and leaves it, so its use count ends as it
+ * was): a pool some capture or use_mem_pool is recording into fails the allocation with that
+ * call's error.  1 found (p now names the pool and block), 0 none, -1 that error. */
+static int try_oom_pools(device_cache *dc, alloc_params *p)
+{
+    if (p->pool->owner)
+        return 0;
+    for (private_pool *pp = next_oom_pool(dc, 0); pp; pp = next_oom_pool(dc, pp->oom_mark)) {
+        if (pp->use_count <= 0)
+            continue; /* nobody holds it: its memory is on its way back (torch never has such a pool) */
+        if (pool_routed(dc, pp)) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "beginAllocateToPool: already recording to mempool_id");
+            return -1;
+        }
+        alloc_params q = *p;
+        q.pool = p->pool->is_small ? &pp->small : &pp->large;
+        q.block = NULL;
+        if (get_free_block(dc, &q, false)) {
+            q.err = ACL_SUCCESS;
+            *p = q;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* The first steps of every allocation: completed frees are taken in, the size rounded, the pool
  * chosen.  A new segment's size is worked out only on a miss (cache_malloc_locked). */
 static inline void begin_malloc(device_cache *dc, size_t orig_size, uint64_t stream, alloc_params *p)
@@ -1128,8 +1172,13 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
             oom->preemptive = true;
             return ACL_ERROR_RT_MEMORY_ALLOCATION;
         }
-        found = alloc_block(dc, &p, false) ||
-                (release_available_cached_blocks(dc, &p) && alloc_block(dc, &p, false));
+        found = alloc_block(dc, &p, false);
+        if (!found) {
+            int fallback = try_oom_pools(dc, &p); /* torch: before releasing anything */
+            if (fallback < 0)
+                return ACL_ERROR_INVALID_PARAM;
+            found = fallback > 0 || (release_available_cached_blocks(dc, &p) && alloc_block(dc, &p, false));
+        }
     }
     if (!found && dc->route_count == 0) {
         /* Last resort: drain the device, return every cached segment, try once more. */
@@ -1204,6 +1253,42 @@ aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id)
         return ACL_ERROR_INVALID_PARAM;
     }
     pp->use_count--;
+    return ACL_SUCCESS;
+}
+
+/* The private pool `id` for a setting, or NULL with the error set. */
+static private_pool *pool_to_set(device_cache *dc, npualloc_mempool_id id)
+{
+    private_pool *pp = cache_pool_find(dc, id);
+    if (!pp)
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "mempool (%llu, %llu) does not exist on device %d",
+                        (unsigned long long)id.first, (unsigned long long)id.second, (int)dc->device);
+    return pp;
+}
+
+aclError cache_pool_set_use_on_oom_locked(device_cache *dc, npualloc_mempool_id id, bool use_on_oom)
+{
+    private_pool *pp = cache_pool_find(dc, id);
+    if (!use_on_oom) { /* torch erases the id from a set: nothing to do for an unknown one */
+        if (pp)
+            pp->use_on_oom = false;
+        return ACL_SUCCESS;
+    }
+    if (!(pp = pool_to_set(dc, id)))
+        return ACL_ERROR_INVALID_PARAM;
+    if (!pp->use_on_oom) { /* marking twice keeps the pool's place, as a set insert does */
+        pp->use_on_oom = true;
+        pp->oom_mark = ++dc->oom_marks;
+    }
+    return ACL_SUCCESS;
+}
+
+aclError cache_pool_set_no_split_locked(device_cache *dc, npualloc_mempool_id id)
+{
+    private_pool *pp = pool_to_set(dc, id);
+    if (!pp)
+        return ACL_ERROR_INVALID_PARAM;
+    pp->small.no_split = pp->large.no_split = true;
     return ACL_SUCCESS;
 }
 

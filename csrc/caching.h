@@ -156,6 +156,11 @@ struct private_pool {
      * expandable ones, as in torch), or from the device when NULL. */
     npualloc_alloc_fn segment_alloc_fn;
     npualloc_free_fn segment_free_fn;
+    /* torch's use_on_oom_pools: an allocation of the default pools that the device cannot serve
+     * takes a free block of this pool first (try_oom_pools); oom_mark orders the marked pools
+     * (the order they were marked in). */
+    bool use_on_oom;
+    uint64_t oom_mark;
 };
 
 /* An active "allocate to pool" (torch's captures_underway entry): allocations matching the
@@ -232,6 +237,7 @@ typedef struct device_cache {
     size_t spare_event_count;
     expandable_segment *expandable_segments;
     private_pool *private_pools;
+    uint64_t oom_marks; /* pools marked use_on_oom so far (their oom_mark) */
     pool_route *routes; /* newest last; matched newest first */
     size_t route_count, route_capacity;
     cache_block **deferred; /* freed with stream uses during a capture: events wait for its end */
@@ -365,6 +371,9 @@ void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream
 aclError cache_pool_create_locked(device_cache *dc, npualloc_mempool_id id, npualloc_alloc_fn alloc_fn,
                                   npualloc_free_fn free_fn);
 aclError cache_pool_release_locked(device_cache *dc, npualloc_mempool_id id);
+/* torch's setUseOnOOM / setNoSplit on an existing pool. */
+aclError cache_pool_set_use_on_oom_locked(device_cache *dc, npualloc_mempool_id id, bool use_on_oom);
+aclError cache_pool_set_no_split_locked(device_cache *dc, npualloc_mempool_id id);
 aclError cache_pool_begin_locked(device_cache *dc, npualloc_mempool_id id, npualloc_pool_filter filter,
                                  uint64_t value);
 aclError cache_pool_join_locked(device_cache *dc, npualloc_mempool_id id, uint64_t stream);

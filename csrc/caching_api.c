@@ -826,6 +826,16 @@ aclError npualloc_cache_pool_release(int32_t device, npualloc_mempool_id id)
     WITH_DEVICE(device, cache_pool_release_locked(dc_, id));
 }
 
+aclError npualloc_cache_pool_set_use_on_oom(int32_t device, npualloc_mempool_id id, bool use_on_oom)
+{
+    WITH_DEVICE(device, cache_pool_set_use_on_oom_locked(dc_, id, use_on_oom));
+}
+
+aclError npualloc_cache_pool_set_no_split(int32_t device, npualloc_mempool_id id)
+{
+    WITH_DEVICE(device, cache_pool_set_no_split_locked(dc_, id));
+}
+
 aclError npualloc_cache_pool_begin(int32_t device, npualloc_mempool_id id, npualloc_pool_filter filter,
                                    uint64_t value)
 {

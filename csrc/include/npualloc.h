@@ -320,6 +320,22 @@ aclError npualloc_cache_pool_create_with_allocator(int32_t device, npualloc_memp
 aclError npualloc_cache_pool_release(int32_t device, npualloc_mempool_id id);
 /* References held on a pool (0 when it does not exist). */
 int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id);
+/* torch's setUseOnOOM (MemPool(use_on_oom=True); ~MemPool clears it): when an allocation of the
+ * default pools finds no cached block and the device refuses a new segment, it takes a free block
+ * of a marked pool before any cached memory is released: the first marked pool (in the order they
+ * were marked; torch's order is a hash set's) with a block that fits, by the pool's own search
+ * rules (same stream, best fit, oversize limits).  The block stays the pool's (snapshot, stats
+ * kind, and its free returns it there).  Never for a request already routed to a private pool; a
+ * pool nobody holds (use count 0) is skipped; a marked pool that a capture or use_mem_pool records
+ * into fails that allocation with "beginAllocateToPool: already recording to mempool_id", as in
+ * torch.  Marking needs an existing pool (ACL_ERROR_INVALID_PARAM otherwise); clearing an unknown
+ * pool does nothing. */
+aclError npualloc_cache_pool_set_use_on_oom(int32_t device, npualloc_mempool_id id, bool use_on_oom);
+/* torch's setNoSplit (MemPool(no_split=True)): the pool's blocks are never split, so every
+ * allocation takes a whole free block (a new segment: all of it); sizes, segment sizes and the
+ * base_addr_aligned_kb front split are unchanged, as in torch_npu.  The pool must exist
+ * (ACL_ERROR_INVALID_PARAM); it keeps the setting for its life. */
+aclError npualloc_cache_pool_set_no_split(int32_t device, npualloc_mempool_id id);
 
 typedef enum npualloc_pool_filter {
     NPUALLOC_POOL_FILTER_THREAD = 0, /* allocations by this OS thread (use_mem_pool) */

@@ -302,6 +302,222 @@ static void test_default_pool_id_is_not_a_private_pool(void **state)
     assert_int_equal(npualloc_cache_pool_begin(0, zero, 7, 0), ACL_ERROR_INVALID_PARAM);
 }
 
+/* ---- MemPool(use_on_oom=..., no_split=...) ---- */
+
+/* A 64 MiB device: a pool's 22 MiB segment (a 20 MiB request, freed again) and a 42 MiB default
+ * allocation fill it. */
+static npualloc_mempool_id fill_small_device(void **hog)
+{
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    npualloc_cache_free(alloc(20 * MiB_));
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    *hog = alloc(40 * MiB_);
+    assert_int_equal(free_of(ACL_HBM_MEM), 0);
+    return id;
+}
+
+static aclError try_alloc(size_t size, void **p)
+{
+    *p = NULL;
+    return npualloc_cache_malloc(0, size, 0, p);
+}
+
+/* The segment holding ptr: its block count and whether ptr's block is its only one. */
+static size_t blocks_of_segment(void *ptr)
+{
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    size_t n = 0;
+    for (size_t i = 0; i < snap->segment_count; i++) {
+        const npualloc_segment_info *s = &snap->segments[i];
+        if ((uintptr_t)ptr >= s->address && (uintptr_t)ptr < s->address + s->total_size)
+            n = s->block_count;
+    }
+    npualloc_snapshot_free(snap);
+    return n;
+}
+
+static void test_use_on_oom_pool_serves_a_default_request_the_device_cannot(void **state)
+{
+    (void)state;
+    void *hog, *p;
+    npualloc_mempool_id id = fill_small_device(&hog);
+    /* Unmarked: the pool's free block is not the default pool's, the request runs out of memory. */
+    assert_int_equal(try_alloc(20 * MiB_, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(stats().num_ooms, 1);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, id, true), ACL_SUCCESS);
+    int64_t retries = stats().num_alloc_retries;
+    assert_int_equal(try_alloc(20 * MiB_, &p), ACL_SUCCESS);
+    /* Before any release: the pool's block, in the pool's segment, split as the pool splits. */
+    assert_true(is_pool(pool_of(p), id));
+    assert_int_equal(blocks_of_segment(p), 2);
+    npualloc_stats s = stats();
+    assert_int_equal(s.num_ooms, 1);
+    assert_int_equal(s.num_alloc_retries, retries);
+    assert_int_equal(s.segment[NPUALLOC_STAT_ALL].current, 2);
+    assert_int_equal(s.allocated_bytes[NPUALLOC_STAT_LARGE_POOL].current, (40 * MiB_ + 512) + (20 * MiB_ + 512));
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1); /* entered and left, as torch */
+    check();
+    /* Its free returns it to the pool: the same block serves the next fallback. */
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    assert_int_equal(blocks_of_segment(p), 1);
+    assert_true(is_pool(pool_of(p), id));
+    check();
+    void *again;
+    assert_int_equal(try_alloc(20 * MiB_, &again), ACL_SUCCESS);
+    assert_ptr_equal(again, p);
+    npualloc_cache_free(again);
+    /* Cleared (~MemPool does it first): out of memory again. */
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, id, false), ACL_SUCCESS);
+    assert_int_equal(try_alloc(20 * MiB_, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    npualloc_cache_free(hog);
+    check();
+}
+
+static void test_use_on_oom_is_not_for_requests_routed_to_a_private_pool(void **state)
+{
+    (void)state;
+    void *hog, *p;
+    npualloc_mempool_id id = fill_small_device(&hog);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, id, true), ACL_SUCCESS);
+    npualloc_mempool_id other = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_begin(0, other, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    assert_int_equal(try_alloc(20 * MiB_, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_int_equal(npualloc_cache_pool_end(0, other), ACL_SUCCESS);
+    /* A small request looks in the pool's small blocks: it has none. */
+    assert_int_equal(try_alloc(1000, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+    npualloc_cache_free(hog);
+    check();
+}
+
+/* torch enters each marked pool with beginAllocateToPool: a pool being recorded into fails the
+ * allocation with that call's error. */
+static void test_use_on_oom_pool_being_recorded_into_fails_the_request(void **state)
+{
+    (void)state;
+    void *hog, *p;
+    npualloc_mempool_id id = fill_small_device(&hog);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, id, true), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, 12345), ACL_SUCCESS);
+    assert_int_equal(try_alloc(20 * MiB_, &p), ACL_ERROR_INVALID_PARAM);
+    assert_string_equal(npualloc_last_error(NULL), "beginAllocateToPool: already recording to mempool_id");
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1);
+    npualloc_cache_free(hog);
+    check();
+}
+
+/* Marked pools are tried in the order they were marked; the first with a fitting block serves. */
+static void test_use_on_oom_pools_in_marking_order_and_their_lifetime(void **state)
+{
+    (void)state;
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    npualloc_mempool_id a = npualloc_mempool_id_new(true), b = npualloc_mempool_id_new(true);
+    void *in_a, *in_b;
+    assert_int_equal(npualloc_cache_pool_create(0, a), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_create(0, b), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, a, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    in_a = alloc(20 * MiB_);
+    assert_int_equal(npualloc_cache_pool_end(0, a), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, b, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    in_b = alloc(20 * MiB_);
+    assert_int_equal(npualloc_cache_pool_end(0, b), ACL_SUCCESS);
+    npualloc_cache_free(in_a);
+    npualloc_cache_free(in_b);
+    void *hog = alloc(18 * MiB_); /* 20 MiB: the device is full */
+    assert_int_equal(free_of(ACL_HBM_MEM), 0);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, b, true), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, a, true), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, b, true), ACL_SUCCESS); /* keeps its place */
+    void *x, *y;
+    assert_int_equal(try_alloc(20 * MiB_, &x), ACL_SUCCESS);
+    assert_true(is_pool(pool_of(x), b));
+    assert_int_equal(try_alloc(20 * MiB_, &y), ACL_SUCCESS);
+    assert_true(is_pool(pool_of(y), a));
+    /* The pool goes (~MemPool: cleared, released, emptied) while its block is live: the segment
+     * stays until the block is freed, then returns at the next release. */
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, b, false), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_release(0, b), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_empty(0, b), ACL_SUCCESS);
+    assert_true(is_pool(pool_of(x), b));
+    check();
+    npualloc_cache_free(x);
+    assert_true(is_pool(pool_of(x), b));
+    npualloc_cache_empty();
+    assert_int_equal(npualloc_cache_pool_use_count(0, b), 0);
+    assert_int_equal(free_of(ACL_HBM_MEM), 22 * MiB_);
+    /* Unknown pools: marking fails, clearing does nothing. */
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, b, true), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, b, false), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, (npualloc_mempool_id){0, 0}, true),
+                     ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_pool_set_no_split(0, b), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_pool_set_no_split(9, a), ACL_ERROR_INVALID_PARAM);
+    npualloc_cache_free(y);
+    npualloc_cache_free(hog);
+    check();
+}
+
+/* torch's no_split: every allocation of the pool takes a whole block; stats follow the blocks. */
+static void test_no_split_pool_hands_out_whole_segments(void **state)
+{
+    (void)state;
+    start_cache();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true), plain = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_create(0, plain), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_set_no_split(0, id), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, plain, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    void *split_small = alloc(1000), *split_large = alloc(5 * MiB_);
+    assert_int_equal(npualloc_cache_pool_end(0, plain), ACL_SUCCESS);
+    assert_int_equal(blocks_of_segment(split_small), 2); /* an ordinary pool splits */
+    assert_int_equal(blocks_of_segment(split_large), 2);
+    npualloc_stats before = stats();
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    void *small = alloc(1000), *small2 = alloc(1000), *large = alloc(5 * MiB_);
+    assert_int_equal(blocks_of_segment(small), 1);
+    assert_int_equal(blocks_of_segment(small2), 1);
+    assert_int_equal(blocks_of_segment(large), 1);
+    npualloc_stats s = stats();
+    /* two 2 MiB segments and one 20 MiB one, each a single allocated block */
+    assert_int_equal(s.segment[NPUALLOC_STAT_ALL].current - before.segment[NPUALLOC_STAT_ALL].current, 3);
+    assert_int_equal(s.allocated_bytes[NPUALLOC_STAT_SMALL_POOL].current -
+                         before.allocated_bytes[NPUALLOC_STAT_SMALL_POOL].current,
+                     4 * MiB_);
+    assert_int_equal(s.allocated_bytes[NPUALLOC_STAT_LARGE_POOL].current -
+                         before.allocated_bytes[NPUALLOC_STAT_LARGE_POOL].current,
+                     20 * MiB_);
+    assert_int_equal(s.requested_bytes[NPUALLOC_STAT_ALL].current - before.requested_bytes[NPUALLOC_STAT_ALL].current,
+                     2000 + 5 * MiB_);
+    assert_int_equal(s.inactive_split[NPUALLOC_STAT_ALL].current, before.inactive_split[NPUALLOC_STAT_ALL].current);
+    check();
+    /* A freed block serves the next request whole again. */
+    npualloc_cache_free(small);
+    void *again = alloc(600);
+    assert_ptr_equal(again, small);
+    assert_int_equal(blocks_of_segment(again), 1);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    npualloc_cache_free(again);
+    npualloc_cache_free(small2);
+    npualloc_cache_free(large);
+    npualloc_cache_free(split_small);
+    npualloc_cache_free(split_large);
+    check();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -314,6 +530,11 @@ int main(void)
         cmocka_unit_test_teardown(test_frees_with_stream_uses_wait_for_the_capture_to_end, stop_runtime),
         cmocka_unit_test_teardown(test_pool_empty_waits_for_streams_without_the_allocator_lock, stop_runtime),
         cmocka_unit_test_teardown(test_default_pool_id_is_not_a_private_pool, stop_runtime),
+        cmocka_unit_test_teardown(test_use_on_oom_pool_serves_a_default_request_the_device_cannot, stop_runtime),
+        cmocka_unit_test_teardown(test_use_on_oom_is_not_for_requests_routed_to_a_private_pool, stop_runtime),
+        cmocka_unit_test_teardown(test_use_on_oom_pool_being_recorded_into_fails_the_request, stop_runtime),
+        cmocka_unit_test_teardown(test_use_on_oom_pools_in_marking_order_and_their_lifetime, stop_runtime),
+        cmocka_unit_test_teardown(test_no_split_pool_hands_out_whole_segments, stop_runtime),
     };
     return cmocka_run_group_tests_name("pools", tests, NULL, NULL);
 }
