@@ -23,6 +23,20 @@ Semantics (torch's, reference section 3.14):
 * ``MemPool(allocator=pluggable.allocator())`` (an ``NPUPluggableAllocator``): the pool's segments come
   from the library's functions instead of the device (torch's custom-allocator pools, as used to register
   communication buffers); the caching, splitting and statistics stay the allocator's.
+* ``MemPool(use_on_oom=True)`` (torch's setUseOnOOM): an allocation outside every private pool that finds
+  no cached block and no room on the device for a new segment takes a free block of the marked pools
+  (torch_npu's try_mempool_fallback), before any cached memory is released: pools in the order they were
+  marked (torch iterates a hash set), each searched with the pool's own rules (same stream, best fit,
+  oversize limits).  The block stays in the pool's segment (snapshot, per-pool stats) and its free returns
+  it to the pool; the pool's ``use_count()`` is unchanged.  Never for a request already in a private pool;
+  a marked pool that a capture or ``use_mem_pool`` is recording into makes such an allocation fail with
+  RuntimeError "beginAllocateToPool: already recording to mempool_id", as torch's fallback enters each pool
+  with beginAllocateToPool.  ``release()`` / collection clears the mark first (as ~MemPool), so a live
+  block of a dropped pool is never handed out again; its segment returns once it is freed.
+* ``MemPool(no_split=True)`` (torch's setNoSplit): the pool's blocks are never split, so every allocation
+  takes a whole cached block or a whole new segment (a 1000-byte request holds a 2 MiB segment); rounding,
+  segment sizes and torch_npu's base_addr_aligned_kb front split are unchanged.  As in torch_npu the
+  setting lasts as long as the pool.
 
 Per-pool statistics: the allocator keeps its counters per device, not per pool, so
 ``mempool_stats(pool)`` derives the *current* values of torch's statistics (reserved, allocated,
@@ -56,20 +70,42 @@ def _pool_id(pool):
     raise TypeError(f"expected a MemPool or a (int, int) pool id, not {type(pool).__name__}")
 
 
+def _flag(name, value):
+    """A MemPool flag as torch's binding converts it (pybind11's bool): True/False, None as False,
+    an object with ``__bool__`` (a number) by its truth; anything else is a TypeError."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if getattr(type(value), "__bool__", None) is not None:
+        try:
+            return bool(value)
+        except Exception:
+            pass
+    raise TypeError(f"MemPool(): {name} must be a bool, not {type(value).__name__}")
+
+
 class MemPool:
-    """A private memory pool of the current device (torch's ``MemPool(allocator=None, use_on_oom=False)``).
+    """A private memory pool of the current device (torch's
+    ``MemPool(allocator=None, use_on_oom=False, no_split=False)``).
 
     ``allocator``: what an ``NPUPluggableAllocator``'s ``allocator()`` returns (or the allocator
     itself): the pool's segments then come from its alloc function (told the segment's size, the
     device and the stream) and go back through its free function, instead of from the device.
     They are plain segments, never expandable ones, as in torch; the function must return memory
-    of the device (``aclrtMalloc``), or NULL when out of memory.  ``use_on_oom`` is not supported
-    (NotImplementedError).
+    of the device (``aclrtMalloc``), or NULL when out of memory.
+
+    ``use_on_oom``: the pool is a last resort for allocations outside every private pool.  When
+    such an allocation finds no cached block and the device cannot give a new segment, it takes a
+    free block of this pool (same stream, the pool's best fit) before the allocator releases any
+    cached memory; the block stays the pool's (its snapshot, and its free returns it there).  Marked
+    pools are tried in the order they were made; the mark goes when the pool is released.
+
+    ``no_split``: the pool never splits a block, so each allocation takes a whole free block or a
+    whole new segment (torch's no-split pools, for memory that must not be shared by two tensors).
     """
 
-    def __init__(self, allocator=None, use_on_oom=False):
-        if use_on_oom:
-            raise NotImplementedError("npualloc.MemPool: use_on_oom is not supported")
+    def __init__(self, allocator=None, use_on_oom=False, no_split=False):
+        use_on_oom = _flag("use_on_oom", use_on_oom)
+        no_split = _flag("no_split", no_split)
         if isinstance(allocator, _memory._NPUAllocator):
             allocator = allocator.allocator()
         if allocator is not None and not (isinstance(allocator, tuple) and len(allocator) == 2):
@@ -85,6 +121,11 @@ class MemPool:
         else:
             _G.pool_create_with_allocator(self._device, *self._id, *allocator)
         self._alive = True
+        # torch's MemPool: createOrIncrefPool, then setUseOnOOM, then setNoSplit
+        if use_on_oom:
+            _G.pool_set_use_on_oom(self._device, *self._id, True)
+        if no_split:
+            _G.pool_set_no_split(self._device, *self._id)
 
     @property
     def id(self):
@@ -121,11 +162,13 @@ class MemPool:
         return mempool_summary(self, self._device)
 
     def release(self):
-        """What collection does (torch's ~MemPool): releasePool, then emptyCache(self.id)."""
+        """What collection does (torch's ~MemPool): setUseOnOOM(False), releasePool, then
+        emptyCache(self.id)."""
         if not self._live():
             self._alive = False
             return
         self._alive = False
+        _G.pool_set_use_on_oom(self._device, *self._id, False)
         _G.pool_release(self._device, *self._id)
         _G.pool_empty(self._device, *self._id)
 

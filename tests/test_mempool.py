@@ -27,8 +27,14 @@ def test_ids_share_one_counter_with_graph_pool_handle(mem):
     assert isinstance(a.id, tuple) and a.allocator is None and a.device == 0
     with pytest.raises(TypeError, match="NPUPluggableAllocator"):
         npualloc.MemPool(allocator=object())  # pools with a pluggable allocator: tests/test_pluggable.py
-    with pytest.raises(NotImplementedError):
-        npualloc.MemPool(use_on_oom=True)
+    # torch's binding takes bools as pybind11 does: numbers and None by their truth, not strings
+    for bad in ("yes", [], object()):
+        with pytest.raises(TypeError, match="use_on_oom must be a bool"):
+            npualloc.MemPool(use_on_oom=bad)
+        with pytest.raises(TypeError, match="no_split must be a bool"):
+            npualloc.MemPool(no_split=bad)
+    flagged = npualloc.MemPool(None, 1, None)  # torch's order: allocator, use_on_oom, no_split
+    assert flagged.use_count() == 1
 
 
 def test_use_count_and_routing_of_this_thread_only(mem):
@@ -445,3 +451,128 @@ def test_a_capture_block_that_raises_still_ends_the_capture_as_torchs_graph_exit
     g.replay(s)
     s.synchronize()
     free(x)
+
+
+# ---- MemPool(use_on_oom=..., no_split=...) ----
+
+def fill_device(mem, **pool_args):
+    """A 64 MiB device: the pool's 22 MiB segment holds a free block (a 20 MiB request, freed) and a
+    42 MiB default segment fills the rest.  Returns (pool, hog)."""
+    mem(device_memory=64 * MiB)
+    pool = npualloc.MemPool(**pool_args)
+    with npualloc.use_mem_pool(pool):
+        free(alloc(20 * MiB))
+    hog = alloc(40 * MiB)
+    assert npualloc.mem_get_info()[0] == 0
+    return pool, hog
+
+
+def test_use_on_oom_pool_serves_a_default_request_when_the_device_is_full(mem):
+    plain, hog = fill_device(mem)
+    with pytest.raises(npualloc.OutOfMemoryError):
+        alloc(20 * MiB)
+    free(hog)
+    del plain
+    gc.collect()
+    pool, hog = fill_device(mem, use_on_oom=True)
+    retries = npualloc.memory_stats()["num_alloc_retries"]
+    y = alloc(20 * MiB)
+    # the pool's block, before anything was released: no retry, the pool's segment in its snapshot
+    assert npualloc.memory_stats()["num_alloc_retries"] == retries
+    assert pool_of(y) == pool.id
+    assert any(b["address"] == y and b["state"] == "active_allocated" for s in pool.snapshot() for b in s["blocks"])
+    assert pool.use_count() == 1
+    st = npualloc.mempool_stats(pool)
+    assert st["allocation.large_pool.current"] == 1 and st["requested_bytes.all.current"] == 20 * MiB
+    # freed back into the pool, merged with the rest of its segment
+    free(y)
+    assert pool_of(y) == pool.id
+    assert [len(s["blocks"]) for s in pool.snapshot()] == [1]
+    assert npualloc.mempool_stats(pool)["allocation.all.current"] == 0
+    assert alloc(20 * MiB) == y
+    free(y)
+    check_all()
+    free(hog)
+
+
+def test_use_on_oom_is_not_for_requests_in_a_private_pool(mem):
+    pool, hog = fill_device(mem, use_on_oom=True)
+    other = npualloc.MemPool()
+    with npualloc.use_mem_pool(other):
+        with pytest.raises(npualloc.OutOfMemoryError):
+            alloc(20 * MiB)
+    with pytest.raises(npualloc.OutOfMemoryError):
+        alloc(1000)  # the pool has no small block
+    free(hog)
+    check_all()
+
+
+def test_use_on_oom_pool_being_recorded_into_fails_the_request_as_torch(mem):
+    pool, hog = fill_device(mem, use_on_oom=True)
+    entered, leave = threading.Event(), threading.Event()
+
+    def record():
+        with npualloc.use_mem_pool(pool):
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=record)
+    t.start()
+    entered.wait(10)
+    try:
+        with pytest.raises(RuntimeError, match="beginAllocateToPool: already recording to mempool_id"):
+            alloc(20 * MiB)
+    finally:
+        leave.set()
+        t.join()
+    assert pool.use_count() == 1
+    free(hog)
+
+
+def test_releasing_the_pool_clears_use_on_oom_first(mem):
+    pool, hog = fill_device(mem, use_on_oom=True)
+    npualloc._C.graph.pool_create(pool.device, *pool.id)  # another holder, as a graph sharing the pool
+    pid = pool.id
+    pool.release()                                         # torch's ~MemPool: setUseOnOOM(false) first
+    assert npualloc.memory_snapshot(mempool_id=pid) != []
+    with pytest.raises(npualloc.OutOfMemoryError):
+        alloc(20 * MiB)
+    npualloc._C.graph.pool_release(0, *pid)
+    free(hog)
+
+
+def test_a_dropped_use_on_oom_pool_keeps_its_live_block_until_freed(mem):
+    pool, hog = fill_device(mem, use_on_oom=True)
+    y = alloc(20 * MiB)
+    pid = pool.id
+    del pool
+    gc.collect()
+    assert [s["segment_pool_id"] for s in npualloc.memory_snapshot(mempool_id=pid)] == [pid]
+    free(y)
+    npualloc.empty_cache()
+    assert npualloc.memory_snapshot(mempool_id=pid) == []
+    assert npualloc.memory_reserved() == segment_of(hog)["total_size"]
+    check_all()
+    free(hog)
+
+
+def test_no_split_pool_gives_each_allocation_a_whole_block(mem):
+    pool, plain = npualloc.MemPool(no_split=True), npualloc.MemPool()
+    with npualloc.use_mem_pool(plain):
+        split_small, split_large = alloc(1000), alloc(5 * MiB)
+    assert len(segment_of(split_small)["blocks"]) == 2 and len(segment_of(split_large)["blocks"]) == 2
+    with npualloc.use_mem_pool(pool):
+        small, large = alloc(1000), alloc(5 * MiB)
+        assert [(b["size"], b["state"]) for b in segment_of(small)["blocks"]] == [(2 * MiB, "active_allocated")]
+        assert [(b["size"], b["state"]) for b in segment_of(large)["blocks"]] == [(20 * MiB, "active_allocated")]
+        st = npualloc.mempool_stats(pool)
+        assert st["allocated_bytes.all.current"] == st["reserved_bytes.all.current"] == 22 * MiB
+        assert st["requested_bytes.all.current"] == 1000 + 5 * MiB
+        assert st["inactive_split.all.current"] == 0
+        free(small)
+        assert alloc(600) == small   # the freed block again, whole
+        assert len(segment_of(small)["blocks"]) == 1
+        free(small)
+    for p in (large, split_small, split_large):
+        free(p)
+    check_all()
