@@ -142,7 +142,9 @@ assert error(npualloc.empty_virt_addr_cache).startswith("RuntimeError: ")
 assert sorted(memory._snapshot()) == ["allocator_settings", "device_traces", "external_annotations", "segments"]
 assert memory._snapshot()["external_annotations"] == []
 assert len(npualloc.memory_stats()) == 123
-assert error(lambda: npualloc.MemPool(use_on_oom=True))
+assert error(lambda: npualloc.MemPool(use_on_oom="yes")).startswith("TypeError: ")
+assert error(lambda: npualloc.MemPool(no_split=[])).startswith("TypeError: ")
+assert npualloc.MemPool(use_on_oom=1, no_split=None).use_count() == 1
 """
 
 
@@ -156,7 +158,7 @@ def test_the_messages_the_text_states():
                    "`AssertionError: Invalid device id`", "`npualloc.OutOfMemoryError` (a `RuntimeError`)",
                    "`None` is a `TypeError`", "it raises `RuntimeError` unless `expandable_segments:True`",
                    "123 flat keys", "returns `segments`, `device_traces`, `allocator_settings` and "
-                   "`external_annotations`", "`use_on_oom` is refused", "returns a pointer (0 for size 0;"):
+                   "`external_annotations`", "(numbers and `None` by their truth; a string or list is a `TypeError`)", "returns a pointer (0 for size 0;"):
         assert phrase in text, phrase
     proc = run_python(STATED, env={"TORCH_NPU_COMPACT_ERROR_OUTPUT": "1"})
     assert proc.returncode == 0, proc.stderr
