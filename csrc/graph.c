@@ -139,6 +139,8 @@ struct npualloc_graph {
     host_release *releases;
     size_t nreleases, capreleases;
     struct npualloc_graph *cap_next; /* list of capturing graphs */
+    aclmdlRICaptureMode mode;        /* capture mode (set at capture_begin) */
+    pthread_t cap_thread;            /* the thread that began the capture */
     /* violations (viol_lock) */
     char **viol;
     size_t nviol, capviol;
@@ -730,6 +732,10 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
     if (rc != ACL_SUCCESS)
         return rc;
     npualloc_capture_params p = params ? *params : (npualloc_capture_params){0};
+    if ((unsigned)p.mode > ACL_MODEL_RI_CAPTURE_MODE_RELAXED) { /* CANN's runtime checks it first */
+        set_err("capture_begin: %d is not a capture mode", (int)p.mode);
+        return ACL_ERROR_RT_PARAM_INVALID;
+    }
     if (graph_stale(g)) {
         set_err("the graph belongs to a runtime that was shut down");
         return ACL_ERROR_INVALID_PARAM;
@@ -794,6 +800,8 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
     g->pool = p.pool;
     g->has_access = p.has_access;
     g->access = p.access_mask;
+    g->mode = p.mode;
+    g->cap_thread = pthread_self();
     g->streams[0] = (cap_stream){.s = s, .handle = stream_id(s), .device = dev, .routed = p.use_pool};
     g->nstreams = 1;
     stream_capture_set(s, g);
@@ -814,6 +822,7 @@ unclaim:
 }
 
 static void finalize(npualloc_graph *g);
+static npualloc_graph *live_capture(npualloc_graph *c);
 
 aclError npualloc_graph_capture_end(npualloc_graph *g)
 {
@@ -929,6 +938,57 @@ aclError npualloc_stream_capture_status(aclrtStream stream, int32_t device, bool
         *graph = g;
     stream_release(s);
     return ACL_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * Capture modes (acl_rt.h)
+ * ------------------------------------------------------------------------------------------ */
+
+/* aclmdlRICaptureThreadExchangeMode's setting; CANN starts every thread at GLOBAL (0). */
+static _Thread_local aclmdlRICaptureMode exchange_mode;
+
+aclError aclmdlRICaptureThreadExchangeMode(aclmdlRICaptureMode *mode)
+{
+    if (!mode)
+        return ACL_ERROR_INVALID_PARAM;
+    if ((unsigned)*mode > ACL_MODEL_RI_CAPTURE_MODE_RELAXED)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    int32_t dev;
+    aclError rc = runtime_current_device(&dev); /* CANN keeps the setting through the current context */
+    if (rc != ACL_SUCCESS)
+        return rc;
+    aclmdlRICaptureMode old = exchange_mode;
+    exchange_mode = *mode;
+    *mode = old;
+    return ACL_SUCCESS;
+}
+
+/* CANN's rule (its runtime's CaptureSession::IsCaptureModeSupport): the strictest mode among the
+ * captures underway on the current device and among those the calling thread began, against the
+ * thread's exchange mode.  A thread without a current device has no capture to answer to. */
+aclError graph_unsafe_call_check(void)
+{
+    enum { NONE = ACL_MODEL_RI_CAPTURE_MODE_RELAXED + 1 };
+    aclmdlRICaptureMode ex = exchange_mode;
+    int32_t dev;
+    if (ex == ACL_MODEL_RI_CAPTURE_MODE_RELAXED || device_current(&dev) != ACL_SUCCESS)
+        return ACL_SUCCESS;
+    pthread_t self = pthread_self();
+    unsigned on_device = NONE, mine = NONE;
+    pthread_mutex_lock(&graph_lock);
+    for (npualloc_graph *c = live_capture(capturing); c; c = live_capture(c->cap_next)) {
+        if (c->device == dev && (unsigned)c->mode < on_device)
+            on_device = c->mode;
+        if (pthread_equal(c->cap_thread, self) && (unsigned)c->mode < mine)
+            mine = c->mode;
+    }
+    pthread_mutex_unlock(&graph_lock);
+    if (on_device == NONE)
+        return ACL_SUCCESS;
+    bool refused = ex == ACL_MODEL_RI_CAPTURE_MODE_GLOBAL
+                       ? on_device == ACL_MODEL_RI_CAPTURE_MODE_GLOBAL || mine == ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL
+                       : mine <= ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL;
+    return refused ? ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT : ACL_SUCCESS;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -2048,7 +2108,8 @@ aclError npualloc_graph_get_plan(npualloc_graph *g, npualloc_graph_plan *out)
                                  .stream_count = g->nstreams,
                                  .checked = g->checked,
                                  .pool_mode = g->pool_mode,
-                                 .instantiated = g->exec != NULL};
+                                 .instantiated = g->exec != NULL,
+                                 .capture_mode = g->mode};
     bool done = g->state == G_CAPTURED;
     pthread_mutex_unlock(&graph_lock);
     if (!done) {

@@ -320,6 +320,9 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
+    /* an unsafe call during a capture (graph.c): the capture modes decide */
+    if (unlikely(graph_capture_active()) && (rc = graph_unsafe_call_check()) != ACL_SUCCESS)
+        return rc;
     range_class dc, sc;
     vmm_read_lock();
     rc = check_copy_locked(dst, src, count, &dc, &sc);
@@ -339,6 +342,8 @@ aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
         return ACL_ERROR_RT_PARAM_INVALID;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
+        return rc;
+    if (unlikely(graph_capture_active()) && (rc = graph_unsafe_call_check()) != ACL_SUCCESS)
         return rc;
     range_class c;
     vmm_read_lock();

@@ -67,6 +67,8 @@ typedef void (*aclrtCallback)(void *userData);
 #define ACL_ERROR_RT_WAIT_TIMEOUT 107019
 #define ACL_ERROR_RT_TASK_TIMEOUT 107020
 #define ACL_ERROR_RT_DEVICE_TASK_ABORT 107022
+/* A call the capture mode forbids while a capture is underway (aclmdlRICaptureThreadExchangeMode). */
+#define ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT 107030
 
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
@@ -323,6 +325,28 @@ aclError aclrtSynchronizeEvent(aclrtEvent event);
 aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout);
 aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent);
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
+
+/* ---- capture modes (aclmdlRICaptureMode) ----
+ * A capture's mode limits the calls CANN calls unsafe during a capture (npualloc has two of them:
+ * aclrtMemcpy and aclrtMemset).  While the calling thread's current device has a capture underway,
+ * such a call fails with ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT (the capture goes on), depending on
+ * the thread's exchange mode (aclmdlRICaptureThreadExchangeMode, GLOBAL until changed):
+ *   GLOBAL:       refused if a GLOBAL capture is underway on the device, or if the thread itself
+ *                 began a THREAD_LOCAL capture;
+ *   THREAD_LOCAL: refused if the thread itself began a GLOBAL or THREAD_LOCAL capture;
+ *   RELAXED:      allowed.
+ * So a GLOBAL capture refuses them in every thread, a THREAD_LOCAL one in the thread that began it,
+ * a RELAXED one nowhere.  npualloc begins captures with npualloc_graph_capture_begin
+ * (npualloc_graph.h), which takes the mode, not with aclmdlRICaptureBegin. */
+typedef enum aclmdlRICaptureMode {
+    ACL_MODEL_RI_CAPTURE_MODE_GLOBAL = 0,
+    ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL,
+    ACL_MODEL_RI_CAPTURE_MODE_RELAXED,
+} aclmdlRICaptureMode;
+/* Sets the calling thread's exchange mode to *mode and returns the previous one in *mode.
+ * ACL_ERROR_INVALID_PARAM for NULL, ACL_ERROR_RT_PARAM_INVALID for a value that is not a mode,
+ * ACL_ERROR_RT_CONTEXT_NULL without a current device (aclrtSetDevice). */
+aclError aclmdlRICaptureThreadExchangeMode(aclmdlRICaptureMode *mode);
 
 #if defined(__GNUC__)
 #pragma GCC visibility pop

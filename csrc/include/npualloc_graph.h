@@ -59,6 +59,13 @@
  * one pool.  As in torch, the graph holds one reference to the pool from capture_begin until it
  * is destroyed; streams joining the capture take none.
  *
+ * Capture modes (params->mode, as aclmdlRICaptureBegin's): while a capture is underway on a device,
+ * aclrtMemcpy and aclrtMemset there, the unsafe calls CANN lists that npualloc has, fail with
+ * ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT as acl_rt.h describes (GLOBAL: in every thread; THREAD_LOCAL:
+ * in the thread that began the capture; RELAXED: nowhere; aclmdlRICaptureThreadExchangeMode changes
+ * a thread's part).  The capture is not invalidated.  The caching allocator's own device
+ * allocations make no such call, so a capture never blocks them (torch runs them RELAXED).
+ *
  * Limits: one device's memory per graph (allocations on another device's capturing stream fail);
  * one live executable graph per graph; a launch cannot be captured; nodes run one after another
  * on the launch stream (branches are not run concurrently).
@@ -87,6 +94,7 @@ typedef struct npualloc_capture_params {
     uint64_t access_mask; /* bit d: device d may access the capture's allocations */
     bool use_pool;        /* torch-style: allocations come from the private pool `pool` */
     npualloc_mempool_id pool;
+    aclmdlRICaptureMode mode; /* which unsafe calls the capture refuses (acl_rt.h); 0: GLOBAL */
 } npualloc_capture_params;
 
 typedef enum npualloc_graph_node_kind {
@@ -127,6 +135,7 @@ typedef struct npualloc_graph_plan {
     uint64_t output_bytes;
     size_t alloc_count, node_count, stream_count;
     bool checked, pool_mode, instantiated;
+    aclmdlRICaptureMode capture_mode; /* the mode the graph was captured in */
 } npualloc_graph_plan;
 
 /* A new, empty graph (flags: NPUALLOC_GRAPH_CHECKED). */
@@ -135,7 +144,9 @@ aclError npualloc_graph_create(uint32_t flags, npualloc_graph **out);
 void npualloc_graph_destroy(npualloc_graph *g);
 
 /* Starts capturing `stream` (NULL: `device`'s default stream) into an empty graph.  params may be
- * NULL.  Fails with ACL_ERROR_RT_FEATURE_NOT_SUPPORT when the stream is already capturing. */
+ * NULL (a GLOBAL capture with planned memory).  Fails with ACL_ERROR_RT_FEATURE_NOT_SUPPORT when
+ * the stream is already capturing, ACL_ERROR_RT_PARAM_INVALID for a mode that is not one (as
+ * aclmdlRICaptureBegin). */
 aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int32_t device,
                                       const npualloc_capture_params *params);
 /* Ends the capture (every joined stream leaves capture mode).  Fails with

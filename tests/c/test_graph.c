@@ -688,6 +688,223 @@ static void test_get_mem_access_rejects_a_null_output(void **state)
     assert_int_equal(m, 0);
 }
 
+/* ---- capture modes (acl_rt.h, aclmdlRICaptureMode) ---- */
+
+static char host_buf[64];
+static void *dev_buf;
+
+static aclError unsafe_copy(void) { return aclrtMemcpy(host_buf, 64, dev_buf, 64, ACL_MEMCPY_DEVICE_TO_HOST); }
+static aclError unsafe_set(void) { return aclrtMemset(dev_buf, 64, 7, 64); }
+
+typedef struct other_thread {
+    int32_t device;                /* the thread's current device; -1: none */
+    int exchange;                  /* its exchange mode first; -1: leave it at GLOBAL */
+    aclError copy, set, exchanged; /* results */
+} other_thread;
+
+static void *other_thread_main(void *arg)
+{
+    other_thread *t = arg;
+    t->exchanged = ACL_SUCCESS;
+    if (t->device >= 0 && aclrtSetDevice(t->device) != ACL_SUCCESS)
+        t->exchanged = -1;
+    if (t->exchange >= 0) {
+        aclmdlRICaptureMode m = (aclmdlRICaptureMode)t->exchange;
+        t->exchanged = aclmdlRICaptureThreadExchangeMode(&m);
+    }
+    t->copy = unsafe_copy();
+    t->set = unsafe_set();
+    if (t->device >= 0)
+        (void)aclrtResetDevice(t->device);
+    return NULL;
+}
+
+static other_thread in_other_thread(int32_t device, int exchange)
+{
+    other_thread t = {.device = device, .exchange = exchange};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, other_thread_main, &t), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(t.exchanged, ACL_SUCCESS);
+    return t;
+}
+
+static aclmdlRICaptureMode exchange(aclmdlRICaptureMode m)
+{
+    assert_int_equal(aclmdlRICaptureThreadExchangeMode(&m), ACL_SUCCESS);
+    return m;
+}
+
+static npualloc_graph *begin_mode(aclrtStream s, aclmdlRICaptureMode mode)
+{
+    npualloc_graph *g = new_graph(0);
+    npualloc_capture_params p = {.mode = mode};
+    aclError rc = npualloc_graph_capture_begin(g, s, 0, &p);
+    if (rc != ACL_SUCCESS)
+        fail_msg("capture_begin: %d %s", rc, npualloc_graph_last_error());
+    return g;
+}
+
+static void capture_mode_setup(void)
+{
+    start();
+    assert_int_equal(aclrtMalloc(&dev_buf, 64, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+}
+
+/* GLOBAL (also what NULL params give): aclrtMemcpy and aclrtMemset on the device fail with
+ * ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT in every thread, and the capture goes on; a thread of another
+ * device, or one that exchanged its mode, may make them. */
+static void test_global_capture_refuses_unsafe_calls_in_every_thread(void **state)
+{
+    (void)state;
+    capture_mode_setup();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s); /* params NULL: GLOBAL */
+    assert_int_equal(unsafe_copy(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    assert_int_equal(unsafe_set(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    other_thread t = in_other_thread(0, -1);
+    assert_int_equal(t.copy, ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    assert_int_equal(t.set, ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    t = in_other_thread(1, -1); /* the capture is device 0's */
+    assert_int_equal(t.copy, ACL_SUCCESS);
+    assert_int_equal(t.set, ACL_SUCCESS);
+    t = in_other_thread(0, ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL); /* not the capturing thread */
+    assert_int_equal(t.copy, ACL_SUCCESS);
+    /* The capturing thread needs RELAXED: THREAD_LOCAL still refuses its own capture's calls. */
+    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL), ACL_MODEL_RI_CAPTURE_MODE_GLOBAL);
+    assert_int_equal(unsafe_copy(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_RELAXED), ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL);
+    assert_int_equal(unsafe_set(), ACL_SUCCESS);
+    assert_int_equal(unsafe_copy(), ACL_SUCCESS);
+    assert_int_equal(host_buf[0], 7); /* it really ran */
+    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL), ACL_MODEL_RI_CAPTURE_MODE_RELAXED);
+    bool cap = false;
+    assert_int_equal(npualloc_stream_capture_status(s, 0, &cap, NULL), ACL_SUCCESS);
+    assert_true(cap); /* not invalidated */
+    end(g);
+    npualloc_graph_plan plan;
+    assert_int_equal(npualloc_graph_get_plan(g, &plan), ACL_SUCCESS);
+    assert_int_equal(plan.capture_mode, ACL_MODEL_RI_CAPTURE_MODE_GLOBAL);
+    assert_int_equal(unsafe_copy(), ACL_SUCCESS);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
+}
+
+/* THREAD_LOCAL refuses the unsafe calls of the thread that began the capture only; RELAXED none. */
+static void test_thread_local_and_relaxed_captures(void **state)
+{
+    (void)state;
+    capture_mode_setup();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = begin_mode(s, ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL);
+    assert_int_equal(unsafe_copy(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    assert_int_equal(unsafe_set(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    other_thread t = in_other_thread(0, -1);
+    assert_int_equal(t.copy, ACL_SUCCESS);
+    assert_int_equal(t.set, ACL_SUCCESS);
+    end(g);
+    npualloc_graph_plan plan;
+    assert_int_equal(npualloc_graph_get_plan(g, &plan), ACL_SUCCESS);
+    assert_int_equal(plan.capture_mode, ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL);
+    npualloc_graph_destroy(g);
+    g = begin_mode(s, ACL_MODEL_RI_CAPTURE_MODE_RELAXED);
+    assert_int_equal(unsafe_copy(), ACL_SUCCESS);
+    assert_int_equal(unsafe_set(), ACL_SUCCESS);
+    /* A GLOBAL capture beside the RELAXED one decides (the strictest on the device). */
+    aclrtStream s2 = new_stream();
+    npualloc_graph *g2 = begin_mode(s2, ACL_MODEL_RI_CAPTURE_MODE_GLOBAL);
+    assert_int_equal(unsafe_copy(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    npualloc_graph_destroy(g2); /* ends its capture */
+    assert_int_equal(unsafe_copy(), ACL_SUCCESS);
+    end(g);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
+}
+
+static void *exchange_without_device(void *arg)
+{
+    aclmdlRICaptureMode m = ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
+    *(aclError *)arg = aclmdlRICaptureThreadExchangeMode(&m);
+    return NULL;
+}
+
+/* The arguments: a mode that is not one (CANN's runtime: ACL_ERROR_RT_PARAM_INVALID, the graph stays
+ * capturable), NULL (ACL's ACL_ERROR_INVALID_PARAM), and no current context (ACL_ERROR_RT_CONTEXT_NULL). */
+static void test_capture_mode_arguments(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    npualloc_capture_params p = {.mode = (aclmdlRICaptureMode)3};
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, &p), ACL_ERROR_RT_PARAM_INVALID);
+    assert_string_equal(npualloc_graph_last_error(), "capture_begin: 3 is not a capture mode");
+    bool cap = true;
+    assert_int_equal(npualloc_stream_capture_status(s, 0, &cap, NULL), ACL_SUCCESS);
+    assert_false(cap);
+    p.mode = ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, &p), ACL_SUCCESS);
+    end(g);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclmdlRICaptureThreadExchangeMode(NULL), ACL_ERROR_INVALID_PARAM);
+    aclmdlRICaptureMode m = (aclmdlRICaptureMode)3;
+    assert_int_equal(aclmdlRICaptureThreadExchangeMode(&m), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(m, 3); /* untouched */
+    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL), ACL_MODEL_RI_CAPTURE_MODE_GLOBAL); /* a thread starts GLOBAL */
+    aclError rc = ACL_SUCCESS;
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, exchange_without_device, &rc), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(rc, ACL_ERROR_RT_CONTEXT_NULL);
+}
+
+/* torch's allocator makes its own device allocations of a capture RELAXED: npualloc's caching
+ * allocator makes no unsafe call, so a GLOBAL pool capture lets it create segments, for the capture's
+ * pool and for other streams in other threads, while aclrtMemcpy stays refused. */
+typedef struct alloc_thread {
+    void *p;
+    aclError rc;
+} alloc_thread;
+
+static void *alloc_in_other_thread(void *arg)
+{
+    alloc_thread *a = arg;
+    a->rc = aclrtSetDevice(0);
+    if (a->rc == ACL_SUCCESS)
+        a->rc = npualloc_cache_malloc(0, 40 << 20, 0, &a->p);
+    (void)aclrtResetDevice(0);
+    return NULL;
+}
+
+static void test_global_pool_capture_does_not_block_the_caching_allocator(void **state)
+{
+    (void)state;
+    capture_mode_setup();
+    aclrtStream s = new_stream();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    npualloc_capture_params p = {.use_pool = true, .pool = id, .mode = ACL_MODEL_RI_CAPTURE_MODE_GLOBAL};
+    npualloc_graph *g = new_graph(0);
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, &p), ACL_SUCCESS);
+    npualloc_stats before, after;
+    assert_int_equal(npualloc_cache_get_stats(0, &before), ACL_SUCCESS);
+    void *x = galloc_on(s, 30 << 20); /* a new segment of the capture's pool */
+    assert_true(in_pool(x, id));
+    alloc_thread a = {0};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, alloc_in_other_thread, &a), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(a.rc, ACL_SUCCESS); /* a new default-pool segment, from another thread */
+    assert_int_equal(npualloc_cache_get_stats(0, &after), ACL_SUCCESS);
+    assert_int_equal(after.segment[0].current, before.segment[0].current + 2);
+    assert_int_equal(unsafe_copy(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    end(g);
+    npualloc_graph_destroy(g);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(a.p), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -709,6 +926,10 @@ int main(void)
         cmocka_unit_test_teardown(test_access_setting_is_forgotten_on_restart, stop_runtime),
         cmocka_unit_test_teardown(test_get_mem_access_rejects_a_null_output, stop_runtime),
         cmocka_unit_test_teardown(test_user_cannot_unmap_release_or_map_a_graphs_range, stop_runtime),
+        cmocka_unit_test_teardown(test_global_capture_refuses_unsafe_calls_in_every_thread, stop_runtime),
+        cmocka_unit_test_teardown(test_thread_local_and_relaxed_captures, stop_runtime),
+        cmocka_unit_test_teardown(test_capture_mode_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_global_pool_capture_does_not_block_the_caching_allocator, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
