@@ -46,6 +46,14 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   ``NPUGraph.pool()``; RuntimeError "Called NPUGraph::pool() without a preceding successful capture."
   before), and ``g.reset()`` drops the captured graph and its executables and gives the pool's reference
   back, after which ``g`` may be captured again.
+* ``capture(capture_error_mode=...)`` (torch_npu's argument, also on ``capture_begin``): ``"global"`` (the
+  default), ``"thread_local"`` or ``"relaxed"``, CANN's aclmdlRICaptureMode.  While the capture is underway,
+  the unsafe calls CANN lists that npualloc has, ``acl.rt.memcpy`` and ``acl.rt.memset``, return
+  ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT on the capture's device: in every thread ("global"), in the thread that
+  began the capture ("thread_local"), or never ("relaxed"); the capture goes on.  Another string raises
+  RuntimeError "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got ..." (torch_npu's
+  words), another type TypeError.  The caching allocator makes no such call: a capture never blocks it.
+  ``memory_plan()["capture_error_mode"]`` tells the mode afterwards.
 """
 import contextlib
 import weakref
@@ -75,6 +83,21 @@ def _device_mask(devices):
 
 def _mask_devices(mask):
     return [d for d in range(64) if (mask >> d) & 1]
+
+
+# torch_npu's capture_error_mode strings -> CANN's aclmdlRICaptureMode values
+_CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
+_MODE_NAMES = {v: k for k, v in _CAPTURE_MODES.items()}
+
+
+def _capture_mode(capture_error_mode):
+    if not isinstance(capture_error_mode, str):
+        raise TypeError(f"capture_error_mode must be a str, not {type(capture_error_mode).__name__}")
+    mode = _CAPTURE_MODES.get(capture_error_mode)
+    if mode is None:  # torch_npu's check and words (its binding raises them as RuntimeError)
+        raise RuntimeError("Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got "
+                           + capture_error_mode)
+    return mode
 
 
 def _as_stream(stream):
@@ -117,10 +140,12 @@ class Graph:
         self._captured = False     # capture_end succeeded: pool() answers
 
     # ---- capture ----
-    def capture_begin(self, stream=None, access=None, pool=None):
+    def capture_begin(self, stream=None, access=None, pool=None, capture_error_mode="global"):
         """Starts capturing ``stream`` (default: the current stream).  ``access``: devices that may access the
         allocations (default: the device's ``set_graph_mem_access`` setting at each allocation).  ``pool``:
-        capture torch-style into a private pool instead (a MemPool or an id)."""
+        capture torch-style into a private pool instead (a MemPool or an id).  ``capture_error_mode``: which
+        unsafe calls the capture refuses (see the module docstring), checked first as torch_npu does."""
+        mode = _capture_mode(capture_error_mode)
         if self._captured:  # torch_npu's check and words; reset() makes the graph capturable again
             raise RuntimeError("This NPUGraph instance already owns a captured graph. "
                                "To capture a new graph, create a new instance.")
@@ -132,7 +157,7 @@ class Graph:
         if pid is not None and s.npu_stream == 0:  # torch_npu refuses a torch-style capture there
             raise RuntimeError("NPU graphs must be captured on a non-default stream. "
                                "(However, after capture, it's ok to replay them on the default stream.)")
-        self._g.capture_begin(s.npu_stream, s.device, mask, pid)
+        self._g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
         self._capture_pool = pid
         return s
 
@@ -152,10 +177,10 @@ class Graph:
         return self._capture_pool
 
     @contextlib.contextmanager
-    def capture(self, stream=None, access=None, pool=None):
-        """``with g.capture(stream=None, access=None, pool=None):`` captures the block; the capturing stream is
-        the current stream inside it."""
-        s = self.capture_begin(stream, access, pool)
+    def capture(self, stream=None, access=None, pool=None, capture_error_mode="global"):
+        """``with g.capture(stream=None, access=None, pool=None, capture_error_mode="global"):`` captures the
+        block; the capturing stream is the current stream inside it."""
+        s = self.capture_begin(stream, access, pool, capture_error_mode)
         try:
             with _streams.stream(s):
                 yield self
@@ -229,8 +254,10 @@ class Graph:
     def memory_plan(self):
         """The plan: ``allocations`` [(offset, size, alloc node)], ``footprint`` (bytes of the range in use),
         ``lower_bound`` (a set of allocations that pairwise may be live together: no plan needs less),
-        ``ratio``, ``mapped`` (bytes mapped at launch), ``base``, ``output_bytes``, ``details`` (allocations())."""
+        ``ratio``, ``mapped`` (bytes mapped at launch), ``base``, ``output_bytes``, ``details`` (allocations()),
+        ``capture_error_mode`` (the capture's mode)."""
         plan = self._g.plan()
+        plan["capture_error_mode"] = _MODE_NAMES[plan.pop("capture_mode")]
         details = self._g.allocations()
         plan["allocations"] = [(a["offset"], a["size"], a["alloc_node"]) for a in details]
         plan["details"] = details

@@ -4,6 +4,7 @@ import gc
 import json
 import re
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ alloc = npualloc.caching_allocator_alloc
 free = npualloc.caching_allocator_delete
 H2D, D2H, D2D = acl.ACL_MEMCPY_HOST_TO_DEVICE, acl.ACL_MEMCPY_DEVICE_TO_HOST, acl.ACL_MEMCPY_DEVICE_TO_DEVICE
 PARAM_INVALID, NOT_SUPPORTED = acl.ACL_ERROR_RT_PARAM_INVALID, acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+MODE_REFUSED = acl.ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT
 
 
 def host(n, value=0):
@@ -480,6 +482,97 @@ def test_checked_graph_refuses_another_checked_graphs_freed_memory_at_capture(me
     gb.instantiate().launch(s)
     s.synchronize()  # only the accepted copy was captured
     free(plain)
+
+
+# ---- capture modes (torch_npu's capture_error_mode, CANN's aclmdlRICaptureMode) ----
+
+def unsafe_calls(buf, device=None):
+    """(acl.rt.memcpy, acl.rt.memset) return codes on buf, in this thread or, with device, in a new thread
+    whose current device that is."""
+    got = host(64)
+
+    def calls():
+        return rt.memcpy(got.ctypes.data, 64, buf, 64, D2H), rt.memset(buf, 64, 5, 64)
+    if device is None:
+        return calls()
+    out = []
+
+    def other():
+        rt.set_device(device)
+        out.append(calls())
+        rt.reset_device(device)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    return out[0]
+
+
+@pytest.mark.parametrize("mode, this_thread, other_thread", [
+    ("global", (MODE_REFUSED, MODE_REFUSED), (MODE_REFUSED, MODE_REFUSED)),
+    ("thread_local", (MODE_REFUSED, MODE_REFUSED), (0, 0)),
+    ("relaxed", (0, 0), (0, 0)),
+])
+def test_capture_error_mode_decides_which_threads_may_make_unsafe_calls(mem, mode, this_thread, other_thread):
+    buf = alloc(64)
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s, capture_error_mode=mode):
+        assert unsafe_calls(buf) == this_thread
+        assert unsafe_calls(buf, device=0) == other_thread
+        assert unsafe_calls(buf, device=1) == (0, 0)  # the capture is device 0's
+        assert acl.util.ptr_to_bytes(buf, 4) in (b"\0" * 4, b"\5" * 4)  # pyACL's read: no runtime call
+        assert npualloc.is_current_stream_capturing()  # a refused call does not end the capture
+    assert g.memory_plan()["capture_error_mode"] == mode
+    assert unsafe_calls(buf) == (0, 0)
+    g.instantiate().launch(s)
+    s.synchronize()
+    free(buf)
+
+
+def test_capture_error_mode_is_checked_first_with_torch_npus_words(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    for bad in ("Global", "", "strict"):
+        with pytest.raises(RuntimeError, match=r"^Unknown capture error mode\. Expected `global`, `thread_local`, or "
+                           r"`relaxed`, got " + re.escape(bad) + "$"):
+            g.capture_begin(s, capture_error_mode=bad)
+    with pytest.raises(TypeError, match="^capture_error_mode must be a str, not int$"):
+        with g.capture(stream=s, capture_error_mode=0):
+            pass
+    assert not npualloc.is_current_stream_capturing() and not g.streams()
+    with g.capture(stream=s, capture_error_mode="relaxed"):
+        pass
+    with pytest.raises(RuntimeError, match="^Unknown capture error mode"):  # before "already owns a captured graph"
+        g.capture_begin(s, capture_error_mode="none")
+    raw = npualloc._C.graph.Graph(False)
+    with pytest.raises(RuntimeError, match=r"ACL error 107000\): capture_begin: 3 is not a capture mode"):
+        raw.capture_begin(s.npu_stream, s.device, None, None, 3)
+
+
+def test_global_pool_capture_does_not_block_the_caching_allocator(mem):
+    """torch makes the allocator's own device allocations of a capture RELAXED; npualloc's allocator makes no
+    unsafe call, so a GLOBAL capture into a pool lets it create segments, for the capture and beside it."""
+    buf = alloc(64)
+    s = npualloc.Stream()
+    pool = npualloc.MemPool()
+    g = npualloc.Graph()
+    reserved = npualloc.memory_reserved()
+    got = []
+
+    def other():
+        npualloc.set_device(0)
+        got.append(alloc(40 * MiB, stream=npualloc.Stream()))
+    with g.capture(stream=s, pool=pool):  # capture_error_mode="global"
+        x = alloc(30 * MiB)  # a new segment of the pool
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert unsafe_calls(buf) == (MODE_REFUSED, MODE_REFUSED)
+    assert npualloc.memory_reserved() >= reserved + 70 * MiB
+    assert g.memory_plan()["capture_error_mode"] == "global"
+    free(x)
+    free(got[0])
+    free(buf)
 
 
 def test_errors(mem):

@@ -251,7 +251,7 @@ def test_capture_refuses_pool_ids_out_of_range_as_use_mem_pool_does(mem):
     raw = npualloc._C.graph.Graph(False)
     for bad, why in [(5, "or None, not int"), (pool.id + (0,), "not a tuple of 3"), (("a", 1), "'first' must be int")]:
         with pytest.raises(TypeError, match=f"^capture_begin\\(\\) argument .*{why}"):
-            raw.capture_begin(s.npu_stream, s.device, None, bad)
+            raw.capture_begin(s.npu_stream, s.device, None, bad, 0)
     with g.capture(stream=s, pool=pool):  # the refused calls left the graph and the stream free
         x = alloc(1000)
     assert pool_of(x) == pool.id

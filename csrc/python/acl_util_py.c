@@ -86,8 +86,8 @@ static int check_range(const char *fn, void *ptr, Py_ssize_t size)
     return -1;
 }
 
-/* ptr_to_bytes(ptr, size) -> bytes: a copy of size bytes at ptr, read through aclrtMemcpy
- * (ValueError when it is not mapped device memory, checked before the copy is allocated, or
+/* ptr_to_bytes(ptr, size) -> bytes: a copy of size bytes at ptr, read through aclrtMemcpy in RELAXED
+ * capture mode (ValueError when it is not mapped device memory, checked before the copy is allocated, or
  * when the copy finds a host address unreadable). */
 static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -104,7 +104,13 @@ static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssi
         return out;
     char *buf = PyBytes_AS_STRING(out);
     aclError rc;
-    Py_BEGIN_ALLOW_THREADS rc = aclrtMemcpy(buf, (size_t)size, ptr, (size_t)size, ACL_MEMCPY_DEVICE_TO_HOST);
+    /* pyACL's ptr_to_bytes reads memory without a runtime call, so no capture mode refuses it: the
+     * copy runs RELAXED (without a current device there is no capture to answer to anyway) */
+    aclmdlRICaptureMode mode = ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
+    Py_BEGIN_ALLOW_THREADS bool exchanged = aclmdlRICaptureThreadExchangeMode(&mode) == ACL_SUCCESS;
+    rc = aclrtMemcpy(buf, (size_t)size, ptr, (size_t)size, ACL_MEMCPY_DEVICE_TO_HOST);
+    if (exchanged)
+        (void)aclmdlRICaptureThreadExchangeMode(&mode);
     Py_END_ALLOW_THREADS
     if (rc != ACL_SUCCESS) {
         Py_DECREF(out);

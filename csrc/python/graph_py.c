@@ -10,7 +10,7 @@
  *   pool_use_count(device, first, second) -> int
  *   capture_status(stream, device) -> bool
  *   set_mem_access(device, mask), get_mem_access(device) -> mask
- *   Graph(checked=False): capture_begin(stream, device, access_mask|None, pool|None), capture_end(),
+ *   Graph(checked=False): capture_begin(stream, device, access_mask|None, pool|None, mode), capture_end(),
  *       instantiate() -> GraphExec, plan(), nodes(), allocations(), streams(), violations()
  *   GraphExec: launch(stream, device), destroy(), graph
  *   GraphMemoryError (a RuntimeError): instantiating a checked graph whose capture recorded a
@@ -319,10 +319,11 @@ static npualloc_graph *graph_of(GraphObject *self)
     return self->g;
 }
 
-/* capture_begin(stream, device, access_mask or None, (first, second) or None) */
+/* capture_begin(stream, device, access_mask or None, (first, second) or None, mode): mode is an
+ * aclmdlRICaptureMode value (graph.py maps torch's capture_error_mode strings to it). */
 static PyObject *Graph_capture_begin(GraphObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (!check_nargs("capture_begin", nargs, 4))
+    if (!check_nargs("capture_begin", nargs, 5))
         return NULL;
     npualloc_graph *g = graph_of(self);
     if (!g)
@@ -355,6 +356,13 @@ static PyObject *Graph_capture_begin(GraphObject *self, PyObject *const *args, P
             return NULL;
         p.use_pool = true;
     }
+    uint64_t mode;
+    if (arg_u64(args[4], "capture_begin", "mode", &mode) != ARG_OK) {
+        (void)out_of_range("capture_begin");
+        return NULL;
+    }
+    /* a value past the enum's stays one (one past RELAXED), which the core refuses as CANN does */
+    p.mode = (aclmdlRICaptureMode)(mode <= ACL_MODEL_RI_CAPTURE_MODE_RELAXED ? mode : ACL_MODEL_RI_CAPTURE_MODE_RELAXED + 1);
     aclError rc;
     NOGIL(rc = npualloc_graph_capture_begin(g, stream, dev, &p));
     if (rc != ACL_SUCCESS)
@@ -442,13 +450,13 @@ static PyObject *Graph_plan(GraphObject *self, PyObject *unused)
     aclError rc = npualloc_graph_get_plan(g, &p);
     if (rc != ACL_SUCCESS)
         return graph_error(rc, "memory_plan");
-    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:K,s:n,s:n,s:n,s:O,s:O,s:O}", "device", (int)p.device, "base",
+    return Py_BuildValue("{s:i,s:K,s:K,s:K,s:K,s:K,s:n,s:n,s:n,s:O,s:O,s:O,s:i}", "device", (int)p.device, "base",
                          (unsigned long long)p.base, "footprint", (unsigned long long)p.footprint, "lower_bound",
                          (unsigned long long)p.lower_bound, "mapped", (unsigned long long)p.mapped, "output_bytes",
                          (unsigned long long)p.output_bytes, "alloc_count", (Py_ssize_t)p.alloc_count, "node_count",
                          (Py_ssize_t)p.node_count, "stream_count", (Py_ssize_t)p.stream_count, "checked",
                          p.checked ? Py_True : Py_False, "pool_mode", p.pool_mode ? Py_True : Py_False,
-                         "instantiated", p.instantiated ? Py_True : Py_False);
+                         "instantiated", p.instantiated ? Py_True : Py_False, "capture_mode", (int)p.capture_mode);
 }
 
 static const char *const kind_names[] = {"alloc", "free", "memcpy", "memset", "host", "delay", "task"};
