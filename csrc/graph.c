@@ -843,6 +843,10 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     if (stale) {
         set_err("capture_end: the graph belongs to a runtime that was shut down");
         rc = ACL_ERROR_INVALID_PARAM;
+    } else if (g->mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && !pthread_equal(g->cap_thread, pthread_self())) {
+        /* CANN's aclmdlRICaptureEnd: such a capture ends in its thread; elsewhere it ends broken */
+        set_err("capture_end: a capture not begun in RELAXED mode ends in the thread that began it");
+        rc = ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD;
     }
     /* Every joined stream must have been joined back into the origin stream. */
     const frontier *origin = &g->streams[0].f;

@@ -549,6 +549,33 @@ def test_capture_error_mode_is_checked_first_with_torch_npus_words(mem):
         raw.capture_begin(s.npu_stream, s.device, None, None, 3)
 
 
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_a_capture_not_begun_relaxed_ends_in_its_thread(mem, mode):
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    g.capture_begin(s, capture_error_mode=mode)
+    errors = []
+
+    def end():
+        try:
+            g.capture_end()
+        except RuntimeError as e:
+            errors.append(str(e))
+    t = threading.Thread(target=end)
+    t.start()
+    t.join()
+    if mode == "relaxed":
+        assert not errors
+        g.launch(s)
+    else:  # CANN's ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD; the capture ended all the same
+        assert errors == [f"capture_end failed (ACL error {acl.ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD}): capture_end: "
+                          "a capture not begun in RELAXED mode ends in the thread that began it"]
+        assert not npualloc._C.graph.capture_status(s.npu_stream, s.device)
+        with pytest.raises(RuntimeError, match="without a preceding successful capture"):
+            g.launch(s)
+    s.synchronize()
+
+
 def test_global_pool_capture_does_not_block_the_caching_allocator(mem):
     """torch makes the allocator's own device allocations of a capture RELAXED; npualloc's allocator makes no
     unsafe call, so a GLOBAL capture into a pool lets it create segments, for the capture and beside it."""

@@ -69,6 +69,8 @@ typedef void (*aclrtCallback)(void *userData);
 #define ACL_ERROR_RT_DEVICE_TASK_ABORT 107022
 /* A call the capture mode forbids while a capture is underway (aclmdlRICaptureThreadExchangeMode). */
 #define ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT 107030
+/* A capture not begun RELAXED ended in another thread than the one that began it. */
+#define ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD 107038
 
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001

@@ -150,9 +150,11 @@ void npualloc_graph_destroy(npualloc_graph *g);
 aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int32_t device,
                                       const npualloc_capture_params *params);
 /* Ends the capture (every joined stream leaves capture mode).  Fails with
- * ACL_ERROR_RT_FEATURE_NOT_SUPPORT for an unjoined stream, and with ACL_ERROR_INVALID_PARAM when
- * the runtime was shut down since the capture began (the new runtime's memory and pools are left
- * alone); the graph is then unusable. */
+ * ACL_ERROR_RT_FEATURE_NOT_SUPPORT for an unjoined stream, with
+ * ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD when a capture not begun RELAXED ends in another thread
+ * than the one that began it (as aclmdlRICaptureEnd), and with ACL_ERROR_INVALID_PARAM when the
+ * runtime was shut down since the capture began (the new runtime's memory and pools are left
+ * alone); the capture ends all the same, and the graph is then unusable. */
 aclError npualloc_graph_capture_end(npualloc_graph *g);
 /* *capturing: is the stream in capture mode?  *graph (may be NULL): the graph (borrowed). */
 aclError npualloc_stream_capture_status(aclrtStream stream, int32_t device, bool *capturing, npualloc_graph **graph);

@@ -905,6 +905,51 @@ static void test_global_pool_capture_does_not_block_the_caching_allocator(void *
     assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
 }
 
+static void *end_capture(void *g)
+{
+    static aclError rc;
+    rc = npualloc_graph_capture_end(g);
+    return &rc;
+}
+
+static aclError end_in_other_thread(npualloc_graph *g)
+{
+    pthread_t th;
+    void *rc;
+    assert_int_equal(pthread_create(&th, NULL, end_capture, g), 0);
+    assert_int_equal(pthread_join(th, &rc), 0);
+    return *(aclError *)rc;
+}
+
+/* aclmdlRICaptureEnd: a capture not begun RELAXED ends in the thread that began it; ended in another
+ * one it fails with ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD and ends broken (CANN's runtime ends
+ * the stream's capture too); a RELAXED one may end anywhere. */
+static void test_capture_ends_in_its_thread_unless_relaxed(void **state)
+{
+    (void)state;
+    capture_mode_setup();
+    aclrtStream s = new_stream();
+    for (int mode = ACL_MODEL_RI_CAPTURE_MODE_GLOBAL; mode <= ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL; mode++) {
+        npualloc_graph *g = begin_mode(s, (aclmdlRICaptureMode)mode);
+        assert_int_equal(end_in_other_thread(g), ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD);
+        bool cap = true;
+        assert_int_equal(npualloc_stream_capture_status(s, 0, &cap, NULL), ACL_SUCCESS);
+        assert_false(cap);
+        assert_int_equal(unsafe_copy(), ACL_SUCCESS); /* no capture left to refuse it */
+        npualloc_graph_plan plan;
+        assert_int_equal(npualloc_graph_get_plan(g, &plan), ACL_ERROR_RT_FEATURE_NOT_SUPPORT); /* broken */
+        assert_int_equal(npualloc_graph_capture_end(g), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);    /* ended */
+        npualloc_graph_destroy(g);
+    }
+    npualloc_graph *g = begin_mode(s, ACL_MODEL_RI_CAPTURE_MODE_RELAXED);
+    assert_int_equal(end_in_other_thread(g), ACL_SUCCESS);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -930,6 +975,7 @@ int main(void)
         cmocka_unit_test_teardown(test_thread_local_and_relaxed_captures, stop_runtime),
         cmocka_unit_test_teardown(test_capture_mode_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_global_pool_capture_does_not_block_the_caching_allocator, stop_runtime),
+        cmocka_unit_test_teardown(test_capture_ends_in_its_thread_unless_relaxed, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
