@@ -59,6 +59,7 @@ import contextlib
 import weakref
 
 from . import _C
+from . import acl as _acl
 from . import memory as _memory
 from . import streams as _streams
 from .mempool import _pool_id
@@ -86,7 +87,8 @@ def _mask_devices(mask):
 
 
 # torch_npu's capture_error_mode strings -> CANN's aclmdlRICaptureMode values
-_CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
+_CAPTURE_MODES = {"global": _acl.ACL_MODEL_RI_CAPTURE_MODE_GLOBAL, "thread_local": _acl.ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL,
+                  "relaxed": _acl.ACL_MODEL_RI_CAPTURE_MODE_RELAXED}
 _MODE_NAMES = {v: k for k, v in _CAPTURE_MODES.items()}
 
 
