@@ -125,6 +125,11 @@ assert os.waitpid(pid, 0)[1] == 0
 assert acl.rt.reserve_mem_address(2 << 20, 0, 16 << 40, 0)[1] == 107000     # CANN's 16 TiB window
 assert acl.rt.memcpy(p, 16, 8, 16, 1) == 107000                              # a host address not mapped
 assert acl.rt.memcpy_async(p, 16, 8, 16, 1, s) == 0 and acl.rt.synchronize_stream(s) == 507053
+g = npualloc.Graph()                                                         # capture modes
+with g.capture(stream=npualloc.Stream()):
+    assert acl.rt.memset(p, 16, 0, 16) == acl.rt.memcpy(h, 16, p, 16, 2) == 107030
+with npualloc.Graph().capture(stream=npualloc.Stream(), capture_error_mode="relaxed"):
+    assert acl.rt.memset(p, 16, 0, 16) == 0
 assert (acl.init(), acl.init(), acl.finalize(), acl.finalize()) == (
     0, acl.ACL_ERROR_REPEAT_INITIALIZE, 0, acl.ACL_ERROR_REPEAT_FINALIZE)
 assert acl.rt.malloc(4096, 0)[1] == 0                                        # still works after aclFinalize
@@ -143,7 +148,10 @@ def test_the_codes_the_text_gives():
                    "not in CANN's experimental 16 TiB - 24 TiB window: an address there returns 107000",
                    "returns `ACL_ERROR_RT_PARAM_INVALID` (107000) instead of faulting",
                    "`ACL_ERROR_RT_DEVICE_MEM_ERROR` (507053)", "`ACL_ERROR_RT_CONTEXT_NULL`, 107002",
-                   "a reset with no reference left succeeds and does nothing"):
+                   "a reset with no reference left succeeds and does nothing",
+                   "returns `ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT` (107030) and does nothing",
+                   "another value is `ACL_ERROR_RT_PARAM_INVALID` (107000)",
+                   "`ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD` (107038)"):
         assert phrase in text, phrase
     proc = subprocess.run([sys.executable, "-c", CODES], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("NPUALLOC_")},
