@@ -87,7 +87,8 @@ def _mask_devices(mask):
 
 
 # torch_npu's capture_error_mode strings -> CANN's aclmdlRICaptureMode values
-_CAPTURE_MODES = {"global": _acl.ACL_MODEL_RI_CAPTURE_MODE_GLOBAL, "thread_local": _acl.ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL,
+_CAPTURE_MODES = {"global": _acl.ACL_MODEL_RI_CAPTURE_MODE_GLOBAL,
+                  "thread_local": _acl.ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL,
                   "relaxed": _acl.ACL_MODEL_RI_CAPTURE_MODE_RELAXED}
 _MODE_NAMES = {v: k for k, v in _CAPTURE_MODES.items()}
 

@@ -568,8 +568,9 @@ def test_a_capture_not_begun_relaxed_ends_in_its_thread(mem, mode):
         assert not errors
         g.launch(s)
     else:  # CANN's ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD; the capture ended all the same
-        assert errors == [f"capture_end failed (ACL error {acl.ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD}): capture_end: "
-                          "a capture not begun in RELAXED mode ends in the thread that began it"]
+        code = acl.ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD
+        assert errors == [f"capture_end failed (ACL error {code}): capture_end: a capture not begun in RELAXED mode "
+                          "ends in the thread that began it"]
         assert not npualloc._C.graph.capture_status(s.npu_stream, s.device)
         with pytest.raises(RuntimeError, match="without a preceding successful capture"):
             g.launch(s)

@@ -362,7 +362,8 @@ static PyObject *Graph_capture_begin(GraphObject *self, PyObject *const *args, P
         return NULL;
     }
     /* a value past the enum's stays one (one past RELAXED), which the core refuses as CANN does */
-    p.mode = (aclmdlRICaptureMode)(mode <= ACL_MODEL_RI_CAPTURE_MODE_RELAXED ? mode : ACL_MODEL_RI_CAPTURE_MODE_RELAXED + 1);
+    p.mode = (aclmdlRICaptureMode)(mode <= ACL_MODEL_RI_CAPTURE_MODE_RELAXED ? mode
+                                                                            : ACL_MODEL_RI_CAPTURE_MODE_RELAXED + 1);
     aclError rc;
     NOGIL(rc = npualloc_graph_capture_begin(g, stream, dev, &p));
     if (rc != ACL_SUCCESS)

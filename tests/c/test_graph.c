@@ -851,7 +851,8 @@ static void test_capture_mode_arguments(void **state)
     aclmdlRICaptureMode m = (aclmdlRICaptureMode)3;
     assert_int_equal(aclmdlRICaptureThreadExchangeMode(&m), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(m, 3); /* untouched */
-    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL), ACL_MODEL_RI_CAPTURE_MODE_GLOBAL); /* a thread starts GLOBAL */
+    /* a thread starts GLOBAL */
+    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL), ACL_MODEL_RI_CAPTURE_MODE_GLOBAL);
     aclError rc = ACL_SUCCESS;
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, exchange_without_device, &rc), 0);
