@@ -1885,22 +1885,24 @@ aclError aclrtSynchronizeEventWithTimeout(aclrtEvent event, int32_t timeout)
     return synchronize_event(event, timeout);
 }
 
-/* Completion time of an event's current record. */
-static aclError event_time(aclrtEvent event, uint64_t *ns)
+/* What aclrtEventElapsedTime needs of an event's current record, read under its lock. */
+typedef struct event_stamp {
+    bool recorded, passed;
+    uint64_t ns;
+} event_stamp;
+
+static aclError event_stamp_of(aclrtEvent event, event_stamp *out)
 {
     npu_event *e;
     aclError rc = event_lookup(event, &e);
     if (rc != ACL_SUCCESS)
         return rc;
     pthread_mutex_lock(&e->lock);
-    if (!e->stream)
-        rc = ACL_ERROR_INVALID_PARAM;
-    else if (!stream_passed(e->stream, e->position))
-        rc = ACL_ERROR_RT_STREAM_NOT_COMPLETE;
-    else if (!e->stamped)
+    out->recorded = e->stream != NULL;
+    out->passed = out->recorded && stream_passed(e->stream, e->position);
+    if (out->passed && !e->stamped)
         rc = ACL_ERROR_RT_INTERNAL_ERROR; /* unreachable: the record task stamps before passing */
-    else
-        *ns = e->time_ns;
+    out->ns = e->time_ns;
     pthread_mutex_unlock(&e->lock);
     event_put(e);
     return rc;
@@ -1913,10 +1915,16 @@ aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endE
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    uint64_t t0, t1;
-    if ((rc = event_time(startEvent, &t0)) != ACL_SUCCESS || (rc = event_time(endEvent, &t1)) != ACL_SUCCESS)
+    event_stamp a, b;
+    if ((rc = event_stamp_of(startEvent, &a)) != ACL_SUCCESS || (rc = event_stamp_of(endEvent, &b)) != ACL_SUCCESS)
         return rc;
-    double ns = t1 >= t0 ? (double)(t1 - t0) : -(double)(t0 - t1);
+    /* CANN's runtime checks that both events have a record before it looks at either time, and
+     * answers a missing one with its "event recorder null", which ACL reports as 507000. */
+    if (!a.recorded || !b.recorded)
+        return ACL_ERROR_RT_INTERNAL_ERROR;
+    if (!a.passed || !b.passed)
+        return ACL_ERROR_RT_STREAM_NOT_COMPLETE;
+    double ns = b.ns >= a.ns ? (double)(b.ns - a.ns) : -(double)(a.ns - b.ns);
     *ms = (float)(ns / 1e6);
     return ACL_SUCCESS;
 }

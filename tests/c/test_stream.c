@@ -271,11 +271,16 @@ static void test_elapsed_time_rejects_unrecorded_and_incomplete_events(void **st
     assert_int_equal(aclrtRecordEvent(done, st), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
     float ms = 0;
-    assert_int_equal(aclrtEventElapsedTime(&ms, never, done), ACL_ERROR_INVALID_PARAM);
-    assert_int_equal(aclrtEventElapsedTime(&ms, done, never), ACL_ERROR_INVALID_PARAM);
+    /* An event never recorded: CANN's "event recorder null", which ACL reports as 507000. */
+    assert_int_equal(aclrtEventElapsedTime(&ms, never, done), ACL_ERROR_RT_INTERNAL_ERROR);
+    assert_int_equal(aclrtEventElapsedTime(&ms, done, never), ACL_ERROR_RT_INTERNAL_ERROR);
+    assert_int_equal(ACL_ERROR_RT_INTERNAL_ERROR, 507000);
     assert_int_equal(aclrtEventElapsedTime(NULL, done, done), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(npualloc_sleep_async(st, 0.1), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(pending, st), ACL_SUCCESS);
+    /* Both records are checked before either time: a missing one wins over one not yet reached. */
+    assert_int_equal(aclrtEventElapsedTime(&ms, pending, never), ACL_ERROR_RT_INTERNAL_ERROR);
+    assert_int_equal(aclrtEventElapsedTime(&ms, never, pending), ACL_ERROR_RT_INTERNAL_ERROR);
     assert_int_equal(aclrtEventElapsedTime(&ms, done, pending), ACL_ERROR_RT_STREAM_NOT_COMPLETE);
     assert_int_equal(aclrtEventElapsedTime(&ms, pending, done), ACL_ERROR_RT_STREAM_NOT_COMPLETE);
     assert_int_equal(ACL_ERROR_RT_STREAM_NOT_COMPLETE, 507004);
