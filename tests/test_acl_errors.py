@@ -216,7 +216,7 @@ BAD_VALUES = [
     ("synchronize_stream", (BIG,), acl.ACL_ERROR_INVALID_PARAM),
     ("synchronize_stream_with_timeout", (BIG, -1), acl.ACL_ERROR_INVALID_PARAM),
     ("synchronize_stream_with_timeout", (0, BIG), acl.ACL_ERROR_RT_PARAM_INVALID),
-    ("stream_query", (-1,), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("stream_query", (-1,), (acl.ACL_STREAM_STATUS_RESERVED, acl.ACL_ERROR_INVALID_PARAM)),
     ("memcpy_async", (1, 1, 1, 1, 1, -1), acl.ACL_ERROR_INVALID_PARAM),
     ("memset_async", (1, 1, BIG, 1, 0), acl.ACL_ERROR_INVALID_PARAM),
     ("launch_callback", (CALLBACK, None, BIG, 0), acl.ACL_ERROR_INVALID_PARAM),

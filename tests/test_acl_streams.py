@@ -430,7 +430,19 @@ def test_stream_query_status():
     assert rt.synchronize_stream(s) == 0
     assert rt.stream_query(s) == (0, 0)
     assert rt.destroy_stream(s) == 0
-    assert rt.stream_query(s) == (0, acl.ACL_ERROR_INVALID_PARAM)
+    # a failure leaves pyACL's status at RESERVED, never COMPLETE (0)
+    assert rt.stream_query(s) == (acl.ACL_STREAM_STATUS_RESERVED, acl.ACL_ERROR_INVALID_PARAM) == (0xFFFF, 100000)
+
+
+def test_failed_event_queries_return_pyacls_initial_status():
+    """pyACL starts query_event at COMPLETE, query_event_status at NOT_READY and query_event_wait_status at
+    COMPLETE, all 0, and returns them unchanged when the call fails."""
+    e = event()
+    assert rt.destroy_event(e) == 0
+    invalid = acl.ACL_ERROR_INVALID_PARAM
+    assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_COMPLETE, invalid)
+    assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, invalid)
+    assert rt.query_event_wait_status(e) == (acl.ACL_EVENT_WAIT_STATUS_COMPLETE, invalid)
 
 
 # ---- flagged events and streams (CANN's values and codes; what npualloc makes of each flag: docs/runtime.md) ----
@@ -639,7 +651,7 @@ def stale_pair():
 def check_stale(s, e, s_handle, e_handle):
     """Raises AssertionError when a stale object answers differently from the rest of its face."""
     invalid = acl.ACL_ERROR_INVALID_PARAM
-    assert rt.stream_query(s_handle) == (0, invalid)
+    assert rt.stream_query(s_handle) == (acl.ACL_STREAM_STATUS_RESERVED, invalid)
     assert rt.query_event(e_handle) == (0, invalid)
     assert rt.query_event_status(e_handle) == (0, invalid)
     assert rt.synchronize_stream(s_handle) == invalid

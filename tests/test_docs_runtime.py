@@ -120,7 +120,7 @@ assert acl.rt.create_event_with_flag(0x20)[1] == 207000 and acl.rt.create_event_
 assert acl.rt.create_stream_with_config(0, 0x4)[1] == 207000 and acl.rt.create_stream_with_config(0, 0x21)[1] == 107000
 pid = os.fork()
 if pid == 0:                                   # stale handles in the child; an Event never recorded is not stale
-    os._exit(0 if acl.rt.stream_query(s) == (0, 100000) and npualloc.Event().query() is True else 3)
+    os._exit(0 if acl.rt.stream_query(s) == (0xFFFF, 100000) and npualloc.Event().query() is True else 3)
 assert os.waitpid(pid, 0)[1] == 0
 assert acl.rt.reserve_mem_address(2 << 20, 0, 16 << 40, 0)[1] == 107000     # CANN's 16 TiB window
 assert acl.rt.memcpy(p, 16, 8, 16, 1) == 107000                              # a host address not mapped
@@ -144,7 +144,10 @@ def test_the_codes_the_text_gives():
                    "any other size too large for the device is `ACL_ERROR_RT_MEMORY_ALLOCATION`",
                    "below -1 `ACL_ERROR_RT_PARAM_INVALID`", "| `ACL_EVENT_IPC` | 0x40 | 107000 here",
                    "`ACL_EVENT_IPC` alone 207000", "| `ACL_STREAM_PERSISTENT` | 0x4 | 207000",
-                   "`acl.rt.query_event` alike: `(0, 100000)`", "its `query()` is True",
+                   "`acl.rt.stream_query`: `(0xFFFF, 100000)`, `acl.rt.query_event`: `(0, 100000)`",
+                   "`ACL_STREAM_STATUS_RESERVED` (0xFFFF) for `acl.rt.stream_query`",
+                   "so a failure never reads as COMPLETE",
+                   "its `query()` is True",
                    "not in CANN's experimental 16 TiB - 24 TiB window: an address there returns 107000",
                    "returns `ACL_ERROR_RT_PARAM_INVALID` (107000) instead of faulting",
                    "`ACL_ERROR_RT_DEVICE_MEM_ERROR` (507053)", "`ACL_ERROR_RT_CONTEXT_NULL`, 107002",

@@ -525,7 +525,11 @@ static PyObject *rt_stream_query(PyObject *self, PyObject *const *args, Py_ssize
     RT_ARG_OR(arg_ptr, 0, "stream", stream, BAD_HANDLE);
     aclrtStreamStatus status = ACL_STREAM_STATUS_RESERVED;
     aclError rc = aclrtStreamQuery(stream, &status);
-    return ret_i64(status, rc);
+    if (raise_init_error(rc))
+        return NULL;
+    /* pyACL returns its status variable as a failed call left it: RESERVED, which no caller reads as
+     * COMPLETE (0).  The query_event* calls keep the usual 0, as pyACL's own initial values are 0 too. */
+    return Py_BuildValue("(Ii)", (unsigned)(rc == ACL_SUCCESS ? status : ACL_STREAM_STATUS_RESERVED), rc);
 }
 
 static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
