@@ -158,7 +158,7 @@ static aclError npu_segment_alloc(void *ctx, int32_t device, size_t size, bool h
 {
     (void)ctx;
     vmm_kind_choice choice = huge1g ? (vmm_kind_choice){{MEM_HUGE1G}, 1} : (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2};
-    return vmm_malloc(device, size, choice, VMM_OWNER_ALLOCATOR, ptr);
+    return vmm_malloc(device, size, choice, VMM_OWNER_ALLOCATOR, false, ptr);
 }
 
 static void npu_segment_free(void *ctx, int32_t device, void *ptr, size_t size)
@@ -755,7 +755,7 @@ aclError npualloc_allocate_ctx(int32_t device, size_t size, uint64_t stream, npu
         rc = ACL_ERROR_RT_INVALID_DEVICEID;
     if (rc == ACL_SUCCESS)
         rc = vmm_malloc(device, size + K_PAD_SIZE, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, VMM_OWNER_ALLOCATOR,
-                        ptr);
+                        false, ptr);
     if (rc != ACL_SUCCESS) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: aclrtMallocAlign32 of %zu bytes on device %d returned %d",
                         size + K_PAD_SIZE, (int)device, rc);

@@ -254,6 +254,14 @@ int host_map(void *va, const host_memfile *mf)
     return 0;
 }
 
+int host_protect_readonly(void *va, const host_memfile *mf, void **writable)
+{
+    if (mprotect(va, mf->size, PROT_READ) != 0 || mprotect(mf->home, mf->size, PROT_READ | PROT_WRITE) != 0)
+        return errno;
+    *writable = mf->home;
+    return 0;
+}
+
 int host_unmap(void *va, size_t size)
 {
     size = round_to_page(size);

@@ -48,6 +48,10 @@ int host_reserve(size_t size, size_t align, void *hint, void **out);
 int host_release(void *va, size_t size);
 /* Maps the whole memory file read-write at `va` (inside a reservation). */
 int host_map(void *va, const host_memfile *mf);
+/* Makes the view at `va` of the whole memory file (mapped there by host_map) read-only, and opens the
+ * file's home view read-write instead: *writable receives it, for the writes the runtime itself does
+ * (ACL_MEM_ACCESS_USER_SPACE_READONLY memory). */
+int host_protect_readonly(void *va, const host_memfile *mf, void **writable);
 /* Puts reserved, inaccessible memory back over [va, va + size). */
 int host_unmap(void *va, size_t size);
 

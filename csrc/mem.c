@@ -63,7 +63,7 @@ static void choose_hbm_kinds(uint32_t base, size_t size, vmm_kind_choice *choice
 /* A policy split once, so that the pad and the page kinds follow from the same reading: its page
  * part (HUGE_FIRST .. HUGE1G_ONLY_P2P; any other value is CANN's unknown policy) and its pool.
  * The bandwidth flag picks the pool (LOW: DDR); the page part works on either pool (the flag
- * alone is HUGE_FIRST); READONLY changes nothing here. */
+ * alone is HUGE_FIRST); READONLY changes neither (vmm_malloc maps such memory read-only). */
 typedef struct malloc_policy {
     uint32_t pages;
     bool ddr;
@@ -122,7 +122,7 @@ static aclError device_malloc(void **devPtr, size_t size, aclrtMemMallocPolicy p
         bytes += MALLOC_PAD;
     vmm_kind_choice choice;
     choose_kinds(mp, bytes, &choice);
-    return vmm_malloc(dev, bytes, choice, VMM_OWNER_USER, devPtr);
+    return vmm_malloc(dev, bytes, choice, VMM_OWNER_USER, policy & ACL_MEM_ACCESS_USER_SPACE_READONLY, devPtr);
 }
 
 aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)
@@ -241,6 +241,12 @@ static aclError checked_error(int err)
 
 aclError mem_move_locked(void *dst, range_class dc, const void *src, range_class sc, size_t count)
 {
+    /* Both sides through the runtime's view: an overlapping copy inside read-only memory must see the
+     * same addresses on both sides for memmove to pick its direction. */
+    if (dc == RANGE_DEVICE)
+        dst = vmm_runtime_view_locked(dst);
+    if (sc == RANGE_DEVICE)
+        src = vmm_runtime_view_locked(src);
     if (likely(dc != RANGE_HOST && sc != RANGE_HOST)) { /* device memory on both sides */
         memmove(dst, src, count);
         return ACL_SUCCESS;
@@ -258,7 +264,7 @@ aclError mem_move_locked(void *dst, range_class dc, const void *src, range_class
 aclError mem_set_locked(void *dst, range_class dc, int value, size_t count)
 {
     if (likely(dc != RANGE_HOST)) {
-        memset(dst, value, count);
+        memset(vmm_runtime_view_locked(dst), value, count);
         return ACL_SUCCESS;
     }
     pthread_rwlock_rdlock(&host_lock);

@@ -41,6 +41,7 @@ typedef struct region {
     phys_handle *malloc_handle; /* set when the region is aclrtMalloc memory */
     vmm_owner owner;            /* who may free malloc memory */
     bool runtime_owned;         /* reserved by the runtime for itself (vmm_reserve_private) */
+    char *write_view;           /* read-only malloc memory: the writable view of its pages, else NULL */
 } region;
 
 typedef struct mapping {
@@ -57,6 +58,7 @@ static struct {
     avl_tree regions;
     avl_tree mappings;
     size_t live_handles; /* including freed-but-mapped ones */
+    size_t readonly_regions; /* regions with a write_view: while 0, writes need no lookup */
 } vmm = {.lock = PTHREAD_RWLOCK_INITIALIZER, .handles = {.tag = 'H'}};
 
 /* Cross-process sharing: handle serial numbers, and who to tell when shared memory is freed. */
@@ -586,7 +588,8 @@ aclError vmm_unmap_private(void *va) { return unmap_at((uintptr_t)va, true); }
 
 /* ---- aclrtMalloc memory ---- */
 
-aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, void **out)
+aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, bool readonly,
+                    void **out)
 {
     phys_handle *h = NULL;
     aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -606,8 +609,14 @@ aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_own
         handle_destroy(h);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    void *base = (void *)start;
+    void *base = (void *)start, *write_view = NULL;
     if ((err = host_map(base, &h->mem)) != 0) {
+        va_free(start, span);
+        handle_destroy(h);
+        return resource_error(err);
+    }
+    if (readonly && (err = host_protect_readonly(base, &h->mem, &write_view)) != 0) {
+        host_unmap(base, h->mem.size);
         va_free(start, span);
         handle_destroy(h);
         return resource_error(err);
@@ -624,6 +633,8 @@ aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_own
         r->owner = owner;
         r->device = device;
         r->mappings = 1;
+        r->write_view = write_view;
+        vmm.readonly_regions += readonly;
         m->va = r->base;
         m->size = h->mem.size;
         m->region = r;
@@ -660,6 +671,7 @@ aclError vmm_free_malloc(void *ptr, vmm_owner owner)
     avl_remove(&vmm.mappings, mn);
     free(AVL_ENTRY(mn, mapping, node));
     avl_remove(&vmm.regions, &r->node);
+    vmm.readonly_regions -= r->write_view != NULL;
     vmm.live_handles--;
     host_unmap((void *)r->base, h->mem.size);
     va_free(r->base, r->size);
@@ -846,6 +858,14 @@ range_class vmm_classify_locked(const void *p, size_t n, int32_t *device)
     return RANGE_INVALID;
 }
 
+void *vmm_runtime_view_locked(const void *p)
+{
+    if (likely(vmm.readonly_regions == 0))
+        return (void *)(uintptr_t)p;
+    const region *r = region_containing((uintptr_t)p);
+    return r && r->write_view ? r->write_view + ((uintptr_t)p - r->base) : (void *)(uintptr_t)p;
+}
+
 /* ---- bookkeeping ---- */
 
 void vmm_counts(size_t *handles, size_t *regions, size_t *mappings)
@@ -882,6 +902,7 @@ static void free_everything(bool in_child)
     }
     handle_table_destroy(&vmm.handles);
     vmm.live_handles = 0;
+    vmm.readonly_regions = 0;
 }
 
 void vmm_atfork_prepare(void) { pthread_rwlock_wrlock(&vmm.lock); }

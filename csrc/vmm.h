@@ -41,8 +41,11 @@ typedef struct vmm_kind_choice {
  * the memory from under the allocator. */
 typedef enum vmm_owner { VMM_OWNER_USER, VMM_OWNER_ALLOCATOR } vmm_owner;
 
-/* Allocates `size` bytes of device memory as one mapped region (aclrtMalloc family). */
-aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, void **out);
+/* Allocates `size` bytes of device memory as one mapped region (aclrtMalloc family).  `readonly`
+ * (ACL_MEM_ACCESS_USER_SPACE_READONLY): the region's pages are mapped read-only, so the process's own
+ * writes fault, while the runtime's copies and memsets still write them (vmm_runtime_view_locked). */
+aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, bool readonly,
+                    void **out);
 /* Frees memory from vmm_malloc by the same owner; ACL_ERROR_INVALID_PARAM for any other pointer. */
 aclError vmm_free_malloc(void *ptr, vmm_owner owner);
 
@@ -74,6 +77,10 @@ void vmm_read_unlock(void);
  * memory (inside one region and mapped throughout), or neither?  For device memory *device
  * receives the owning device (-1 for host-resident physical memory). */
 range_class vmm_classify_locked(const void *p, size_t n, int32_t *device);
+/* With the read lock held, for device memory vmm_classify_locked accepted: the address through which
+ * the runtime's copies and memsets access it, which is `p` itself except in read-only aclrtMalloc
+ * memory (a writable view of the same pages). */
+void *vmm_runtime_view_locked(const void *p);
 
 /* ---- cross-process sharing (ipc.c) ----
  * A reference to shareable memory that is safe to resolve after the memory was freed: a user

@@ -1,6 +1,9 @@
 """Plain memory through acl.rt: capacity per page kind, every malloc policy and its fallback,
 memcpy / memset of every kind and their errors, pinned host memory, and acl.util."""
 import ctypes
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -180,6 +183,27 @@ def test_high_band_width_and_readonly_flags_keep_the_page_policy():
     ptr = malloc(4 * MiB, acl.ACL_MEM_MALLOC_NORMAL_ONLY | acl.ACL_MEM_ACCESS_USER_SPACE_READONLY, rt.malloc_align32)
     assert used(acl.ACL_HBM_MEM_NORMAL) == 4 * MiB
     assert rt.free(ptr) == 0
+
+
+READONLY_WRITE = """
+import ctypes
+from npualloc import acl
+assert acl.rt.set_device(0) == 0
+p, ret = acl.rt.malloc(4096, acl.ACL_MEM_ACCESS_USER_SPACE_READONLY)
+assert ret == 0 and ctypes.string_at(p, 1) is not None       # reading works
+ctypes.memset(p, 1, 1)                                        # writing faults
+"""
+
+
+def test_readonly_memory_faults_on_writes_and_reads_what_the_runtime_wrote():
+    ptr = malloc(4096, acl.ACL_MEM_MALLOC_NORMAL_ONLY | acl.ACL_MEM_ACCESS_USER_SPACE_READONLY)
+    assert rt.memset(ptr, 4096, 0x5A, 4096) == 0
+    data = np.arange(16, dtype=np.uint8)
+    assert rt.memcpy(ptr + 8, 16, data.ctypes.data, 16, acl.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    assert ctypes.string_at(ptr, 24) == b"Z" * 8 + data.tobytes()
+    assert rt.free(ptr) == 0
+    proc = subprocess.run([sys.executable, "-c", READONLY_WRITE], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr)
 
 
 def test_low_and_high_band_width_together_is_invalid():

@@ -110,6 +110,7 @@ typedef enum aclrtMemMallocPolicy {
     ACL_MEM_MALLOC_HUGE1G_ONLY_P2P = 7,
     ACL_MEM_TYPE_LOW_BAND_WIDTH = 0x0100,
     ACL_MEM_TYPE_HIGH_BAND_WIDTH = 0x1000,
+    /* The process's own writes fault; the runtime's copies and memsets still write (docs/runtime.md). */
     ACL_MEM_ACCESS_USER_SPACE_READONLY = 0x100000
 } aclrtMemMallocPolicy;
 

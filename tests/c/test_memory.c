@@ -1,6 +1,7 @@
 /* test_memory.c - aclrtMalloc policies and capacity accounting, memcpy, memset, host memory. */
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stddef.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -273,6 +274,63 @@ static void test_host_memory(void **state)
 
 /* Host addresses nobody allocated or that were unmapped, and read-only memory: memcpy and memset
  * return ACL_ERROR_RT_PARAM_INVALID instead of faulting, synchronously and on a stream. */
+/* A read-only allocation: the process's own writes fault (in a fork child, which starts with fresh
+ * devices and allocates its own), reads see what the runtime's copies and memsets wrote. */
+static void test_readonly_memory_faults_on_writes_and_takes_the_runtimes(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    const aclrtMemMallocPolicy ro =
+        (aclrtMemMallocPolicy)(ACL_MEM_MALLOC_HUGE_FIRST | ACL_MEM_ACCESS_USER_SPACE_READONLY);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        signal(SIGSEGV, SIG_DFL); /* not the test runner's handler: the fault must end the child */
+        void *q;
+        if (aclrtSetDevice(0) != ACL_SUCCESS || aclrtMalloc(&q, 4096, ro) != ACL_SUCCESS)
+            _exit(2);
+        unsigned char seen = ((volatile unsigned char *)q)[0]; /* reading works */
+        ((volatile unsigned char *)q)[0] = (unsigned char)(seen + 1);
+        _exit(0);
+    }
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFSIGNALED(status));
+    assert_int_equal(WTERMSIG(status), SIGSEGV);
+
+    unsigned char *p;
+    assert_int_equal(aclrtMalloc((void **)&p, 3 * MiB_, ro), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(p, 3 * MiB_, 0x5A, 3 * MiB_), ACL_SUCCESS);
+    assert_int_equal(p[0], 0x5A);
+    assert_int_equal(p[3 * MiB_ - 1], 0x5A);
+    unsigned char src[64];
+    for (int i = 0; i < 64; i++)
+        src[i] = (unsigned char)i;
+    assert_int_equal(aclrtMemcpy(p + 100, 64, src, 64, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+    assert_memory_equal(p + 100, src, 64);
+    /* an overlapping copy inside it moves the bytes as memmove would */
+    assert_int_equal(aclrtMemcpy(p + 101, 64, p + 100, 64, ACL_MEMCPY_DEVICE_TO_DEVICE), ACL_SUCCESS);
+    assert_int_equal(p[101], 0);
+    assert_memory_equal(p + 102, src + 1, 63);
+    /* and a copy from it, and the asynchronous forms, on a stream */
+    unsigned char back[64];
+    assert_int_equal(aclrtMemcpy(back, 64, p + 101, 64, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_memory_equal(back, p + 101, 64);
+    aclrtStream s;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(p + 2 * MiB_, 16, 0x11, 16, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(p + 2 * MiB_ + 16, 64, src, 64, ACL_MEMCPY_HOST_TO_DEVICE, s), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(p[2 * MiB_ + 15], 0x11);
+    assert_memory_equal(p + 2 * MiB_ + 16, src, 64);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    /* an ordinary allocation stays writable */
+    assert_int_equal(aclrtMalloc((void **)&p, 3 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    p[0] = 1;
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+}
+
 static void test_bad_host_addresses_are_error_codes(void **state)
 {
     (void)state;
@@ -461,6 +519,7 @@ int main(void)
         cmocka_unit_test_teardown(test_memcpy_all_kinds_and_checks, stop_runtime),
         cmocka_unit_test_teardown(test_memset_writes_and_checks, stop_runtime),
         cmocka_unit_test_teardown(test_host_memory, stop_runtime),
+        cmocka_unit_test_teardown(test_readonly_memory_faults_on_writes_and_takes_the_runtimes, stop_runtime),
         cmocka_unit_test_teardown(test_bad_host_addresses_are_error_codes, stop_runtime),
         cmocka_unit_test_teardown(test_host_to_host_moves_and_long_memsets, stop_runtime),
 #ifdef TEST_AUDIT_ARCH
