@@ -106,12 +106,14 @@ typedef struct session {
     uint32_t secret;
     int fd;
     uint32_t refs;
-    pthread_mutex_t lock; /* one request at a time */
-    /* A request went unanswered (timeout, garbled reply): replies carry no request id, so a
-     * late one would be read as the answer to the next request.  Nothing more is sent on it
-     * and new opens connect anew; its pins stay until the opens using it are closed.
-     * Written under both locks, read under either. */
-    bool broken;
+    pthread_mutex_t lock; /* one request at a time; the fields below are under it */
+    uint32_t next_id;     /* of the next request (never 0) */
+    uint32_t last_reply;  /* id of the last reply read: late ones come between it and ours */
+    uint32_t cancel_of;   /* an OPEN that timed out and whose CANCEL is not sent yet (0: none) */
+    /* The owner hung up or broke the protocol (never a mere timeout: see "Request ids" in
+     * ipc.h): nothing more is sent on it and new opens connect anew.  Written under both
+     * locks, read under either. */
+    bool dead;
 } session;
 
 /* A caching-allocator block shared by npualloc.share (owner side). */
@@ -150,6 +152,11 @@ typedef struct client_pin {
 
 typedef struct client {
     int fd;
+    /* The last request, for a CANCEL that follows it (see "Request ids" in ipc.h): its id, and
+     * the share it pinned when it was an OPEN that did. */
+    uint32_t last_id;
+    bool last_pinned;
+    uint8_t last_token[16];
     int32_t pid;   /* SO_PEERCRED: the kernel's word, fixed at connect time */
     uint32_t uid;
     proc_id who;   /* read at accept (all 0: unknown, no whitelist admits it) */
@@ -834,6 +841,38 @@ static rate_slot *rate_of(int32_t pid)
     return r;
 }
 
+/* The answer to a request refused unread (id 0, status 507022). */
+static ipc_reply refusal(void)
+{
+    return (ipc_reply){.magic = IPC_MAGIC, .version = IPC_VERSION, .status = ACL_ERROR_RT_IPC_ERROR, .device = -1};
+}
+
+/* A request of another protocol version is answered 507022, in the layout of version 1 to a
+ * version-1 sender (the only one it can read), so that it fails with an IPC error rather than
+ * take the hang-up that follows for an exporter that went away. */
+static void refuse_version(int sock, uint16_t version)
+{
+    struct {
+        uint32_t magic;
+        int32_t status, device;
+        uint32_t kind;
+        uint64_t size;
+    } v1 = {IPC_MAGIC, ACL_ERROR_RT_IPC_ERROR, -1, 0, 0};
+    ipc_reply rp = refusal();
+    if (version == 1)
+        (void)send(sock, &v1, sizeof v1, MSG_DONTWAIT | MSG_NOSIGNAL);
+    else
+        (void)send_reply(sock, &rp, -1);
+}
+
+/* CANCEL: undoes the pin of the OPEN it names if that OPEN was the connection's last request
+ * and pinned (see "Request ids" in ipc.h). */
+static void serve_cancel(client *c, uint64_t id)
+{
+    if (c->last_pinned && c->last_id == id)
+        (void)serve_close(c, c->last_token);
+}
+
 /* Handles one message of a client; false when the client is to be dropped. */
 static bool serve_client(size_t index)
 {
@@ -842,12 +881,24 @@ static bool serve_client(size_t index)
     ssize_t n = recv(c->fd, &rq, sizeof rq, MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
         return true;
-    if (n != (ssize_t)sizeof rq || rq.magic != IPC_MAGIC || rq.version != IPC_VERSION)
+    /* magic and version open every version's request (ipc.h, Versions) */
+    if (n >= 8 && rq.magic == IPC_MAGIC && rq.version != IPC_VERSION) {
+        refuse_version(c->fd, rq.version);
+        return false;
+    }
+    if (n != (ssize_t)sizeof rq || rq.magic != IPC_MAGIC)
         return false; /* hang-up, error, or not our protocol */
     /* rq.claimed_pid is deliberately not read: who the client is comes from SO_PEERCRED. */
-    if (rq.op < IPC_OP_IMPORT || rq.op > IPC_OP_PROBE)
+    if (rq.op < IPC_OP_IMPORT || rq.op > IPC_OP_CANCEL)
         return false;
-    ipc_reply rp = {IPC_MAGIC, 0, -1, 0, 0};
+    if (rq.op == IPC_OP_CANCEL) { /* not a lookup, and unanswered */
+        serve_cancel(c, rq.value);
+        c->last_pinned = false;
+        return true;
+    }
+    c->last_pinned = false;
+    c->last_id = rq.id;
+    ipc_reply rp = {.magic = IPC_MAGIC, .version = IPC_VERSION, .op = rq.op, .id = rq.id, .device = -1};
     int fd = -1;
     /* Lookups of a peer over its budget are refused unanswered; the thread never waits. */
     rate_slot *rate = rq.op != IPC_OP_CLOSE ? rate_of(c->pid) : NULL;
@@ -863,6 +914,10 @@ static bool serve_client(size_t index)
             break;
         case IPC_OP_OPEN:
             rp.status = serve_open(c, rq.token);
+            if (rp.status == ACL_SUCCESS) {
+                c->last_pinned = true;
+                memcpy(c->last_token, rq.token, 16);
+            }
             break;
         case IPC_OP_CLOSE:
             rp.status = serve_close(c, rq.token);
@@ -898,7 +953,7 @@ static spare_result refuse_for_want_of_descriptors(int lfd)
     int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
     int err = fd < 0 ? errno : 0;
     if (fd >= 0) {
-        ipc_reply rp = {IPC_MAGIC, ACL_ERROR_RT_IPC_ERROR, -1, 0, 0};
+        ipc_reply rp = refusal();
         (void)send_reply(fd, &rp, -1);
         close(fd);
     }
@@ -1126,14 +1181,21 @@ static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
     return ACL_SUCCESS;
 }
 
+/* The owner's protocol version when a reply of another version made this thread's last
+ * request fail (ipc_last_peer_version). */
+static _Thread_local uint16_t peer_version;
+
+uint16_t ipc_last_peer_version(void) { return peer_version; }
+
 /* Sends a request: 0, or the errno of the failure. */
-static int send_request(int sock, uint16_t op, uint64_t value, const uint8_t *token, int flags)
+static int send_request(int sock, uint16_t op, uint32_t id, uint64_t value, const uint8_t *token, int flags)
 {
     ipc_request rq;
     memset(&rq, 0, sizeof rq);
     rq.magic = IPC_MAGIC;
     rq.version = IPC_VERSION;
     rq.op = op;
+    rq.id = id;
     rq.claimed_pid = self_pid(); /* informational only: the exporter does not read it */
     rq.value = value;
     if (token)
@@ -1146,8 +1208,9 @@ static int send_request(int sock, uint16_t op, uint64_t value, const uint8_t *to
 }
 
 /* Receives a reply (and a descriptor, if one comes).  ACL_ERROR_RT_INVALID_HANDLE when the
- * exporter hung up without one, 507022 when none came in time or it is malformed; with
- * MSG_DONTWAIT, *waiting tells a reply not there yet (507022 then) from the rest. */
+ * exporter hung up without one, 507022 when none came in time or it is malformed or of another
+ * protocol version (peer_version then says which); with MSG_DONTWAIT, *waiting tells a reply
+ * not there yet (507022 then) from the rest.  The caller checks the id. */
 static aclError recv_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *waiting)
 {
     struct iovec iov = {rp, sizeof *rp};
@@ -1186,10 +1249,14 @@ static aclError recv_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *wa
         }
     }
     aclError rc = ACL_SUCCESS;
-    if (n == 0 || (n < 0 && err != EAGAIN && err != EWOULDBLOCK && err != ETIMEDOUT))
+    if (n == 0 || (n < 0 && err != EAGAIN && err != EWOULDBLOCK && err != ETIMEDOUT)) {
         rc = ACL_ERROR_RT_INVALID_HANDLE; /* the exporter went away */
-    else if (n != (ssize_t)sizeof *rp || rp->magic != IPC_MAGIC || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+    } else if (n >= 8 && rp->magic == IPC_MAGIC && rp->version != IPC_VERSION) {
+        rc = ACL_ERROR_RT_IPC_ERROR; /* magic and version open every version's reply */
+        peer_version = rp->version;
+    } else if (n != (ssize_t)sizeof *rp || rp->magic != IPC_MAGIC || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
         rc = ACL_ERROR_RT_IPC_ERROR;
+    }
     if (rc != ACL_SUCCESS || !fd) {
         if (got >= 0)
             close(got);
@@ -1199,19 +1266,129 @@ static aclError recv_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *wa
     return rc;
 }
 
-/* Sends a request and waits for the reply (and a descriptor, if one comes). */
+/* The id of the request of a connection that carries only one (imports by key, searches). */
+#define ONE_SHOT_ID 1
+
+/* Is a reply the one to request `id`?  Id 0 answers a request refused unread. */
+static bool answers(const ipc_reply *rp, uint32_t id) { return rp->id == id || rp->id == 0; }
+
+/* Sends the one request of a connection and waits for the reply (and a descriptor, if one
+ * comes). */
 static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *token, ipc_reply *rp, int *fd)
 {
-    int err = send_request(sock, op, value, token, 0);
+    int err = send_request(sock, op, ONE_SHOT_ID, value, token, 0);
     if (err == EAGAIN || err == ETIMEDOUT)
         return ACL_ERROR_RT_IPC_ERROR;
+    aclError rc;
+    if (!err) {
+        rc = recv_reply(sock, 0, rp, fd, NULL);
+    } else {
+        /* An exporter that could not serve (out of descriptors) answers before reading and
+         * hangs up: its answer may be here although the send failed. */
+        bool none;
+        rc = recv_reply(sock, MSG_DONTWAIT, rp, fd, &none);
+        if (none)
+            return ACL_ERROR_RT_INVALID_HANDLE;
+    }
+    if (rc == ACL_SUCCESS && !answers(rp, ONE_SHOT_ID)) {
+        if (fd && *fd >= 0) {
+            close(*fd);
+            *fd = -1;
+        }
+        rc = ACL_ERROR_RT_IPC_ERROR;
+    }
+    return rc;
+}
+
+/* ---- sessions: an opener's connection to an owner, many requests (see "Request ids") ---- */
+
+/* The owner hung up or broke the protocol (s->lock held). */
+static void session_kill(session *s)
+{
+    pthread_mutex_lock(&ipc.lock);
+    s->dead = true;
+    pthread_mutex_unlock(&ipc.lock);
+}
+
+static uint32_t session_next_id(session *s)
+{
+    uint32_t id = s->next_id++;
+    if (s->next_id == 0)
+        s->next_id = 1;
+    return id;
+}
+
+/* Sends the CANCEL the session owes, if any (s->lock held): 0, or the errno of the failure. */
+static int session_pay_cancel(session *s, int flags)
+{
+    if (!s->cancel_of)
+        return 0;
+    int err = send_request(s->fd, IPC_OP_CANCEL, session_next_id(s), s->cancel_of, NULL, flags);
     if (!err)
-        return recv_reply(sock, 0, rp, fd, NULL);
-    /* An exporter that could not serve (out of descriptors) answers before reading and hangs
-     * up: its answer may be here although the send failed. */
-    bool none;
-    aclError rc = recv_reply(sock, MSG_DONTWAIT, rp, fd, &none);
-    return none ? ACL_ERROR_RT_INVALID_HANDLE : rc;
+        s->cancel_of = 0;
+    return err;
+}
+
+/* A request on a session and its reply (s->lock held).  Late replies to earlier requests that
+ * timed out are read and dropped on the way (with their descriptors); after a timeout of an
+ * OPEN, its CANCEL is owed before anything else is sent.  Only a hang-up or a reply that breaks
+ * the protocol gives the session up; a timeout leaves it usable. */
+static aclError session_roundtrip(session *s, uint16_t op, uint64_t value, const uint8_t *token, ipc_reply *rp,
+                                  int *fd)
+{
+    if (s->dead)
+        return ACL_ERROR_RT_IPC_ERROR;
+    int err = session_pay_cancel(s, 0);
+    uint32_t id = 0;
+    if (!err) {
+        id = session_next_id(s);
+        err = send_request(s->fd, op, id, value, token, 0);
+    }
+    if (err == EAGAIN || err == ETIMEDOUT)
+        return ACL_ERROR_RT_IPC_ERROR; /* not sent (a SEQPACKET message goes whole or not at all) */
+    const uint64_t deadline = host_now_ns() + (uint64_t)timeout_ms() * 1000000u;
+    for (;;) {
+        uint64_t now = host_now_ns();
+        struct pollfd pfd = {s->fd, POLLIN, 0};
+        int ready = err ? 1 : now < deadline ? poll(&pfd, 1, (int)((deadline - now + 999999) / 1000000)) : 0;
+        if (ready < 0 && errno == EINTR)
+            continue;
+        if (ready == 0) { /* unanswered: its reply, if any, comes later and is dropped then */
+            if (op == IPC_OP_OPEN) {
+                s->cancel_of = id;
+                (void)session_pay_cancel(s, MSG_DONTWAIT); /* or before the next request */
+            }
+            return ACL_ERROR_RT_IPC_ERROR;
+        }
+        bool none = false;
+        int got = -1;
+        aclError rc = recv_reply(s->fd, MSG_DONTWAIT, rp, &got, &none);
+        if (none && !err)
+            continue; /* woken for nothing */
+        if (none || rc != ACL_SUCCESS) {
+            /* The send failed and nothing came (the owner hung up), or it hung up since, or it
+             * broke the protocol */
+            session_kill(s);
+            return none ? ACL_ERROR_RT_INVALID_HANDLE : rc;
+        }
+        if (answers(rp, id)) {
+            if (fd)
+                *fd = got;
+            else if (got >= 0)
+                close(got);
+            s->last_reply = id;
+            return ACL_SUCCESS;
+        }
+        if (got >= 0)
+            close(got); /* a late import's descriptor */
+        /* A late reply comes after the last one read and before ours; anything else is not a
+         * reply to this session's requests. */
+        if (rp->id == s->last_reply || (uint32_t)(rp->id - s->last_reply) >= (uint32_t)(id - s->last_reply)) {
+            session_kill(s);
+            return ACL_ERROR_RT_IPC_ERROR;
+        }
+        s->last_reply = rp->id;
+    }
 }
 
 /* ---- finding the server that exported a value (see ipc.h) ---- */
@@ -1300,7 +1477,7 @@ static ask_result ask_start(server_id id, uint16_t op, uint64_t value, int *out)
         rc = connect(fd, (struct sockaddr *)&a, alen);
     while (rc != 0 && errno == EINTR);
     aclError checked = rc == 0 ? check_listener(fd, id.pid) : ACL_SUCCESS;
-    int err = rc != 0 ? errno : checked == ACL_SUCCESS ? send_request(fd, op, value, NULL, MSG_DONTWAIT) : 0;
+    int err = rc != 0 ? errno : checked == ACL_SUCCESS ? send_request(fd, op, ONE_SHOT_ID, value, NULL, MSG_DONTWAIT) : 0;
     ask_result r = ASK_SENT;
     if (rc != 0) /* EAGAIN: its queue is full; otherwise nobody listens there any more */
         r = err == EAGAIN ? ASK_BUSY : ASK_GONE;
@@ -1324,6 +1501,13 @@ static ask_result ask_finish(int sock, ipc_reply *rp, int *fd)
     aclError rc = recv_reply(sock, MSG_DONTWAIT, rp, fd, &waiting);
     if (waiting)
         return ASK_SENT;
+    if (rc == ACL_SUCCESS && !answers(rp, ONE_SHOT_ID)) {
+        rc = ACL_ERROR_RT_IPC_ERROR;
+        if (*fd >= 0) {
+            close(*fd);
+            *fd = -1;
+        }
+    }
     if (rc != ACL_SUCCESS)
         return rc == ACL_ERROR_RT_IPC_ERROR ? ASK_BUSY : ASK_GONE;
     if (rp->status == ACL_SUCCESS)
@@ -1450,8 +1634,7 @@ typedef struct import_spec {
     uint32_t secret;
     int32_t key_device; /* keys: the device named in the key */
     int32_t device;     /* the device to import for */
-    int conn;           /* a session's connection, or -1 for a connection of its own */
-    bool *conn_lost;    /* with conn: set when its request went unanswered */
+    session *s;         /* open_shared's session (its lock held), or NULL: a connection of its own */
 } import_spec;
 
 static import_entry *import_find(const import_spec *sp)
@@ -1511,23 +1694,23 @@ static aclError import_handle(const import_spec *sp, uint64_t *handle_out, size_
     ipc.imports = e;
     pthread_mutex_unlock(&ipc.lock);
 
-    int sock = sp->conn;
     aclError rc = ACL_SUCCESS;
     ipc_reply rp;
     int fd = -1;
-    if (sock < 0 && !sp->is_key) {
+    uint16_t op = sp->is_key ? IPC_OP_IMPORT_KEY : IPC_OP_IMPORT;
+    uint64_t value = sp->is_key ? (uint64_t)sp->key_device : sp->value;
+    const uint8_t *token = sp->is_key ? sp->token : NULL;
+    if (sp->s) {
+        rc = session_roundtrip(sp->s, op, value, token, &rp, &fd);
+    } else if (!sp->is_key) {
         rc = ask_servers(IPC_OP_IMPORT, sp->value, &rp, &fd); /* nothing in a value names its exporter */
     } else {
-        if (sock < 0)
-            rc = connect_exporter(sp->exporter, sp->secret, &sock);
-        if (rc == ACL_SUCCESS)
-            rc = roundtrip(sock, sp->is_key ? IPC_OP_IMPORT_KEY : IPC_OP_IMPORT,
-                           sp->is_key ? (uint64_t)sp->key_device : sp->value, sp->is_key ? sp->token : NULL, &rp,
-                           &fd);
-        if (sp->conn < 0 && sock >= 0)
+        int sock = -1;
+        rc = connect_exporter(sp->exporter, sp->secret, &sock);
+        if (rc == ACL_SUCCESS) {
+            rc = roundtrip(sock, op, value, token, &rp, &fd);
             close(sock);
-        else if (rc != ACL_SUCCESS && sp->conn_lost)
-            *sp->conn_lost = true;
+        }
     }
     if (rc == ACL_SUCCESS && rp.status != ACL_SUCCESS)
         rc = rp.status;
@@ -1659,7 +1842,7 @@ aclError aclrtMemImportFromShareableHandle(uint64_t shareableHandle, int32_t dev
         return ACL_ERROR_RT_DRV_INTERNAL_ERROR; /* "Export process can not import" */
     if ((shareableHandle & ~IPC_VALUE_DEVICE_MASK) == 0)
         return ACL_ERROR_RT_INVALID_HANDLE; /* never a value */
-    import_spec sp = {.is_key = false, .value = shareableHandle, .device = deviceId, .conn = -1};
+    import_spec sp = {.is_key = false, .value = shareableHandle, .device = deviceId};
     uint64_t h = 0;
     size_t size = 0;
     if ((rc = import_handle(&sp, &h, &size)) == ACL_SUCCESS)
@@ -1789,7 +1972,7 @@ aclError aclrtIpcMemImportByKey(void **devPtr, const char *key, uint64_t flags)
     pthread_mutex_unlock(&ipc.lock);
 
     import_spec sp = {.is_key = true, .exporter = k.pid, .secret = k.secret, .key_device = k.device,
-                      .device = target, .conn = -1};
+                      .device = target};
     memcpy(sp.token, k.token, 16);
     uint64_t h = 0;
     size_t size = 0;
@@ -2075,7 +2258,7 @@ static aclError session_get(int32_t pid, uint32_t secret, session **out)
 {
     pthread_mutex_lock(&ipc.lock);
     for (session *s = ipc.sessions; s; s = s->next) {
-        if (s->pid == pid && s->secret == secret && !s->broken) {
+        if (s->pid == pid && s->secret == secret && !s->dead) {
             s->refs++;
             *out = s;
             pthread_mutex_unlock(&ipc.lock);
@@ -2096,10 +2279,11 @@ static aclError session_get(int32_t pid, uint32_t secret, session **out)
     s->secret = secret;
     s->fd = fd;
     s->refs = 1;
+    s->next_id = 1;
     pthread_mutex_init(&s->lock, NULL);
     pthread_mutex_lock(&ipc.lock);
     for (session *o = ipc.sessions; o; o = o->next) {
-        if (o->pid == pid && o->secret == secret && !o->broken) { /* another thread connected meanwhile */
+        if (o->pid == pid && o->secret == secret && !o->dead) { /* another thread connected meanwhile */
             o->refs++;
             pthread_mutex_unlock(&ipc.lock);
             close(fd);
@@ -2136,21 +2320,11 @@ static void session_put(session *s)
     }
 }
 
-/* s->lock held. */
-static void session_break(session *s)
-{
-    pthread_mutex_lock(&ipc.lock);
-    s->broken = true;
-    pthread_mutex_unlock(&ipc.lock);
-}
-
 static aclError session_request(session *s, uint16_t op, const uint8_t token[16])
 {
     ipc_reply rp;
-    aclError rc = ACL_ERROR_RT_IPC_ERROR;
     pthread_mutex_lock(&s->lock);
-    if (!s->broken && (rc = roundtrip(s->fd, op, 0, token, &rp, NULL)) != ACL_SUCCESS)
-        session_break(s);
+    aclError rc = session_roundtrip(s, op, 0, token, &rp, NULL);
     pthread_mutex_unlock(&s->lock);
     return rc == ACL_SUCCESS ? rp.status : rc;
 }
@@ -2198,6 +2372,7 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
     aclError rc = parse_desc(desc, len, &d);
     if (rc != ACL_SUCCESS || !ptr)
         return ACL_ERROR_INVALID_PARAM;
+    peer_version = 0;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
     int32_t target = device < 0 ? d.device : device;
@@ -2228,12 +2403,11 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
     void *base = NULL;
     if (!handles || !o)
         rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
-    bool lost = false;
     pthread_mutex_lock(&s->lock); /* page imports travel on the pinned connection */
-    if (s->broken) /* by another thread's request since our OPEN */
+    if (s->dead) /* since our OPEN */
         rc = ACL_ERROR_RT_IPC_ERROR;
     for (size_t i = 0; i < count && rc == ACL_SUCCESS; i++) {
-        import_spec sp = {.exporter = d.pid, .secret = d.secret, .device = target, .conn = s->fd, .conn_lost = &lost};
+        import_spec sp = {.exporter = d.pid, .secret = d.secret, .device = target, .s = s};
         if (d.kind == 'e') {
             memcpy(&sp.value, (const char *)desc + sizeof d + i * sizeof(uint64_t), sizeof sp.value);
         } else {
@@ -2247,8 +2421,6 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
             rc = ACL_ERROR_RT_IPC_ERROR;
         page = size;
     }
-    if (lost)
-        session_break(s);
     pthread_mutex_unlock(&s->lock);
     if (rc == ACL_SUCCESS && d.kind == 'c' && (d.offset >= page || d.size > page - d.offset))
         rc = ACL_ERROR_RT_IPC_ERROR;

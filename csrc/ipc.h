@@ -89,16 +89,52 @@
  * no spare to give (another thread took the slot) the listener rests 100 ms between attempts.
  *
  * Messages (little-endian, fixed size; one request or reply per SEQPACKET message):
- *   request  { u32 magic 'NPUI' (0x4955504e); u16 version 1; u16 op; i32 claimed_pid (ignored);
- *              u32 reserved; u64 value; u8 token[16] }                               40 bytes
- *   reply    { u32 magic; i32 status (aclError); i32 device; u32 kind; u64 size }  24 bytes,
+ *   request  { u32 magic 'NPUI' (0x4955504e); u16 version 2; u16 op; i32 claimed_pid (ignored);
+ *              u32 id; u64 value; u8 token[16] }                                      40 bytes
+ *   reply    { u32 magic; u16 version 2; u16 op; u32 id; i32 status (aclError); i32 device;
+ *              u32 kind; u64 size }                                                   32 bytes,
  *              plus one descriptor when status is 0 and the op imports
  *   ops: 1 IMPORT (value = shareable handle), 2 IMPORT_KEY (token = key token, value = its
  *        device), 3 OPEN (token = share token: pin), 4 CLOSE (token: unpin), 5 PROBE (value:
  *        status 0 if it is a live exported value of this process; set-pid uses it to tell a
- *        value of another process, 507899, from an unknown one, 107017)
+ *        value of another process, 507899, from an unknown one, 107017), 6 CANCEL (value = the
+ *        id of the OPEN just before it: undo its pin, if it granted one; no reply)
  *   status 507022 on a lookup: refused unanswered (the peer's failed lookups are over budget)
  * A connection that sends anything else is dropped, as is one with 16 failed lookups.
+ *
+ * ---- Request ids (version 2) ----
+ * A reply echoes the id of its request; the server answers the requests of a connection in
+ * order.  An opener keeps one connection per owner (a session) and sends one request at a time
+ * on it, with ids 1, 2, 3... (0 is never used); when a request goes unanswered for
+ * NPUALLOC_IPC_TIMEOUT_MS (a stopped or overloaded owner), its reply may still come: the next
+ * request on the session reads and discards every reply whose id is not its own (closing any
+ * descriptor one carries), so a late reply never answers the wrong request, and the session
+ * stays usable.  Id 0 in a reply marks a request the server refused without reading it (out of
+ * descriptors, or another protocol version): it answers whatever the opener waits for.
+ * The only request that leaves state at the owner is OPEN (a pin).  Invariants that keep a late
+ * grant from leaking a pin:
+ *   - after an OPEN that timed out, the opener sends CANCEL of its id before any other request
+ *     on the session (at once, or before the next request if the socket is full; a session
+ *     that owes a CANCEL sends nothing else);
+ *   - so on the wire CANCEL n comes right after OPEN n, and the server, which serves a
+ *     connection's messages in order, only has to remember whether the last request of each
+ *     connection was an OPEN that pinned (and which share): CANCEL n drops that pin, and does
+ *     nothing if OPEN n failed or was not the last request;
+ *   - CLOSE and the imports need no cancel: a CLOSE that timed out is still served in order
+ *     (the opener has already forgotten the open), and an import grants only a descriptor,
+ *     which the opener closes when it reads the late reply (until then it sits in the socket,
+ *     and goes with the session when it is closed).
+ * Deaths: an opener that dies at any point closes its socket, and the server drops every pin of
+ * the connection (granted, cancelled or not); an owner that dies takes its pins with it, and
+ * the opener's session sees the hang-up and is given up (new opens connect anew).  A session
+ * is also given up when a reply breaks the protocol (wrong size, magic, version or id).
+ *
+ * ---- Versions ----
+ * magic and version open every request and reply, in every version.  A server answers a
+ * request of another version with status 507022 and id 0 (in the layout of version 1 to a
+ * version-1 request, which its sender can read) and hangs up; an opener that gets a reply of
+ * another version fails with 507022 and records the owner's version for the message
+ * (ipc_last_peer_version).  A version-1 server hangs up on a version-2 request without a reply.
  *
  * ---- Error codes (CANN's, from the driver paths noted in npu-acl-runtime.md B3) ----
  *   ACL_ERROR_INVALID_PARAM 100000   NULL pointer, handle type not NONE, pid count 0
@@ -175,21 +211,24 @@ static inline int32_t ipc_value_device(uint64_t v) { return (int32_t)((v >> IPC_
 
 /* Wire format (see above). */
 #define IPC_MAGIC 0x4955504eu /* "NPUI" */
-#define IPC_VERSION 1
-enum { IPC_OP_IMPORT = 1, IPC_OP_IMPORT_KEY = 2, IPC_OP_OPEN = 3, IPC_OP_CLOSE = 4, IPC_OP_PROBE = 5 };
+#define IPC_VERSION 2 /* 2: request ids and CANCEL */
+enum { IPC_OP_IMPORT = 1, IPC_OP_IMPORT_KEY = 2, IPC_OP_OPEN = 3, IPC_OP_CLOSE = 4, IPC_OP_PROBE = 5, IPC_OP_CANCEL = 6 };
 
 typedef struct ipc_request {
     uint32_t magic;
     uint16_t version;
     uint16_t op;
     int32_t claimed_pid; /* what the sender says its pid is: never read by the exporter */
-    uint32_t reserved;
+    uint32_t id;         /* echoed in the reply */
     uint64_t value;
     uint8_t token[16];
 } ipc_request;
 
 typedef struct ipc_reply {
     uint32_t magic;
+    uint16_t version;
+    uint16_t op; /* the request's */
+    uint32_t id; /* the request's; 0: a request refused unread */
     int32_t status;
     int32_t device;
     uint32_t kind;
@@ -208,6 +247,9 @@ aclError ipc_share(void *ptr, void *buf, size_t cap, size_t *len);
 aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **ptr);
 /* Unmaps memory from ipc_open_shared (the last close of a pointer opened several times). */
 aclError ipc_close_shared(void *ptr);
+/* The protocol version of the owner whose reply made this thread's last ipc_open_shared fail
+ * (0: none did; see Versions above). */
+uint16_t ipc_last_peer_version(void);
 /* What a descriptor holds (for display): kind 'c' or 'e', the exporter, device and size. */
 aclError ipc_share_describe(const void *desc, size_t len, char *kind, int32_t *pid, int32_t *device,
                             uint64_t *size);

@@ -235,6 +235,13 @@ static PyObject *share_error(const char *what, aclError rc)
         why = "invalid device";
         break;
     case ACL_ERROR_RT_IPC_ERROR:
+        if (strcmp(what, "open_shared") == 0 && ipc_last_peer_version()) {
+            PyErr_Format(PyExc_RuntimeError,
+                         "%s: the owner speaks version %d of npualloc's sharing protocol and this process "
+                         "version %d: both must run the same npualloc (ACL error %d)",
+                         what, (int)ipc_last_peer_version(), IPC_VERSION, (int)rc);
+            return NULL;
+        }
         why = "the owner did not answer properly";
         break;
     case ACL_ERROR_RT_RESOURCE_ALLOC_FAIL: /* docs/sharing.md, Limits: the two ways out of descriptors */
