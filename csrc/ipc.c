@@ -858,6 +858,7 @@ static void refuse_version(int sock, uint16_t version)
         uint32_t kind;
         uint64_t size;
     } v1 = {IPC_MAGIC, ACL_ERROR_RT_IPC_ERROR, -1, 0, 0};
+    _Static_assert(sizeof v1 == IPC_V1_REPLY_SIZE, "version 1's reply");
     ipc_reply rp = refusal();
     if (version == 1)
         (void)send(sock, &v1, sizeof v1, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -1251,8 +1252,11 @@ static aclError recv_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *wa
     aclError rc = ACL_SUCCESS;
     if (n == 0 || (n < 0 && err != EAGAIN && err != EWOULDBLOCK && err != ETIMEDOUT)) {
         rc = ACL_ERROR_RT_INVALID_HANDLE; /* the exporter went away */
+    } else if (n == IPC_V1_REPLY_SIZE && rp->magic == IPC_MAGIC) {
+        rc = ACL_ERROR_RT_IPC_ERROR; /* version 1's reply, the one without a version field */
+        peer_version = 1;
     } else if (n >= 8 && rp->magic == IPC_MAGIC && rp->version != IPC_VERSION) {
-        rc = ACL_ERROR_RT_IPC_ERROR; /* magic and version open every version's reply */
+        rc = ACL_ERROR_RT_IPC_ERROR; /* magic and version open every later version's reply */
         peer_version = rp->version;
     } else if (n != (ssize_t)sizeof *rp || rp->magic != IPC_MAGIC || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
         rc = ACL_ERROR_RT_IPC_ERROR;

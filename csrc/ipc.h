@@ -133,8 +133,9 @@
  * magic and version open every request and reply, in every version.  A server answers a
  * request of another version with status 507022 and id 0 (in the layout of version 1 to a
  * version-1 request, which its sender can read) and hangs up; an opener that gets a reply of
- * another version fails with 507022 and records the owner's version for the message
- * (ipc_last_peer_version).  A version-1 server hangs up on a version-2 request without a reply.
+ * another version (a 24-byte reply is version 1's, which had no version field) fails with
+ * 507022 and records the owner's version for the message (ipc_last_peer_version).  A version-1
+ * server hangs up on a version-2 request without a reply: that reads as an owner that exited.
  *
  * ---- Error codes (CANN's, from the driver paths noted in npu-acl-runtime.md B3) ----
  *   ACL_ERROR_INVALID_PARAM 100000   NULL pointer, handle type not NONE, pid count 0
@@ -212,6 +213,7 @@ static inline int32_t ipc_value_device(uint64_t v) { return (int32_t)((v >> IPC_
 /* Wire format (see above). */
 #define IPC_MAGIC 0x4955504eu /* "NPUI" */
 #define IPC_VERSION 2 /* 2: request ids and CANCEL */
+#define IPC_V1_REPLY_SIZE 24 /* version 1's reply {magic, status, device, kind, size}: no version field */
 enum { IPC_OP_IMPORT = 1, IPC_OP_IMPORT_KEY = 2, IPC_OP_OPEN = 3, IPC_OP_CLOSE = 4, IPC_OP_PROBE = 5, IPC_OP_CANCEL = 6 };
 
 typedef struct ipc_request {

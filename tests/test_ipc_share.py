@@ -316,8 +316,7 @@ SHARE_DESC_SECRET = 12  # offset of the server's name secret in a share descript
 def test_a_request_of_another_protocol_version_is_refused_with_an_ipc_error(dev0, workers):  # noqa: F811
     """A version-1 request (an older npualloc) gets a version-1 reply with 507022, which its
     sender reads as an IPC error, then the hang-up; a request of a later version gets a reply
-    that names version 2.  Either used to get the hang-up alone (or, version 1, an answer), which
-    reads as an owner that went away."""
+    that names version 2, then the hang-up (a bare hang-up reads as an owner that went away)."""
     (owner,) = workers()
     pid, secret = owner.call("""
 b = npualloc.caching_allocator_alloc(2**20, 0)
@@ -338,9 +337,11 @@ ret = (os.getpid(), _C.ipc.counts()['secret'])
         assert s.recv(64) == b""
 
 
-def test_an_owner_of_another_protocol_version_is_named_in_the_error(dev0, workers):  # noqa: F811
-    """An owner whose replies carry another version: open_shared fails with 507022 and says
-    that the two processes run different npualloc versions; the connection is given up."""
+@pytest.mark.parametrize("version", [1, 3])
+def test_an_owner_of_another_protocol_version_is_named_in_the_error(dev0, workers, version):  # noqa: F811
+    """An owner whose replies are of another version (version 1's had no version field and 24
+    bytes; a later one's says it): open_shared fails with 507022 and says that the two processes
+    run different npualloc versions; the connection is given up."""
     (owner,) = workers()
     handle = owner.call("""
 import socket, struct, threading
@@ -351,15 +352,18 @@ struct.pack_into("<I", h, off, fake_secret)
 fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 fake.bind("\\0" + _C.ipc.server_name(os.getpid(), fake_secret))
 fake.listen()
-def serve():  # a future owner: its reply has version 3
+def serve():
     conn, _ = fake.accept()
-    magic, version, op, pid, rid = struct.unpack_from("<IHHiI", conn.recv(64))
-    conn.send(struct.pack("<IHHIiiIQ", magic, 3, op, rid, 0, 0, 0, 0))
+    magic, _, op, _, rid = struct.unpack_from("<IHHiI", conn.recv(64))
+    if version == 1:
+        conn.send(struct.pack("<IiiIQ", magic, 0, 0, 0, 0))
+    else:
+        conn.send(struct.pack("<IHHIiiIQ", magic, version, op, rid, 0, 0, 0, 0))
     conn.recv(64)
 threading.Thread(target=serve, daemon=True).start()
 ret = bytes(h)
-""", off=SHARE_DESC_SECRET)
-    with pytest.raises(RuntimeError, match=r"the owner speaks version 3 of npualloc's sharing protocol and this "
+""", off=SHARE_DESC_SECRET, version=version)
+    with pytest.raises(RuntimeError, match=rf"the owner speaks version {version} of npualloc's sharing protocol and this "
                                            r"process version 2: both must run the same npualloc \(ACL error 507022\)"):
         npualloc.open_shared(handle)
     assert counts()["sessions"] == 0 and counts()["opens"] == 0
