@@ -14,6 +14,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "cache_lock.h"
+#include "caching.h"
 #include "host.h"
 #include "ipc.h"
 #include "seccomp_util.h"
@@ -821,6 +823,93 @@ static void test_share_of_freed_block_cannot_be_opened(void **state)
     assert_int_equal(ipc_close_shared(p), ACL_ERROR_INVALID_PARAM);
 }
 
+/* Child: opens block 0; opens block 1 while the owner is held (its OPEN times out); then, on the
+ * same connection, opens block 2 and reports; closes everything when told. */
+static int child_open_past_a_timeout(int in, int out, void *arg)
+{
+    (void)arg;
+    uint8_t desc[3][512];
+    uint64_t len[3];
+    for (int i = 0; i < 3; i++) {
+        len[i] = get64(in);
+        if (len[i] > sizeof desc[i] || read(in, desc[i], len[i]) != (ssize_t)len[i])
+            return 1;
+    }
+    setenv("NPUALLOC_IPC_TIMEOUT_MS", "300", 1);
+    void *p0 = NULL, *p1 = NULL, *p2 = NULL;
+    if (ipc_open_shared(desc[0], len[0], -1, &p0) || cput64(out, 1))
+        return 2;
+    (void)get64(in); /* the owner is held */
+    if (ipc_open_shared(desc[1], len[1], -1, &p1) != ACL_ERROR_RT_IPC_ERROR || cput64(out, 2))
+        return 3;
+    (void)get64(in); /* released: the late grant of block 1 is on its way */
+    if (ipc_open_shared(desc[2], len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
+        return 4;
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    if (ic.sessions != 1 || ic.opens != 2) /* the connection of block 0 carried it */
+        return 5;
+    if (cput64(out, 3))
+        return 6;
+    (void)get64(in);
+    if (ipc_close_shared(p0) || ipc_close_shared(p2))
+        return 7;
+    ipc_get_counts(&ic);
+    return ic.sessions || ic.opens || cput64(out, 4) ? 8 : 0;
+}
+
+/* An OPEN that times out (the owner's server waits for the device lock, held here) is granted
+ * late: the opener's CANCEL, right behind it, undoes the pin, the late reply answers nothing,
+ * and the next open on the same connection gets its own answer.  The opener used to give the
+ * connection up (the next open connected anew) and the late pin stayed until block 0 closed. */
+static void test_a_late_grant_is_cancelled_and_the_connection_stays(void **state)
+{
+    (void)state;
+    setup_runtime();
+    void *b[3];
+    uint8_t desc[3][512];
+    size_t len[3];
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(npualloc_cache_malloc(0, MiB_, 0, &b[i]), ACL_SUCCESS);
+        memset(b[i], 'A' + i, MiB_);
+        assert_int_equal(ipc_share(b[i], desc[i], sizeof desc[i], &len[i]), ACL_SUCCESS);
+    }
+    child c = spawn(child_open_past_a_timeout, NULL);
+    for (int i = 0; i < 3; i++) {
+        put64(c.to_child, len[i]);
+        assert_true(write(c.to_child, desc[i], len[i]) == (ssize_t)len[i]);
+    }
+    assert_int_equal(get64(c.from_child), 1);
+    device_cache *dc = cache_device(0);
+    cache_lock_acquire(&dc->lock); /* the server's next OPEN waits for it */
+    put64(c.to_child, 1);
+    uint64_t timed_out = get64(c.from_child);
+    cache_lock_release(&dc->lock);
+    assert_int_equal(timed_out, 2);
+    put64(c.to_child, 1);
+    assert_int_equal(get64(c.from_child), 3);
+    /* the server answers a connection's requests in order: OPEN 1, its CANCEL, OPEN 2 are done */
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.pins, 2); /* blocks 0 and 2 */
+    assert_int_equal(ic.shares, 3);
+    assert_int_equal(npualloc_cache_free(b[1]), ACL_SUCCESS);
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.shares, 2); /* no pin kept block 1: its share went with it */
+    put64(c.to_child, 1);
+    assert_int_equal(get64(c.from_child), 4);
+    assert_int_equal(finish(&c), 0);
+    for (int i = 0; i < 200 && (ic.pins || ic.clients); i++) {
+        usleep(5000);
+        ipc_get_counts(&ic);
+    }
+    assert_int_equal(ic.pins, 0);
+    assert_int_equal(npualloc_cache_free(b[0]), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(b[2]), ACL_SUCCESS);
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.shares, 0);
+}
+
 static int child_open_and_check(int in, int out, void *arg)
 {
     (void)arg;
@@ -1332,6 +1421,7 @@ int main(void)
         cmocka_unit_test_teardown(test_share_pins_block_until_close, stop_runtime),
         cmocka_unit_test_teardown(test_share_pin_released_when_opener_dies, stop_runtime),
         cmocka_unit_test_teardown(test_share_of_freed_block_cannot_be_opened, stop_runtime),
+        cmocka_unit_test_teardown(test_a_late_grant_is_cancelled_and_the_connection_stays, stop_runtime),
         cmocka_unit_test_teardown(test_expandable_pages_of_a_pinned_block_stay_mapped, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_out_of_descriptors_refuses_promptly_and_stays_idle, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_without_a_spare_descriptor_rests_instead_of_spinning, stop_runtime),
