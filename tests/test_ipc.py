@@ -214,16 +214,16 @@ import socket, struct, errno
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect("\\0" + name)
 # a request claiming to come from the listed process
-req = struct.pack("<IHHiIQ16s", 0x4955504e, 1, 1, claimed, 0, value, b"\\0" * 16)
+req = struct.pack("<IHHiIQ16s", 0x4955504e, 2, 1, claimed, 1, value, b"\\0" * 16)  # version 2, id 1
 s.send(req)
 msg, anc, flags, addr = s.recvmsg(64, socket.CMSG_SPACE(16))
-status = struct.unpack("<IiiIQ", msg)[1]
+status = struct.unpack("<IHHIiiIQ", msg)[4]
 # and credentials of the listed process, sent explicitly: an unprivileged process gets EPERM from
 # the kernel; a privileged one may send them, and the exporter ignores them (it reads SO_PEERCRED)
 try:
     s.sendmsg([req], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("iII", claimed, os.getuid(), os.getgid()))])
     msg, anc2, flags, addr = s.recvmsg(64, socket.CMSG_SPACE(16))
-    creds = struct.unpack("<IiiIQ", msg)[1]
+    creds = struct.unpack("<IHHIiiIQ", msg)[4]
 except PermissionError:
     creds = "EPERM"
 ret = (status, len(anc), creds)
@@ -674,7 +674,7 @@ RAW_REQUEST = """
 import socket, struct
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect("\\0" + name)
-req = struct.pack("<IHHiIQ16s", 0x4955504e, 1, op, claimed, 0, value, token)
+req = struct.pack("<IHHiIQ16s", 0x4955504e, 2, op, claimed, 1, value, token)  # version 2, id 1
 s.send(req)
 msg, anc, flags, addr = s.recvmsg(64, socket.CMSG_SPACE(16))
 fds = []
@@ -683,7 +683,7 @@ for level, kind, data in anc:
 for f in fds:
     os.close(f)
 s.close()
-ret = (struct.unpack("<IiiIQ", msg)[1], len(fds))
+ret = (struct.unpack("<IHHIiiIQ", msg)[4], len(fds))
 """
 
 
