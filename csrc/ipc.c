@@ -1357,7 +1357,7 @@ static aclError session_roundtrip(session *s, uint16_t op, uint64_t value, const
         int ready = err ? 1 : now < deadline ? poll(&pfd, 1, (int)((deadline - now + 999999) / 1000000)) : 0;
         if (ready < 0 && errno == EINTR)
             continue;
-        if (ready == 0) { /* unanswered: its reply, if any, comes later and is dropped then */
+        if (ready <= 0) { /* unanswered (or cannot wait): its reply, if any, comes later and is dropped then */
             if (op == IPC_OP_OPEN) {
                 s->cancel_of = id;
                 (void)session_pay_cancel(s, MSG_DONTWAIT); /* or before the next request */
