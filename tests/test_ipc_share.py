@@ -2,6 +2,7 @@
 segments) opened by other processes, and the sharing pin that keeps the owner from reusing a
 block while someone still has it open."""
 import ctypes
+import os
 import pickle
 import signal
 import socket
@@ -366,6 +367,51 @@ ret = bytes(h)
     with pytest.raises(RuntimeError, match=rf"the owner speaks version {version} of npualloc's sharing protocol and this "
                                            r"process version 2: both must run the same npualloc \(ACL error 507022\)"):
         npualloc.open_shared(handle)
+    assert counts()["sessions"] == 0 and counts()["opens"] == 0
+
+
+def test_a_late_reply_with_a_descriptor_leaks_nothing(dev0, workers, monkeypatch):  # noqa: F811
+    """An owner (a hand-made one here) that answers a page import after the opener's timeout:
+    the open fails with 507022 and its pin is given back on the same connection (CLOSE, id 3, is
+    answered after the late reply), and the descriptor of the late reply is not left open in the
+    opener."""
+    monkeypatch.setenv("NPUALLOC_IPC_TIMEOUT_MS", "500")
+    (owner,) = workers()
+    handle = owner.call("""
+import socket, struct, threading, time
+b = npualloc.caching_allocator_alloc(2**20, 0)
+h = bytearray(bytes(npualloc.share(b)))
+fake_secret = (_C.ipc.counts()['secret'] + 1) % 1024
+struct.pack_into("<I", h, off, fake_secret)
+fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+fake.bind("\\0" + _C.ipc.server_name(os.getpid(), fake_secret))
+fake.listen()
+seen = []
+def reply(conn, op, rid, size=0, fds=()):
+    socket.send_fds(conn, [struct.pack("<IHHIiiIQ", 0x4955504E, 2, op, rid, 0, 0, 0, size)], list(fds))
+def serve():
+    conn, _ = fake.accept()
+    for _ in range(3):
+        magic, version, op, pid, rid = struct.unpack_from("<IHHiI", conn.recv(64))
+        seen.append((op, rid))
+        if op == 2:  # the page import: answered after the opener's timeout, with a descriptor
+            time.sleep(0.7)
+            mem = os.memfd_create("late")
+            os.ftruncate(mem, 2**21)
+            reply(conn, op, rid, 2**21, [mem])
+            os.close(mem)
+        else:
+            reply(conn, op, rid)
+    conn.recv(64)
+server = threading.Thread(target=serve, daemon=True)
+server.start()
+ret = bytes(h)
+""", off=SHARE_DESC_SECRET)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(RuntimeError, match="did not answer properly"):
+        npualloc.open_shared(handle)
+    assert owner.call("server.join(5); ret = seen") == [(3, 1), (2, 2), (4, 3)]  # OPEN, IMPORT_KEY, CLOSE
+    assert len(os.listdir("/proc/self/fd")) == fds
     assert counts()["sessions"] == 0 and counts()["opens"] == 0
 
 
