@@ -1357,7 +1357,7 @@ static aclError session_roundtrip(session *s, uint16_t op, uint64_t value, const
         int ready = err ? 1 : now < deadline ? poll(&pfd, 1, (int)((deadline - now + 999999) / 1000000)) : 0;
         if (ready < 0 && errno == EINTR)
             continue;
-        if (ready <= 0) { /* unanswered (or cannot wait): its reply, if any, comes later and is dropped then */
+        if (ready <= 0) { /* unanswered (or poll failed): a late reply is dropped by the next request */
             if (op == IPC_OP_OPEN) {
                 s->cancel_of = id;
                 (void)session_pay_cancel(s, MSG_DONTWAIT); /* or before the next request */
@@ -1481,7 +1481,9 @@ static ask_result ask_start(server_id id, uint16_t op, uint64_t value, int *out)
         rc = connect(fd, (struct sockaddr *)&a, alen);
     while (rc != 0 && errno == EINTR);
     aclError checked = rc == 0 ? check_listener(fd, id.pid) : ACL_SUCCESS;
-    int err = rc != 0 ? errno : checked == ACL_SUCCESS ? send_request(fd, op, ONE_SHOT_ID, value, NULL, MSG_DONTWAIT) : 0;
+    int err = rc != 0                ? errno
+              : checked == ACL_SUCCESS ? send_request(fd, op, ONE_SHOT_ID, value, NULL, MSG_DONTWAIT)
+                                       : 0;
     ask_result r = ASK_SENT;
     if (rc != 0) /* EAGAIN: its queue is full; otherwise nobody listens there any more */
         r = err == EAGAIN ? ASK_BUSY : ASK_GONE;

@@ -214,7 +214,14 @@ static inline int32_t ipc_value_device(uint64_t v) { return (int32_t)((v >> IPC_
 #define IPC_MAGIC 0x4955504eu /* "NPUI" */
 #define IPC_VERSION 2 /* 2: request ids and CANCEL */
 #define IPC_V1_REPLY_SIZE 24 /* version 1's reply {magic, status, device, kind, size}: no version field */
-enum { IPC_OP_IMPORT = 1, IPC_OP_IMPORT_KEY = 2, IPC_OP_OPEN = 3, IPC_OP_CLOSE = 4, IPC_OP_PROBE = 5, IPC_OP_CANCEL = 6 };
+enum {
+    IPC_OP_IMPORT = 1,
+    IPC_OP_IMPORT_KEY = 2,
+    IPC_OP_OPEN = 3,
+    IPC_OP_CLOSE = 4,
+    IPC_OP_PROBE = 5,
+    IPC_OP_CANCEL = 6,
+};
 
 typedef struct ipc_request {
     uint32_t magic;

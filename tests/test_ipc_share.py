@@ -364,8 +364,9 @@ def serve():
 threading.Thread(target=serve, daemon=True).start()
 ret = bytes(h)
 """, off=SHARE_DESC_SECRET, version=version)
-    with pytest.raises(RuntimeError, match=rf"the owner speaks version {version} of npualloc's sharing protocol and this "
-                                           r"process version 2: both must run the same npualloc \(ACL error 507022\)"):
+    expected = (rf"the owner speaks version {version} of npualloc's sharing protocol and this process version 2: "
+                r"both must run the same npualloc \(ACL error 507022\)")
+    with pytest.raises(RuntimeError, match=expected):
         npualloc.open_shared(handle)
     assert counts()["sessions"] == 0 and counts()["opens"] == 0
 
