@@ -140,7 +140,7 @@ struct npualloc_graph {
     size_t nreleases, capreleases;
     struct npualloc_graph *cap_next; /* list of capturing graphs */
     aclmdlRICaptureMode mode;        /* capture mode (set at capture_begin) */
-    pthread_t cap_thread;            /* the thread that began the capture */
+    uint64_t cap_thread;             /* the thread that began the capture (this_thread) */
     /* violations (viol_lock) */
     char **viol;
     size_t nviol, capviol;
@@ -218,6 +218,17 @@ static uint64_t access_setting(int32_t device)
 }
 
 static _Thread_local char last_err[512];
+
+/* The calling thread's serial, never reused: a pthread_t is, by the next thread once its thread exited,
+ * and a capture's thread must stay the one that began it. */
+static uint64_t this_thread(void)
+{
+    static atomic_uint_fast64_t threads;
+    static _Thread_local uint64_t serial;
+    if (!serial)
+        serial = atomic_fetch_add(&threads, 1) + 1;
+    return serial;
+}
 
 static void set_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void set_err(const char *fmt, ...)
@@ -801,7 +812,7 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
     g->has_access = p.has_access;
     g->access = p.access_mask;
     g->mode = p.mode;
-    g->cap_thread = pthread_self();
+    g->cap_thread = this_thread();
     g->streams[0] = (cap_stream){.s = s, .handle = stream_id(s), .device = dev, .routed = p.use_pool};
     g->nstreams = 1;
     stream_capture_set(s, g);
@@ -843,7 +854,7 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     if (stale) {
         set_err("capture_end: the graph belongs to a runtime that was shut down");
         rc = ACL_ERROR_INVALID_PARAM;
-    } else if (g->mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && !pthread_equal(g->cap_thread, pthread_self())) {
+    } else if (g->mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && g->cap_thread != this_thread()) {
         /* CANN's aclmdlRICaptureEnd: such a capture ends in its thread; elsewhere it ends broken */
         set_err("capture_end: a capture not begun in RELAXED mode ends in the thread that began it");
         rc = ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD;
@@ -977,13 +988,13 @@ aclError graph_unsafe_call_check(void)
     int32_t dev;
     if (ex == ACL_MODEL_RI_CAPTURE_MODE_RELAXED || device_current(&dev) != ACL_SUCCESS)
         return ACL_SUCCESS;
-    pthread_t self = pthread_self();
+    uint64_t self = this_thread();
     unsigned on_device = NONE, mine = NONE;
     pthread_mutex_lock(&graph_lock);
     for (npualloc_graph *c = live_capture(capturing); c; c = live_capture(c->cap_next)) {
         if (c->device == dev && (unsigned)c->mode < on_device)
             on_device = c->mode;
-        if (pthread_equal(c->cap_thread, self) && (unsigned)c->mode < mine)
+        if (c->cap_thread == self && (unsigned)c->mode < mine)
             mine = c->mode;
     }
     pthread_mutex_unlock(&graph_lock);

@@ -951,6 +951,72 @@ static void test_capture_ends_in_its_thread_unless_relaxed(void **state)
     assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
 }
 
+/* A thread that begins a capture and exits without ending it: its id (pthread_t) is free for the
+ * next thread, which glibc usually hands the same one (checked below). */
+typedef struct exited_capturer {
+    aclrtStream s;
+    aclmdlRICaptureMode mode;
+    npualloc_graph *g;
+    pthread_t self;
+    aclError rc;
+} exited_capturer;
+
+static void *begin_and_exit(void *arg)
+{
+    exited_capturer *c = arg;
+    c->self = pthread_self();
+    npualloc_capture_params p = {.mode = c->mode};
+    if ((c->rc = aclrtSetDevice(0)) == ACL_SUCCESS)
+        c->rc = npualloc_graph_capture_begin(c->g, c->s, 0, &p);
+    return NULL;
+}
+
+typedef struct successor {
+    npualloc_graph *g;
+    pthread_t self;
+    aclError copy, end;
+} successor;
+
+static void *successor_main(void *arg)
+{
+    successor *t = arg;
+    t->self = pthread_self();
+    t->copy = aclrtSetDevice(0);
+    if (t->copy == ACL_SUCCESS)
+        t->copy = unsafe_copy();
+    t->end = npualloc_graph_capture_end(t->g);
+    return NULL;
+}
+
+/* A capture's thread is the thread that began it, not whichever thread later gets the same pthread_t:
+ * after that thread exited, a new thread is not refused a THREAD_LOCAL capture's unsafe calls, and
+ * may not end a GLOBAL or THREAD_LOCAL capture without ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD. */
+static void test_a_thread_that_reuses_an_exited_capturers_id_is_another_thread(void **state)
+{
+    (void)state;
+    capture_mode_setup();
+    aclrtStream s = new_stream();
+    bool reused = false;
+    for (int mode = ACL_MODEL_RI_CAPTURE_MODE_GLOBAL; mode <= ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL; mode++) {
+        exited_capturer c = {.s = s, .mode = (aclmdlRICaptureMode)mode, .g = new_graph(0)};
+        pthread_t th;
+        assert_int_equal(pthread_create(&th, NULL, begin_and_exit, &c), 0);
+        assert_int_equal(pthread_join(th, NULL), 0);
+        assert_int_equal(c.rc, ACL_SUCCESS);
+        successor t = {.g = c.g};
+        assert_int_equal(pthread_create(&th, NULL, successor_main, &t), 0);
+        assert_int_equal(pthread_join(th, NULL), 0);
+        reused |= pthread_equal(c.self, t.self) != 0;
+        assert_int_equal(t.copy, mode == ACL_MODEL_RI_CAPTURE_MODE_GLOBAL ? ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT
+                                                                          : ACL_SUCCESS);
+        assert_int_equal(t.end, ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD);
+        npualloc_graph_destroy(c.g);
+    }
+    assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
+    if (!reused)
+        skip(); /* the C library gave the new threads other ids: the case was not met */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -977,6 +1043,7 @@ int main(void)
         cmocka_unit_test_teardown(test_capture_mode_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_global_pool_capture_does_not_block_the_caching_allocator, stop_runtime),
         cmocka_unit_test_teardown(test_capture_ends_in_its_thread_unless_relaxed, stop_runtime),
+        cmocka_unit_test_teardown(test_a_thread_that_reuses_an_exited_capturers_id_is_another_thread, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
