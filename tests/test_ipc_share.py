@@ -312,6 +312,17 @@ npualloc.caching_allocator_delete(bs[2])  # no longer shared
 
 MAGIC = 0x4955504E  # "NPUI", the sharing protocol's
 SHARE_DESC_SECRET = 12  # offset of the server's name secret in a share descriptor
+# Worker code (needs socket and struct, and `off` = SHARE_DESC_SECRET): a real share's descriptor `h`
+# rewritten to name `fake`, a listening socket of this process that the test answers by hand.
+FAKE_OWNER = """
+b = npualloc.caching_allocator_alloc(2**20, 0)
+h = bytearray(bytes(npualloc.share(b)))
+fake_secret = (_C.ipc.counts()['secret'] + 1) % 1024
+struct.pack_into("<I", h, off, fake_secret)
+fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+fake.bind("\\0" + _C.ipc.server_name(os.getpid(), fake_secret))
+fake.listen()
+"""
 
 
 def test_a_request_of_another_protocol_version_is_refused_with_an_ipc_error(dev0, workers):  # noqa: F811
@@ -346,14 +357,7 @@ def test_an_owner_of_another_protocol_version_is_named_in_the_error(dev0, worker
     (owner,) = workers()
     handle = owner.call("""
 import socket, struct, threading
-b = npualloc.caching_allocator_alloc(2**20, 0)
-h = bytearray(bytes(npualloc.share(b)))
-fake_secret = (_C.ipc.counts()['secret'] + 1) % 1024
-struct.pack_into("<I", h, off, fake_secret)
-fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-fake.bind("\\0" + _C.ipc.server_name(os.getpid(), fake_secret))
-fake.listen()
-def serve():
+""" + FAKE_OWNER + """def serve():
     conn, _ = fake.accept()
     magic, _, op, _, rid = struct.unpack_from("<IHHiI", conn.recv(64))
     if version == 1:
@@ -380,14 +384,7 @@ def test_a_late_reply_with_a_descriptor_leaks_nothing(dev0, workers, monkeypatch
     (owner,) = workers()
     handle = owner.call("""
 import socket, struct, threading, time
-b = npualloc.caching_allocator_alloc(2**20, 0)
-h = bytearray(bytes(npualloc.share(b)))
-fake_secret = (_C.ipc.counts()['secret'] + 1) % 1024
-struct.pack_into("<I", h, off, fake_secret)
-fake = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-fake.bind("\\0" + _C.ipc.server_name(os.getpid(), fake_secret))
-fake.listen()
-seen = []
+""" + FAKE_OWNER + """seen = []
 def reply(conn, op, rid, size=0, fds=()):
     socket.send_fds(conn, [struct.pack("<IHHIiiIQ", 0x4955504E, 2, op, rid, 0, 0, 0, size)], list(fds))
 def serve():
