@@ -1090,7 +1090,7 @@ static private_pool *next_oom_pool(device_cache *dc, uint64_t after)
     return next;
 }
 
-/* torch's try_mempool_fallback, after the device refused a new segment: a request of the default
+/* torch's try_mempool_fallback, after the device refused a new segment for want of memory: a request of the default
  * pools takes a free block of the first use_on_oom pool that has one, searched as the pool's own
  * allocations are (same size, stream and rules).  The block stays the pool's: its stats kind,
  * snapshot and free are that pool's.  A request already routed to a private pool just goes on.
@@ -1174,7 +1174,9 @@ aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream
         }
         found = alloc_block(dc, &p, false);
         if (!found) {
-            int fallback = try_oom_pools(dc, &p); /* torch: before releasing anything */
+            /* torch: before releasing anything, and only for a device out of memory (its fallback asks
+             * for that status; another failure of the segment is no reason to lend a pool's block) */
+            int fallback = p.err == ACL_ERROR_RT_MEMORY_ALLOCATION ? try_oom_pools(dc, &p) : 0;
             if (fallback < 0)
                 return ACL_ERROR_INVALID_PARAM;
             found = fallback > 0 || (release_available_cached_blocks(dc, &p) && alloc_block(dc, &p, false));

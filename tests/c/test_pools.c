@@ -397,6 +397,28 @@ static void test_use_on_oom_is_not_for_requests_routed_to_a_private_pool(void **
     check();
 }
 
+/* torch falls back only when the device is out of memory (its fallback asks for that status): a
+ * segment that fails otherwise (here the mapping, out of host resources: 207005) is not replaced
+ * by the pool's block; the retry chain makes a new default segment. */
+static void test_use_on_oom_is_only_for_a_device_out_of_memory(void **state)
+{
+    (void)state;
+    void *hog, *p;
+    npualloc_mempool_id id = fill_small_device(&hog);
+    npualloc_cache_free(hog);
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS); /* room on the device again */
+    assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, id, true), ACL_SUCCESS);
+    assert_int_equal(npualloc_fault_set(NPUALLOC_FAULT_MAP, 1), ACL_SUCCESS);
+    assert_int_equal(try_alloc(20 * MiB_, &p), ACL_SUCCESS);
+    uint64_t seen, injected;
+    npualloc_fault_counts(NPUALLOC_FAULT_MAP, &seen, &injected);
+    assert_int_equal(injected, 1);
+    assert_true(is_pool(pool_of(p), (npualloc_mempool_id){0, 0}));
+    assert_int_equal(stats().segment[NPUALLOC_STAT_ALL].current, 2); /* the pool's and the new one */
+    npualloc_cache_free(p);
+    check();
+}
+
 /* torch enters each marked pool with beginAllocateToPool: a pool being recorded into fails the
  * allocation with that call's error. */
 static void test_use_on_oom_pool_being_recorded_into_fails_the_request(void **state)
@@ -533,6 +555,7 @@ int main(void)
         cmocka_unit_test_teardown(test_use_on_oom_pool_serves_a_default_request_the_device_cannot, stop_runtime),
         cmocka_unit_test_teardown(test_use_on_oom_is_not_for_requests_routed_to_a_private_pool, stop_runtime),
         cmocka_unit_test_teardown(test_use_on_oom_pool_being_recorded_into_fails_the_request, stop_runtime),
+        cmocka_unit_test_teardown(test_use_on_oom_is_only_for_a_device_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_use_on_oom_pools_in_marking_order_and_their_lifetime, stop_runtime),
         cmocka_unit_test_teardown(test_no_split_pool_hands_out_whole_segments, stop_runtime),
     };
