@@ -323,9 +323,8 @@ int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id);
 /* torch's setUseOnOOM (MemPool(use_on_oom=True); ~MemPool clears it): when an allocation of the
  * default pools finds no cached block and the device, out of memory, refuses a new segment (207001;
  * not another failure of it), it takes a free block of a marked pool before any cached memory is
- * released: the first marked pool (in the order they
- * were marked; torch's order is a hash set's) with a block that fits, by the pool's own search
- * rules (same stream, best fit, oversize limits).  The block stays the pool's (snapshot, stats
+ * released: the first marked pool (in the order they were marked; torch's order is a hash set's)
+ * with a block that fits, by the pool's own search rules (same stream, best fit, oversize limits).  The block stays the pool's (snapshot, stats
  * kind, and its free returns it there).  Never for a request already routed to a private pool; a
  * pool nobody holds (use count 0) is skipped; a marked pool that a capture or use_mem_pool records
  * into fails that allocation with "beginAllocateToPool: already recording to mempool_id", as in
