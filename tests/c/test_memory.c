@@ -272,8 +272,6 @@ static void test_host_memory(void **state)
     assert_int_equal(aclrtFreeHost(NULL), ACL_ERROR_INVALID_PARAM);
 }
 
-/* Host addresses nobody allocated or that were unmapped, and read-only memory: memcpy and memset
- * return ACL_ERROR_RT_PARAM_INVALID instead of faulting, synchronously and on a stream. */
 /* A read-only allocation: the process's own writes fault (in a fork child, which starts with fresh
  * devices and allocates its own), reads see what the runtime's copies and memsets wrote. */
 static void test_readonly_memory_faults_on_writes_and_takes_the_runtimes(void **state)
@@ -331,6 +329,8 @@ static void test_readonly_memory_faults_on_writes_and_takes_the_runtimes(void **
     assert_int_equal(aclrtFree(p), ACL_SUCCESS);
 }
 
+/* Host addresses nobody allocated or that were unmapped, and read-only memory: memcpy and memset
+ * return ACL_ERROR_RT_PARAM_INVALID instead of faulting, synchronously and on a stream. */
 static void test_bad_host_addresses_are_error_codes(void **state)
 {
     (void)state;
