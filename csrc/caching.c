@@ -1090,13 +1090,13 @@ static private_pool *next_oom_pool(device_cache *dc, uint64_t after)
     return next;
 }
 
-/* torch's try_mempool_fallback, after the device refused a new segment for want of memory: a request of the default
- * pools takes a free block of the first use_on_oom pool that has one, searched as the pool's own
- * allocations are (same size, stream and rules).  The block stays the pool's: its stats kind,
- * snapshot and free are that pool's.  A request already routed to a private pool just goes on.
- * torch enters each pool as beginAllocateToPool does (and leaves it, so its use count ends as it
- * was): a pool some capture or use_mem_pool is recording into fails the allocation with that
- * call's error.  1 found (p now names the pool and block), 0 none, -1 that error. */
+/* torch's try_mempool_fallback, after the device refused a new segment for want of memory: a
+ * request of the default pools takes a free block of the first use_on_oom pool that has one,
+ * searched as the pool's own allocations are (same size, stream and rules).  The block stays the
+ * pool's: its stats kind, snapshot and free are that pool's.  A request already routed to a private
+ * pool just goes on.  torch enters each pool as beginAllocateToPool does (and leaves it, so its use
+ * count ends as it was): a pool some capture or use_mem_pool is recording into fails the allocation
+ * with that call's error.  1 found (p now names the pool and block), 0 none, -1 that error. */
 static int try_oom_pools(device_cache *dc, alloc_params *p)
 {
     if (p->pool->owner)

@@ -324,12 +324,12 @@ int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id);
  * default pools finds no cached block and the device, out of memory, refuses a new segment (207001;
  * not another failure of it), it takes a free block of a marked pool before any cached memory is
  * released: the first marked pool (in the order they were marked; torch's order is a hash set's)
- * with a block that fits, by the pool's own search rules (same stream, best fit, oversize limits).  The block stays the pool's (snapshot, stats
- * kind, and its free returns it there).  Never for a request already routed to a private pool; a
- * pool nobody holds (use count 0) is skipped; a marked pool that a capture or use_mem_pool records
- * into fails that allocation with "beginAllocateToPool: already recording to mempool_id", as in
- * torch.  Marking needs an existing pool (ACL_ERROR_INVALID_PARAM otherwise); clearing an unknown
- * pool does nothing. */
+ * with a block that fits, by the pool's own search rules (same stream, best fit, oversize limits).
+ * The block stays the pool's (snapshot, stats kind, and its free returns it there).  Never for a
+ * request already routed to a private pool; a pool nobody holds (use count 0) is skipped; a marked
+ * pool that a capture or use_mem_pool records into fails that allocation with "beginAllocateToPool:
+ * already recording to mempool_id", as in torch.  Marking needs an existing pool
+ * (ACL_ERROR_INVALID_PARAM otherwise); clearing an unknown pool does nothing. */
 aclError npualloc_cache_pool_set_use_on_oom(int32_t device, npualloc_mempool_id id, bool use_on_oom);
 /* torch's setNoSplit (MemPool(no_split=True)): the pool's blocks are never split, so every
  * allocation takes a whole free block (a new segment: all of it); sizes, segment sizes and the
