@@ -9,7 +9,9 @@
  * empty_cache, empty_virt_addr_cache, set_fraction (valid and invalid), _set_allocator_settings
  * (a table incl. expandable_segments on/off, and raw input bytes), private pools (create,
  * begin/end by thread or stream, release, empty; the last pool takes its segments from an
- * allocator of its own, torch's MemPool(allocator)), stream work, stats, snapshots, history.
+ * allocator of its own, torch's MemPool(allocator)), pool settings (use_on_oom marked and
+ * cleared, no_split: torch's MemPool(use_on_oom=..., no_split=...)), stream work, stats,
+ * snapshots, history.
  *
  * Checked after every operation (any failure aborts):
  *   - npualloc_cache_check passes on both devices;
@@ -19,6 +21,12 @@
  *     offset and its last byte (blocks are 512-aligned, so any overlap of two live blocks
  *     overwrites a tag of one of them);
  *   - snapshots list exactly the live blocks as allocated, with their requested sizes;
+ *   - once a pool of the device was marked use_on_oom, a request no route takes gets a block of
+ *     the default pools or of a pool that may be marked, held and not recorded into (or fails
+ *     with beginAllocateToPool's error while a marked pool is recorded into); an allocation
+ *     never splits a block of a no_split pool (with expandable_segments off, plain segments:
+ *     the block count of its segment does not grow, a new segment holds one block); the pool
+ *     settings return ACL_ERROR_INVALID_PARAM exactly for an unknown pool or device;
  *   - at the end, after freeing everything, ending the routes, releasing the pools and
  *     empty_cache: no allocated and no reserved bytes on either device, and every segment the
  *     pool's allocator handed out came back to it.
@@ -57,6 +65,8 @@ typedef struct slot {
 typedef struct route {
     npualloc_mempool_id id;
     int32_t device;
+    npualloc_pool_filter filter;
+    uint64_t value; /* the stream of a stream filter */
 } route;
 
 typedef struct ops_state {
@@ -65,6 +75,15 @@ typedef struct ops_state {
     uint64_t streams[OPS_DEVICES][OPS_STREAMS];
     npualloc_mempool_id pools[OPS_POOLS];
     int pool_refs[OPS_DEVICES][OPS_POOLS]; /* our references from npualloc_cache_pool_create */
+    /* What the pool settings may have done, per device and pool.  made: created (not since
+     * forgotten for sure); oom_marked: maybe marked use_on_oom (a forgotten pool loses its mark:
+     * this may say true of an unmarked pool, never false of a marked one); no_split: surely
+     * no_split (cleared when the pool may have been forgotten and made again). */
+    bool made[OPS_DEVICES][OPS_POOLS];
+    bool oom_marked[OPS_DEVICES][OPS_POOLS];
+    bool no_split[OPS_DEVICES][OPS_POOLS];
+    bool ever_marked[OPS_DEVICES]; /* a pool was marked: requests are watched from then on */
+    long oom_fallbacks; /* default requests a marked pool's block served (traced at the end) */
     route routes[OPS_ROUTES];
     int route_count;
     uint64_t next_tag;
@@ -238,6 +257,72 @@ static void check_snapshot(const ops_state *st)
     npualloc_snapshot_free(snap);
 }
 
+/* ---- private pools: what the harness knows of them ---- */
+
+static bool same_pool(npualloc_mempool_id a, npualloc_mempool_id b) { return a.first == b.first && a.second == b.second; }
+
+/* The index in st->pools of a snapshot's pool id, or -1 (the default pool). */
+static int pool_index(const ops_state *st, const uint64_t id[2])
+{
+    for (int p = 0; p < OPS_POOLS; p++)
+        if (st->pools[p].first == id[0] && st->pools[p].second == id[1])
+            return p;
+    return -1;
+}
+
+static bool pool_routed(const ops_state *st, int32_t dev, int p)
+{
+    for (int k = 0; k < st->route_count; k++)
+        if (st->routes[k].device == dev && same_pool(st->routes[k].id, st->pools[p]))
+            return true;
+    return false;
+}
+
+/* Whether an allocation on (dev, stream) by this thread goes to a private pool (a route matches). */
+static bool request_routed(const ops_state *st, int32_t dev, uint64_t stream)
+{
+    for (int k = 0; k < st->route_count; k++)
+        if (st->routes[k].device == dev &&
+            (st->routes[k].filter == NPUALLOC_POOL_FILTER_THREAD || st->routes[k].value == stream))
+            return true;
+    return false;
+}
+
+static bool pool_has_segments(int32_t dev, npualloc_mempool_id id)
+{
+    npualloc_snapshot *snap = NULL;
+    FUZZ_CHECK(npualloc_cache_snapshot(&snap) == ACL_SUCCESS, "snapshot");
+    bool found = false;
+    for (size_t si = 0; si < snap->segment_count && !found; si++)
+        found = snap->segments[si].device == dev && snap->segments[si].pool_id[0] == id.first &&
+                snap->segments[si].pool_id[1] == id.second;
+    npualloc_snapshot_free(snap);
+    return found;
+}
+
+/* 1: pool p exists on the device, 0: it does not, -1: unknown (made, but nobody holds it and it
+ * owns no segment: the next release of cached memory, which an allocation may do, forgets it). */
+static int pool_exists(const ops_state *st, int32_t dev, int p)
+{
+    if (!st->made[dev][p])
+        return 0;
+    if (npualloc_cache_pool_use_count(dev, st->pools[p]) > 0 || pool_routed(st, dev, p) ||
+        pool_has_segments(dev, st->pools[p]))
+        return 1;
+    return -1;
+}
+
+/* The segment of a snapshot that holds ptr (NULL: none). */
+static const npualloc_segment_info *segment_of(const npualloc_snapshot *snap, int32_t dev, uintptr_t ptr)
+{
+    for (size_t si = 0; si < snap->segment_count; si++) {
+        const npualloc_segment_info *seg = &snap->segments[si];
+        if (seg->device == dev && ptr >= seg->address && ptr - seg->address < seg->total_size)
+            return seg;
+    }
+    return NULL;
+}
+
 /* ---- operands ---- */
 
 static int32_t pick_device(ops_state *st)
@@ -327,6 +412,24 @@ static void op_malloc(ops_state *st, bool with_ctx)
     void *p = (void *)0x1;
     npualloc_context *ctx = NULL;
     aclError rc;
+    /* The pool settings: a request no route takes may get a use_on_oom pool's block (or fail
+     * while such a pool is being recorded into); no request splits a block of a no_split pool.
+     * Only plain segments are watched, with expandable_segments off: the base_addr_aligned_kb
+     * front split and growing an expandable segment make blocks without splitting one. */
+    bool valid_dev = dev >= 0 && dev < OPS_DEVICES, routed = valid_dev && request_routed(st, dev, stream);
+    bool watch_route = valid_dev && st->ever_marked[dev], marked_recorded = false, watch_split = false;
+    npualloc_snapshot *before = NULL;
+    for (int k = 0; valid_dev && k < OPS_POOLS; k++) {
+        marked_recorded |= st->oom_marked[dev][k] && pool_routed(st, dev, k);
+        watch_split |= st->no_split[dev][k];
+    }
+    if (watch_split) {
+        npualloc_allocator_settings set;
+        FUZZ_CHECK(npualloc_cache_get_settings(&set) == ACL_SUCCESS, "get_settings");
+        watch_split = !set.expandable_segments;
+    }
+    if (watch_split)
+        FUZZ_CHECK(npualloc_cache_snapshot(&before) == ACL_SUCCESS, "snapshot");
     if (with_ctx) {
         ctx = npualloc_context_create(&how, 1);
         rc = npualloc_cache_malloc_ctx(dev, size, stream, ctx, &p);
@@ -339,11 +442,16 @@ static void op_malloc(ops_state *st, bool with_ctx)
               with_ctx ? "malloc_ctx" : (how & 1) ? "allocate" : "malloc", (int)dev, size, (unsigned long long)stream,
               rc, p);
     if (rc != ACL_SUCCESS) {
+        npualloc_snapshot_free(before);
         FUZZ_CHECK(p == NULL, "a failed allocation left a pointer");
         check_error_message();
         if (dev < 0 || dev >= OPS_DEVICES)
             FUZZ_CHECK(rc == ACL_ERROR_INVALID_PARAM || rc == ACL_ERROR_RT_MEMORY_ALLOCATION,
                        "malloc on device %d: %d", (int)dev, rc);
+        else if (rc == ACL_ERROR_INVALID_PARAM && !routed && marked_recorded)
+            FUZZ_CHECK(strcmp(npualloc_last_error(NULL), "beginAllocateToPool: already recording to mempool_id") == 0,
+                       "malloc(%zu) on device %d, a marked pool recorded into: %s", size, (int)dev,
+                       npualloc_last_error(NULL));
         else
             FUZZ_CHECK(rc == ACL_ERROR_RT_MEMORY_ALLOCATION, "malloc(%zu) on device %d: %d %s", size, (int)dev, rc,
                        npualloc_last_error(NULL));
@@ -361,6 +469,7 @@ static void op_malloc(ops_state *st, bool with_ctx)
         return;
     }
     if (size == 0) {
+        npualloc_snapshot_free(before);
         FUZZ_CHECK(p == NULL, "malloc(0) returned %p", p);
         npualloc_context_release(ctx);
         return;
@@ -373,6 +482,34 @@ static void op_malloc(ops_state *st, bool with_ctx)
     FUZZ_CHECK(npualloc_cache_block_info(p, &bdev, &bstream, &bsize) == ACL_SUCCESS, "block_info of a live block");
     FUZZ_CHECK(bdev == dev && bsize >= size && bstream == stream, "block_info: device %d size %zu stream %#llx",
                (int)bdev, bsize, (unsigned long long)bstream);
+    if (watch_split || (watch_route && !routed)) {
+        npualloc_snapshot *after = NULL;
+        FUZZ_CHECK(npualloc_cache_snapshot(&after) == ACL_SUCCESS, "snapshot");
+        const npualloc_segment_info *seg = segment_of(after, dev, (uintptr_t)p);
+        FUZZ_CHECK(seg != NULL, "block %p is in no segment of device %d", p, (int)dev);
+        int k = pool_index(st, seg->pool_id);
+        if (!routed && k >= 0) {
+            FUZZ_CHECK(st->oom_marked[dev][k], "a request no route takes got block %p of pool %d, not use_on_oom",
+                       p, k);
+            /* a pool nobody holds is skipped, one being recorded into fails the request */
+            FUZZ_CHECK(npualloc_cache_pool_use_count(dev, st->pools[k]) > 0 && !pool_routed(st, dev, k),
+                       "block %p of pool %d (use count %d, routed %d) served a request no route takes", p, k,
+                       npualloc_cache_pool_use_count(dev, st->pools[k]), (int)pool_routed(st, dev, k));
+            st->oom_fallbacks++;
+            OPS_TRACE("  use_on_oom: served by pool %d's block", k);
+        }
+        if (watch_split && k >= 0 && st->no_split[dev][k] && !seg->is_expandable) {
+            /* the same segment before (frees taken in may have merged blocks since), or a new one */
+            const npualloc_segment_info *old = segment_of(before, dev, (uintptr_t)p);
+            bool same = old && old->address == seg->address && old->total_size == seg->total_size &&
+                        old->pool_id[0] == seg->pool_id[0] && old->pool_id[1] == seg->pool_id[1];
+            FUZZ_CHECK(seg->block_count <= (same ? old->block_count : 1),
+                       "no_split pool %d: block %p split its segment (%zu blocks, %zu before)", k, p, seg->block_count,
+                       same ? old->block_count : 0);
+        }
+        npualloc_snapshot_free(after);
+    }
+    npualloc_snapshot_free(before);
     s->ptr = p;
     s->size = size;
     s->device = dev;
@@ -520,12 +657,18 @@ static void op_pool(ops_state *st)
     aclError rc;
     OPS_TRACE("pool op %d on device %d, pool %d (%llu, %llu)%s", what % 6, (int)dev, p,
               (unsigned long long)id.first, (unsigned long long)id.second, (what & 8) ? " by stream" : "");
+    /* create and begin may make a pool that was forgotten again, without its no_split */
+    if (valid_dev && st->no_split[dev][p] && (what % 6 == 0 || what % 6 == 2 || what % 6 == 3) &&
+        pool_exists(st, dev, p) != 1)
+        st->no_split[dev][p] = false;
     switch (what % 6) {
     case 0: /* create: we hold a reference */
         rc = npualloc_cache_pool_create(dev, id);
         FUZZ_CHECK(rc == (valid_dev ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM), "pool_create: %d", rc);
-        if (rc == ACL_SUCCESS)
+        if (rc == ACL_SUCCESS) {
             st->pool_refs[dev][p]++;
+            st->made[dev][p] = true;
+        }
         break;
     case 1: /* release one of our references (or one we never took: an error then) */
         rc = npualloc_cache_pool_release(dev, id);
@@ -556,8 +699,11 @@ static void op_pool(ops_state *st)
                    (int)recording, rc);
         if (recording)
             FUZZ_CHECK(npualloc_cache_pool_use_count(dev, id) == uses, "a refused pool_begin took a reference");
-        if (rc == ACL_SUCCESS)
-            st->routes[st->route_count++] = (route){id, dev};
+        if (rc == ACL_SUCCESS) {
+            st->routes[st->route_count++] =
+                (route){id, dev, by_stream ? NPUALLOC_POOL_FILTER_STREAM : NPUALLOC_POOL_FILTER_THREAD, value};
+            st->made[dev][p] = true;
+        }
         break;
     }
     case 4: { /* end the newest route (or a pool with none: an error) */
@@ -590,6 +736,64 @@ static void op_pool(ops_state *st)
     if (what == 0x55)
         FUZZ_CHECK(npualloc_cache_pool_create(0, (npualloc_mempool_id){0, 0}) == ACL_ERROR_INVALID_PARAM,
                    "pool_create((0, 0))");
+}
+
+/* MemPool(use_on_oom=...) and MemPool(no_split=...): mark or clear use_on_oom, set no_split.
+ * Marking and no_split need a pool that exists on a valid device; clearing needs a valid device. */
+static void op_pool_setting(ops_state *st)
+{
+    uint8_t what = fuzz_u8(&st->in);
+    int32_t dev = pick_device(st);
+    int p = fuzz_u8(&st->in) % OPS_POOLS;
+    bool valid_dev = dev >= 0 && dev < OPS_DEVICES, default_id = (what & 0xf0) == 0xf0;
+    npualloc_mempool_id id = default_id ? (npualloc_mempool_id){0, 0} : st->pools[p];
+    int exists = 0; /* the default pool is no private pool */
+    if (valid_dev && !default_id) {
+        exists = pool_exists(st, dev, p);
+        if (exists < 0 && (what & 4)) {
+            /* settles it: emptying a pool nobody holds that owns no segment forgets it */
+            FUZZ_CHECK(npualloc_cache_pool_empty(dev, id) == ACL_SUCCESS, "pool_empty");
+            st->made[dev][p] = st->oom_marked[dev][p] = st->no_split[dev][p] = false;
+            exists = 0;
+        }
+    }
+    aclError rc;
+    switch (what % 3) {
+    case 0:
+        rc = npualloc_cache_pool_set_use_on_oom(dev, id, true);
+        break;
+    case 1:
+        rc = npualloc_cache_pool_set_use_on_oom(dev, id, false);
+        break;
+    default:
+        rc = npualloc_cache_pool_set_no_split(dev, id);
+        break;
+    }
+    OPS_TRACE("%s(device %d, pool %d (%llu, %llu)) -> %d (exists: %d)",
+              what % 3 == 0 ? "use_on_oom" : what % 3 == 1 ? "clear use_on_oom" : "no_split", (int)dev,
+              default_id ? -1 : p, (unsigned long long)id.first, (unsigned long long)id.second, rc, exists);
+    if (!valid_dev)
+        FUZZ_CHECK(rc == ACL_ERROR_INVALID_PARAM, "pool setting %d on device %d: %d", what % 3, (int)dev, rc);
+    else if (what % 3 == 1) /* torch erases the id from a set: unknown ids too */
+        FUZZ_CHECK(rc == ACL_SUCCESS, "clearing use_on_oom: %d", rc);
+    else if (exists >= 0)
+        FUZZ_CHECK(rc == (exists ? ACL_SUCCESS : ACL_ERROR_INVALID_PARAM), "pool setting %d (pool exists: %d): %d",
+                   what % 3, exists, rc);
+    else
+        FUZZ_CHECK(rc == ACL_SUCCESS || rc == ACL_ERROR_INVALID_PARAM, "pool setting %d: %d", what % 3, rc);
+    if (rc != ACL_SUCCESS) {
+        check_error_message();
+        if (valid_dev && !default_id) /* the pool was forgotten */
+            st->made[dev][p] = st->oom_marked[dev][p] = st->no_split[dev][p] = false;
+        return;
+    }
+    if (!valid_dev || default_id)
+        return;
+    if (what % 3 == 2)
+        st->no_split[dev][p] = true;
+    else
+        st->oom_marked[dev][p] = what % 3 == 0;
+    st->ever_marked[dev] |= st->oom_marked[dev][p];
 }
 
 static void op_streams(ops_state *st)
@@ -721,6 +925,7 @@ static void start(ops_state *st, uint8_t conf, uint8_t mem)
                                                              pool_allocator_free) == ACL_SUCCESS,
                    "pool_create_with_allocator");
         st->pool_refs[d][OPS_POOLS - 1] = 1;
+        st->made[d][OPS_POOLS - 1] = true;
     }
 }
 
@@ -833,13 +1038,17 @@ int fuzz_ops_one(const uint8_t *data, size_t size)
         case 24:
             check_all_slots(&st);
             break;
-        default: { /* a wasted byte: lets mutations shift operands */
+        default: /* a wasted byte: lets mutations shift operands */
+            /* but two of its values, which no regression input uses as an op (they keep their
+             * meaning), set a pool's use_on_oom or no_split */
+            if (op == 25 + 4 * 26 || op == 25 + 5 * 26)
+                op_pool_setting(&st);
             break;
-        }
         }
         check_devices("an operation");
     }
     check_all_slots(&st);
+    OPS_TRACE("use_on_oom fallbacks: %ld", st.oom_fallbacks);
     finish(&st);
     return 0;
 }
