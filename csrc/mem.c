@@ -383,23 +383,29 @@ static aclError run_mem_task(void *arg)
     return rc == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_DEVICE_MEM_ERROR;
 }
 
-static aclError enqueue_mem_task(aclrtStream stream, mem_task task)
+/* Queues fn on the stream with its own copy of the `size` bytes of `task`. */
+static aclError enqueue_task(aclrtStream stream, stream_task_fn fn, const void *task, size_t size)
 {
     npu_stream *s;
     aclError rc = stream_acquire(stream, &s);
     if (rc != ACL_SUCCESS)
         return rc;
-    mem_task *t = malloc(sizeof *t);
+    void *t = malloc(size);
     if (!t) {
         stream_release(s);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    *t = task;
-    rc = stream_enqueue(s, run_mem_task, t, free, NULL);
+    memcpy(t, task, size);
+    rc = stream_enqueue(s, fn, t, free, NULL);
     stream_release(s);
     if (rc != ACL_SUCCESS)
         free(t);
     return rc;
+}
+
+static aclError enqueue_mem_task(aclrtStream stream, mem_task task)
+{
+    return enqueue_task(stream, run_mem_task, &task, sizeof task);
 }
 
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
@@ -445,6 +451,131 @@ aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t c
     if (rc != ACL_SUCCESS)
         return rc;
     return enqueue_mem_task(stream, (mem_task){.dst = devPtr, .count = count, .value = value});
+}
+
+/* ---- 2-D copies ---- */
+
+/* CANN's runtime refuses more rows, or longer ones, than these. */
+#define MEMCPY2D_MAX_HEIGHT ((size_t)5 << 20)
+#define MEMCPY2D_MAX_WIDTH ((size_t)5000000)
+
+/* `height` rows of `width` bytes, `spitch` bytes apart at src and `dpitch` bytes apart at dst. */
+typedef struct copy2d {
+    void *dst;
+    const void *src;
+    size_t dpitch, spitch, width, height;
+} copy2d;
+
+static void *row_at(const void *base, size_t pitch, size_t i) { return (void *)((uintptr_t)base + i * pitch); }
+
+/* Do `height` rows `pitch` apart from p stay below the top of the address space? */
+static bool rows_fit(const void *p, size_t pitch, size_t width, size_t height)
+{
+    return height - 1 <= (UINTPTR_MAX - (uintptr_t)p - width) / pitch;
+}
+
+/* The checks of CANN's ACL layer (pointers, height, width, width against both pitches, kind), in its
+ * order, then its runtime's (the limits; DEVICE_TO_DEVICE, which the ACL layer lets through, is not
+ * supported there), then the span of the rows. */
+static aclError copy2d_args_check(const copy2d *c, int kind)
+{
+    if (!c->dst || !c->src || c->height == 0 || c->width == 0 || c->width > c->spitch || c->width > c->dpitch)
+        return ACL_ERROR_INVALID_PARAM;
+    if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST && kind != ACL_MEMCPY_DEVICE_TO_DEVICE &&
+        kind != ACL_MEMCPY_DEFAULT)
+        return ACL_ERROR_INVALID_PARAM;
+    if (c->height > MEMCPY2D_MAX_HEIGHT || c->width > MEMCPY2D_MAX_WIDTH)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    if (kind == ACL_MEMCPY_DEVICE_TO_DEVICE)
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    if (!rows_fit(c->dst, c->dpitch, c->width, c->height) || !rows_fit(c->src, c->spitch, c->width, c->height))
+        return ACL_ERROR_RT_PARAM_INVALID;
+    return ACL_SUCCESS;
+}
+
+/* With the registry read lock held: checks every row as aclrtMemcpy checks its range, with one side
+ * host memory and the other device memory (CANN's runtime takes the direction from the pointers and
+ * copies only host to device or device to host), then, if `move`, copies the rows.  Nothing is copied
+ * unless every row passes. */
+static aclError copy2d_locked(const copy2d *c, bool move)
+{
+    for (int pass = 0; pass < (move ? 2 : 1); pass++) {
+        for (size_t i = 0; i < c->height; i++) {
+            void *d = row_at(c->dst, c->dpitch, i);
+            const void *s = row_at(c->src, c->spitch, i);
+            range_class dc, sc;
+            aclError rc = check_copy_locked(d, s, c->width, &dc, &sc);
+            if (rc == ACL_SUCCESS && (dc == RANGE_HOST) == (sc == RANGE_HOST))
+                rc = ACL_ERROR_RT_PARAM_INVALID;
+            if (rc == ACL_SUCCESS && pass == 1)
+                rc = mem_move_locked(d, dc, s, sc, c->width);
+            if (rc != ACL_SUCCESS)
+                return rc;
+        }
+    }
+    return ACL_SUCCESS;
+}
+
+aclError aclrtMemcpy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                       aclrtMemcpyKind kind)
+{
+    copy2d c = {dst, src, dpitch, spitch, width, height};
+    aclError rc = copy2d_args_check(&c, (int)kind);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
+        return rc;
+    /* an unsafe call during a capture (graph.c), as aclrtMemcpy */
+    if (unlikely(graph_capture_active()) && (rc = graph_unsafe_call_check()) != ACL_SUCCESS)
+        return rc;
+    vmm_read_lock();
+    rc = copy2d_locked(&c, true);
+    vmm_read_unlock();
+    return rc;
+}
+
+/* The queued 2-D copy, checked again when it runs (the memory may be gone by then). */
+static aclError run_copy2d_task(void *arg)
+{
+    vmm_read_lock();
+    aclError rc = copy2d_locked(arg, true);
+    vmm_read_unlock();
+    return rc == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_DEVICE_MEM_ERROR;
+}
+
+aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                            aclrtMemcpyKind kind, aclrtStream stream)
+{
+    copy2d c = {dst, src, dpitch, spitch, width, height};
+    aclError rc = copy2d_args_check(&c, (int)kind);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
+        return rc;
+    if (unlikely(graph_capture_active())) {
+        /* graph capture (graph.c): on a capturing stream each row becomes a MEMCPY node, in order, checked
+         * as aclrtMemcpyAsync's are; the first row refused ends the call, the rows before it stay captured
+         * (CANN's runtime, too, queues a 2-D copy as several tasks and stops at the first it cannot). */
+        size_t i = 0;
+        while (i < height && graph_capture_memop(stream, row_at(dst, dpitch, i), row_at(src, spitch, i), width, 0,
+                                                 true, &rc)) {
+            if (rc != ACL_SUCCESS)
+                return rc;
+            i++;
+        }
+        if (i == height)
+            return ACL_SUCCESS;
+        /* The capture ended after row i - 1 (in another thread): the rest is an ordinary copy. */
+        c.dst = row_at(dst, dpitch, i);
+        c.src = row_at(src, spitch, i);
+        c.height -= i;
+    }
+    vmm_read_lock();
+    rc = copy2d_locked(&c, false);
+    vmm_read_unlock();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    return enqueue_task(stream, run_copy2d_task, &c, sizeof c);
 }
 
 aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free_bytes, size_t *total_bytes)

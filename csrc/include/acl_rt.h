@@ -270,6 +270,10 @@ aclError aclrtMallocHost(void **hostPtr, size_t size);
 aclError aclrtFreeHost(void *hostPtr);
 aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count);
 aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind);
+/* height rows of width bytes, spitch bytes apart at src and dpitch bytes apart at dst, between host and
+ * device memory (docs/runtime.md "2-D copies"). */
+aclError aclrtMemcpy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                       aclrtMemcpyKind kind);
 aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total);
 
 /* ---- virtual memory management ---- */
@@ -306,6 +310,8 @@ aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
 aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status);
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream);
+aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                            aclrtMemcpyKind kind, aclrtStream stream);
 aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream);
 aclError aclrtLaunchCallback(aclrtCallback fn, void *userData, aclrtCallbackBlockType blockType,
                              aclrtStream stream);
@@ -330,8 +336,8 @@ aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endE
 aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
 
 /* ---- capture modes (aclmdlRICaptureMode) ----
- * A capture's mode limits the calls CANN calls unsafe during a capture (npualloc has two of them:
- * aclrtMemcpy and aclrtMemset).  While the calling thread's current device has a capture underway,
+ * A capture's mode limits the calls CANN calls unsafe during a capture (npualloc has three of them:
+ * aclrtMemcpy, aclrtMemcpy2d and aclrtMemset).  While the calling thread's current device has a capture underway,
  * such a call fails with ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT (the capture goes on), depending on
  * the thread's exchange mode (aclmdlRICaptureThreadExchangeMode, GLOBAL until changed):
  *   GLOBAL:       refused if a GLOBAL capture is underway on the device, or if the thread itself

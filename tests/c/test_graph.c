@@ -688,6 +688,53 @@ static void test_get_mem_access_rejects_a_null_output(void **state)
     assert_int_equal(m, 0);
 }
 
+/* aclrtMemcpy2dAsync on a capturing stream: one MEMCPY node per row, in order; each launch copies
+ * the rows. */
+static void test_memcpy2d_async_captures_a_node_per_row(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    static char host_src[3 * 16], host_dst[3 * 64];
+    for (int i = 0; i < (int)sizeof host_src; i++)
+        host_src[i] = (char)(i + 1);
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    char *x = galloc_on(s, 3 * 64);
+    assert_int_equal(aclrtMemsetAsync(x, 3 * 64, 0, 3 * 64, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy2dAsync(x, 64, host_src, 16, 16, 3, ACL_MEMCPY_HOST_TO_DEVICE, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(host_dst, sizeof host_dst, x, 3 * 64, ACL_MEMCPY_DEVICE_TO_HOST, s),
+                     ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    end(g);
+    size_t rows = 0;
+    for (size_t i = 0; i < npualloc_graph_node_count(g); i++) {
+        npualloc_graph_node n;
+        assert_int_equal(npualloc_graph_get_node(g, i, &n), ACL_SUCCESS);
+        if (n.kind == NPUALLOC_GRAPH_NODE_MEMCPY && n.count == 16) {
+            assert_int_equal(n.dst, (uintptr_t)x + rows * 64);
+            assert_int_equal(n.src, (uintptr_t)host_src + rows * 16);
+            rows++;
+        }
+    }
+    assert_int_equal(rows, 3);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    for (int launch = 0; launch < 2; launch++) {
+        memset(host_dst, 0x7f, sizeof host_dst);
+        host_src[0] = (char)(50 + launch);
+        assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+        assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+        for (int r = 0; r < 3; r++) {
+            assert_memory_equal(host_dst + r * 64, host_src + r * 16, 16);
+            for (int b = 16; b < 64; b++)
+                assert_int_equal(host_dst[r * 64 + b], 0);
+        }
+    }
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+}
+
 /* ---- capture modes (acl_rt.h, aclmdlRICaptureMode) ---- */
 
 static char host_buf[64];
@@ -695,6 +742,10 @@ static void *dev_buf;
 
 static aclError unsafe_copy(void) { return aclrtMemcpy(host_buf, 64, dev_buf, 64, ACL_MEMCPY_DEVICE_TO_HOST); }
 static aclError unsafe_set(void) { return aclrtMemset(dev_buf, 64, 7, 64); }
+static aclError unsafe_copy2d(void)
+{
+    return aclrtMemcpy2d(host_buf, 32, dev_buf, 32, 16, 2, ACL_MEMCPY_DEVICE_TO_HOST);
+}
 
 typedef struct other_thread {
     int32_t device;                /* the thread's current device; -1: none */
@@ -763,6 +814,7 @@ static void test_global_capture_refuses_unsafe_calls_in_every_thread(void **stat
     begin(g, s); /* params NULL: GLOBAL */
     assert_int_equal(unsafe_copy(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
     assert_int_equal(unsafe_set(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
+    assert_int_equal(unsafe_copy2d(), ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
     other_thread t = in_other_thread(0, -1);
     assert_int_equal(t.copy, ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
     assert_int_equal(t.set, ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT);
@@ -778,6 +830,9 @@ static void test_global_capture_refuses_unsafe_calls_in_every_thread(void **stat
     assert_int_equal(unsafe_set(), ACL_SUCCESS);
     assert_int_equal(unsafe_copy(), ACL_SUCCESS);
     assert_int_equal(host_buf[0], 7); /* it really ran */
+    memset(host_buf, 0, sizeof host_buf);
+    assert_int_equal(unsafe_copy2d(), ACL_SUCCESS);
+    assert_int_equal(host_buf[32 + 15], 7);
     assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL), ACL_MODEL_RI_CAPTURE_MODE_RELAXED);
     bool cap = false;
     assert_int_equal(npualloc_stream_capture_status(s, 0, &cap, NULL), ACL_SUCCESS);
@@ -1038,6 +1093,7 @@ int main(void)
         cmocka_unit_test_teardown(test_access_setting_is_forgotten_on_restart, stop_runtime),
         cmocka_unit_test_teardown(test_get_mem_access_rejects_a_null_output, stop_runtime),
         cmocka_unit_test_teardown(test_user_cannot_unmap_release_or_map_a_graphs_range, stop_runtime),
+        cmocka_unit_test_teardown(test_memcpy2d_async_captures_a_node_per_row, stop_runtime),
         cmocka_unit_test_teardown(test_global_capture_refuses_unsafe_calls_in_every_thread, stop_runtime),
         cmocka_unit_test_teardown(test_thread_local_and_relaxed_captures, stop_runtime),
         cmocka_unit_test_teardown(test_capture_mode_arguments, stop_runtime),

@@ -238,6 +238,158 @@ static void test_memcpy_all_kinds_and_checks(void **state)
     aclrtFreeHost(hp);
 }
 
+/* ---- 2-D copies ---- */
+
+static aclrtStream stream2d; /* NULL: the synchronous aclrtMemcpy2d */
+
+static aclError copy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                       int kind)
+{
+    if (!stream2d)
+        return aclrtMemcpy2d(dst, dpitch, src, spitch, width, height, (aclrtMemcpyKind)kind);
+    aclError rc = aclrtMemcpy2dAsync(dst, dpitch, src, spitch, width, height, (aclrtMemcpyKind)kind, stream2d);
+    return rc == ACL_SUCCESS ? aclrtSynchronizeStream(stream2d) : rc;
+}
+
+/* 5 rows of 24 bytes: host (pitch 40) -> device (pitch 32) -> host (pitch 48); the bytes between the
+ * rows are left alone, from pageable and from aclrtMallocHost memory, with the kind named or DEFAULT. */
+static void check_round_trip(void *dev, char *pinned)
+{
+    char src[5 * 40], back[5 * 48];
+    for (int i = 0; i < (int)sizeof src; i++)
+        src[i] = (char)(i * 7 + 1);
+    char *hosts[2] = {src, pinned};
+    memcpy(pinned, src, sizeof src);
+    for (int h = 0; h < 2; h++) {
+        assert_int_equal(aclrtMemset(dev, 5 * 32, 0xEE, 5 * 32), ACL_SUCCESS);
+        assert_int_equal(copy2d(dev, 32, hosts[h], 40, 24, 5, h ? ACL_MEMCPY_DEFAULT : ACL_MEMCPY_HOST_TO_DEVICE),
+                         ACL_SUCCESS);
+        memset(back, 0x11, sizeof back);
+        assert_int_equal(copy2d(back, 48, dev, 32, 24, 5, h ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_DEFAULT),
+                         ACL_SUCCESS);
+        for (int r = 0; r < 5; r++) {
+            assert_memory_equal(back + r * 48, src + r * 40, 24);
+            for (int b = 24; b < 48; b++)
+                assert_int_equal(back[r * 48 + b], 0x11);
+        }
+        unsigned char flat[5 * 32];
+        assert_int_equal(aclrtMemcpy(flat, sizeof flat, dev, sizeof flat, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+        for (int r = 0; r < 5; r++)
+            for (int b = 24; b < 32; b++)
+                assert_int_equal(flat[r * 32 + b], 0xEE);
+    }
+}
+
+static void test_memcpy2d_round_trip_with_pitches(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    void *dev, *pinned;
+    assert_int_equal(aclrtMalloc(&dev, 5 * 32, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost(&pinned, 5 * 40), ACL_SUCCESS);
+    stream2d = NULL;
+    check_round_trip(dev, pinned);
+    assert_int_equal(aclrtCreateStream(&stream2d), ACL_SUCCESS);
+    check_round_trip(dev, pinned);
+    assert_int_equal(aclrtDestroyStream(stream2d), ACL_SUCCESS);
+    stream2d = NULL;
+    aclrtFree(dev);
+    aclrtFreeHost(pinned);
+}
+
+/* The codes of CANN's ACL layer first (ACL_ERROR_INVALID_PARAM), then its runtime's limits
+ * (ACL_ERROR_RT_PARAM_INVALID) and its refusal of DEVICE_TO_DEVICE (ACL_ERROR_RT_FEATURE_NOT_SUPPORT),
+ * then the memory's: host to host, device to device, a row outside its allocation, a freed pointer. */
+static void check_copy2d_errors(void *dev, void *dev2)
+{
+    char host[256] = {0}, host2[256];
+    const size_t max_h = (size_t)5 << 20, max_w = 5000000;
+    assert_int_equal(copy2d(NULL, 32, host, 32, 8, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(copy2d(dev, 32, NULL, 32, 8, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(copy2d(dev, 32, host, 32, 8, 0, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(copy2d(dev, 32, host, 32, 0, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(copy2d(dev, 32, host, 16, 17, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(copy2d(dev, 16, host, 32, 17, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_INVALID_PARAM);
+    const int refused_kinds[] = {ACL_MEMCPY_HOST_TO_HOST, ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE,
+                                 ACL_MEMCPY_INNER_DEVICE_TO_DEVICE, ACL_MEMCPY_INTER_DEVICE_TO_DEVICE, -1, 8};
+    for (size_t i = 0; i < sizeof refused_kinds / sizeof *refused_kinds; i++)
+        assert_int_equal(copy2d(dev, 32, host, 32, 8, 2, refused_kinds[i]), ACL_ERROR_INVALID_PARAM);
+    /* The ACL layer's kind check comes before the runtime's limits, the limits before DEVICE_TO_DEVICE. */
+    assert_int_equal(copy2d(dev, 32, host, 32, 8, max_h + 1, ACL_MEMCPY_HOST_TO_HOST), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(copy2d(dev, 32, host, 32, 8, max_h + 1, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(copy2d(dev, max_w + 1, host, max_w + 1, max_w + 1, 1, ACL_MEMCPY_DEVICE_TO_DEVICE),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(copy2d(dev, max_w, dev2, max_w, max_w, max_h, ACL_MEMCPY_DEVICE_TO_DEVICE),
+                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(copy2d(dev, 32, dev2, 32, 8, 2, ACL_MEMCPY_DEVICE_TO_DEVICE), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    /* The direction comes from the pointers: host to host and device to device are refused. */
+    assert_int_equal(copy2d(host2, 32, host, 32, 8, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(copy2d(dev, 32, dev2, 32, 8, 2, ACL_MEMCPY_DEFAULT), ACL_ERROR_RT_PARAM_INVALID);
+    /* Rows that would wrap around the address space. */
+    assert_int_equal(copy2d(dev, 32, (void *)(UINTPTR_MAX - 64), 32, 8, 3, ACL_MEMCPY_HOST_TO_DEVICE),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    /* The last row past the end of the allocation's pages: nothing is copied, not even the first rows. */
+    unsigned char ff[64];
+    memset(ff, 0xFF, sizeof ff);
+    assert_int_equal(aclrtMemset(dev, 4096, 0, 4096), ACL_SUCCESS);
+    assert_int_equal(copy2d(dev, 4096, ff, 8, 8, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy(host2, 8, dev, 8, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    for (int i = 0; i < 8; i++)
+        assert_int_equal(host2[i], 0);
+}
+
+static void test_memcpy2d_error_codes(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    void *dev, *dev2;
+    /* dev last, so that no later allocation maps the page after it */
+    assert_int_equal(aclrtMalloc(&dev2, 256, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocAlign32(&dev, 4096, ACL_MEM_MALLOC_NORMAL_ONLY), ACL_SUCCESS);
+    stream2d = NULL;
+    check_copy2d_errors(dev, dev2);
+    assert_int_equal(aclrtCreateStream(&stream2d), ACL_SUCCESS);
+    check_copy2d_errors(dev, dev2);
+    /* A freed pointer is an error code, never a fault. */
+    char host[64];
+    assert_int_equal(aclrtFree(dev2), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy2dAsync(host, 32, dev2, 32, 8, 2, ACL_MEMCPY_DEVICE_TO_HOST, stream2d),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtDestroyStream(stream2d), ACL_SUCCESS);
+    stream2d = NULL;
+    assert_int_equal(aclrtMemcpy2d(host, 32, dev2, 32, 8, 2, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    aclrtFree(dev);
+}
+
+/* The asynchronous copy is one task in the stream's order: it sees the memset queued before it, and the
+ * copy queued after it sees its rows. */
+static void test_memcpy2d_async_keeps_stream_order(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    void *dev, *pinned;
+    aclrtStream s;
+    assert_int_equal(aclrtMalloc(&dev, 4 * 16, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost(&pinned, 4 * 16), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    static char src[4 * 8];
+    for (int i = 0; i < (int)sizeof src; i++)
+        src[i] = (char)(100 + i);
+    assert_int_equal(aclrtMemsetAsync(dev, 64, 0x33, 64, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy2dAsync(dev, 16, src, 8, 8, 4, ACL_MEMCPY_HOST_TO_DEVICE, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(pinned, 64, dev, 64, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    const unsigned char *out = pinned;
+    for (int r = 0; r < 4; r++) {
+        assert_memory_equal(out + r * 16, src + r * 8, 8);
+        for (int b = 8; b < 16; b++)
+            assert_int_equal(out[r * 16 + b], 0x33);
+    }
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    aclrtFree(dev);
+    aclrtFreeHost(pinned);
+}
+
 static void test_memset_writes_and_checks(void **state)
 {
     (void)state;
@@ -517,6 +669,9 @@ int main(void)
         cmocka_unit_test_teardown(test_capacity_is_exact_until_out_of_memory, stop_runtime),
         cmocka_unit_test_teardown(test_malloc_and_free_errors, stop_runtime),
         cmocka_unit_test_teardown(test_memcpy_all_kinds_and_checks, stop_runtime),
+        cmocka_unit_test_teardown(test_memcpy2d_round_trip_with_pitches, stop_runtime),
+        cmocka_unit_test_teardown(test_memcpy2d_error_codes, stop_runtime),
+        cmocka_unit_test_teardown(test_memcpy2d_async_keeps_stream_order, stop_runtime),
         cmocka_unit_test_teardown(test_memset_writes_and_checks, stop_runtime),
         cmocka_unit_test_teardown(test_host_memory, stop_runtime),
         cmocka_unit_test_teardown(test_readonly_memory_faults_on_writes_and_takes_the_runtimes, stop_runtime),
