@@ -336,6 +336,103 @@ def test_memset_errors():
     assert rt.memset(a, 10, 1, 5) == acl.ACL_ERROR_RT_PARAM_INVALID  # freed
 
 
+# ---- 2-D copies ----
+
+def copy2d(stream, dst, dpitch, src, spitch, width, height, kind):
+    """acl.rt.memcpy2d, or with a stream acl.rt.memcpy2d_async and then a synchronize."""
+    if stream is None:
+        return rt.memcpy2d(dst, dpitch, src, spitch, width, height, kind)
+    ret = rt.memcpy2d_async(dst, dpitch, src, spitch, width, height, kind, stream)
+    return ret or rt.synchronize_stream(stream)
+
+
+@pytest.fixture(params=["sync", "async"])
+def stream2d(request):
+    if request.param == "sync":
+        yield None
+        return
+    s, ret = rt.create_stream()
+    assert ret == 0
+    yield s
+    assert rt.destroy_stream(s) == 0
+
+
+def test_memcpy2d_round_trip_with_pitches_above_the_width(stream2d):
+    """5 rows of 24 bytes: host (pitch 40) -> device (pitch 32) -> host (pitch 48); the bytes between the rows
+    stay as they were."""
+    src = (np.arange(5 * 40) * 7 + 1).astype(np.uint8)
+    dev = malloc(5 * 32)
+    pinned, ret = rt.malloc_host(5 * 48)
+    assert ret == 0
+    assert rt.memset(dev, 5 * 32, 0xEE, 5 * 32) == 0
+    assert copy2d(stream2d, dev, 32, src.ctypes.data, 40, 24, 5, acl.ACL_MEMCPY_HOST_TO_DEVICE) == 0
+    assert rt.memset(pinned, 5 * 48, 0x11, 5 * 48) == 0
+    assert copy2d(stream2d, pinned, 48, dev, 32, 24, 5, acl.ACL_MEMCPY_DEFAULT) == 0
+    flat = np.frombuffer(acl.util.ptr_to_bytes(dev, 5 * 32), dtype=np.uint8).reshape(5, 32)
+    back = np.frombuffer(acl.util.ptr_to_bytes(pinned, 5 * 48), dtype=np.uint8).reshape(5, 48)
+    assert (back[:, :24] == src.reshape(5, 40)[:, :24]).all()
+    assert (back[:, 24:] == 0x11).all() and (flat[:, 24:] == 0xEE).all()
+    assert rt.free_host(pinned) == 0 and rt.free(dev) == 0
+
+
+def test_memcpy2d_error_codes(stream2d):
+    dev, other = malloc(4096), malloc(4096)
+    h1, h2 = np.zeros(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+    h = h1.ctypes.data
+    max_h, max_w = 5 * 1024 * 1024, 5000000
+    invalid, rt_invalid, unsupported = (acl.ACL_ERROR_INVALID_PARAM, acl.ACL_ERROR_RT_PARAM_INVALID,
+                                        acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+    h2d = acl.ACL_MEMCPY_HOST_TO_DEVICE
+    # CANN's ACL layer: pointers, height, width, width against the pitches, kind.
+    assert copy2d(stream2d, 0, 32, h, 32, 8, 2, h2d) == invalid
+    assert copy2d(stream2d, dev, 32, 0, 32, 8, 2, h2d) == invalid
+    assert copy2d(stream2d, dev, 32, h, 32, 8, 0, h2d) == invalid
+    assert copy2d(stream2d, dev, 32, h, 32, 0, 2, h2d) == invalid
+    assert copy2d(stream2d, dev, 32, h, 16, 17, 2, h2d) == invalid
+    assert copy2d(stream2d, dev, 16, h, 32, 17, 2, h2d) == invalid
+    for kind in (acl.ACL_MEMCPY_HOST_TO_HOST, acl.ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE,
+                 acl.ACL_MEMCPY_INNER_DEVICE_TO_DEVICE, acl.ACL_MEMCPY_INTER_DEVICE_TO_DEVICE, 8, -1, 2**31):
+        assert copy2d(stream2d, dev, 32, h, 32, 8, 2, kind) == invalid, kind
+    assert copy2d(stream2d, dev, 32, h, 32, 8, max_h + 1, acl.ACL_MEMCPY_HOST_TO_HOST) == invalid
+    assert copy2d(stream2d, -1, 32, h, 32, 8, 2, h2d) == invalid  # not a pointer
+    # Its runtime: the limits, then DEVICE_TO_DEVICE.
+    assert copy2d(stream2d, dev, 32, h, 32, 8, max_h + 1, h2d) == rt_invalid
+    assert copy2d(stream2d, dev, max_w + 1, h, max_w + 1, max_w + 1, 1, h2d) == rt_invalid
+    assert copy2d(stream2d, dev, max_w, other, max_w, max_w, max_h, acl.ACL_MEMCPY_DEVICE_TO_DEVICE) == unsupported
+    # The memory: host to host, device to device, a row past the allocation's pages (nothing copied).
+    assert copy2d(stream2d, h2.ctypes.data, 32, h, 32, 8, 2, h2d) == rt_invalid
+    assert copy2d(stream2d, dev, 32, other, 32, 8, 2, acl.ACL_MEMCPY_DEFAULT) == rt_invalid
+    ones = np.full(16, 0xFF, dtype=np.uint8)
+    assert rt.memset(dev, 8192, 0, 8192) == 0
+    # 4096 bytes + 32 of padding are backed by two 4 KiB pages: the second row starts past them
+    assert copy2d(stream2d, dev + 8192 - 8, 8, ones.ctypes.data, 8, 8, 2, h2d) == rt_invalid
+    assert acl.util.ptr_to_bytes(dev + 8192 - 8, 8) == b"\0" * 8
+    assert rt.free(other) == 0
+    assert copy2d(stream2d, h, 32, other, 32, 8, 2, acl.ACL_MEMCPY_DEVICE_TO_HOST) == rt_invalid  # freed
+    assert rt.free(dev) == 0
+
+
+def test_memcpy2d_async_is_one_task_in_the_streams_order():
+    s, ret = rt.create_stream()
+    assert ret == 0
+    dev = malloc(4 * 16)
+    src = np.arange(100, 132, dtype=np.uint8)  # 4 rows of 8 bytes
+    out = np.zeros(4 * 16, dtype=np.uint8)
+    assert rt.memset_async(dev, 64, 0x33, 64, s) == 0
+    assert rt.memcpy2d_async(dev, 16, src.ctypes.data, 8, 8, 4, acl.ACL_MEMCPY_HOST_TO_DEVICE, s) == 0
+    assert rt.memcpy_async(out.ctypes.data, 64, dev, 64, acl.ACL_MEMCPY_DEVICE_TO_HOST, s) == 0
+    assert rt.synchronize_stream(s) == 0
+    assert (out.reshape(4, 16)[:, :8] == src.reshape(4, 8)).all() and (out.reshape(4, 16)[:, 8:] == 0x33).all()
+    assert rt.destroy_stream(s) == 0 and rt.free(dev) == 0
+
+
+def test_memcpy2d_argument_types():
+    with pytest.raises(TypeError, match=r"^acl\.rt\.memcpy2d args parse failed"):
+        rt.memcpy2d(0, 32, 0, 32, 8, 2)
+    with pytest.raises(TypeError, match=r"^acl\.rt\.memcpy2d_async args parse failed"):
+        rt.memcpy2d_async(0, 32, 0, 32, "8", 2, 1, 0)
+
+
 def test_device_to_device_across_devices_needs_peer_access():
     a = malloc(4096)
     assert rt.memset(a, 4096, 0x44, 4096) == 0

@@ -484,15 +484,39 @@ def test_checked_graph_refuses_another_checked_graphs_freed_memory_at_capture(me
     free(plain)
 
 
+def test_memcpy2d_async_is_captured_a_memcpy_node_per_row(mem):
+    s = npualloc.Stream()
+    src = np.arange(1, 49, dtype=np.uint8)  # 3 rows of 16 bytes
+    out = host(3 * 64)
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        x = alloc(3 * 64)
+        assert rt.memset_async(x, 3 * 64, 0, 3 * 64, s.npu_stream) == 0
+        assert rt.memcpy2d_async(x, 64, src.ctypes.data, 16, 16, 3, H2D, s.npu_stream) == 0
+        assert rt.memcpy_async(out.ctypes.data, 3 * 64, x, 3 * 64, D2H, s.npu_stream) == 0
+        free(x)
+    rows = [n for n in g.nodes() if n["kind"] == "memcpy" and n["count"] == 16]
+    assert [(n["dst"], n["src"]) for n in rows] == [(x + 64 * r, src.ctypes.data + 16 * r) for r in range(3)]
+    exe = g.instantiate()
+    for first in (7, 8):  # every launch copies the rows as they are then
+        src[0] = first
+        out[:] = 0x7F
+        exe.launch(s)
+        s.synchronize()
+        assert (out.reshape(3, 64)[:, :16] == src.reshape(3, 16)).all()
+        assert (out.reshape(3, 64)[:, 16:] == 0).all()
+
+
 # ---- capture modes (torch_npu's capture_error_mode, CANN's aclmdlRICaptureMode) ----
 
 def unsafe_calls(buf, device=None):
-    """(acl.rt.memcpy, acl.rt.memset) return codes on buf, in this thread or, with device, in a new thread
-    whose current device that is."""
+    """(acl.rt.memcpy, acl.rt.memset, acl.rt.memcpy2d) return codes on buf, in this thread or, with device, in
+    a new thread whose current device that is."""
     got = host(64)
 
     def calls():
-        return rt.memcpy(got.ctypes.data, 64, buf, 64, D2H), rt.memset(buf, 64, 5, 64)
+        return (rt.memcpy(got.ctypes.data, 64, buf, 64, D2H), rt.memset(buf, 64, 5, 64),
+                rt.memcpy2d(got.ctypes.data, 32, buf, 32, 16, 2, D2H))
     if device is None:
         return calls()
     out = []
@@ -508,9 +532,9 @@ def unsafe_calls(buf, device=None):
 
 
 @pytest.mark.parametrize("mode, this_thread, other_thread", [
-    ("global", (MODE_REFUSED, MODE_REFUSED), (MODE_REFUSED, MODE_REFUSED)),
-    ("thread_local", (MODE_REFUSED, MODE_REFUSED), (0, 0)),
-    ("relaxed", (0, 0), (0, 0)),
+    ("global", (MODE_REFUSED, MODE_REFUSED, MODE_REFUSED), (MODE_REFUSED, MODE_REFUSED, MODE_REFUSED)),
+    ("thread_local", (MODE_REFUSED, MODE_REFUSED, MODE_REFUSED), (0, 0, 0)),
+    ("relaxed", (0, 0, 0), (0, 0, 0)),
 ])
 def test_capture_error_mode_decides_which_threads_may_make_unsafe_calls(mem, mode, this_thread, other_thread):
     buf = alloc(64)
@@ -519,11 +543,11 @@ def test_capture_error_mode_decides_which_threads_may_make_unsafe_calls(mem, mod
     with g.capture(stream=s, capture_error_mode=mode):
         assert unsafe_calls(buf) == this_thread
         assert unsafe_calls(buf, device=0) == other_thread
-        assert unsafe_calls(buf, device=1) == (0, 0)  # the capture is device 0's
+        assert unsafe_calls(buf, device=1) == (0, 0, 0)  # the capture is device 0's
         assert acl.util.ptr_to_bytes(buf, 4) in (b"\0" * 4, b"\5" * 4)  # pyACL's read: no runtime call
         assert npualloc.is_current_stream_capturing()  # a refused call does not end the capture
     assert g.memory_plan()["capture_error_mode"] == mode
-    assert unsafe_calls(buf) == (0, 0)
+    assert unsafe_calls(buf) == (0, 0, 0)
     g.instantiate().launch(s)
     s.synchronize()
     free(buf)
@@ -595,7 +619,7 @@ def test_global_pool_capture_does_not_block_the_caching_allocator(mem):
         t = threading.Thread(target=other)
         t.start()
         t.join()
-        assert unsafe_calls(buf) == (MODE_REFUSED, MODE_REFUSED)
+        assert unsafe_calls(buf) == (MODE_REFUSED, MODE_REFUSED, MODE_REFUSED)
     assert npualloc.memory_reserved() >= reserved + 70 * MiB
     assert g.memory_plan()["capture_error_mode"] == "global"
     free(x)

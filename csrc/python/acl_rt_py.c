@@ -275,6 +275,52 @@ static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return ret_or_init_error(rc);
 }
 
+/* memcpy2d and memcpy2d_async: pyACL's argument order, stream last for the asynchronous one. */
+static PyObject *rt_memcpy2d(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("memcpy2d", 7);
+    bool bad = false;
+    void *dst = NULL, *src = NULL;
+    uint64_t dpitch = 0, spitch = 0, width = 0, height = 0;
+    int32_t kind = 0;
+    RT_ARG(arg_ptr, 0, "dst", dst);
+    RT_ARG(arg_u64, 1, "dpitch", dpitch);
+    RT_ARG(arg_ptr, 2, "src", src);
+    RT_ARG(arg_u64, 3, "spitch", spitch);
+    RT_ARG(arg_u64, 4, "width", width);
+    RT_ARG(arg_u64, 5, "height", height);
+    RT_ARG(arg_i32, 6, "kind", kind);
+    if (bad)
+        return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemcpy2d(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
+                                  (aclrtMemcpyKind)kind));
+    return ret_or_init_error(rc);
+}
+
+static PyObject *rt_memcpy2d_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("memcpy2d_async", 8);
+    bool bad = false;
+    void *dst = NULL, *src = NULL, *stream = NULL;
+    uint64_t dpitch = 0, spitch = 0, width = 0, height = 0;
+    int32_t kind = 0;
+    RT_ARG(arg_ptr, 0, "dst", dst);
+    RT_ARG(arg_u64, 1, "dpitch", dpitch);
+    RT_ARG(arg_ptr, 2, "src", src);
+    RT_ARG(arg_u64, 3, "spitch", spitch);
+    RT_ARG(arg_u64, 4, "width", width);
+    RT_ARG(arg_u64, 5, "height", height);
+    RT_ARG(arg_i32, 6, "kind", kind);
+    RT_ARG_OR(arg_ptr, 7, "stream", stream, BAD_HANDLE);
+    if (bad)
+        return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
+    aclError rc;
+    CALL_NOGIL(rc = aclrtMemcpy2dAsync(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
+                                       (aclrtMemcpyKind)kind, stream));
+    return ret_or_init_error(rc);
+}
+
 static PyObject *rt_get_mem_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("get_mem_info", 1);
@@ -812,6 +858,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(free_host),
     RT_METHOD(memset),
     RT_METHOD(memcpy),
+    RT_METHOD(memcpy2d),
     RT_METHOD(get_mem_info),
     RT_METHOD(mem_get_allocation_granularity),
     RT_METHOD(malloc_physical),
@@ -827,6 +874,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(synchronize_stream_with_timeout),
     RT_METHOD(stream_query),
     RT_METHOD(memcpy_async),
+    RT_METHOD(memcpy2d_async),
     RT_METHOD(memset_async),
     RT_METHOD(launch_callback),
     RT_METHOD(create_event),
