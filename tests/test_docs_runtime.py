@@ -109,6 +109,11 @@ assert acl.rt.memcpy(0, 0, 0, 0, 1) == 0 and acl.rt.memset(0, 0, 0, 0) == 0     
 p, ret = acl.rt.malloc(4096, 0)
 h, ret = acl.rt.malloc_host(4096)
 assert acl.rt.memcpy(p, 16, h, 16, 5) == 0 and acl.rt.memcpy(p, 16, h, 16, 6) == 100000
+assert acl.rt.memcpy2d(p, 32, h, 24, 16, 4, 1) == 0 and acl.rt.memcpy2d(h, 16, p, 32, 16, 4, 4) == 0   # 2-D copies
+assert acl.rt.memcpy2d(p, 32, h, 24, 25, 4, 1) == acl.rt.memcpy2d(p, 32, h, 24, 16, 0, 1) == 100000
+assert acl.rt.memcpy2d(p, 32, h, 24, 16, 4, 0) == acl.rt.memcpy2d(p, 32, h, 24, 16, 4, 5) == 100000
+assert acl.rt.memcpy2d(p, 32, h, 32, 16, 5242881, 1) == acl.rt.memcpy2d(p, 5000001, h, 5000001, 5000001, 1, 1) == 107000
+assert acl.rt.memcpy2d(p, 32, p, 32, 16, 4, 3) == 207000 and acl.rt.memcpy2d(h, 32, h, 32, 16, 4, 1) == 107000
 assert acl.rt.malloc((1 << 64) - 64, 0)[1] == 100000                               # rounding and pad overflow
 assert acl.rt.malloc((1 << 64) - 65, 0)[1] == 207001 == acl.rt.malloc(1 << 50, 0)[1]
 s, ret = acl.rt.create_stream()
@@ -154,7 +159,11 @@ def test_the_codes_the_text_gives():
                    "a reset with no reference left succeeds and does nothing",
                    "returns `ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT` (107030) and does nothing",
                    "another value is `ACL_ERROR_RT_PARAM_INVALID` (107000)",
-                   "`ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD` (107038)"):
+                   "`ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD` (107038)",
+                   "more than 5242880 rows (5 * 1024 * 1024), or rows longer than 5000000 bytes",
+                   "refused by the runtime) | `ACL_ERROR_RT_FEATURE_NOT_SUPPORT` (207000)",
+                   "or host to host / device to device memory | 107000",
+                   "`aclrtMemcpy`, `aclrtMemcpy2d` and `aclrtMemset` (`acl.rt.memcpy`, `acl.rt.memcpy2d`, `acl.rt.memset`)"):
         assert phrase in text, phrase
     proc = subprocess.run([sys.executable, "-c", CODES], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("NPUALLOC_")},

@@ -148,6 +148,7 @@ RT = {
     "device_disable_peer_access": ["dev"], "device_get_bare_tgid": [],
     "malloc": ["n", "n"], "malloc_align32": ["n", "n"], "malloc_cached": ["n", "n"], "free": ["p"],
     "malloc_host": ["n"], "free_host": ["p"], "memset": ["d", "n", "n", "n"], "memcpy": ["d", "n", "d", "n", "n"],
+    "memcpy2d": ["d", "n", "d", "n", "n", "n", "n"], "memcpy2d_async": ["d", "n", "d", "n", "n", "n", "n", "s"],
     "get_mem_info": ["n"], "mem_get_allocation_granularity": ["prop", "n"], "malloc_physical": ["n", "prop", "n"],
     "free_physical": ["h"], "reserve_mem_address": ["n", "n", "p", "n"], "release_mem_address": ["p"],
     "map_mem": ["p", "n", "n", "h", "n"], "unmap_mem": ["p"], "create_stream": [], "destroy_stream": ["s"],
