@@ -161,9 +161,10 @@ static void test_copies_and_memsets_reject_bad_arguments(void **state)
     /* 2-D copies: a forged stream, rows that would wrap around the address space, unmapped host memory */
     assert_int_equal(aclrtMemcpy2dAsync(d, 32, host, 32, 16, 2, ACL_MEMCPY_HOST_TO_DEVICE, FORGED),
                      ACL_ERROR_INVALID_PARAM);
-    assert_int_equal(aclrtMemcpy2d(host, SIZE_MAX, d, SIZE_MAX, 16, 2, ACL_MEMCPY_DEVICE_TO_HOST),
+    assert_int_equal(aclrtMemcpy2d(host + 16, SIZE_MAX, (char *)d + 16, SIZE_MAX, 16, 2, ACL_MEMCPY_DEVICE_TO_HOST),
+                     ACL_ERROR_RT_PARAM_INVALID); /* (wrapped, the second rows would start a byte before the first) */
+    assert_int_equal(aclrtMemcpy2d(d, 32, (void *)0x10, 32, 16, 2, ACL_MEMCPY_HOST_TO_DEVICE),
                      ACL_ERROR_RT_PARAM_INVALID);
-    assert_int_equal(aclrtMemcpy2d(d, 32, (void *)0x10, 32, 16, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
     size_t f, t;
     assert_int_equal(aclrtGetMemInfo(ACL_HBM_MEM, NULL, &t), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtGetMemInfo(ACL_HBM_MEM, &f, NULL), ACL_ERROR_INVALID_PARAM);
