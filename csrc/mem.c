@@ -464,6 +464,7 @@ typedef struct copy2d {
     void *dst;
     const void *src;
     size_t dpitch, spitch, width, height;
+    int kind;
 } copy2d;
 
 static void *row_at(const void *base, size_t pitch, size_t i) { return (void *)((uintptr_t)base + i * pitch); }
@@ -477,8 +478,9 @@ static bool rows_fit(const void *p, size_t pitch, size_t width, size_t height)
 /* The checks of CANN's ACL layer (pointers, height, width, width against both pitches, kind), in its
  * order, then its runtime's (the limits; DEVICE_TO_DEVICE, which the ACL layer lets through, is not
  * supported there), then the span of the rows. */
-static aclError copy2d_args_check(const copy2d *c, int kind)
+static aclError copy2d_args_check(const copy2d *c)
 {
+    int kind = c->kind;
     if (!c->dst || !c->src || c->height == 0 || c->width == 0 || c->width > c->spitch || c->width > c->dpitch)
         return ACL_ERROR_INVALID_PARAM;
     if (kind != ACL_MEMCPY_HOST_TO_DEVICE && kind != ACL_MEMCPY_DEVICE_TO_HOST && kind != ACL_MEMCPY_DEVICE_TO_DEVICE &&
@@ -493,10 +495,23 @@ static aclError copy2d_args_check(const copy2d *c, int kind)
     return ACL_SUCCESS;
 }
 
+/* With the registry read lock held: does a row's direction (host to device if `to_device`) contradict
+ * the kind?  CANN's runtime takes the direction from the pointers, overriding the kind, for aclrtMallocHost
+ * memory; for other host memory it accepts only the kind of the pointers' direction, or DEFAULT. */
+static bool contradicts_kind(int kind, bool to_device, const void *host_side, size_t width)
+{
+    if (kind != (to_device ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_HOST_TO_DEVICE))
+        return false;
+    pthread_rwlock_rdlock(&host_lock);
+    bool pinned = pinned_locked(host_side, width);
+    pthread_rwlock_unlock(&host_lock);
+    return !pinned;
+}
+
 /* With the registry read lock held: checks every row as aclrtMemcpy checks its range, with one side
- * host memory and the other device memory (CANN's runtime takes the direction from the pointers and
- * copies only host to device or device to host), then, if `move`, copies the rows.  Nothing is copied
- * unless every row passes. */
+ * host memory and the other device memory (CANN's runtime copies only host to device or device to host)
+ * in a direction the kind allows, then, if `move`, copies the rows.  Nothing is copied unless every row
+ * passes. */
 static aclError copy2d_locked(const copy2d *c, bool move)
 {
     for (int pass = 0; pass < (move ? 2 : 1); pass++) {
@@ -505,7 +520,8 @@ static aclError copy2d_locked(const copy2d *c, bool move)
             const void *s = row_at(c->src, c->spitch, i);
             range_class dc, sc;
             aclError rc = check_copy_locked(d, s, c->width, &dc, &sc);
-            if (rc == ACL_SUCCESS && (dc == RANGE_HOST) == (sc == RANGE_HOST))
+            if (rc == ACL_SUCCESS && ((dc == RANGE_HOST) == (sc == RANGE_HOST) ||
+                                      contradicts_kind(c->kind, sc == RANGE_HOST, sc == RANGE_HOST ? s : d, c->width)))
                 rc = ACL_ERROR_RT_PARAM_INVALID;
             if (rc == ACL_SUCCESS && pass == 1)
                 rc = mem_move_locked(d, dc, s, sc, c->width);
@@ -519,8 +535,8 @@ static aclError copy2d_locked(const copy2d *c, bool move)
 aclError aclrtMemcpy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
                        aclrtMemcpyKind kind)
 {
-    copy2d c = {dst, src, dpitch, spitch, width, height};
-    aclError rc = copy2d_args_check(&c, (int)kind);
+    copy2d c = {dst, src, dpitch, spitch, width, height, (int)kind};
+    aclError rc = copy2d_args_check(&c);
     if (rc != ACL_SUCCESS)
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
@@ -546,8 +562,8 @@ static aclError run_copy2d_task(void *arg)
 aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
                             aclrtMemcpyKind kind, aclrtStream stream)
 {
-    copy2d c = {dst, src, dpitch, spitch, width, height};
-    aclError rc = copy2d_args_check(&c, (int)kind);
+    copy2d c = {dst, src, dpitch, spitch, width, height, (int)kind};
+    aclError rc = copy2d_args_check(&c);
     if (rc != ACL_SUCCESS)
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)

@@ -402,6 +402,15 @@ def test_memcpy2d_error_codes(stream2d):
     # The memory: host to host, device to device, a row past the allocation's pages (nothing copied).
     assert copy2d(stream2d, h2.ctypes.data, 32, h, 32, 8, 2, h2d) == rt_invalid
     assert copy2d(stream2d, dev, 32, other, 32, 8, 2, acl.ACL_MEMCPY_DEFAULT) == rt_invalid
+    # A kind against the pointers' direction: refused for pageable host memory, overridden for pinned.
+    d2h = acl.ACL_MEMCPY_DEVICE_TO_HOST
+    assert copy2d(stream2d, dev, 32, h, 32, 8, 2, d2h) == rt_invalid
+    assert copy2d(stream2d, h, 32, dev, 32, 8, 2, h2d) == rt_invalid
+    pinned, ret = rt.malloc_host(64)
+    assert ret == 0
+    assert copy2d(stream2d, dev, 32, pinned, 32, 8, 2, d2h) == 0
+    assert copy2d(stream2d, pinned, 32, dev, 32, 8, 2, h2d) == 0
+    assert rt.free_host(pinned) == 0
     ones = np.full(16, 0xFF, dtype=np.uint8)
     assert rt.memset(dev, 8192, 0, 8192) == 0
     # 4096 bytes + 32 of padding are backed by two 4 KiB pages: the second row starts past them

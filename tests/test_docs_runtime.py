@@ -114,6 +114,9 @@ assert acl.rt.memcpy2d(p, 32, h, 24, 25, 4, 1) == acl.rt.memcpy2d(p, 32, h, 24, 
 assert acl.rt.memcpy2d(p, 32, h, 24, 16, 4, 0) == acl.rt.memcpy2d(p, 32, h, 24, 16, 4, 5) == 100000
 assert acl.rt.memcpy2d(p, 32, h, 32, 16, 5242881, 1) == acl.rt.memcpy2d(p, 5000001, h, 5000001, 5000001, 1, 1) == 107000
 assert acl.rt.memcpy2d(p, 32, p, 32, 16, 4, 3) == 207000 and acl.rt.memcpy2d(h, 32, h, 32, 16, 4, 1) == 107000
+buf = bytearray(128)                                                         # pageable: the kind must fit
+b = acl.util.bytes_to_ptr(buf)
+assert acl.rt.memcpy2d(p, 32, b, 32, 16, 4, 2) == 107000 and acl.rt.memcpy2d(p, 32, h, 32, 16, 4, 2) == 0
 assert acl.rt.malloc((1 << 64) - 64, 0)[1] == 100000                               # rounding and pad overflow
 assert acl.rt.malloc((1 << 64) - 65, 0)[1] == 207001 == acl.rt.malloc(1 << 50, 0)[1]
 s, ret = acl.rt.create_stream()
@@ -163,6 +166,7 @@ def test_the_codes_the_text_gives():
                    "more than 5242880 rows (5 * 1024 * 1024), or rows longer than 5000000 bytes",
                    "refused by the runtime) | `ACL_ERROR_RT_FEATURE_NOT_SUPPORT` (207000)",
                    "or host to host / device to device memory | 107000",
+                   "when the host side is not `aclrtMallocHost` memory | 107000",
                    "`aclrtMemcpy`, `aclrtMemcpy2d` and `aclrtMemset` (`acl.rt.memcpy`, `acl.rt.memcpy2d`,"):
         assert phrase in text, phrase
     proc = subprocess.run([sys.executable, "-c", CODES], cwd=ROOT, capture_output=True, text=True, timeout=60,

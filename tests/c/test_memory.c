@@ -325,6 +325,17 @@ static void check_copy2d_errors(void *dev, void *dev2)
     /* The direction comes from the pointers: host to host and device to device are refused. */
     assert_int_equal(copy2d(host2, 32, host, 32, 8, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(copy2d(dev, 32, dev2, 32, 8, 2, ACL_MEMCPY_DEFAULT), ACL_ERROR_RT_PARAM_INVALID);
+    /* A kind against the pointers' direction: refused for pageable host memory, overridden for pinned. */
+    assert_int_equal(copy2d(dev, 32, host, 32, 8, 2, ACL_MEMCPY_DEVICE_TO_HOST), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(copy2d(host2, 32, dev, 32, 8, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_ERROR_RT_PARAM_INVALID);
+    void *pinned;
+    assert_int_equal(aclrtMallocHost(&pinned, 64), ACL_SUCCESS);
+    memset(pinned, 0x42, 64);
+    assert_int_equal(copy2d(dev, 32, pinned, 32, 8, 2, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(copy2d(host2, 32, dev, 32, 8, 2, ACL_MEMCPY_DEFAULT), ACL_SUCCESS);
+    assert_int_equal(host2[32 + 7], 0x42);
+    assert_int_equal(copy2d(pinned, 32, dev, 32, 8, 2, ACL_MEMCPY_HOST_TO_DEVICE), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(pinned), ACL_SUCCESS);
     /* Rows that would wrap around the address space. */
     assert_int_equal(copy2d(dev, 32, (void *)(UINTPTR_MAX - 64), 32, 8, 3, ACL_MEMCPY_HOST_TO_DEVICE),
                      ACL_ERROR_RT_PARAM_INVALID);
