@@ -52,12 +52,12 @@ bool graph_capture_record(npu_stream *s, uint64_t event, aclError *rc);
 bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc);
 
 /* ---- mem.c ----
- * aclrtMemcpyAsync / aclrtMemsetAsync while some capture is active: true when `stream` is
- * capturing and the operation became a node (or was refused: *rc). */
+ * aclrtMemcpyAsync / aclrtMemsetAsync (and each row of aclrtMemcpy2dAsync) while some capture is
+ * active: true when `stream` is capturing and the operation became a node (or was refused: *rc). */
 bool graph_capture_memop(aclrtStream stream, void *dst, const void *src, size_t count, int32_t value, bool copy,
                          aclError *rc);
-/* aclrtMemcpy / aclrtMemset while some capture is active, before touching memory: the capture
- * modes' verdict, ACL_SUCCESS or ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT (takes graph_lock). */
+/* aclrtMemcpy / aclrtMemcpy2d / aclrtMemset while some capture is active, before touching memory:
+ * the capture modes' verdict, ACL_SUCCESS or ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT (takes graph_lock). */
 aclError graph_unsafe_call_check(void);
 /* With the vmm read lock held and some graph range live: the rules for graph memory.  `dc`/`sc`
  * and `dd`/`sd` are what vmm_classify_locked said; src is NULL for a memset.  Returns

@@ -469,10 +469,11 @@ typedef struct copy2d {
 
 static void *row_at(const void *base, size_t pitch, size_t i) { return (void *)((uintptr_t)base + i * pitch); }
 
-/* Do `height` rows `pitch` apart from p stay below the top of the address space? */
+/* Do `height` rows of `width` bytes, `pitch` apart from p, stay below the top of the address space? */
 static bool rows_fit(const void *p, size_t pitch, size_t width, size_t height)
 {
-    return height - 1 <= (UINTPTR_MAX - (uintptr_t)p - width) / pitch;
+    uintptr_t room = UINTPTR_MAX - (uintptr_t)p;
+    return width <= room && height - 1 <= (room - width) / pitch;
 }
 
 /* The checks of CANN's ACL layer (pointers, height, width, width against both pitches, kind), in its
@@ -495,9 +496,9 @@ static aclError copy2d_args_check(const copy2d *c)
     return ACL_SUCCESS;
 }
 
-/* With the registry read lock held: does a row's direction (host to device if `to_device`) contradict
- * the kind?  CANN's runtime takes the direction from the pointers, overriding the kind, for aclrtMallocHost
- * memory; for other host memory it accepts only the kind of the pointers' direction, or DEFAULT. */
+/* Does a row's direction (host to device if `to_device`) contradict the kind?  CANN's runtime takes
+ * the direction from the pointers, overriding the kind, for aclrtMallocHost memory; for other host
+ * memory it accepts only the kind of the pointers' direction, or DEFAULT. */
 static bool contradicts_kind(int kind, bool to_device, const void *host_side, size_t width)
 {
     if (kind != (to_device ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_HOST_TO_DEVICE))

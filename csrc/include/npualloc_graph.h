@@ -8,6 +8,7 @@
  *   - npualloc_cache_free / npualloc_deallocate of a graph address -> a FREE node on the stream of
  *     its allocation (depending also on the streams named by npualloc_cache_record_stream);
  *   - aclrtMemcpyAsync / aclrtMemsetAsync -> MEMCPY / MEMSET nodes with their arguments;
+ *     aclrtMemcpy2dAsync -> one MEMCPY node per row;
  *   - aclrtLaunchCallback, npualloc_launch_host_func -> HOST nodes, npualloc_sleep_async -> DELAY;
  *   - aclrtRecordEvent on a capturing stream records the capture point in the event (the event's
  *     real state is untouched); aclrtStreamWaitEvent on such an event makes the waiting stream

@@ -163,6 +163,8 @@ static void test_copies_and_memsets_reject_bad_arguments(void **state)
                      ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMemcpy2d(host + 16, SIZE_MAX, (char *)d + 16, SIZE_MAX, 16, 2, ACL_MEMCPY_DEVICE_TO_HOST),
                      ACL_ERROR_RT_PARAM_INVALID); /* (wrapped, the second rows would start a byte before the first) */
+    assert_int_equal(aclrtMemcpy2d(d, 32, (void *)(UINTPTR_MAX - 7), 32, 16, 2, ACL_MEMCPY_HOST_TO_DEVICE),
+                     ACL_ERROR_RT_PARAM_INVALID); /* a first row past the top */
     assert_int_equal(aclrtMemcpy2d(d, 32, (void *)0x10, 32, 16, 2, ACL_MEMCPY_HOST_TO_DEVICE),
                      ACL_ERROR_RT_PARAM_INVALID);
     size_t f, t;
