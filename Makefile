@@ -161,9 +161,12 @@ $(BUILD)/valgrind/libvgshim.so: tools/valgrind-shim.c
 	$(CC) -shared -fPIC -O2 $(WARN) $< -o $@
 
 # The C tests under valgrind memcheck (errors and definite leaks fail); VALGRIND_SKIP="test_x ..." leaves some out.
+# Binaries run side by side, the two longest (over a minute each under memcheck) first.
+VALGRIND_FIRST := $(BUILD)/release/tests/test_ipc $(BUILD)/release/tests/test_stress
 valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
 	@bash tools/ensure-deps.sh valgrind
-	@VALGRIND_SKIP="$(VALGRIND_SKIP)" bash tools/run-valgrind.sh $(abspath $(BUILD))/valgrind/libvgshim.so $(REL_TESTS)
+	@VALGRIND_SKIP="$(VALGRIND_SKIP)" bash tools/run-valgrind.sh $(abspath $(BUILD))/valgrind/libvgshim.so \
+	  $(VALGRIND_FIRST) $(filter-out $(VALGRIND_FIRST),$(REL_TESTS))
 
 # The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
 pytest-asan: deps
