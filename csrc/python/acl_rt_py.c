@@ -275,32 +275,12 @@ static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return ret_or_init_error(rc);
 }
 
-/* memcpy2d and memcpy2d_async: pyACL's argument order, stream last for the asynchronous one. */
-static PyObject *rt_memcpy2d(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+/* memcpy2d and memcpy2d_async: pyACL's argument order, stream last for the asynchronous one (fn is
+ * "acl.rt.memcpy2d" or "acl.rt.memcpy2d_async"). */
+static PyObject *memcpy2d(const char *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, bool async)
 {
-    RT_BEGIN("memcpy2d", 7);
-    bool bad = false;
-    void *dst = NULL, *src = NULL;
-    uint64_t dpitch = 0, spitch = 0, width = 0, height = 0;
-    int32_t kind = 0;
-    RT_ARG(arg_ptr, 0, "dst", dst);
-    RT_ARG(arg_u64, 1, "dpitch", dpitch);
-    RT_ARG(arg_ptr, 2, "src", src);
-    RT_ARG(arg_u64, 3, "spitch", spitch);
-    RT_ARG(arg_u64, 4, "width", width);
-    RT_ARG(arg_u64, 5, "height", height);
-    RT_ARG(arg_i32, 6, "kind", kind);
-    if (bad)
-        return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
-    aclError rc;
-    CALL_NOGIL(rc = aclrtMemcpy2d(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
-                                  (aclrtMemcpyKind)kind));
-    return ret_or_init_error(rc);
-}
-
-static PyObject *rt_memcpy2d_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("memcpy2d_async", 8);
+    if (!check_no_kwargs(fn, kwnames) || !check_nargs(fn, nargs, async ? 8 : 7))
+        return NULL;
     bool bad = false;
     void *dst = NULL, *src = NULL, *stream = NULL;
     uint64_t dpitch = 0, spitch = 0, width = 0, height = 0;
@@ -312,13 +292,30 @@ static PyObject *rt_memcpy2d_async(PyObject *self, PyObject *const *args, Py_ssi
     RT_ARG(arg_u64, 4, "width", width);
     RT_ARG(arg_u64, 5, "height", height);
     RT_ARG(arg_i32, 6, "kind", kind);
-    RT_ARG_OR(arg_ptr, 7, "stream", stream, BAD_HANDLE);
+    if (async)
+        RT_ARG_OR(arg_ptr, 7, "stream", stream, BAD_HANDLE);
     if (bad)
         return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
     aclError rc;
-    CALL_NOGIL(rc = aclrtMemcpy2dAsync(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
-                                       (aclrtMemcpyKind)kind, stream));
+    if (async)
+        CALL_NOGIL(rc = aclrtMemcpy2dAsync(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
+                                           (aclrtMemcpyKind)kind, stream));
+    else
+        CALL_NOGIL(rc = aclrtMemcpy2d(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
+                                      (aclrtMemcpyKind)kind));
     return ret_or_init_error(rc);
+}
+
+static PyObject *rt_memcpy2d(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    (void)self;
+    return memcpy2d("acl.rt.memcpy2d", args, nargs, kwnames, false);
+}
+
+static PyObject *rt_memcpy2d_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    (void)self;
+    return memcpy2d("acl.rt.memcpy2d_async", args, nargs, kwnames, true);
 }
 
 static PyObject *rt_get_mem_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
