@@ -317,17 +317,22 @@ static aclError copy_args_check(void *dst, size_t destMax, const void *src, size
     return ACL_SUCCESS;
 }
 
+/* The start of a synchronous copy or memset: the runtime started, then the capture modes' verdict on
+ * it while some capture is active (CANN lists these calls as unsafe during a capture: graph.c). */
+static aclError sync_call_start(void)
+{
+    aclError rc = runtime_ensure_init();
+    if (rc == ACL_SUCCESS && unlikely(graph_capture_active()))
+        rc = graph_unsafe_call_check();
+    return rc;
+}
+
 aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind)
 {
     if (count == 0)
         return ACL_SUCCESS;
     aclError rc = copy_args_check(dst, destMax, src, count, (int)kind);
-    if (rc != ACL_SUCCESS)
-        return rc;
-    if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
-        return rc;
-    /* an unsafe call during a capture (graph.c): the capture modes decide */
-    if (unlikely(graph_capture_active()) && (rc = graph_unsafe_call_check()) != ACL_SUCCESS)
+    if (rc != ACL_SUCCESS || (rc = sync_call_start()) != ACL_SUCCESS)
         return rc;
     range_class dc, sc;
     vmm_read_lock();
@@ -346,10 +351,8 @@ aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
         return ACL_ERROR_INVALID_PARAM;
     if (count > maxCount)
         return ACL_ERROR_RT_PARAM_INVALID;
-    aclError rc = runtime_ensure_init();
+    aclError rc = sync_call_start();
     if (rc != ACL_SUCCESS)
-        return rc;
-    if (unlikely(graph_capture_active()) && (rc = graph_unsafe_call_check()) != ACL_SUCCESS)
         return rc;
     range_class c;
     vmm_read_lock();
@@ -538,12 +541,7 @@ aclError aclrtMemcpy2d(void *dst, size_t dpitch, const void *src, size_t spitch,
 {
     copy2d c = {dst, src, dpitch, spitch, width, height, (int)kind};
     aclError rc = copy2d_args_check(&c);
-    if (rc != ACL_SUCCESS)
-        return rc;
-    if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
-        return rc;
-    /* an unsafe call during a capture (graph.c), as aclrtMemcpy */
-    if (unlikely(graph_capture_active()) && (rc = graph_unsafe_call_check()) != ACL_SUCCESS)
+    if (rc != ACL_SUCCESS || (rc = sync_call_start()) != ACL_SUCCESS)
         return rc;
     vmm_read_lock();
     rc = copy2d_locked(&c, true);
