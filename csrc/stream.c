@@ -1912,10 +1912,8 @@ aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endE
 {
     if (!ms)
         return ACL_ERROR_INVALID_PARAM;
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
-    event_stamp a, b;
+    event_stamp a, b; /* event_lookup starts the runtime */
+    aclError rc;
     if ((rc = event_stamp_of(startEvent, &a)) != ACL_SUCCESS || (rc = event_stamp_of(endEvent, &b)) != ACL_SUCCESS)
         return rc;
     /* CANN's runtime checks that both events have a record before it looks at either time, and
