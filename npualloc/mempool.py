@@ -123,7 +123,7 @@ class MemPool:
         self._alive = True
         # torch's MemPool: createOrIncrefPool, then setUseOnOOM, then setNoSplit
         if use_on_oom:
-            _G.pool_set_use_on_oom(self._device, *self._id, True)
+            _G.pool_mark_use_on_oom(self._device, *self._id)
         if no_split:
             _G.pool_set_no_split(self._device, *self._id)
 
@@ -168,7 +168,7 @@ class MemPool:
             self._alive = False
             return
         self._alive = False
-        _G.pool_set_use_on_oom(self._device, *self._id, False)
+        _G.pool_clear_use_on_oom(self._device, *self._id)
         _G.pool_release(self._device, *self._id)
         _G.pool_empty(self._device, *self._id)
 

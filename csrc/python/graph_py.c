@@ -4,9 +4,8 @@
  * npualloc_cache_pool_* API).
  *
  *   mempool_id_new(user_created) -> (first, second)
- *   pool_create / pool_release / pool_begin_thread / pool_end / pool_empty / pool_set_no_split
- *       (device, first, second)
- *   pool_set_use_on_oom(device, first, second, flag)
+ *   pool_create / pool_release / pool_begin_thread / pool_end / pool_empty / pool_set_no_split /
+ *       pool_mark_use_on_oom / pool_clear_use_on_oom (device, first, second)
  *   pool_use_count(device, first, second) -> int
  *   capture_status(stream, device) -> bool
  *   set_mem_access(device, mask), get_mem_access(device) -> mask
@@ -97,7 +96,16 @@ static PyObject *g_mempool_id_new(PyObject *self, PyObject *arg)
     return Py_BuildValue("(KK)", (unsigned long long)id.first, (unsigned long long)id.second);
 }
 
-typedef enum { POOL_CREATE, POOL_RELEASE, POOL_BEGIN_THREAD, POOL_END, POOL_EMPTY, POOL_NO_SPLIT } pool_op;
+typedef enum {
+    POOL_CREATE,
+    POOL_RELEASE,
+    POOL_BEGIN_THREAD,
+    POOL_END,
+    POOL_EMPTY,
+    POOL_NO_SPLIT,
+    POOL_MARK_USE_ON_OOM,
+    POOL_CLEAR_USE_ON_OOM
+} pool_op;
 
 static PyObject *pool_call(PyObject *const *args, Py_ssize_t nargs, const char *fn, pool_op op)
 {
@@ -116,6 +124,8 @@ static PyObject *pool_call(PyObject *const *args, Py_ssize_t nargs, const char *
         case POOL_END: rc = npualloc_cache_pool_end(dev, id); break;
         case POOL_EMPTY: rc = npualloc_cache_pool_empty(dev, id); break;
         case POOL_NO_SPLIT: rc = npualloc_cache_pool_set_no_split(dev, id); break;
+        case POOL_MARK_USE_ON_OOM: rc = npualloc_cache_pool_set_use_on_oom(dev, id, true); break;
+        case POOL_CLEAR_USE_ON_OOM: rc = npualloc_cache_pool_set_use_on_oom(dev, id, false); break;
     });
     if (rc != ACL_SUCCESS)
         return cache_error(rc, fn);
@@ -134,28 +144,8 @@ POOL_FN(pool_begin_thread, POOL_BEGIN_THREAD)
 POOL_FN(pool_end, POOL_END)
 POOL_FN(pool_empty, POOL_EMPTY)
 POOL_FN(pool_set_no_split, POOL_NO_SPLIT)
-
-/* pool_set_use_on_oom(device, first, second, flag): the flag is taken as a truth value (mempool.py
- * checks the user's argument). */
-static PyObject *g_pool_set_use_on_oom(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)self;
-    const char *fn = "pool_set_use_on_oom";
-    if (!check_nargs(fn, nargs, 4))
-        return NULL;
-    int32_t dev;
-    npualloc_mempool_id id;
-    if (parse_id(args, fn, &dev, &id) < 0)
-        return NULL;
-    int flag = PyObject_IsTrue(args[3]);
-    if (flag < 0)
-        return NULL;
-    aclError rc;
-    NOGIL(rc = npualloc_cache_pool_set_use_on_oom(dev, id, flag != 0));
-    if (rc != ACL_SUCCESS)
-        return cache_error(rc, fn);
-    Py_RETURN_NONE;
-}
+POOL_FN(pool_mark_use_on_oom, POOL_MARK_USE_ON_OOM)
+POOL_FN(pool_clear_use_on_oom, POOL_CLEAR_USE_ON_OOM)
 
 /* pool_create_with_allocator(device, first, second, alloc_fn_address, free_fn_address) */
 static PyObject *g_pool_create_with_allocator(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -698,7 +688,8 @@ static PyMethodDef graph_methods[] = {
     {"pool_end", FAST(g_pool_end), METH_FASTCALL, NULL},
     {"pool_empty", FAST(g_pool_empty), METH_FASTCALL, NULL},
     {"pool_use_count", FAST(g_pool_use_count), METH_FASTCALL, NULL},
-    {"pool_set_use_on_oom", FAST(g_pool_set_use_on_oom), METH_FASTCALL, NULL},
+    {"pool_mark_use_on_oom", FAST(g_pool_mark_use_on_oom), METH_FASTCALL, NULL},
+    {"pool_clear_use_on_oom", FAST(g_pool_clear_use_on_oom), METH_FASTCALL, NULL},
     {"pool_set_no_split", FAST(g_pool_set_no_split), METH_FASTCALL, NULL},
     {"capture_status", FAST(g_capture_status), METH_FASTCALL, "capture_status(stream, device) -> bool"},
     {"set_mem_access", FAST(g_set_mem_access), METH_FASTCALL, "set_mem_access(device, mask)"},
