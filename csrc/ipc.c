@@ -1276,6 +1276,21 @@ static aclError recv_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *wa
 /* Is a reply the one to request `id`?  Id 0 answers a request refused unread. */
 static bool answers(const ipc_reply *rp, uint32_t id) { return rp->id == id || rp->id == 0; }
 
+/* recv_reply on a connection that carries one request (ONE_SHOT_ID): a reply to another id breaks
+ * the protocol (507022, its descriptor closed). */
+static aclError recv_one_shot_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *waiting)
+{
+    aclError rc = recv_reply(sock, flags, rp, fd, waiting);
+    if (rc == ACL_SUCCESS && !answers(rp, ONE_SHOT_ID)) {
+        if (*fd >= 0) {
+            close(*fd);
+            *fd = -1;
+        }
+        rc = ACL_ERROR_RT_IPC_ERROR;
+    }
+    return rc;
+}
+
 /* Sends the one request of a connection and waits for the reply (and a descriptor, if one
  * comes). */
 static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *token, ipc_reply *rp, int *fd)
@@ -1283,25 +1298,13 @@ static aclError roundtrip(int sock, uint16_t op, uint64_t value, const uint8_t *
     int err = send_request(sock, op, ONE_SHOT_ID, value, token, 0);
     if (err == EAGAIN || err == ETIMEDOUT)
         return ACL_ERROR_RT_IPC_ERROR;
-    aclError rc;
-    if (!err) {
-        rc = recv_reply(sock, 0, rp, fd, NULL);
-    } else {
-        /* An exporter that could not serve (out of descriptors) answers before reading and
-         * hangs up: its answer may be here although the send failed. */
-        bool none;
-        rc = recv_reply(sock, MSG_DONTWAIT, rp, fd, &none);
-        if (none)
-            return ACL_ERROR_RT_INVALID_HANDLE;
-    }
-    if (rc == ACL_SUCCESS && !answers(rp, ONE_SHOT_ID)) {
-        if (fd && *fd >= 0) {
-            close(*fd);
-            *fd = -1;
-        }
-        rc = ACL_ERROR_RT_IPC_ERROR;
-    }
-    return rc;
+    if (!err)
+        return recv_one_shot_reply(sock, 0, rp, fd, NULL);
+    /* An exporter that could not serve (out of descriptors) answers before reading and hangs up:
+     * its answer may be here although the send failed. */
+    bool none;
+    aclError rc = recv_one_shot_reply(sock, MSG_DONTWAIT, rp, fd, &none);
+    return none ? ACL_ERROR_RT_INVALID_HANDLE : rc;
 }
 
 /* ---- sessions: an opener's connection to an owner, many requests (see "Request ids") ---- */
@@ -1504,16 +1507,9 @@ static ask_result ask_start(server_id id, uint16_t op, uint64_t value, int *out)
 static ask_result ask_finish(int sock, ipc_reply *rp, int *fd)
 {
     bool waiting;
-    aclError rc = recv_reply(sock, MSG_DONTWAIT, rp, fd, &waiting);
+    aclError rc = recv_one_shot_reply(sock, MSG_DONTWAIT, rp, fd, &waiting);
     if (waiting)
         return ASK_SENT;
-    if (rc == ACL_SUCCESS && !answers(rp, ONE_SHOT_ID)) {
-        rc = ACL_ERROR_RT_IPC_ERROR;
-        if (*fd >= 0) {
-            close(*fd);
-            *fd = -1;
-        }
-    }
     if (rc != ACL_SUCCESS)
         return rc == ACL_ERROR_RT_IPC_ERROR ? ASK_BUSY : ASK_GONE;
     if (rp->status == ACL_SUCCESS)
