@@ -610,13 +610,10 @@ aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_own
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
     void *base = (void *)start, *write_view = NULL;
-    if ((err = host_map(base, &h->mem)) != 0) {
-        va_free(start, span);
-        handle_destroy(h);
-        return resource_error(err);
-    }
-    if (readonly && (err = host_protect_readonly(base, &h->mem, &write_view)) != 0) {
+    err = host_map(base, &h->mem);
+    if (err == 0 && readonly && (err = host_protect_readonly(base, &h->mem, &write_view)) != 0)
         host_unmap(base, h->mem.size);
+    if (err != 0) {
         va_free(start, span);
         handle_destroy(h);
         return resource_error(err);
