@@ -29,6 +29,13 @@ static void *alloc_on(size_t size, uint64_t stream)
 
 static void *alloc(size_t size) { return alloc_on(size, 0); }
 
+/* Sends this thread's allocations on device 0 to pool id (torch's use_mem_pool). */
+static void route_here(npualloc_mempool_id id)
+{
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+}
+
 /* The pool id of the segment holding ptr, from a snapshot. */
 static npualloc_mempool_id pool_of(void *ptr)
 {
@@ -80,8 +87,7 @@ static void test_thread_route_sends_only_this_threads_allocations_to_the_pool(vo
     start_cache();
     npualloc_mempool_id id = npualloc_mempool_id_new(true);
     assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(id);
     assert_int_equal(npualloc_cache_pool_use_count(0, id), 2); /* the pool object and the route */
     void *mine = alloc(1000), *big = alloc(30 * MiB_);
     other_thread o;
@@ -176,8 +182,7 @@ static void test_pool_memory_returns_only_when_released_and_free(void **state)
     start_cache();
     npualloc_mempool_id id = npualloc_mempool_id_new(true);
     assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(id);
     void *a = alloc(30 * MiB_);
     assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
     npualloc_cache_free(a);
@@ -201,8 +206,7 @@ static void test_pool_empty_releases_that_pool_only_when_freeable(void **state)
     (void)state;
     start_cache();
     npualloc_mempool_id id = npualloc_mempool_id_new(true);
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS); /* creates the pool, the route holds the only reference */
+    route_here(id); /* creates the pool, the route holds the only reference */
     void *a = alloc(1000);
     assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
     void *d = alloc(1000);
@@ -221,8 +225,7 @@ static void test_a_routed_pool_outlives_an_over_released_count(void **state)
     (void)state;
     start_cache();
     npualloc_mempool_id id = npualloc_mempool_id_new(true);
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(id);
     assert_int_equal(npualloc_cache_pool_release(0, id), ACL_SUCCESS); /* the route's reference */
     assert_int_equal(npualloc_cache_pool_use_count(0, id), 0);
     npualloc_cache_empty(); /* the pool is routed: not freed */
@@ -313,8 +316,7 @@ static npualloc_mempool_id fill_small_device(void **hog)
     start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
     npualloc_mempool_id id = npualloc_mempool_id_new(true);
     assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(id);
     npualloc_cache_free(alloc(20 * MiB_));
     assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
     *hog = alloc(40 * MiB_);
@@ -387,8 +389,7 @@ static void test_use_on_oom_is_not_for_requests_routed_to_a_private_pool(void **
     npualloc_mempool_id id = fill_small_device(&hog);
     assert_int_equal(npualloc_cache_pool_set_use_on_oom(0, id, true), ACL_SUCCESS);
     npualloc_mempool_id other = npualloc_mempool_id_new(true);
-    assert_int_equal(npualloc_cache_pool_begin(0, other, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(other);
     assert_int_equal(try_alloc(20 * MiB_, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
     assert_int_equal(npualloc_cache_pool_end(0, other), ACL_SUCCESS);
     /* A small request looks in the pool's small blocks: it has none. */
@@ -447,12 +448,10 @@ static void test_use_on_oom_pools_in_marking_order_and_their_lifetime(void **sta
     void *in_a, *in_b;
     assert_int_equal(npualloc_cache_pool_create(0, a), ACL_SUCCESS);
     assert_int_equal(npualloc_cache_pool_create(0, b), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_pool_begin(0, a, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(a);
     in_a = alloc(20 * MiB_);
     assert_int_equal(npualloc_cache_pool_end(0, a), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_pool_begin(0, b, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(b);
     in_b = alloc(20 * MiB_);
     assert_int_equal(npualloc_cache_pool_end(0, b), ACL_SUCCESS);
     npualloc_cache_free(in_a);
@@ -500,15 +499,13 @@ static void test_no_split_pool_hands_out_whole_segments(void **state)
     assert_int_equal(npualloc_cache_pool_create(0, id), ACL_SUCCESS);
     assert_int_equal(npualloc_cache_pool_create(0, plain), ACL_SUCCESS);
     assert_int_equal(npualloc_cache_pool_set_no_split(0, id), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_pool_begin(0, plain, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(plain);
     void *split_small = alloc(1000), *split_large = alloc(5 * MiB_);
     assert_int_equal(npualloc_cache_pool_end(0, plain), ACL_SUCCESS);
     assert_int_equal(blocks_of_segment(split_small), 2); /* an ordinary pool splits */
     assert_int_equal(blocks_of_segment(split_large), 2);
     npualloc_stats before = stats();
-    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
-                     ACL_SUCCESS);
+    route_here(id);
     void *small = alloc(1000), *small2 = alloc(1000), *large = alloc(5 * MiB_);
     assert_int_equal(blocks_of_segment(small), 1);
     assert_int_equal(blocks_of_segment(small2), 1);
