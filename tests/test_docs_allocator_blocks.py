@@ -101,17 +101,20 @@ def test_the_plugin_example_runs_as_a_suite(tmp_path):
 
 # ---- the messages and errors the text states ----
 
-STATED = r"""
-import os
-import npualloc
-from npualloc import _C, memory
-
+# error(fn) in the scripts below: the "Type: message" of what fn raises
+ERROR_OF = r"""
 def error(fn):
     try:
         fn()
-    except BaseException as e:
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     raise SystemExit(f"no error from {fn}")
+"""
+
+STATED = ERROR_OF + r"""
+import os
+import npualloc
+from npualloc import _C, memory
 
 for conf, want in (("max_split_size_mb:abc", "RuntimeError: Invalid value 'abc' for allocator option max_split_size_mb "
                                              "(std::stoull: "),
@@ -209,7 +212,7 @@ def test_what_giving_settings_says():
     assert proc.returncode == 0, proc.stderr
 
 
-DECIDES = r"""
+DECIDES = ERROR_OF + r"""
 import os
 import npualloc
 from npualloc import _C, acl
@@ -220,13 +223,6 @@ def start(conf):
     _C.shutdown()
     os.environ["PYTORCH_NPU_ALLOC_CONF"] = conf
     npualloc.configure(device_count=2, device_memory="1GiB")
-
-def error(fn):
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    raise SystemExit(f"no error from {fn}")
 
 start("roundup_power2_divisions:4")
 npualloc.caching_allocator_alloc(84 * MiB)
