@@ -99,7 +99,6 @@ static void test_chain_reuses_freed_address(void **state)
     assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
 }
 
-/* a -> (x on s1 | y on s2) -> z: x and y may run at once, z follows both frees. */
 /* raw_alloc has no 1 EB check: on a capturing stream such a size is the graph's to refuse, as any size
  * too large for graph memory, not an allocation of the ordinary cache outside the graph. */
 static void test_an_exabyte_on_a_capturing_stream_is_the_graphs_oom(void **state)
@@ -119,6 +118,7 @@ static void test_an_exabyte_on_a_capturing_stream_is_the_graphs_oom(void **state
     assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
 }
 
+/* a -> (x on s1 | y on s2) -> z: x and y may run at once, z follows both frees. */
 static void test_diamond(void **state)
 {
     (void)state;
