@@ -638,7 +638,7 @@ static void test_random_operations_with_expandable_segments(void **state)
     assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
     enum { SLOTS = 256 };
     void *live[SLOTS] = {0};
-    const int steps = random_steps(20000, 20000, 1000);
+    const int steps = random_steps(20000, 6000, 1000);
     for (int step = 0; step < steps; step++) {
         uint64_t r = rng();
         int slot = (int)(r % SLOTS), op = (int)((r >> 12) % 100);

@@ -19,22 +19,24 @@
 #define MiB_ ((size_t)1 << 20)
 #define GiB_ ((size_t)1 << 30)
 
-/* Starts a fresh runtime with the given configuration and device 0 current. */
-/* Steps for a randomized test: full in the release build, fewer under ASan and far fewer under
- * valgrind memcheck (tools/run-valgrind.sh sets NPUALLOC_VALGRIND=1), which runs ~50x slower. */
-static inline int random_steps(int release, int asan, int valgrind)
+/* Steps for a randomized test: full in the release build, fewer under a sanitizer (ASan or
+ * ThreadSanitizer, 5-20x slower; a random sequence on one thread gains nothing from TSan beyond its
+ * first steps) and far fewer under valgrind memcheck (tools/run-valgrind.sh sets NPUALLOC_VALGRIND=1),
+ * which runs ~50x slower. */
+static inline int random_steps(int release, int sanitized, int valgrind)
 {
     if (getenv("NPUALLOC_VALGRIND"))
         return valgrind;
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(NPUALLOC_TSAN)
     (void)release;
-    return asan;
+    return sanitized;
 #else
-    (void)asan;
+    (void)sanitized;
     return release;
 #endif
 }
 
+/* Starts a fresh runtime with the given configuration and device 0 current. */
 static inline void start_runtime(int count, uint64_t hbm, uint64_t huge, uint64_t huge1g, uint64_t ddr)
 {
     npualloc_shutdown();
