@@ -4,6 +4,7 @@
 PYTHON  ?= python3
 CC      ?= gcc
 BUILD   ?= build
+JOBS    ?= $(shell nproc)
 
 WARN    := -Wall -Wextra -Werror
 BASE    := -std=c11 -D_GNU_SOURCE $(WARN) -Icsrc -Icsrc/include -pthread -fPIC
@@ -70,30 +71,38 @@ $(BUILD)/release/bench/%: benchmarks/%.c $(BUILD)/lto/libnpualloc.a $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(RELEASE) $(LTO_LINK) -Ibenchmarks $< $(BUILD)/lto/libnpualloc.a -o $@
 
+# The C test binaries run CTEST_JOBS at once (tools/run-ctests.sh; default: one per core), the
+# longest first so that the last ones end together.
+SLOW_TESTS    := test_stress test_caching test_memory test_ipc test_expandable test_fuzz_regressions
+longest_first  = $(foreach n,$(SLOW_TESTS),$(filter %/$(n),$(1))) $(filter-out $(SLOW_TESTS:%=\%/%),$(1))
+
 ctest: deps $(REL_TESTS)
-	@bash tools/run-ctests.sh release $(REL_TESTS)
+	@bash tools/run-ctests.sh release $(call longest_first,$(REL_TESTS))
 
 ctest-asan: deps $(ASAN_TESTS)
 	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  bash tools/run-ctests.sh asan $(ASAN_TESTS)
+	  bash tools/run-ctests.sh asan $(call longest_first,$(ASAN_TESTS))
 
 # ThreadSanitizer: any data race, lock-order inversion or misuse of a lock fails the binary.  A
 # forked child may start threads (die_after_fork=0): the fork tests check exactly that.
 ctest-tsan: deps $(TSAN_TESTS)
 	@TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:die_after_fork=0 \
-	  bash tools/run-ctests.sh tsan $(TSAN_TESTS)
+	  bash tools/run-ctests.sh tsan $(call longest_first,$(TSAN_TESTS))
 
 ext: deps
-	$(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) setup.py -q build_ext --inplace --parallel $(JOBS)
 
+# The Python suite, JOBS worker processes at once (pytest-xdist).
 pytest: ext
 	@PYTHON=$(PYTHON) bash tools/ensure-deps.sh test
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(JOBS) tests
 
 # The C tests (release, ASan+UBSan, TSan, valgrind memcheck), the Python suite, the fuzzers for a few
 # seconds each (when clang is there), and the Python suite once more with the extension built with
-# ASan+UBSan.
-test: ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan
+# ASan+UBSan.  The test binaries are built first, JOBS at once; the suites then run one after another.
+test: deps
+	@$(MAKE) --no-print-directory -j$(JOBS) $(REL_TESTS) $(ASAN_TESTS) $(TSAN_TESTS) $(BUILD)/valgrind/libvgshim.so
+	@$(MAKE) --no-print-directory ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan
 
 demo: ext
 	$(PYTHON) -m npualloc demo
@@ -170,4 +179,4 @@ valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
 
 # The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
 pytest-asan: deps
-	@CC=$(CC) PYTHON=$(PYTHON) bash tools/run-pytest-asan.sh $(BUILD)/pytest-asan -q -m "not install" tests
+	@CC=$(CC) PYTHON=$(PYTHON) bash tools/run-pytest-asan.sh $(BUILD)/pytest-asan -q -n $(JOBS) -m "not install" tests

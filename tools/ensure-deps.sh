@@ -28,7 +28,7 @@ if [ ${#debs[@]} -gt 0 ]; then
 fi
 PYTHON=${PYTHON:-python3}
 pips=()
-for mod in pytest:pytest numpy:numpy setuptools:setuptools matplotlib:matplotlib hypothesis:hypothesis; do
+for mod in pytest:pytest xdist:pytest-xdist numpy:numpy setuptools:setuptools matplotlib:matplotlib hypothesis:hypothesis; do
   "$PYTHON" -c "import ${mod%%:*}" >/dev/null 2>&1 || pips+=("${mod##*:}")
 done
 if [ ${#pips[@]} -gt 0 ]; then

@@ -31,7 +31,7 @@ stamp="$dir/.built"
 if [ ! -f "$stamp" ] || ! ls "$dir"/npualloc/_C*.so >/dev/null 2>&1 || [ -n "$(find csrc setup.py -newer "$stamp" -name '*.[ch]' -o -newer "$stamp" -name setup.py | head -1)" ]; then
   echo "building npualloc._C with $sanitize"
   (cd "$dir" && rm -rf build && CC="$CC" CFLAGS="$sanitize" LDFLAGS="-fsanitize=address,undefined" \
-     "$PYTHON" setup.py -q build_ext --inplace >/dev/null)
+     "$PYTHON" setup.py -q build_ext --inplace --parallel "$(nproc)" >/dev/null)
   touch "$stamp"
 fi
 cd "$dir"
