@@ -72,22 +72,22 @@ $(BUILD)/release/bench/%: benchmarks/%.c $(BUILD)/lto/libnpualloc.a $(HEADERS)
 	$(CC) $(BASE) $(RELEASE) $(LTO_LINK) -Ibenchmarks $< $(BUILD)/lto/libnpualloc.a -o $@
 
 # The C test binaries run CTEST_JOBS at once (tools/run-ctests.sh; default: one per core), the
-# longest first so that the last ones end together.
+# longest first so that the last ones end together: $(call longest_first,BINARIES,SLOW NAMES).
 SLOW_TESTS    := test_stress test_caching test_memory test_ipc test_expandable test_fuzz_regressions
-longest_first  = $(foreach n,$(SLOW_TESTS),$(filter %/$(n),$(1))) $(filter-out $(SLOW_TESTS:%=\%/%),$(1))
+longest_first  = $(foreach n,$(2),$(filter %/$(n),$(1))) $(filter-out $(2:%=\%/%),$(1))
 
 ctest: deps $(REL_TESTS)
-	@bash tools/run-ctests.sh release $(call longest_first,$(REL_TESTS))
+	@bash tools/run-ctests.sh release $(call longest_first,$(REL_TESTS),$(SLOW_TESTS))
 
 ctest-asan: deps $(ASAN_TESTS)
 	@ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  bash tools/run-ctests.sh asan $(call longest_first,$(ASAN_TESTS))
+	  bash tools/run-ctests.sh asan $(call longest_first,$(ASAN_TESTS),$(SLOW_TESTS))
 
 # ThreadSanitizer: any data race, lock-order inversion or misuse of a lock fails the binary.  A
 # forked child may start threads (die_after_fork=0): the fork tests check exactly that.
 ctest-tsan: deps $(TSAN_TESTS)
 	@TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:die_after_fork=0 \
-	  bash tools/run-ctests.sh tsan $(call longest_first,$(TSAN_TESTS))
+	  bash tools/run-ctests.sh tsan $(call longest_first,$(TSAN_TESTS),$(SLOW_TESTS))
 
 ext: deps
 	$(PYTHON) setup.py -q build_ext --inplace --parallel $(JOBS)
@@ -170,12 +170,12 @@ $(BUILD)/valgrind/libvgshim.so: tools/valgrind-shim.c
 	$(CC) -shared -fPIC -O2 $(WARN) $< -o $@
 
 # The C tests under valgrind memcheck (errors and definite leaks fail); VALGRIND_SKIP="test_x ..." leaves some out.
-# Binaries run side by side, the two longest (over a minute each under memcheck) first.
-VALGRIND_FIRST := $(BUILD)/release/tests/test_ipc $(BUILD)/release/tests/test_stress
+# Binaries run side by side (VALGRIND_JOBS), the longest under memcheck first.
+VALGRIND_SLOW := test_memory test_ipc test_caching test_expandable test_stress test_fuzz_regressions
 valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
 	@bash tools/ensure-deps.sh valgrind
 	@VALGRIND_SKIP="$(VALGRIND_SKIP)" bash tools/run-valgrind.sh $(abspath $(BUILD))/valgrind/libvgshim.so \
-	  $(VALGRIND_FIRST) $(filter-out $(VALGRIND_FIRST),$(REL_TESTS))
+	  $(call longest_first,$(REL_TESTS),$(VALGRIND_SLOW))
 
 # The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
 pytest-asan: deps
