@@ -790,7 +790,9 @@ for _ in range(10):
 """
     got = w.call(code, value=value, key=key, forged=forged_key)
     assert got == [NOT_PERMITTED, NO_SUCH_HANDLE, NOT_PERMITTED, NO_SUCH_HANDLE] * 10
-    assert _C.ipc.counts()["failed"] - failed0 == 40  # every one reached this server and failed
+    # every one reached this server and failed (at least: a failed import in any other process, such as
+    # another pytest-xdist worker's, asks this server too)
+    assert _C.ipc.counts()["failed"] - failed0 >= 40
     # the importer: no descriptor, handle, mapping or import entry; the exporter: no connection
     assert fd_count(w) == w_fds
     assert w.call("ret = (_C.ipc.counts()['imports'], _C.ipc.counts()['key_imports'], _C.vmm_counts())") == \

@@ -294,7 +294,9 @@ static void test_forged_values_are_refused_and_leak_nothing(void **state)
     assert_int_equal(finish(&c), 0);
     ipc_counts after;
     ipc_get_counts(&after);
-    assert_int_equal(after.failed - before.failed, 56); /* each forgery was a failed lookup here */
+    /* Each forgery was a failed lookup here (at least: a failed import in any other process, such
+     * as a test binary running alongside, asks this server too). */
+    assert_true(after.failed - before.failed >= 56);
     assert_int_equal(open_fds_settled(fds), fds);      /* the server kept no connection */
     for (int i = 0; i < 500 && after.clients; i++) {
         usleep(10000);
@@ -910,6 +912,116 @@ static void test_a_late_grant_is_cancelled_and_the_connection_stays(void **state
     assert_int_equal(ic.shares, 0);
 }
 
+/* Child: opens blocks 0 and 3 (one session), then, with the owner held, opens block 1 again and
+ * again: each OPEN goes unanswered and its CANCEL follows at once, until the socket is full.  The
+ * full socket refuses either an OPEN (nothing is owed) or the CANCEL right behind one (the session
+ * owes it, and sends nothing else until it is paid); with arg set, a CLOSE of block 3 goes
+ * first, which moves the point where the socket fills by one message, so one of the two runs
+ * leaves a CANCEL owed.  Stops at the first call that waited for room (the send timeout, 300 ms).
+ * Released, it opens block 2 on the same session and reports. */
+static int child_fill_the_session(int in, int out, void *arg)
+{
+    uint8_t desc[4][512];
+    uint64_t len[4];
+    for (int i = 0; i < 4; i++) {
+        len[i] = get64(in);
+        if (len[i] > sizeof desc[i] || read(in, desc[i], len[i]) != (ssize_t)len[i])
+            return 1;
+    }
+    setenv("NPUALLOC_IPC_TIMEOUT_MS", "300", 1); /* also the session's send timeout */
+    void *p0 = NULL, *p1 = NULL, *p2 = NULL, *p3 = NULL;
+    if (ipc_open_shared(desc[0], len[0], -1, &p0) || ipc_open_shared(desc[3], len[3], -1, &p3) || cput64(out, 1))
+        return 2;
+    (void)get64(in); /* the owner is held */
+    setenv("NPUALLOC_IPC_TIMEOUT_MS", "5", 1); /* replies: the owner answers none now */
+    if (arg && ipc_close_shared(p3))
+        return 3;
+    int calls = 0;
+    for (bool waited = false; !waited; calls++) {
+        if (calls == 1000)
+            return 4; /* the socket never filled */
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        if (ipc_open_shared(desc[1], len[1], -1, &p1) != ACL_ERROR_RT_IPC_ERROR)
+            return 5;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        waited = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000 >= 250;
+    }
+    if (cput64(out, (uint64_t)calls))
+        return 6;
+    (void)get64(in); /* released: the owner serves the queue, answering each OPEN late */
+    setenv("NPUALLOC_IPC_TIMEOUT_MS", "20000", 1);
+    if (ipc_open_shared(desc[2], len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
+        return 7;
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    if (ic.sessions != 1 || ic.opens != (arg ? 2u : 3u))
+        return 8;
+    if (cput64(out, 1))
+        return 9;
+    (void)get64(in);
+    if (ipc_close_shared(p0) || ipc_close_shared(p2) || (!arg && ipc_close_shared(p3)))
+        return 10;
+    ipc_get_counts(&ic);
+    return ic.sessions || ic.opens || cput64(out, 2) ? 11 : 0;
+}
+
+/* A session whose socket fills while the owner is held: whether the full socket refuses an OPEN
+ * or the CANCEL owed behind one, the pins end exact once the owner serves the queue (every OPEN
+ * of block 1 is cancelled, the owed CANCEL before the next request) and the session stays. */
+static void fill_a_session(bool close_first)
+{
+    setup_runtime();
+    void *b[4];
+    uint8_t desc[4][512];
+    size_t len[4];
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(npualloc_cache_malloc(0, MiB_, 0, &b[i]), ACL_SUCCESS);
+        memset(b[i], 'A' + i, MiB_);
+        assert_int_equal(ipc_share(b[i], desc[i], sizeof desc[i], &len[i]), ACL_SUCCESS);
+    }
+    child c = spawn(child_fill_the_session, close_first ? (void *)1 : NULL);
+    for (int i = 0; i < 4; i++) {
+        put64(c.to_child, len[i]);
+        assert_true(write(c.to_child, desc[i], len[i]) == (ssize_t)len[i]);
+    }
+    assert_int_equal(get64(c.from_child), 1);
+    device_cache *dc = cache_device(0);
+    cache_lock_acquire(&dc->lock); /* the server's first OPEN of block 1 waits for it */
+    put64(c.to_child, 1);
+    uint64_t calls = get64(c.from_child);
+    cache_lock_release(&dc->lock);
+    assert_true(calls < 1000); /* the child stopped at a full socket */
+    put64(c.to_child, 1);
+    assert_int_equal(get64(c.from_child), 1);
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.pins, close_first ? 2 : 3); /* blocks 0 and 2 (and 3): none of block 1 */
+    assert_int_equal(npualloc_cache_free(b[1]), ACL_SUCCESS);
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.shares, 3); /* no pin kept block 1: its share went with it */
+    put64(c.to_child, 1);
+    assert_int_equal(get64(c.from_child), 2);
+    assert_int_equal(finish(&c), 0);
+    for (int i = 0; i < 200 && (ic.pins || ic.clients); i++) {
+        usleep(5000);
+        ipc_get_counts(&ic);
+    }
+    assert_int_equal(ic.pins, 0);
+    for (int i = 0; i < 4; i++)
+        if (i != 1)
+            assert_int_equal(npualloc_cache_free(b[i]), ACL_SUCCESS);
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.shares, 0);
+}
+
+static void test_a_full_session_socket_loses_no_pin(void **state)
+{
+    (void)state;
+    fill_a_session(false);
+    fill_a_session(true);
+}
+
 static int child_open_and_check(int in, int out, void *arg)
 {
     (void)arg;
@@ -1422,6 +1534,7 @@ int main(void)
         cmocka_unit_test_teardown(test_share_pin_released_when_opener_dies, stop_runtime),
         cmocka_unit_test_teardown(test_share_of_freed_block_cannot_be_opened, stop_runtime),
         cmocka_unit_test_teardown(test_a_late_grant_is_cancelled_and_the_connection_stays, stop_runtime),
+        cmocka_unit_test_teardown(test_a_full_session_socket_loses_no_pin, stop_runtime),
         cmocka_unit_test_teardown(test_expandable_pages_of_a_pinned_block_stay_mapped, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_out_of_descriptors_refuses_promptly_and_stays_idle, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_without_a_spare_descriptor_rests_instead_of_spinning, stop_runtime),
