@@ -92,10 +92,11 @@ ctest-tsan: deps $(TSAN_TESTS)
 ext: deps
 	$(PYTHON) setup.py -q build_ext --inplace --parallel $(JOBS)
 
-# The Python suite, JOBS worker processes at once (pytest-xdist).
+# The Python suite, JOBS worker processes at once (pytest-xdist; the groups of tests/conftest.py
+# run on one worker each).
 pytest: ext
 	@PYTHON=$(PYTHON) bash tools/ensure-deps.sh test
-	$(PYTHON) -m pytest -q -n $(JOBS) tests
+	$(PYTHON) -m pytest -q -n $(JOBS) --dist loadgroup tests
 
 # The C tests (release, ASan+UBSan, TSan, valgrind memcheck), the Python suite, the fuzzers for a few
 # seconds each (when clang is there), and the Python suite once more with the extension built with
@@ -180,4 +181,4 @@ valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
 
 # The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
 pytest-asan: deps
-	@CC=$(CC) PYTHON=$(PYTHON) bash tools/run-pytest-asan.sh $(BUILD)/pytest-asan -q -n $(JOBS) -m "not install" tests
+	@CC=$(CC) PYTHON=$(PYTHON) bash tools/run-pytest-asan.sh $(BUILD)/pytest-asan -q -n $(JOBS) --dist loadgroup -m "not install" tests

@@ -19,6 +19,20 @@ ROOT = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 GiB = 1 << 30
 
+# Modules whose tests expect exact answers from every npualloc server on the machine (a failed
+# import asks them all) or stop one (SIGSTOP: other processes' failed imports then wait for it and
+# get 507022): under pytest-xdist (`make test` runs `-n JOBS --dist loadgroup`) they run on one
+# worker, one after another, never alongside each other.
+ONE_WORKER_MODULES = {"test_ipc.py", "test_ipc_share.py", "test_docs_sharing.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ipc"))
+
+
 # The small configuration: every page kind has its own, distinguishable capacity.
 #   HBM 4 GiB = 1 GiB pool of 1 GiB pages + 3 GiB of normal/huge pages, of which at most
 #   2 GiB huge; DDR 256 MiB.  Memory is committed only when touched, so this is cheap.
