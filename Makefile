@@ -103,7 +103,7 @@ pytest: ext
 # ASan+UBSan.  The test binaries are built first, JOBS at once; the suites then run one after another.
 test: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) $(REL_TESTS) $(ASAN_TESTS) $(TSAN_TESTS) $(BUILD)/valgrind/libvgshim.so
-	@$(MAKE) --no-print-directory ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan
+	@$(MAKE) --no-print-directory -j1 ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan
 
 demo: ext
 	$(PYTHON) -m npualloc demo
