@@ -74,7 +74,7 @@ $(BUILD)/release/bench/%: benchmarks/%.c $(BUILD)/lto/libnpualloc.a $(HEADERS)
 # The C test binaries run CTEST_JOBS at once (tools/run-ctests.sh; default: one per core), the
 # longest first so that the last ones end together: $(call longest_first,BINARIES,SLOW NAMES).
 SLOW_TESTS    := test_stress test_caching test_memory test_ipc test_expandable test_fuzz_regressions
-longest_first  = $(foreach n,$(2),$(filter %/$(n),$(1))) $(filter-out $(2:%=\%/%),$(1))
+longest_first  = $(foreach n,$(2),$(filter %/$(n),$(1))) $(filter-out $(addprefix %/,$(2)),$(1))
 
 ctest: deps $(REL_TESTS)
 	@bash tools/run-ctests.sh release $(call longest_first,$(REL_TESTS),$(SLOW_TESTS))
@@ -135,7 +135,6 @@ FUZZ_FLAGS      := -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -
 FUZZERS         := $(FUZZ_NAMES:%=$(BUILD)/fuzz/fuzz_%)
 STRESS_THREADS  ?= 8
 STRESS_OPS      ?= 1000000
-# VALGRIND_SKIP="test_x ..." leaves binaries out of `make valgrind` (none by default).
 VALGRIND_SKIP   ?=
 
 # the regression test compiles the fuzz harnesses in
@@ -171,13 +170,16 @@ $(BUILD)/valgrind/libvgshim.so: tools/valgrind-shim.c
 	@mkdir -p $(dir $@)
 	$(CC) -shared -fPIC -O2 $(WARN) $< -o $@
 
-# The C tests under valgrind memcheck (errors and definite leaks fail); VALGRIND_SKIP="test_x ..." leaves some out.
-# Binaries run side by side (VALGRIND_JOBS), the longest under memcheck first.
+# The C tests under valgrind memcheck (errors and definite leaks fail), VALGRIND_JOBS at once (default:
+# one per core), the longest under memcheck first; VALGRIND_SKIP="test_x ..." leaves some out.
 VALGRIND_SLOW := test_memory test_ipc test_caching test_expandable test_stress test_fuzz_regressions
+VALGRIND_JOBS ?= $(JOBS)
 valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
 	@bash tools/ensure-deps.sh valgrind
-	@VALGRIND_SKIP="$(VALGRIND_SKIP)" bash tools/run-valgrind.sh $(abspath $(BUILD))/valgrind/libvgshim.so \
-	  $(call longest_first,$(REL_TESTS),$(VALGRIND_SLOW))
+	@$(if $(VALGRIND_SKIP),echo "  skipped under valgrind: $(VALGRIND_SKIP)")
+	@CTEST_JOBS=$(VALGRIND_JOBS) CTEST_RUNNER="bash tools/run-valgrind.sh $(abspath $(BUILD))/valgrind/libvgshim.so" \
+	  bash tools/run-ctests.sh valgrind \
+	  $(call longest_first,$(filter-out $(addprefix %/,$(VALGRIND_SKIP)),$(REL_TESTS)),$(VALGRIND_SLOW))
 
 # The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
 pytest-asan: deps

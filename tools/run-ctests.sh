@@ -2,6 +2,8 @@
 # Runs cmocka test binaries, CTEST_JOBS at once (default: the number of cores); prints a line per
 # binary with its time, in the order given, and the full output of any that fails.
 # Usage: run-ctests.sh LABEL BINARY...   (give the longest first: they start first)
+#   CTEST_RUNNER="COMMAND ARGS" runs each as COMMAND ARGS BINARY instead (`make valgrind`:
+#   tools/run-valgrind.sh), whose exit status judges it.
 set -u
 label=$1; shift
 results=$(mktemp -d)
@@ -11,7 +13,7 @@ run_one() {
   local t=$1 name start
   name=$(basename "$t")
   start=$(date +%s)
-  "$t" >"$results/$name.out" 2>&1
+  ${CTEST_RUNNER:-} "$t" >"$results/$name.out" 2>&1
   echo $? >"$results/$name.rc"
   echo $(( $(date +%s) - start )) >"$results/$name.secs"
 }
