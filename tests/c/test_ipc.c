@@ -825,27 +825,70 @@ static void test_share_of_freed_block_cannot_be_opened(void **state)
     assert_int_equal(ipc_close_shared(p), ACL_ERROR_INVALID_PARAM);
 }
 
+/* Blocks a test shares with a child: block i (1 MiB on device 0) holds 'A' + i; the child gets
+ * each share descriptor through its pipe (length, then bytes). */
+enum { MAX_SHARED = 4 };
+typedef struct shared_blocks {
+    void *block[MAX_SHARED];
+    uint8_t desc[MAX_SHARED][512];
+    size_t len[MAX_SHARED];
+} shared_blocks;
+
+static void share_blocks(shared_blocks *s, int n)
+{
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(npualloc_cache_malloc(0, MiB_, 0, &s->block[i]), ACL_SUCCESS);
+        memset(s->block[i], 'A' + i, MiB_);
+        assert_int_equal(ipc_share(s->block[i], s->desc[i], sizeof s->desc[i], &s->len[i]), ACL_SUCCESS);
+    }
+}
+
+static void send_descs(const child *c, const shared_blocks *s, int n)
+{
+    for (int i = 0; i < n; i++) {
+        put64(c->to_child, s->len[i]);
+        assert_true(write(c->to_child, s->desc[i], s->len[i]) == (ssize_t)s->len[i]);
+    }
+}
+
+/* In the child: false when a descriptor does not come whole. */
+static bool read_descs(int in, shared_blocks *s, int n)
+{
+    for (int i = 0; i < n; i++) {
+        uint64_t len = get64(in);
+        if (len > sizeof s->desc[i] || read(in, s->desc[i], len) != (ssize_t)len)
+            return false;
+        s->len[i] = len;
+    }
+    return true;
+}
+
+/* Waits (up to a second) until the server holds no pin and no connection. */
+static void wait_until_no_pins(ipc_counts *ic)
+{
+    for (int i = 0; i < 200 && (ic->pins || ic->clients); i++) {
+        usleep(5000);
+        ipc_get_counts(ic);
+    }
+}
+
 /* Child: opens block 0; opens block 1 while the owner is held (its OPEN times out); then, on the
  * same connection, opens block 2 and reports; closes everything when told. */
 static int child_open_past_a_timeout(int in, int out, void *arg)
 {
     (void)arg;
-    uint8_t desc[3][512];
-    uint64_t len[3];
-    for (int i = 0; i < 3; i++) {
-        len[i] = get64(in);
-        if (len[i] > sizeof desc[i] || read(in, desc[i], len[i]) != (ssize_t)len[i])
-            return 1;
-    }
+    shared_blocks s;
+    if (!read_descs(in, &s, 3))
+        return 1;
     setenv("NPUALLOC_IPC_TIMEOUT_MS", "300", 1);
     void *p0 = NULL, *p1 = NULL, *p2 = NULL;
-    if (ipc_open_shared(desc[0], len[0], -1, &p0) || cput64(out, 1))
+    if (ipc_open_shared(s.desc[0], s.len[0], -1, &p0) || cput64(out, 1))
         return 2;
     (void)get64(in); /* the owner is held */
-    if (ipc_open_shared(desc[1], len[1], -1, &p1) != ACL_ERROR_RT_IPC_ERROR || cput64(out, 2))
+    if (ipc_open_shared(s.desc[1], s.len[1], -1, &p1) != ACL_ERROR_RT_IPC_ERROR || cput64(out, 2))
         return 3;
     (void)get64(in); /* released: the late grant of block 1 is on its way */
-    if (ipc_open_shared(desc[2], len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
+    if (ipc_open_shared(s.desc[2], s.len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
         return 4;
     ipc_counts ic;
     ipc_get_counts(&ic);
@@ -868,19 +911,11 @@ static void test_a_late_grant_is_cancelled_and_the_connection_stays(void **state
 {
     (void)state;
     setup_runtime();
-    void *b[3];
-    uint8_t desc[3][512];
-    size_t len[3];
-    for (int i = 0; i < 3; i++) {
-        assert_int_equal(npualloc_cache_malloc(0, MiB_, 0, &b[i]), ACL_SUCCESS);
-        memset(b[i], 'A' + i, MiB_);
-        assert_int_equal(ipc_share(b[i], desc[i], sizeof desc[i], &len[i]), ACL_SUCCESS);
-    }
+    shared_blocks s;
+    share_blocks(&s, 3);
+    void **b = s.block;
     child c = spawn(child_open_past_a_timeout, NULL);
-    for (int i = 0; i < 3; i++) {
-        put64(c.to_child, len[i]);
-        assert_true(write(c.to_child, desc[i], len[i]) == (ssize_t)len[i]);
-    }
+    send_descs(&c, &s, 3);
     assert_int_equal(get64(c.from_child), 1);
     device_cache *dc = cache_device(0);
     cache_lock_acquire(&dc->lock); /* the server's next OPEN waits for it */
@@ -901,10 +936,7 @@ static void test_a_late_grant_is_cancelled_and_the_connection_stays(void **state
     put64(c.to_child, 1);
     assert_int_equal(get64(c.from_child), 4);
     assert_int_equal(finish(&c), 0);
-    for (int i = 0; i < 200 && (ic.pins || ic.clients); i++) {
-        usleep(5000);
-        ipc_get_counts(&ic);
-    }
+    wait_until_no_pins(&ic);
     assert_int_equal(ic.pins, 0);
     assert_int_equal(npualloc_cache_free(b[0]), ACL_SUCCESS);
     assert_int_equal(npualloc_cache_free(b[2]), ACL_SUCCESS);
@@ -921,16 +953,12 @@ static void test_a_late_grant_is_cancelled_and_the_connection_stays(void **state
  * Released, it opens block 2 on the same session and reports. */
 static int child_fill_the_session(int in, int out, void *arg)
 {
-    uint8_t desc[4][512];
-    uint64_t len[4];
-    for (int i = 0; i < 4; i++) {
-        len[i] = get64(in);
-        if (len[i] > sizeof desc[i] || read(in, desc[i], len[i]) != (ssize_t)len[i])
-            return 1;
-    }
+    shared_blocks s;
+    if (!read_descs(in, &s, 4))
+        return 1;
     setenv("NPUALLOC_IPC_TIMEOUT_MS", "300", 1); /* also the session's send timeout */
     void *p0 = NULL, *p1 = NULL, *p2 = NULL, *p3 = NULL;
-    if (ipc_open_shared(desc[0], len[0], -1, &p0) || ipc_open_shared(desc[3], len[3], -1, &p3) || cput64(out, 1))
+    if (ipc_open_shared(s.desc[0], s.len[0], -1, &p0) || ipc_open_shared(s.desc[3], s.len[3], -1, &p3) || cput64(out, 1))
         return 2;
     (void)get64(in); /* the owner is held */
     setenv("NPUALLOC_IPC_TIMEOUT_MS", "5", 1); /* replies: the owner answers none now */
@@ -942,7 +970,7 @@ static int child_fill_the_session(int in, int out, void *arg)
             return 4; /* the socket never filled */
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        if (ipc_open_shared(desc[1], len[1], -1, &p1) != ACL_ERROR_RT_IPC_ERROR)
+        if (ipc_open_shared(s.desc[1], s.len[1], -1, &p1) != ACL_ERROR_RT_IPC_ERROR)
             return 5;
         clock_gettime(CLOCK_MONOTONIC, &t1);
         waited = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000 >= 250;
@@ -951,7 +979,7 @@ static int child_fill_the_session(int in, int out, void *arg)
         return 6;
     (void)get64(in); /* released: the owner serves the queue, answering each OPEN late */
     setenv("NPUALLOC_IPC_TIMEOUT_MS", "20000", 1);
-    if (ipc_open_shared(desc[2], len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
+    if (ipc_open_shared(s.desc[2], s.len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
         return 7;
     ipc_counts ic;
     ipc_get_counts(&ic);
@@ -972,19 +1000,11 @@ static int child_fill_the_session(int in, int out, void *arg)
 static void fill_a_session(bool close_first)
 {
     setup_runtime();
-    void *b[4];
-    uint8_t desc[4][512];
-    size_t len[4];
-    for (int i = 0; i < 4; i++) {
-        assert_int_equal(npualloc_cache_malloc(0, MiB_, 0, &b[i]), ACL_SUCCESS);
-        memset(b[i], 'A' + i, MiB_);
-        assert_int_equal(ipc_share(b[i], desc[i], sizeof desc[i], &len[i]), ACL_SUCCESS);
-    }
+    shared_blocks s;
+    share_blocks(&s, 4);
+    void **b = s.block;
     child c = spawn(child_fill_the_session, close_first ? (void *)1 : NULL);
-    for (int i = 0; i < 4; i++) {
-        put64(c.to_child, len[i]);
-        assert_true(write(c.to_child, desc[i], len[i]) == (ssize_t)len[i]);
-    }
+    send_descs(&c, &s, 4);
     assert_int_equal(get64(c.from_child), 1);
     device_cache *dc = cache_device(0);
     cache_lock_acquire(&dc->lock); /* the server's first OPEN of block 1 waits for it */
@@ -1003,10 +1023,7 @@ static void fill_a_session(bool close_first)
     put64(c.to_child, 1);
     assert_int_equal(get64(c.from_child), 2);
     assert_int_equal(finish(&c), 0);
-    for (int i = 0; i < 200 && (ic.pins || ic.clients); i++) {
-        usleep(5000);
-        ipc_get_counts(&ic);
-    }
+    wait_until_no_pins(&ic);
     assert_int_equal(ic.pins, 0);
     for (int i = 0; i < 4; i++)
         if (i != 1)
