@@ -183,4 +183,4 @@ valgrind: deps $(REL_TESTS) $(BUILD)/valgrind/libvgshim.so
 
 # The Python suite with npualloc._C built with -fsanitize=address,undefined (in $(BUILD)/pytest-asan).
 pytest-asan: deps
-	@CC=$(CC) PYTHON=$(PYTHON) bash tools/run-pytest-asan.sh $(BUILD)/pytest-asan -q -n $(JOBS) --dist loadgroup -m "not install" tests
+	@CC=$(CC) PYTHON=$(PYTHON) JOBS=$(JOBS) bash tools/run-pytest-asan.sh $(BUILD)/pytest-asan -q -n $(JOBS) --dist loadgroup -m "not install" tests

@@ -6,6 +6,7 @@
 #   libasan preloaded into Python.  Leak detection is off (CPython keeps memory until exit), every
 #   other ASan/UBSan report fails the run.  Faults stay plain signals (handle_segv=0): some tests
 #   expect a child to die of SIGSEGV when it touches unmapped device memory.
+#   JOBS=N compiles N sources at once (default: the number of cores).
 set -eu
 dir=$1; shift
 [ $# -gt 0 ] || set -- -q tests
@@ -31,7 +32,7 @@ stamp="$dir/.built"
 if [ ! -f "$stamp" ] || ! ls "$dir"/npualloc/_C*.so >/dev/null 2>&1 || [ -n "$(find csrc setup.py -newer "$stamp" -name '*.[ch]' -o -newer "$stamp" -name setup.py | head -1)" ]; then
   echo "building npualloc._C with $sanitize"
   (cd "$dir" && rm -rf build && CC="$CC" CFLAGS="$sanitize" LDFLAGS="-fsanitize=address,undefined" \
-     "$PYTHON" setup.py -q build_ext --inplace --parallel "$(nproc)" >/dev/null)
+     "$PYTHON" setup.py -q build_ext --inplace --parallel "${JOBS:-$(nproc)}" >/dev/null)
   touch "$stamp"
 fi
 cd "$dir"
