@@ -310,13 +310,6 @@ void va_atfork_parent(void) { pthread_mutex_unlock(&va.lock); }
 void va_atfork_child(void)
 {
     pthread_mutex_unlock(&va.lock); /* taken by this thread in prepare */
-    /* The window is MADV_DONTFORK, so the kernel gave the child none of it; unmapping it anyway
-     * also tells tools that track mappings themselves (valgrind's memcheck would otherwise place the
-     * child's new window elsewhere and scan the parent's device memory, page fault by page fault,
-     * in its leak check). */
-    uintptr_t base = atomic_load(&va.base);
-    if (base)
-        host_release((void *)base, atomic_load(&va.size));
     forget_ranges();
 }
 

@@ -311,7 +311,7 @@ static void test_fork_child_starts_with_fresh_devices(void **state)
         ok = ok && aclrtMalloc(&e, MiB_, 0) == ACL_SUCCESS && aclrtFree(e) == ACL_SUCCESS;
         ok = ok && aclrtFree(d) == ACL_ERROR_RT_MEMORY_FREE;
         /* ...so its own window takes the same preferred addresses again (under valgrind too, which
-         * learns of the parent's window leaving only when the child unmaps it).  TSan's shadow covers
+         * learns of the parent's window leaving from tools/valgrind-shim.c).  TSan's shadow covers
          * the preferred addresses: there the kernel places each window where it likes. */
         va_window(&window, &window_size);
 #if !defined(NPUALLOC_TSAN)
