@@ -1596,12 +1596,17 @@ static void test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_strea
     assert_int_equal(u.sync, ACL_SUCCESS);
     assert_int_equal(atomic_load(&later[0].runs), 1);
     assert_true(atomic_load(&later[0].thread) != u.tid); /* unsubscribed: on the worker */
-    /* Destroying its own stream from a NO_BLOCK callback (its worker is not waiting for it). */
+    /* Destroying its own stream from a NO_BLOCK callback (its worker is not waiting for it). The gate
+     * keeps the destroy from running before the later callback is launched. */
     self_unsub d = {.st = new_stream(), .tid = reporter_tid(&rep)};
     atomic_init(&d.done, 0);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
     assert_int_equal(aclrtSubscribeReport(d.tid, d.st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, d.st), ACL_SUCCESS);
     assert_int_equal(aclrtLaunchCallback(cb_destroy_own_stream, &d, ACL_CALLBACK_NO_BLOCK, d.st), ACL_SUCCESS);
     assert_int_equal(aclrtLaunchCallback(cb_record, &later[1], ACL_CALLBACK_BLOCK, d.st), ACL_SUCCESS);
+    atomic_store(&gate, 1);
     for (int spin = 0; spin < 5000 && !atomic_load(&d.done); spin++)
         host_sleep_ns(MS);
     assert_true(atomic_load(&d.done));
