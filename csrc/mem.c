@@ -327,6 +327,39 @@ static aclError sync_call_start(void)
     return rc;
 }
 
+/* Is this a copy between host and device memory whose host side, the `span` bytes from it, is
+ * pageable (not aclrtMallocHost memory)?  CANN's runtime makes such an "asynchronous" copy a
+ * synchronous one, since the device cannot reach pageable pages later: it waits for the stream and
+ * copies, so the call returns with the copy done (aclrtMemcpyAsync's and aclrtMemcpy2dAsync's
+ * documentation). */
+static bool pageable_transfer(void *dst, size_t dst_span, const void *src, size_t src_span)
+{
+    int32_t dev;
+    vmm_read_lock();
+    bool dst_host = vmm_classify_locked(dst, dst_span, &dev) == RANGE_HOST;
+    bool src_host = vmm_classify_locked(src, src_span, &dev) == RANGE_HOST;
+    vmm_read_unlock();
+    if (dst_host == src_host)
+        return false;
+    pthread_rwlock_rdlock(&host_lock);
+    bool pinned = dst_host ? pinned_locked(dst, dst_span) : pinned_locked(src, src_span);
+    pthread_rwlock_unlock(&host_lock);
+    return !pinned;
+}
+
+/* The start of the synchronous copy an asynchronous one of pageable memory becomes, in the order of
+ * CANN's runtime: the stream drained (a stream being captured refuses that: ACL_ERROR_RT_STREAM_CAPTURED),
+ * then the capture modes' verdict, under the code CANN gives a refused converted copy; the memory is
+ * checked as the copy is made. */
+static aclError pageable_copy_start(aclrtStream stream)
+{
+    aclError rc = aclrtSynchronizeStream(stream);
+    if (rc == ACL_SUCCESS && unlikely(graph_capture_active()) &&
+        graph_unsafe_call_check() == ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT)
+        rc = ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC;
+    return rc;
+}
+
 aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind)
 {
     if (count == 0)
@@ -421,10 +454,20 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
+    range_class dc, sc;
+    if (pageable_transfer(dst, count, src, count)) {
+        if ((rc = pageable_copy_start(stream)) != ACL_SUCCESS)
+            return rc;
+        vmm_read_lock();
+        rc = check_copy_locked(dst, src, count, &dc, &sc);
+        if (rc == ACL_SUCCESS)
+            rc = mem_move_locked(dst, dc, src, sc, count);
+        vmm_read_unlock();
+        return rc;
+    }
     /* graph capture (graph.c): on a capturing stream the copy becomes a MEMCPY node */
     if (unlikely(graph_capture_active()) && graph_capture_memop(stream, dst, src, count, 0, true, &rc))
         return rc;
-    range_class dc, sc;
     vmm_read_lock();
     rc = check_copy_locked(dst, src, count, &dc, &sc);
     vmm_read_unlock();
@@ -567,6 +610,14 @@ aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t sp
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
+    if (pageable_transfer(dst, (height - 1) * dpitch + width, src, (height - 1) * spitch + width)) {
+        if ((rc = pageable_copy_start(stream)) != ACL_SUCCESS) /* as aclrtMemcpyAsync's */
+            return rc;
+        vmm_read_lock();
+        rc = copy2d_locked(&c, true);
+        vmm_read_unlock();
+        return rc;
+    }
     if (unlikely(graph_capture_active())) {
         /* graph capture (graph.c): on a capturing stream each row becomes a MEMCPY node, in order, checked
          * as aclrtMemcpyAsync's are; the first row refused ends the call, the rows before it stay captured

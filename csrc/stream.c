@@ -1107,7 +1107,8 @@ aclError aclrtDestroyStream(aclrtStream stream)
 }
 
 /* aclrtSynchronizeStream(WithTimeout): timeout -1 (or 0, which CANN's ACL layer also lets
- * through) waits forever, a positive one is in milliseconds. */
+ * through) waits forever, a positive one is in milliseconds.  A stream being captured has nothing
+ * to wait for that the capture would not miss: CANN's runtime refuses it (the capture goes on). */
 static aclError synchronize_handle(aclrtStream stream, int32_t timeout)
 {
     aclError rc = runtime_ensure_init();
@@ -1116,6 +1117,10 @@ static aclError synchronize_handle(aclrtStream stream, int32_t timeout)
     npu_stream *s;
     if ((rc = stream_lookup(stream, &s)) != ACL_SUCCESS)
         return rc;
+    if (unlikely(stream_capture_get(s) != NULL)) {
+        stream_put(s);
+        return ACL_ERROR_RT_STREAM_CAPTURED;
+    }
     struct timespec deadline;
     if (timeout > 0)
         deadline = deadline_after_ms(timeout);

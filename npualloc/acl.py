@@ -62,8 +62,10 @@ ACL_ERROR_RT_INVALID_MALLOC_TYPE = 107018
 ACL_ERROR_RT_WAIT_TIMEOUT = 107019
 ACL_ERROR_RT_TASK_TIMEOUT = 107020
 ACL_ERROR_RT_DEVICE_TASK_ABORT = 107022
+ACL_ERROR_RT_STREAM_CAPTURED = 107027  # synchronize_stream of a stream being captured
 ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT = 107030  # an unsafe call during a capture (npualloc.Graph capture modes)
 ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD = 107038  # a capture not begun relaxed ended in another thread
+ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC = 107041  # memcpy_async of pageable memory refused by a capture mode
 
 ACL_ERROR_RT_FEATURE_NOT_SUPPORT = 207000
 ACL_ERROR_RT_MEMORY_ALLOCATION = 207001

@@ -73,13 +73,33 @@ def test_async_memcpy_waits_behind_sleep():
 
 def test_async_memset_and_memcpy_on_the_default_stream():
     dst = malloc(fill=0)
-    host = bytearray(N)
+    host, ret = rt.malloc_host(N)  # pinned: the copy is queued
+    assert ret == 0
+    assert rt.memset(host, N, 0, N) == 0
     assert npualloc._sleep(0.2) == 0  # None: the default stream
     assert rt.memset_async(dst, N, 0x3C, N, 0) == 0
-    assert rt.memcpy_async(acl.util.bytes_to_ptr(host), N, dst, N, acl.ACL_MEMCPY_DEVICE_TO_HOST, 0) == 0
-    assert bytes(host) == bytes(N)
+    assert rt.memcpy_async(host, N, dst, N, acl.ACL_MEMCPY_DEVICE_TO_HOST, 0) == 0
+    assert read(host) == bytes(N)
     assert rt.synchronize_stream(0) == 0
-    assert bytes(host) == b"\x3c" * N
+    assert read(host) == b"\x3c" * N
+    assert rt.free_host(host) == 0
+
+
+def test_async_memcpy_of_pageable_memory_is_done_on_return():
+    """CANN: with host memory not from aclrtMallocHost, aclrtMemcpyAsync returns after the copy is done
+    (it waits for the stream's queued work first)."""
+    dst = malloc(fill=0)
+    s = stream()
+    host = bytearray(N)
+    assert npualloc._sleep(0.2, s) == 0
+    assert rt.memset_async(dst, N, 0x3C, N, s) == 0
+    assert rt.memcpy_async(acl.util.bytes_to_ptr(host), N, dst, N, acl.ACL_MEMCPY_DEVICE_TO_HOST, s) == 0
+    assert bytes(host) == b"\x3c" * N  # no synchronize needed
+    source = bytearray(b"\x7e" * N)
+    assert rt.memcpy_async(dst, N, acl.util.bytes_to_ptr(source), N, acl.ACL_MEMCPY_HOST_TO_DEVICE, s) == 0
+    source[:] = bytes(N)  # the copy was made already
+    assert read(dst) == b"\x7e" * N
+    assert rt.destroy_stream(s) == 0
 
 
 def test_last_reset_of_a_device_waits_for_its_queued_work():

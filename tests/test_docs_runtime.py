@@ -132,10 +132,14 @@ if pid == 0:                                   # stale handles in the child; an 
 assert os.waitpid(pid, 0)[1] == 0
 assert acl.rt.reserve_mem_address(2 << 20, 0, 16 << 40, 0)[1] == 107000     # CANN's 16 TiB window
 assert acl.rt.memcpy(p, 16, 8, 16, 1) == 107000                              # a host address not mapped
-assert acl.rt.memcpy_async(p, 16, 8, 16, 1, s) == 0 and acl.rt.synchronize_stream(s) == 507053
+assert acl.rt.memcpy_async(p, 16, 8, 16, 1, s) == 107000 and acl.rt.synchronize_stream(s) == 0   # made at once
+assert acl.rt.memset_async(8, 16, 0, 16, s) == 0 and acl.rt.synchronize_stream(s) == 507053         # queued
 g = npualloc.Graph()                                                         # capture modes
-with g.capture(stream=npualloc.Stream()):
+cs, other = npualloc.Stream(), npualloc.Stream()
+with g.capture(stream=cs):
     assert acl.rt.memset(p, 16, 0, 16) == acl.rt.memcpy(h, 16, p, 16, 2) == 107030
+    assert acl.rt.memcpy_async(p, 16, b, 16, 1, other.npu_stream) == 107041               # pageable: synchronous
+    assert acl.rt.memcpy_async(p, 16, b, 16, 1, cs.npu_stream) == 107027 == acl.rt.synchronize_stream(cs.npu_stream)
 with npualloc.Graph().capture(stream=npualloc.Stream(), capture_error_mode="relaxed"):
     assert acl.rt.memset(p, 16, 0, 16) == 0
 assert (acl.init(), acl.init(), acl.finalize(), acl.finalize()) == (
@@ -163,6 +167,8 @@ def test_the_codes_the_text_gives():
                    "returns `ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT` (107030) and does nothing",
                    "another value is `ACL_ERROR_RT_PARAM_INVALID` (107000)",
                    "`ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD` (107038)",
+                   "`ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC` (107041", "`ACL_ERROR_RT_STREAM_CAPTURED` (107027)",
+                   "a bad pageable address is the call's 107000, not the stream's",
                    "more than 5242880 rows (5 * 1024 * 1024), or rows longer than 5000000 bytes",
                    "refused by the runtime) | `ACL_ERROR_RT_FEATURE_NOT_SUPPORT` (207000)",
                    "or host to host / device to device memory | 107000",

@@ -1,5 +1,6 @@
 """Captured graphs with planned memory (npualloc.Graph; seed 003): address reuse by dependencies, physical
 aliasing between graphs of one stream, access descriptors frozen at capture, checked mode."""
+import ctypes
 import gc
 import json
 import re
@@ -24,6 +25,17 @@ MODE_REFUSED = acl.ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT
 
 def host(n, value=0):
     return np.full(n, value, dtype=np.uint8)
+
+
+def pinned(n, value=0):
+    """n bytes of acl.rt.malloc_host memory as an array, and its pointer for acl.rt.free_host.  Captured
+    copies use it: an asynchronous copy of pageable memory is a synchronous one (CANN), refused on a
+    capturing stream."""
+    ptr, ret = rt.malloc_host(n)
+    assert ret == 0
+    arr = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
+    arr[:] = value
+    return arr, ptr
 
 
 def overlap(a, n, b, m):
@@ -144,8 +156,8 @@ def test_unjoined_stream_fails_the_capture(mem):
 def test_nodes_of_every_kind_and_relaunch(mem):
     s = npualloc.Stream()
     calls = []
-    src = host(256, 9)
-    dst = host(256)
+    src, src_ptr = pinned(256, 9)
+    dst, dst_ptr = pinned(256)
     g = npualloc.Graph()
     with g.capture(stream=s):
         p = alloc(256)
@@ -173,6 +185,7 @@ def test_nodes_of_every_kind_and_relaunch(mem):
     assert exe.destroyed
     with pytest.raises(RuntimeError, match="destroyed"):
         exe.launch(s)
+    assert rt.free_host(src_ptr) == 0 and rt.free_host(dst_ptr) == 0
 
 
 # ---- physical memory ----
@@ -181,7 +194,7 @@ def test_graphs_on_one_stream_share_physical_pages(mem):
     """Seed 003's example: graphs launched one after another on a stream map the same pages, each at its
     own addresses: what g1 writes through its range, g2 reads through its range."""
     s, other = npualloc.Stream(), npualloc.Stream()
-    src, dst = host(4096, 0x5A), host(4096)
+    (src, src_ptr), (dst, dst_ptr) = pinned(4096, 0x5A), pinned(4096)
     g1, g2 = npualloc.Graph(), npualloc.Graph()
     with g1.capture(stream=s):
         x = alloc(4096)
@@ -220,6 +233,7 @@ def test_graphs_on_one_stream_share_physical_pages(mem):
     e2.destroy()
     final = npualloc._C.vmm_counts()
     assert final["physical_handles"] == before["physical_handles"] and final["mappings"] == before["mappings"]
+    assert rt.free_host(src_ptr) == 0 and rt.free_host(dst_ptr) == 0
 
 
 def test_outputs_keep_their_data_until_the_next_launch(mem):
@@ -486,8 +500,9 @@ def test_checked_graph_refuses_another_checked_graphs_freed_memory_at_capture(me
 
 def test_memcpy2d_async_is_captured_a_memcpy_node_per_row(mem):
     s = npualloc.Stream()
-    src = np.arange(1, 49, dtype=np.uint8)  # 3 rows of 16 bytes
-    out = host(3 * 64)
+    src, src_ptr = pinned(48)  # 3 rows of 16 bytes
+    src[:] = np.arange(1, 49, dtype=np.uint8)
+    out, out_ptr = pinned(3 * 64)
     g = npualloc.Graph()
     with g.capture(stream=s):
         x = alloc(3 * 64)
@@ -505,6 +520,8 @@ def test_memcpy2d_async_is_captured_a_memcpy_node_per_row(mem):
         s.synchronize()
         assert (out.reshape(3, 64)[:, :16] == src.reshape(3, 16)).all()
         assert (out.reshape(3, 64)[:, 16:] == 0).all()
+    exe.destroy()
+    assert rt.free_host(src_ptr) == 0 and rt.free_host(out_ptr) == 0
 
 
 # ---- capture modes (torch_npu's capture_error_mode, CANN's aclmdlRICaptureMode) ----

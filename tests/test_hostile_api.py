@@ -370,11 +370,13 @@ def test_acl_rt_bad_host_addresses_are_codes_not_crashes(world):
         assert rt.memcpy(p, 16, w.foreign, 16, acl.ACL_MEMCPY_HOST_TO_HOST) == acl.ACL_ERROR_RT_PARAM_INVALID
         with pytest.raises(ValueError, match="cannot read 4 bytes"):
             acl.util.ptr_to_bytes(p, 4)
-        # on a stream: queued, then the stream's synchronize reports the failed task
+        # on a stream: a memset is queued, then the stream's synchronize reports the failed task; a copy
+        # to or from pageable host memory is made at once (CANN), so its error is the call's
         assert rt.memset_async(p, 16, 0, 16, w.stream) == 0
         assert rt.synchronize_stream(w.stream) == acl.ACL_ERROR_RT_DEVICE_MEM_ERROR
-        assert rt.memcpy_async(p, 16, w.buf, 16, acl.ACL_MEMCPY_DEVICE_TO_HOST, w.stream) == 0
-        assert rt.synchronize_stream(w.stream) == acl.ACL_ERROR_RT_DEVICE_MEM_ERROR
+        bad_copy = acl.ACL_ERROR_RT_PARAM_INVALID
+        assert rt.memcpy_async(p, 16, w.buf, 16, acl.ACL_MEMCPY_DEVICE_TO_HOST, w.stream) == bad_copy
+        assert rt.memcpy_async(w.buf, 16, p, 16, acl.ACL_MEMCPY_HOST_TO_DEVICE, w.stream) == bad_copy
     assert rt.synchronize_stream(w.stream) == 0
 
     # Host memory stays usable: numpy buffers, malloc_host memory, bytes objects.

@@ -67,10 +67,14 @@ typedef void (*aclrtCallback)(void *userData);
 #define ACL_ERROR_RT_WAIT_TIMEOUT 107019
 #define ACL_ERROR_RT_TASK_TIMEOUT 107020
 #define ACL_ERROR_RT_DEVICE_TASK_ABORT 107022
+/* aclrtSynchronizeStream(WithTimeout) of a stream being captured. */
+#define ACL_ERROR_RT_STREAM_CAPTURED 107027
 /* A call the capture mode forbids while a capture is underway (aclmdlRICaptureThreadExchangeMode). */
 #define ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT 107030
 /* A capture not begun RELAXED ended in another thread than the one that began it. */
 #define ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD 107038
+/* aclrtMemcpyAsync of pageable host memory, which runs as a synchronous copy, refused by a capture mode. */
+#define ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC 107041
 
 #define ACL_ERROR_RT_FEATURE_NOT_SUPPORT 207000
 #define ACL_ERROR_RT_MEMORY_ALLOCATION 207001
@@ -308,6 +312,10 @@ aclError aclrtSynchronizeStream(aclrtStream stream);
 aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout);
 /* COMPLETE once everything queued on the stream so far has run. */
 aclError aclrtStreamQuery(aclrtStream stream, aclrtStreamStatus *status);
+/* A task of the stream for device and aclrtMallocHost memory.  With pageable host memory on one side
+ * (any other host address) the copy is done before the call returns: the stream is waited for (its
+ * aclrtSynchronizeStream error is returned, nothing copied), then it copies as aclrtMemcpy does.  The
+ * same holds for aclrtMemcpy2dAsync. */
 aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind,
                           aclrtStream stream);
 aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
@@ -345,7 +353,9 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
  *   THREAD_LOCAL: refused if the thread itself began a GLOBAL or THREAD_LOCAL capture;
  *   RELAXED:      allowed.
  * So a GLOBAL capture refuses them in every thread, a THREAD_LOCAL one in the thread that began it,
- * a RELAXED one nowhere.  npualloc begins captures with npualloc_graph_capture_begin
+ * a RELAXED one nowhere.  The asynchronous copies of pageable host memory, synchronous copies, follow
+ * the same rule with ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC; on a capturing stream they, like
+ * aclrtSynchronizeStream of it, fail first with ACL_ERROR_RT_STREAM_CAPTURED.  npualloc begins captures with npualloc_graph_capture_begin
  * (npualloc_graph.h), which takes the mode, not with aclmdlRICaptureBegin. */
 typedef enum aclmdlRICaptureMode {
     ACL_MODEL_RI_CAPTURE_MODE_GLOBAL = 0,

@@ -37,6 +37,16 @@ static void *galloc_on(aclrtStream s, size_t n)
     return p;
 }
 
+/* Pinned (aclrtMallocHost) host memory, zeroed: a captured copy must not use pageable memory, whose
+ * "asynchronous" copy is a synchronous one, refused on a capturing stream. */
+static void *pinned_host(size_t n)
+{
+    void *p = NULL;
+    assert_int_equal(aclrtMallocHost(&p, n), ACL_SUCCESS);
+    memset(p, 0, n);
+    return p;
+}
+
 static npualloc_graph *new_graph(uint32_t flags)
 {
     npualloc_graph *g;
@@ -193,8 +203,8 @@ static void test_graphs_on_one_stream_alias(void **state)
     (void)state;
     start();
     aclrtStream s = new_stream(), other = new_stream();
-    static char host_src[4096], host_dst[4096];
-    memset(host_src, 0x5a, sizeof host_src);
+    char *host_src = pinned_host(4096), *host_dst = pinned_host(4096);
+    memset(host_src, 0x5a, 4096);
     npualloc_graph *g1 = new_graph(0), *g2 = new_graph(0);
     begin(g1, s);
     void *x = galloc_on(s, 4096);
@@ -222,13 +232,13 @@ static void test_graphs_on_one_stream_alias(void **state)
     assert_int_equal(after.physical_handles - before.physical_handles, 1); /* one 2 MiB chunk for both */
     assert_int_equal(after.mappings - before.mappings, 2);
     /* The data changes between launches; the other graph sees it. */
-    memset(host_src, 0x33, sizeof host_src);
+    memset(host_src, 0x33, 4096);
     assert_int_equal(npualloc_graph_launch(e1, s, 0), ACL_SUCCESS);
     assert_int_equal(npualloc_graph_launch(e2, s, 0), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
     assert_int_equal((unsigned char)host_dst[100], 0x33);
     /* On another stream, g2 gets other pages: it no longer sees g1's data. */
-    memset(host_dst, 0, sizeof host_dst);
+    memset(host_dst, 0, 4096);
     assert_int_equal(npualloc_graph_launch(e2, other, 0), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(other), ACL_SUCCESS);
     assert_int_equal((unsigned char)host_dst[100], 0);
@@ -239,6 +249,8 @@ static void test_graphs_on_one_stream_alias(void **state)
     assert_int_equal(after.mappings, before.mappings);
     npualloc_graph_destroy(g1);
     npualloc_graph_destroy(g2);
+    assert_int_equal(aclrtFreeHost(host_src), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(host_dst), ACL_SUCCESS);
 }
 
 static void test_checked_graph_reports_use_after_free(void **state)
@@ -604,14 +616,17 @@ static void *capture_worker(void *p)
         w->errors++;
         return NULL;
     }
-    static char src[8][256];
-    char dst[256];
+    char *src = NULL, *dst = NULL; /* pinned: these copies are captured */
+    if (aclrtMallocHost((void **)&src, 256) != ACL_SUCCESS || aclrtMallocHost((void **)&dst, 256) != ACL_SUCCESS) {
+        w->errors++;
+        return NULL;
+    }
     for (int round = 0; round < 20; round++) {
-        memset(src[w->id], w->id + round, sizeof src[w->id]);
+        memset(src, w->id + round, 256);
         if (w->id % 2 == 0) { /* ordinary work on this thread's stream meanwhile */
             void *p2 = NULL;
             if (npualloc_cache_malloc(0, 256, sh(s), &p2) != ACL_SUCCESS ||
-                aclrtMemcpyAsync(p2, 256, src[w->id], 256, ACL_MEMCPY_HOST_TO_DEVICE, s) != ACL_SUCCESS ||
+                aclrtMemcpyAsync(p2, 256, src, 256, ACL_MEMCPY_HOST_TO_DEVICE, s) != ACL_SUCCESS ||
                 aclrtMemcpyAsync(dst, 256, p2, 256, ACL_MEMCPY_DEVICE_TO_HOST, s) != ACL_SUCCESS ||
                 aclrtSynchronizeStream(s) != ACL_SUCCESS || dst[7] != (char)(w->id + round) ||
                 npualloc_cache_free(p2) != ACL_SUCCESS)
@@ -625,7 +640,7 @@ static void *capture_worker(void *p)
         void *x = NULL;
         bool ok = npualloc_graph_capture_begin(g, s, 0, NULL) == ACL_SUCCESS &&
                   npualloc_cache_malloc(0, 256, sh(s), &x) == ACL_SUCCESS &&
-                  aclrtMemcpyAsync(x, 256, src[w->id], 256, ACL_MEMCPY_HOST_TO_DEVICE, s) == ACL_SUCCESS &&
+                  aclrtMemcpyAsync(x, 256, src, 256, ACL_MEMCPY_HOST_TO_DEVICE, s) == ACL_SUCCESS &&
                   aclrtMemcpyAsync(dst, 256, x, 256, ACL_MEMCPY_DEVICE_TO_HOST, s) == ACL_SUCCESS &&
                   npualloc_cache_free(x) == ACL_SUCCESS && npualloc_graph_capture_end(g) == ACL_SUCCESS;
         npualloc_graph_exec *e = NULL;
@@ -637,6 +652,8 @@ static void *capture_worker(void *p)
         npualloc_graph_destroy(g);
     }
     if (aclrtDestroyStream(s) != ACL_SUCCESS)
+        w->errors++;
+    if (aclrtFreeHost(src) != ACL_SUCCESS || aclrtFreeHost(dst) != ACL_SUCCESS)
         w->errors++;
     return NULL;
 }
@@ -695,15 +712,15 @@ static void test_memcpy2d_async_captures_a_node_per_row(void **state)
     (void)state;
     start();
     aclrtStream s = new_stream();
-    static char host_src[3 * 16], host_dst[3 * 64];
-    for (int i = 0; i < (int)sizeof host_src; i++)
+    char *host_src = pinned_host(3 * 16), *host_dst = pinned_host(3 * 64);
+    for (int i = 0; i < 3 * 16; i++)
         host_src[i] = (char)(i + 1);
     npualloc_graph *g = new_graph(0);
     begin(g, s);
     char *x = galloc_on(s, 3 * 64);
     assert_int_equal(aclrtMemsetAsync(x, 3 * 64, 0, 3 * 64, s), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpy2dAsync(x, 64, host_src, 16, 16, 3, ACL_MEMCPY_HOST_TO_DEVICE, s), ACL_SUCCESS);
-    assert_int_equal(aclrtMemcpyAsync(host_dst, sizeof host_dst, x, 3 * 64, ACL_MEMCPY_DEVICE_TO_HOST, s),
+    assert_int_equal(aclrtMemcpyAsync(host_dst, 3 * 64, x, 3 * 64, ACL_MEMCPY_DEVICE_TO_HOST, s),
                      ACL_SUCCESS);
     assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
     end(g);
@@ -721,7 +738,7 @@ static void test_memcpy2d_async_captures_a_node_per_row(void **state)
     npualloc_graph_exec *e;
     assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
     for (int launch = 0; launch < 2; launch++) {
-        memset(host_dst, 0x7f, sizeof host_dst);
+        memset(host_dst, 0x7f, 3 * 64);
         host_src[0] = (char)(50 + launch);
         assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
         assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
@@ -733,6 +750,8 @@ static void test_memcpy2d_async_captures_a_node_per_row(void **state)
     }
     npualloc_graph_exec_destroy(e);
     npualloc_graph_destroy(g);
+    assert_int_equal(aclrtFreeHost(host_src), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(host_dst), ACL_SUCCESS);
 }
 
 /* ---- capture modes (acl_rt.h, aclmdlRICaptureMode) ---- */
@@ -842,6 +861,50 @@ static void test_global_capture_refuses_unsafe_calls_in_every_thread(void **stat
     assert_int_equal(npualloc_graph_get_plan(g, &plan), ACL_SUCCESS);
     assert_int_equal(plan.capture_mode, ACL_MODEL_RI_CAPTURE_MODE_GLOBAL);
     assert_int_equal(unsafe_copy(), ACL_SUCCESS);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
+}
+
+/* An asynchronous copy of pageable host memory is a synchronous copy (CANN): on the capturing stream
+ * its wait for the stream is refused (ACL_ERROR_RT_STREAM_CAPTURED, as aclrtSynchronizeStream of that
+ * stream is); on another stream the capture mode refuses it as CANN refuses a converted copy
+ * (ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC); neither copies or ends the capture. */
+static void test_pageable_async_copies_during_a_capture(void **state)
+{
+    (void)state;
+    capture_mode_setup();
+    aclrtStream s = new_stream(), other = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s); /* GLOBAL */
+    size_t nodes = npualloc_graph_node_count(g);
+    memset(host_buf, 0x5a, sizeof host_buf);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_ERROR_RT_STREAM_CAPTURED);
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(s, 100), ACL_ERROR_RT_STREAM_CAPTURED);
+    assert_int_equal(aclrtMemcpyAsync(dev_buf, 64, host_buf, 64, ACL_MEMCPY_HOST_TO_DEVICE, s),
+                     ACL_ERROR_RT_STREAM_CAPTURED);
+    assert_int_equal(aclrtMemcpy2dAsync(host_buf, 32, dev_buf, 32, 16, 2, ACL_MEMCPY_DEVICE_TO_HOST, s),
+                     ACL_ERROR_RT_STREAM_CAPTURED);
+    assert_int_equal(aclrtMemcpyAsync(dev_buf, 64, host_buf, 64, ACL_MEMCPY_HOST_TO_DEVICE, other),
+                     ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC);
+    assert_int_equal(aclrtMemcpy2dAsync(host_buf, 32, dev_buf, 32, 16, 2, ACL_MEMCPY_DEVICE_TO_HOST, other),
+                     ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC);
+    assert_int_equal(npualloc_graph_node_count(g), nodes); /* nothing captured */
+    char dev_now[64];
+    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_RELAXED), ACL_MODEL_RI_CAPTURE_MODE_GLOBAL);
+    assert_int_equal(aclrtMemcpy(dev_now, 64, dev_buf, 64, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(dev_now[0], 0); /* nothing copied */
+    /* RELAXED: the other stream's copy is made, at once */
+    assert_int_equal(aclrtMemcpyAsync(dev_buf, 64, host_buf, 64, ACL_MEMCPY_HOST_TO_DEVICE, other), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy(dev_now, 64, dev_buf, 64, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(dev_now[63], 0x5a);
+    assert_int_equal(aclrtMemcpyAsync(dev_buf, 64, host_buf, 64, ACL_MEMCPY_HOST_TO_DEVICE, s),
+                     ACL_ERROR_RT_STREAM_CAPTURED); /* whatever the mode */
+    assert_int_equal(exchange(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL), ACL_MODEL_RI_CAPTURE_MODE_RELAXED);
+    bool cap = false;
+    assert_int_equal(npualloc_stream_capture_status(s, 0, &cap, NULL), ACL_SUCCESS);
+    assert_true(cap); /* not invalidated */
+    end(g);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
     npualloc_graph_destroy(g);
     assert_int_equal(aclrtFree(dev_buf), ACL_SUCCESS);
 }
@@ -1095,6 +1158,7 @@ int main(void)
         cmocka_unit_test_teardown(test_user_cannot_unmap_release_or_map_a_graphs_range, stop_runtime),
         cmocka_unit_test_teardown(test_memcpy2d_async_captures_a_node_per_row, stop_runtime),
         cmocka_unit_test_teardown(test_global_capture_refuses_unsafe_calls_in_every_thread, stop_runtime),
+        cmocka_unit_test_teardown(test_pageable_async_copies_during_a_capture, stop_runtime),
         cmocka_unit_test_teardown(test_thread_local_and_relaxed_captures, stop_runtime),
         cmocka_unit_test_teardown(test_capture_mode_arguments, stop_runtime),
         cmocka_unit_test_teardown(test_global_pool_capture_does_not_block_the_caching_allocator, stop_runtime),

@@ -1,7 +1,9 @@
 /* test_memory.c - aclrtMalloc policies and capacity accounting, memcpy, memset, host memory. */
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -492,6 +494,13 @@ static void test_readonly_memory_faults_on_writes_and_takes_the_runtimes(void **
     assert_int_equal(aclrtFree(p), ACL_SUCCESS);
 }
 
+/* A stream callback that holds its stream until the gate opens. */
+static void wait_for_gate(void *gate)
+{
+    while (!atomic_load((atomic_int *)gate))
+        sched_yield();
+}
+
 /* Host addresses nobody allocated or that were unmapped, and read-only memory: memcpy and memset
  * return ACL_ERROR_RT_PARAM_INVALID instead of faulting, synchronously and on a stream. */
 static void test_bad_host_addresses_are_error_codes(void **state)
@@ -522,13 +531,26 @@ static void test_bad_host_addresses_are_error_codes(void **state)
     assert_int_equal(aclrtMemset(gone, 16, 0x33, 16), ACL_SUCCESS);
     assert_int_equal(gone[15], 0x33);
 
-    /* On a stream: queued (the host side is not probed then), reported by the synchronize as the
-     * stream's error, and the stream keeps working. */
+    /* On a stream: a memset is queued (the host side is not probed then), reported by the synchronize
+     * as the stream's error, and the stream keeps working.  A copy to or from pageable host memory is
+     * made at once (CANN makes it synchronous), so its bad address is the call's error; pinned memory
+     * freed after its copy was queued is the stream's. */
     aclrtStream s;
     assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
     assert_int_equal(aclrtMemsetAsync((void *)(uintptr_t)0x10000, 16, 0, 16, s), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(s), ACL_ERROR_RT_DEVICE_MEM_ERROR);
-    assert_int_equal(aclrtMemcpyAsync(low, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(low, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpyAsync(d, 16, gone + page, 16, ACL_MEMCPY_HOST_TO_DEVICE, s),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    void *pinned;
+    assert_int_equal(aclrtMallocHost(&pinned, 16), ACL_SUCCESS);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(wait_for_gate, &gate, ACL_CALLBACK_BLOCK, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(pinned, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(pinned), ACL_SUCCESS);
+    atomic_store(&gate, 1);
     assert_int_equal(aclrtSynchronizeStream(s), ACL_ERROR_RT_DEVICE_MEM_ERROR);
     assert_int_equal(aclrtMemsetAsync(d, 16, 0x44, 16, s), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(buf, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);

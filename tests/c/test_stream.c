@@ -192,32 +192,39 @@ static void test_event_behind_sleep_is_not_ready_until_synchronized(void **state
     assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
-/* aclrtMemsetAsync / aclrtMemcpyAsync run in stream order behind queued work: nothing lands while
- * a sleep holds the queue, and each copy sees the memset queued before it, not the one after. */
+/* aclrtMemsetAsync / aclrtMemcpyAsync of pinned (aclrtMallocHost) memory run in stream order behind
+ * queued work: nothing lands while a gate holds the queue, and each copy sees the memset queued before
+ * it, not the one after. */
 static void test_memset_and_memcpy_async_run_in_order_behind_queued_work(void **state)
 {
     (void)state;
     aclrtStream st = new_stream();
     aclrtEvent e = new_event();
     void *d;
-    static unsigned char first[4096], second[4096], src[4096];
-    memset(first, 0, sizeof first);
-    memset(second, 0, sizeof second);
-    memset(src, 0x33, sizeof src);
+    unsigned char *first, *second, *src;
+    assert_int_equal(aclrtMallocHost((void **)&first, 4096), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost((void **)&second, 4096), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost((void **)&src, 4096), ACL_SUCCESS);
+    memset(first, 0, 4096);
+    memset(second, 0, 4096);
+    memset(src, 0x33, 4096);
     assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
     assert_int_equal(aclrtMemset(d, 4096, 0, 4096), ACL_SUCCESS);
-    assert_int_equal(npualloc_sleep_async(st, 0.1), ACL_SUCCESS);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemsetAsync(d, 4096, 0x11, 4096, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(first, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(d, 4096, src, 2048, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(second, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
-    /* behind the sleep: nothing ran yet */
+    /* behind the gate: nothing ran yet */
     unsigned char now[4096];
     assert_int_equal(aclrtMemcpy(now, sizeof now, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
     assert_int_equal(now[0], 0);
     assert_int_equal(first[0], 0);
     assert_int_equal(query(e), ACL_EVENT_STATUS_NOT_READY);
+    atomic_store(&gate, 1);
     assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
     for (size_t i = 0; i < 4096; i++) {
         assert_int_equal(first[i], 0x11);
@@ -225,7 +232,100 @@ static void test_memset_and_memcpy_async_run_in_order_behind_queued_work(void **
     }
     assert_int_equal(query(e), ACL_EVENT_STATUS_COMPLETE);
     assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(first), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(second), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(src), ACL_SUCCESS);
     assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+}
+
+/* An asynchronous copy between device memory and pageable host memory (not aclrtMallocHost's) returns
+ * with the copy done, as CANN documents: it waits for the work queued before it, then copies.  Pinned
+ * memory in the same call shape is queued. */
+typedef struct gate_opener {
+    atomic_int *gate;
+    atomic_int opened;
+} gate_opener;
+
+static void *open_gate_later(void *arg)
+{
+    gate_opener *g = arg;
+    host_sleep_ns(50 * MS);
+    atomic_store(&g->opened, 1);
+    atomic_store(g->gate, 1);
+    return NULL;
+}
+
+static void test_async_copy_of_pageable_memory_is_done_on_return(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream();
+    void *d;
+    assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(d, 4096, 0, 4096), ACL_SUCCESS);
+    static atomic_int gate;
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(d, 4096, 0x11, 4096, st), ACL_SUCCESS);
+    gate_opener g = {.gate = &gate};
+    atomic_init(&g.opened, 0);
+    pthread_t opener;
+    assert_int_equal(pthread_create(&opener, NULL, open_gate_later, &g), 0);
+    /* device to pageable host: waits for the gate and the memset queued before it */
+    unsigned char page[4096] = {0};
+    assert_int_equal(aclrtMemcpyAsync(page, sizeof page, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
+    assert_true(atomic_load(&g.opened));
+    assert_int_equal(page[0], 0x11);
+    assert_int_equal(page[4095], 0x11);
+    pthread_join(opener, NULL);
+    /* pageable host to device: the source may change as soon as the call returns */
+    memset(page, 0x22, 2048);
+    assert_int_equal(aclrtMemcpyAsync(d, 4096, page, 2048, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
+    memset(page, 0x99, sizeof page);
+    unsigned char now[4096];
+    assert_int_equal(aclrtMemcpy(now, sizeof now, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(now[0], 0x22);
+    assert_int_equal(now[2047], 0x22);
+    assert_int_equal(now[2048], 0x11);
+    /* a 2-D copy of pageable rows too */
+    unsigned char rows[3][8];
+    memset(rows, 0x44, sizeof rows);
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    atomic_store(&g.opened, 0);
+    assert_int_equal(pthread_create(&opener, NULL, open_gate_later, &g), 0);
+    assert_int_equal(aclrtMemcpy2dAsync(d, 64, rows, 8, 8, 3, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
+    assert_true(atomic_load(&g.opened));
+    pthread_join(opener, NULL);
+    memset(rows, 0, sizeof rows);
+    assert_int_equal(aclrtMemcpy(now, sizeof now, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(now[0], 0x44);
+    assert_int_equal(now[64 + 7], 0x44);
+    assert_int_equal(now[128], 0x44);
+    assert_int_equal(now[8], 0x22); /* between the rows: untouched */
+    /* the same copy of pinned memory is queued behind the gate */
+    unsigned char *pinned;
+    assert_int_equal(aclrtMallocHost((void **)&pinned, 4096), ACL_SUCCESS);
+    memset(pinned, 0, 4096);
+    atomic_store(&gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(pinned, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
+    assert_int_equal(pinned[0], 0);
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(pinned[0], 0x44);
+    /* the wait reports the stream's failed work, as aclrtSynchronizeStream does, and copies nothing */
+    npu_stream *s;
+    assert_int_equal(stream_acquire(st, &s), ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(s, task_fail, (void *)(intptr_t)ACL_ERROR_RT_DEVICE_MEM_ERROR, NULL, NULL),
+                     ACL_SUCCESS);
+    stream_release(s);
+    memset(page, 0x55, sizeof page);
+    assert_int_equal(aclrtMemcpyAsync(page, sizeof page, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st),
+                     ACL_ERROR_RT_DEVICE_MEM_ERROR);
+    assert_int_equal(page[0], 0x55);
+    assert_int_equal(aclrtFreeHost(pinned), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
     assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
@@ -1910,6 +2010,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_created_stream_id_is_its_handle, setup, teardown),
         cmocka_unit_test_setup_teardown(test_event_behind_sleep_is_not_ready_until_synchronized, setup, teardown),
         cmocka_unit_test_setup_teardown(test_memset_and_memcpy_async_run_in_order_behind_queued_work, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_async_copy_of_pageable_memory_is_done_on_return, setup, teardown),
         cmocka_unit_test_setup_teardown(test_never_recorded_event_is_complete_but_not_recorded, setup, teardown),
         cmocka_unit_test_setup_teardown(test_elapsed_time_spans_sleep_and_may_be_negative, setup, teardown),
         cmocka_unit_test_setup_teardown(test_elapsed_time_rejects_unrecorded_and_incomplete_events, setup, teardown),
