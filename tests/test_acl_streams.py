@@ -42,6 +42,14 @@ def read(ptr, n=N):
     return acl.util.ptr_to_bytes(ptr, n)
 
 
+def held(s):
+    """Holds stream s behind a BLOCK callback until the returned gate is set: what is queued behind it has
+    not run, however slowly this thread goes."""
+    gate = threading.Event()
+    assert rt.launch_callback(lambda _: gate.wait(), None, acl.ACL_CALLBACK_BLOCK, s) == 0
+    return gate
+
+
 def test_stream_lifecycle():
     s = stream()
     assert rt.synchronize_stream(s) == 0
@@ -58,12 +66,14 @@ def test_stream_lifecycle():
 def test_async_memcpy_waits_behind_sleep():
     src, dst = malloc(fill=0x11), malloc(fill=0)
     s, e = stream(), event()
+    gate = held(s)
     assert npualloc._sleep(0.2, s) == 0
     assert rt.memcpy_async(dst, N, src, N, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s) == 0
     assert rt.record_event(e, s) == 0
     assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_NOT_READY, 0)
     assert rt.query_event_status(e) == (acl.ACL_EVENT_RECORDED_STATUS_NOT_READY, 0)
     assert read(dst) == bytes(N)  # not copied yet
+    gate.set()
     assert rt.synchronize_event(e) == 0
     assert read(dst) == b"\x11" * N
     assert rt.query_event(e) == (acl.ACL_EVENT_STATUS_COMPLETE, 0)
@@ -76,10 +86,11 @@ def test_async_memset_and_memcpy_on_the_default_stream():
     host, ret = rt.malloc_host(N)  # pinned: the copy is queued
     assert ret == 0
     assert rt.memset(host, N, 0, N) == 0
-    assert npualloc._sleep(0.2) == 0  # None: the default stream
+    gate = held(0)  # 0: the default stream
     assert rt.memset_async(dst, N, 0x3C, N, 0) == 0
     assert rt.memcpy_async(host, N, dst, N, acl.ACL_MEMCPY_DEVICE_TO_HOST, 0) == 0
     assert read(host) == bytes(N)
+    gate.set()
     assert rt.synchronize_stream(0) == 0
     assert read(host) == b"\x3c" * N
     assert rt.free_host(host) == 0
@@ -91,9 +102,11 @@ def test_async_memcpy_of_pageable_memory_is_done_on_return():
     dst = malloc(fill=0)
     s = stream()
     host = bytearray(N)
-    assert npualloc._sleep(0.2, s) == 0
+    gate = held(s)
     assert rt.memset_async(dst, N, 0x3C, N, s) == 0
+    threading.Timer(0.2, gate.set).start()
     assert rt.memcpy_async(acl.util.bytes_to_ptr(host), N, dst, N, acl.ACL_MEMCPY_DEVICE_TO_HOST, s) == 0
+    assert gate.is_set()  # it waited for the queued work
     assert bytes(host) == b"\x3c" * N  # no synchronize needed
     source = bytearray(b"\x7e" * N)
     assert rt.memcpy_async(dst, N, acl.util.bytes_to_ptr(source), N, acl.ACL_MEMCPY_HOST_TO_DEVICE, s) == 0
@@ -143,13 +156,14 @@ def test_stream_wait_event_across_streams():
     buf, dst = malloc(fill=0), malloc(fill=0)
     s1, s2 = stream(), stream()
     e1, e2 = event(), event()
-    assert npualloc._sleep(0.2, s1) == 0
+    gate = held(s1)
     assert rt.memset_async(buf, N, 0x22, N, s1) == 0
     assert rt.record_event(e1, s1) == 0
     assert rt.stream_wait_event(s2, e1) == 0  # s2's later work waits for s1's memset
     assert rt.memcpy_async(dst, N, buf, N, acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s2) == 0
     assert rt.record_event(e2, s2) == 0
     assert rt.query_event(e2) == (acl.ACL_EVENT_STATUS_NOT_READY, 0)
+    gate.set()
     assert rt.synchronize_stream(s2) == 0
     assert read(dst) == b"\x22" * N
     assert rt.query_event(e1) == (acl.ACL_EVENT_STATUS_COMPLETE, 0)
@@ -198,9 +212,11 @@ def test_event_elapsed_time():
     s = stream()
     start, end = event(), event()
     assert rt.record_event(start, s) == 0
+    gate = held(s)
     assert npualloc._sleep(0.2, s) == 0
     assert rt.record_event(end, s) == 0
     assert rt.event_elapsed_time(start, end) == (0.0, acl.ACL_ERROR_RT_STREAM_NOT_COMPLETE)
+    gate.set()
     assert rt.synchronize_event(end) == 0
     ms, ret = rt.event_elapsed_time(start, end)
     assert ret == 0 and isinstance(ms, float)
@@ -222,13 +238,14 @@ def test_launch_callback_order_data_and_thread():
         log.append((data, threading.get_ident(), read(buf, 1)))
 
     items = [["first"], ["second", 2], None]
-    assert npualloc._sleep(0.2, s) == 0
+    gate = held(s)
     assert rt.launch_callback(cb, items[0], acl.ACL_CALLBACK_BLOCK, s) == 0
     assert rt.memset_async(buf, N, 0x01, N, s) == 0
     assert rt.launch_callback(cb, items[1], acl.ACL_CALLBACK_NO_BLOCK, s) == 0
     assert rt.memset_async(buf, N, 0x02, N, s) == 0
     assert rt.launch_callback(cb, items[2], acl.ACL_CALLBACK_BLOCK, s) == 0
-    assert log == []  # still behind the sleep
+    assert log == []  # still behind the gate
+    gate.set()
     assert rt.synchronize_stream(s) == 0
     assert [entry[0] for entry in log] == items
     assert all(entry[0] is item for entry, item in zip(log, items))  # the very objects
@@ -246,11 +263,12 @@ def test_launch_callback_keeps_fn_and_data_alive():
     data = Data([42])
     ref = weakref.ref(data)
     s = stream()
-    assert npualloc._sleep(0.2, s) == 0
+    gate = held(s)
     assert rt.launch_callback(lambda d: ran.append(list(d)), data, 0, s) == 0
     del data
     gc.collect()
     assert ref() is not None  # held by the queued callback
+    gate.set()
     assert rt.synchronize_stream(s) == 0
     assert ran == [[42]]
     gc.collect()
@@ -303,9 +321,10 @@ def test_launch_callback_errors():
 def test_sticky_error_of_a_failed_async_copy():
     src, dst = malloc(fill=1), malloc(fill=0)
     s = stream()
-    assert npualloc._sleep(0.2, s) == 0
+    gate = held(s)
     assert rt.memcpy_async(dst, N, src, N, 3, s) == 0
     assert rt.free(src) == 0  # freed before the copy runs
+    gate.set()
     assert rt.synchronize_stream(s) == acl.ACL_ERROR_RT_DEVICE_MEM_ERROR
     assert rt.synchronize_stream(s) == 0  # reported once
     assert read(dst) == bytes(N)
@@ -471,13 +490,6 @@ def flagged_event(flag, ex=False):
     e, ret = (rt.create_event_ex_with_flag if ex else rt.create_event_with_flag)(flag)
     assert ret == 0 and e != 0
     return e
-
-
-def held(s):
-    """Holds stream s behind a BLOCK callback until the returned gate is set."""
-    gate = threading.Event()
-    assert rt.launch_callback(lambda _: gate.wait(), None, acl.ACL_CALLBACK_BLOCK, s) == 0
-    return gate
 
 
 def test_flag_values_are_canns():

@@ -160,6 +160,18 @@ def fd_count(w=None):
     return len(os.listdir("/proc/self/fd"))
 
 
+def clients_after_they_left():
+    """This process's server's client count once it is 0, or after 5 s.  A client can stay a moment after
+    it left (a dead importer's connection), and any process's failed import asks every npualloc server on
+    the machine, ours included, for a moment."""
+    for _ in range(500):
+        n = _C.ipc.counts()["clients"]
+        if n == 0:
+            break
+        time.sleep(0.01)
+    return n
+
+
 # ---- zero copy, whitelist ----
 
 
@@ -422,8 +434,7 @@ def test_importer_crash_affects_nobody(dev0, workers):
     ctypes.memset(va, 0x45, 4)
     assert survivor.call("ret = ctypes.string_at(sva, 4)", sva=sva) == b"EEEE"
     assert import_map(survivor, value)[1] == 0  # the exporter still serves
-    time.sleep(0.05)
-    assert _C.ipc.counts()["clients"] == 0  # the dead importer's connection is gone
+    assert clients_after_they_left() == 0  # the dead importer's connection is gone
     release(handle, va)
 
 
@@ -625,9 +636,9 @@ def test_nothing_leaks_on_either_side(dev0, workers):
         assert w.call(UNMAP_FREE, va=wva, h=h) == 0
         release(handle, va)
     assert fd_count(w) == w_fds  # the importer keeps nothing
+    assert clients_after_they_left() == 0
     assert fd_count() <= my_fds + 3  # the exporter: its server's socket, wake-up fd and spare fd at most
-    counts = _C.ipc.counts()
-    assert (counts["exports"], counts["clients"]) == (0, 0)
+    assert _C.ipc.counts()["exports"] == 0
     assert w.call("ret = (_C.ipc.counts()['imports'], _C.vmm_counts())") == \
         (0, {"physical_handles": 0, "reservations": 0, "mappings": 0, "fds_kept": 0})
     _C.shutdown()  # the server goes with the runtime
@@ -728,11 +739,7 @@ def test_key_importer_crash_affects_nobody(dev0, workers):
     ctypes.memset(ptr, 0x45, 4)
     assert survivor.call("ret = ctypes.string_at(p, 4)", p=sp) == b"EEEE"
     assert survivor.call("ret = [rt.ipc_mem_close(key), rt.ipc_mem_import_by_key(key, 0)[1]]", key=key) == [0, 0]
-    for _ in range(100):  # the dead importer's connection goes
-        if _C.ipc.counts()["clients"] == 0:
-            break
-        time.sleep(0.01)
-    assert _C.ipc.counts()["clients"] == 0
+    assert clients_after_they_left() == 0  # the dead importer's connection goes
     assert rt.free(ptr) == 0
 
 

@@ -13,6 +13,15 @@ free = npualloc.caching_allocator_delete
 SLEEP = 0.3
 
 
+def held(handle):
+    """Holds the stream (an npu_stream handle) behind a BLOCK callback until the returned gate is set: what
+    is queued behind it has not run, however slowly this thread goes."""
+    gate = threading.Event()
+    assert npualloc.acl.rt.launch_callback(lambda _: gate.wait(), None, npualloc.acl.ACL_CALLBACK_BLOCK,
+                                           handle) == 0
+    return gate
+
+
 # ---- Stream, Event, current streams ----
 
 def test_stream_basics(mem):
@@ -25,8 +34,9 @@ def test_stream_basics(mem):
     assert d.npu_stream == 0 and d.device == 0 and npualloc.default_stream(1).device == 1
     assert npualloc.current_stream() == d and npualloc.current_stream(1) == npualloc.default_stream(1)
     assert s.query()
-    npualloc._sleep(SLEEP, s.npu_stream)
+    gate = held(s.npu_stream)
     assert not s.query()
+    gate.set()
     s.synchronize()
     assert s.query()
     t.synchronize()
@@ -110,11 +120,12 @@ def test_events(mem):
     s1, s2 = npualloc.Stream(), npualloc.Stream()
     e = npualloc.Event()
     assert e.query() and repr(e) == "<npualloc.Event uninitialized>"
-    npualloc._sleep(SLEEP, s1.npu_stream)
+    gate = held(s1.npu_stream)
     e.record(s1)
     assert not e.query()
-    s2.wait_event(e)                     # s2's later work waits for s1's sleep
+    s2.wait_event(e)                     # s2's later work waits for s1's held work
     assert not s2.query()
+    gate.set()
     e.synchronize()
     assert e.query()
     s2.synchronize()
@@ -126,9 +137,10 @@ def test_events(mem):
     assert 45 <= start.elapsed_time(end) < 1000
     with pytest.raises(RuntimeError, match="enable_timing=True"):
         e.elapsed_time(end)
-    npualloc._sleep(SLEEP, s1.npu_stream)
+    gate = held(s1.npu_stream)
     s2.wait_stream(s1)
     assert not s2.query()
+    gate.set()
     ev = s2.record_event()
     ev.synchronize()
     assert s1.query() and ev.query()
@@ -186,22 +198,17 @@ def test_record_stream_delays_reuse_until_the_stream_finished(mem):
     side = npualloc.Stream()
     p = alloc(1)
     npualloc.record_stream(p, side)
-    npualloc._sleep(SLEEP, side.npu_stream)
-    start = time.monotonic()
+    gate = held(side.npu_stream)
     free(p)
     assert block_of(p)["state"] == "active_pending_free"
     st = npualloc.memory_stats()
     assert st["allocated_bytes.all.current"] == 0 and st["active_bytes.all.current"] == 512
     assert segment_of(p)["allocated_size"] == 0 and segment_of(p)["active_size"] == 512
-    others = []
-    while True:
-        q = alloc(1)
-        if q == p:
-            break
-        others.append(q)
-        time.sleep(0.01)
-    assert time.monotonic() - start >= SLEEP * 0.9   # reused only once the sleep on `side` ended
-    assert others and all(o != p for o in others)
+    others = [alloc(1) for _ in range(3)]
+    assert all(o != p for o in others)  # not reused while `side` has not passed the free
+    gate.set()
+    side.synchronize()
+    assert alloc(1) == p  # reused once it did
     assert block_of(p)["state"] == "active_allocated"
     free(p)
     for o in others:
@@ -214,10 +221,11 @@ def test_record_stream_states_and_synchronize(mem):
     p = alloc(MiB + 1)
     q = alloc(MiB + 1)
     npualloc.record_stream(p, side.npu_stream)          # an int handle works too
-    npualloc._sleep(SLEEP, side.npu_stream)
+    gate = held(side.npu_stream)
     free(p)
     assert layout(p) == [(MiB + 512, "active_pending_free"), (MiB + 512, "active_allocated"),
                          (18 * MiB - 1024, "inactive")]
+    gate.set()
     npualloc.empty_cache()                              # synchronizes, completes the free, keeps the segment
     assert layout(p) == [(MiB + 512, "inactive"), (MiB + 512, "active_allocated"), (18 * MiB - 1024, "inactive")]
     free(q)
@@ -236,10 +244,12 @@ def test_record_stream_on_the_own_stream_still_waits(mem):
     # torch_npu records the block's own stream too: the free waits for an event on it.
     p = alloc(1)
     npualloc.record_stream(p, npualloc.current_stream())
-    npualloc._sleep(SLEEP, 0)
+    gate = held(0)
     free(p)
     assert block_of(p)["state"] == "active_pending_free"
-    assert alloc(1) != p
+    q = alloc(1)
+    assert q != p
+    gate.set()
     npualloc.synchronize()
     assert alloc(1) == p
 
