@@ -360,6 +360,18 @@ static aclError pageable_copy_start(aclrtStream stream)
     return rc;
 }
 
+/* The synchronous copy: checked and made under the registry's read lock. */
+static aclError copy_now(void *dst, const void *src, size_t count)
+{
+    range_class dc, sc;
+    vmm_read_lock();
+    aclError rc = check_copy_locked(dst, src, count, &dc, &sc);
+    if (rc == ACL_SUCCESS)
+        rc = mem_move_locked(dst, dc, src, sc, count);
+    vmm_read_unlock();
+    return rc;
+}
+
 aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind)
 {
     if (count == 0)
@@ -367,13 +379,7 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
     aclError rc = copy_args_check(dst, destMax, src, count, (int)kind);
     if (rc != ACL_SUCCESS || (rc = sync_call_start()) != ACL_SUCCESS)
         return rc;
-    range_class dc, sc;
-    vmm_read_lock();
-    rc = check_copy_locked(dst, src, count, &dc, &sc);
-    if (rc == ACL_SUCCESS)
-        rc = mem_move_locked(dst, dc, src, sc, count);
-    vmm_read_unlock();
-    return rc;
+    return copy_now(dst, src, count);
 }
 
 aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)
@@ -454,20 +460,14 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
-    range_class dc, sc;
-    if (pageable_transfer(dst, count, src, count)) {
-        if ((rc = pageable_copy_start(stream)) != ACL_SUCCESS)
-            return rc;
-        vmm_read_lock();
-        rc = check_copy_locked(dst, src, count, &dc, &sc);
-        if (rc == ACL_SUCCESS)
-            rc = mem_move_locked(dst, dc, src, sc, count);
-        vmm_read_unlock();
-        return rc;
+    if (pageable_transfer(dst, count, src, count)) { /* made now, after the stream's queued work */
+        rc = pageable_copy_start(stream);
+        return rc == ACL_SUCCESS ? copy_now(dst, src, count) : rc;
     }
     /* graph capture (graph.c): on a capturing stream the copy becomes a MEMCPY node */
     if (unlikely(graph_capture_active()) && graph_capture_memop(stream, dst, src, count, 0, true, &rc))
         return rc;
+    range_class dc, sc;
     vmm_read_lock();
     rc = check_copy_locked(dst, src, count, &dc, &sc);
     vmm_read_unlock();

@@ -72,6 +72,13 @@ static void cb_wait_gate(void *user_data)
         host_sleep_ns(MS);
 }
 
+/* Holds the stream behind cb_wait_gate until *gate is set. */
+static void hold(aclrtStream st, atomic_int *gate)
+{
+    atomic_store(gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+}
+
 typedef struct entry_gate {
     atomic_int entered, open;
 } entry_gate;
@@ -193,9 +200,8 @@ static void test_event_behind_sleep_is_not_ready_until_synchronized(void **state
     aclrtStream st = new_stream();
     aclrtEvent e = new_event();
     static atomic_int gate; /* holds the stream while the event is checked, however slow this thread is */
-    atomic_store(&gate, 0);
     uint64_t t0 = host_now_ns();
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(npualloc_sleep_async(st, 0.1), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
     assert_int_equal(query(e), ACL_EVENT_STATUS_NOT_READY);
@@ -228,8 +234,7 @@ static void test_memset_and_memcpy_async_run_in_order_behind_queued_work(void **
     assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
     assert_int_equal(aclrtMemset(d, 4096, 0, 4096), ACL_SUCCESS);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(aclrtMemsetAsync(d, 4096, 0x11, 4096, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(first, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(d, 4096, src, 2048, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
@@ -281,8 +286,7 @@ static void test_async_copy_of_pageable_memory_is_done_on_return(void **state)
     assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
     assert_int_equal(aclrtMemset(d, 4096, 0, 4096), ACL_SUCCESS);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(aclrtMemsetAsync(d, 4096, 0x11, 4096, st), ACL_SUCCESS);
     gate_opener g = {.gate = &gate};
     atomic_init(&g.opened, 0);
@@ -307,8 +311,7 @@ static void test_async_copy_of_pageable_memory_is_done_on_return(void **state)
     /* a 2-D copy of pageable rows too */
     unsigned char rows[3][8];
     memset(rows, 0x44, sizeof rows);
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     atomic_store(&g.opened, 0);
     assert_int_equal(pthread_create(&opener, NULL, open_gate_later, &g), 0);
     assert_int_equal(aclrtMemcpy2dAsync(d, 64, rows, 8, 8, 3, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
@@ -324,8 +327,7 @@ static void test_async_copy_of_pageable_memory_is_done_on_return(void **state)
     unsigned char *pinned;
     assert_int_equal(aclrtMallocHost((void **)&pinned, 4096), ACL_SUCCESS);
     memset(pinned, 0, 4096);
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(aclrtMemcpyAsync(pinned, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
     assert_int_equal(pinned[0], 0);
     atomic_store(&gate, 1);
@@ -394,8 +396,7 @@ static void test_elapsed_time_rejects_unrecorded_and_incomplete_events(void **st
     assert_int_equal(ACL_ERROR_RT_INTERNAL_ERROR, 507000);
     assert_int_equal(aclrtEventElapsedTime(NULL, done, done), ACL_ERROR_INVALID_PARAM);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(npualloc_sleep_async(st, 0.1), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(pending, st), ACL_SUCCESS);
     /* Both records are checked before either time: a missing one wins over one not yet reached. */
@@ -481,8 +482,7 @@ static void test_re_record_moves_event_and_old_record_does_not_restamp(void **st
     aclrtStream a = new_stream(), b = new_stream();
     aclrtEvent e = new_event(), ref = new_event();
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, a), ACL_SUCCESS);
+    hold(a, &gate);
     assert_int_equal(npualloc_sleep_async(a, 0.1), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, a), ACL_SUCCESS);
     assert_int_equal(query(e), ACL_EVENT_STATUS_NOT_READY);
@@ -625,8 +625,7 @@ static void test_synchronize_with_timeout_stream_and_event(void **state)
     npu_stream *s;
     assert_int_equal(stream_acquire(st, &s), ACL_SUCCESS);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(stream_enqueue(s, task_fail, (void *)(intptr_t)ACL_ERROR_RT_DEVICE_MEM_ERROR, NULL, NULL),
                      ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
@@ -665,8 +664,7 @@ static void test_stream_query_reports_queued_work(void **state)
     assert_int_equal(aclrtStreamQuery(st, &status), ACL_SUCCESS);
     assert_int_equal(status, ACL_STREAM_STATUS_COMPLETE); /* nothing queued */
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(aclrtStreamQuery(st, &status), ACL_SUCCESS);
     assert_int_equal(status, ACL_STREAM_STATUS_NOT_READY);
     assert_int_equal(aclrtStreamQuery(NULL, &status), ACL_SUCCESS); /* the default stream is idle */
@@ -1074,8 +1072,7 @@ static void test_task_cannot_wait_for_its_own_stream(void **state)
     self_results r = {.self = new_stream(), .other = new_stream(), .event_on_self = new_event()};
     /* Hold the worker so the event is recorded (behind the callback) before the callback runs. */
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
+    hold(r.self, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_self_calls, &r, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(r.event_on_self, r.self), ACL_SUCCESS);
     atomic_store(&gate, 1);
@@ -1618,9 +1615,8 @@ static void test_block_callback_on_subscribed_thread_cannot_wait_for_its_stream(
     block_self r = {.self = new_stream(), .other = new_stream(), .event_on_self = new_event()};
     atomic_init(&r.thread, 0);
     static atomic_int gate; /* the event is recorded before the callback runs */
-    atomic_store(&gate, 0);
     assert_int_equal(aclrtSubscribeReport(reporter_tid(&rep), r.self), ACL_SUCCESS);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
+    hold(r.self, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_block_self_calls, &r, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(r.event_on_self, r.self), ACL_SUCCESS);
     atomic_store(&gate, 1);
@@ -1744,9 +1740,8 @@ static void test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_strea
     self_unsub d = {.st = new_stream(), .tid = reporter_tid(&rep)};
     atomic_init(&d.done, 0);
     static atomic_int gate;
-    atomic_store(&gate, 0);
     assert_int_equal(aclrtSubscribeReport(d.tid, d.st), ACL_SUCCESS);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, d.st), ACL_SUCCESS);
+    hold(d.st, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_destroy_own_stream, &d, ACL_CALLBACK_NO_BLOCK, d.st), ACL_SUCCESS);
     assert_int_equal(aclrtLaunchCallback(cb_record, &later[1], ACL_CALLBACK_BLOCK, d.st), ACL_SUCCESS);
     atomic_store(&gate, 1);
@@ -1945,8 +1940,7 @@ static void test_fork_child_starts_without_streams_and_runs_no_parent_task(void 
     aclrtStream st = new_stream();
     aclrtEvent e = new_event();
     static atomic_int gate; /* the parent's task waits until the child is done */
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, &gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    hold(st, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_mark_parent_task, NULL, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
     npu_stream *pinned;
