@@ -52,7 +52,10 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT on the capture's device: in every thread ("global"), in the thread that
   began the capture ("thread_local"), or never ("relaxed"); the capture goes on.  Another string raises
   RuntimeError "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got ..." (torch_npu's
-  words), another type TypeError.  The caching allocator makes no such call: a capture never blocks it.
+  words), another type TypeError.  ``acl.rt.memcpy_async`` of pageable host memory (not ``acl.rt.malloc_host``
+  memory) is a synchronous copy, as on CANN: refused by the same rule (ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC),
+  and on the capturing stream always (ACL_ERROR_RT_STREAM_CAPTURED), so captured copies use pinned memory.
+  The caching allocator makes no such call: a capture never blocks it.
   ``memory_plan()["capture_error_mode"]`` tells the mode afterwards.
 """
 import contextlib
