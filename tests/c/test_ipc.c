@@ -390,7 +390,7 @@ static void test_a_flood_of_guesses_does_not_delay_imports(void **state)
     print_message("flood: %llu answered, %llu refused; import during it: %.2f ms\n", (unsigned long long)answered,
                   (unsigned long long)refused, (double)took / 1e6);
     assert_int_equal(rc, ACL_SUCCESS);
-    assert_true(took < 100000000u); /* 100 ms: the old server slept up to 1 s under a flood */
+    assert_true(took < 500000000u); /* 500 ms: the old server slept up to 1 s under a flood */
     /* the budget: 1000 answered failures a second (the flood spans at most two seconds) */
     assert_true(refused > 0);
     assert_true(answered <= 2 * 1000);

@@ -466,12 +466,11 @@ static void test_stream_wait_on_unrecorded_event_does_not_block(void **state)
     (void)state;
     aclrtStream a = new_stream();
     aclrtEvent e = new_event();
-    uint64_t t0 = host_now_ns();
     assert_int_equal(aclrtStreamWaitEvent(a, e), ACL_SUCCESS);
     assert_int_equal(aclrtStreamWaitEvent(NULL, e), ACL_SUCCESS);
-    assert_int_equal(aclrtSynchronizeStream(a), ACL_SUCCESS);
-    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_SUCCESS);
-    assert_true(host_now_ns() - t0 < 50 * MS);
+    /* a wait that blocked would run out (the event is never recorded) */
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(a, 10000), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStreamWithTimeout(NULL, 10000), ACL_SUCCESS);
     aclrtDestroyEvent(e);
     aclrtDestroyStream(a);
 }
@@ -1261,7 +1260,7 @@ static void test_process_report_argument_subscription_and_timeout_codes(void **s
     uint64_t t0 = host_now_ns();
     assert_int_equal(aclrtProcessReport(40), ACL_ERROR_RT_REPORT_TIMEOUT);
     uint64_t waited = host_now_ns() - t0;
-    assert_true(waited >= 39 * MS && waited < 1000 * MS);
+    assert_true(waited >= 39 * MS && waited < 2000 * MS);
     /* A callback arriving during the wait ends it early. */
     static cb_rec r;
     rec_init(&r, 1);
