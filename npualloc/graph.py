@@ -38,8 +38,9 @@ described in ``csrc/include/npualloc_graph.h``; in short::
 * ``capture(pool=MemPool or graph_pool_handle())``: torch-style capture instead, allocations come from the
   private pool at real addresses (no plan); several captures may share a pool one after another, but
   as in torch only one may record into it at a time (a second ``capture(pool=)`` or ``use_mem_pool``
-  on that pool meanwhile raises RuntimeError "...already recording to mempool_id"); streams that join
-  the capture allocate from its pool.  As in torch_npu, such a capture refuses the default stream
+  on that pool meanwhile raises RuntimeError "beginAllocateToPool: already recording to mempool_id");
+  streams that join the capture allocate from its pool.  ``pool=(0, 0)`` is torch_npu's "no pool": the
+  capture gets a private pool of its own, id ``(n, 0)``.  As in torch_npu, such a capture refuses the default stream
   (RuntimeError "NPU graphs must be captured on a non-default stream. ...").  A graph is captured once:
   a second ``capture_begin`` raises RuntimeError "This NPUGraph instance already owns a captured graph.
   ..." until ``reset()``.  After the capture, ``g.pool()`` is that pool's id (torch's
@@ -70,6 +71,7 @@ from .mempool import _pool_id
 _G = _C.graph
 
 GraphMemoryError = _G.GraphMemoryError
+_POOL_BUSY = "beginAllocateToPool: already recording to mempool_id"
 
 __all__ = ["Graph", "GraphExec", "GraphMemoryError", "set_graph_mem_access", "get_graph_mem_access",
            "is_current_stream_capturing"]
@@ -143,6 +145,7 @@ class Graph:
                             # GraphExec, which points back at the graph: that cycle would keep the memory
                             # mapped until the cycle collector ran
         self._capture_pool = None  # the pool capture_begin routed to (None: planned memory)
+        self._capturing = False    # between capture_begin and capture_end
         self._captured = False     # capture_end succeeded: pool() answers
 
     # ---- capture ----
@@ -158,18 +161,29 @@ class Graph:
         s = _as_stream(stream)
         mask = None if access is None else _device_mask(access)
         pid = None if pool is None else _pool_id(pool)
+        if pid == (0, 0):  # torch_npu: no pool given, the capture gets a private pool of its own
+            pid = _G.mempool_id_new(False)
         if pid is not None and mask is not None:
             raise ValueError("access applies to planned graph memory, not to a pool capture")
         if pid is not None and s.npu_stream == 0:  # torch_npu refuses a torch-style capture there
             raise RuntimeError("NPU graphs must be captured on a non-default stream. "
                                "(However, after capture, it's ok to replay them on the default stream.)")
-        self._g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
+        try:
+            self._g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
+        except RuntimeError as e:
+            if _POOL_BUSY in str(e):  # torch's TORCH_CHECK words alone, as use_mem_pool raises them
+                raise RuntimeError(_POOL_BUSY) from None
+            raise
         self._capture_pool = pid
+        self._capturing = True
         return s
 
     def capture_end(self):
         """Ends the capture; every stream that joined it leaves capture mode."""
-        self._g.capture_end()
+        try:
+            self._g.capture_end()
+        finally:
+            self._capturing = False  # a capture_end that fails ends the capture broken
         self._captured = True
 
     def pool(self):
@@ -224,11 +238,13 @@ class Graph:
     replay = launch
 
     def reset(self):
-        """torch's ``NPUGraph.reset()``: destroys the executable graphs, ends a capture under way and drops
-        what was captured, giving back the graph's reference to its private pool (whose free memory
-        ``empty_cache()`` then returns once nothing else uses the pool); the graph may then be captured
-        again.  Free the graph's allocations first: an allocation still live after the reset keeps its pool's
-        segment."""
+        """torch's ``NPUGraph.reset()``: destroys the executable graphs and drops what was captured, giving
+        back the graph's reference to its private pool (whose free memory ``empty_cache()`` then returns once
+        nothing else uses the pool); the graph may then be captured again.  Free the graph's allocations
+        first: an allocation still live after the reset keeps its pool's segment.  During a capture it does
+        nothing, as torch_npu's, which acts only on a graph whose capture ended."""
+        if self._capturing:
+            return
         exe = self._exec() if self._exec is not None else None
         for e in (exe, self._owned):
             if e is not None:

@@ -12,7 +12,8 @@ Semantics (torch's, reference section 3.14):
   pool (torch's beginAllocateCurrentThreadToPool / endAllocateToPool + releasePool).  Uses nest: the
   innermost pool wins.  As in torch, one recording per pool at a time: using a pool while it is
   already in use by any thread or capture fails with RuntimeError ("beginAllocateToPool: already
-  recording to mempool_id") and leaves ``use_count()`` unchanged.
+  recording to mempool_id").  The refused use leaves ``use_count()`` unchanged; torch's takes its
+  reference before the check and never gives it back (the pool then outlives its last user).
 * Memory of a pool goes back to the device only once nothing uses the pool and its blocks are free: when a
   MemPool is collected, its reference is released and ``emptyCache(pool.id)`` runs (torch's ~MemPool);
   ``empty_cache()`` releases the free memory of the pools nobody uses.  (As in torch_npu, i.e. torch

@@ -110,8 +110,8 @@ def test_one_thread_at_a_time_records_into_a_pool(mem):
         assert pool.use_count() == 2
         # nor may a capture record into it meanwhile
         g = npualloc.Graph()
-        with pytest.raises(RuntimeError, match="already recording to mempool_id"):
-            g.capture_begin(npualloc.Stream(), pool=pool)
+        with pytest.raises(RuntimeError, match="^beginAllocateToPool: already recording to mempool_id$"):
+            g.capture_begin(npualloc.Stream(), pool=pool)  # torch's words alone
         assert pool.use_count() == 2
         mine = alloc(1000)  # this thread was not routed
         assert pool_of(mine) == DEFAULT
@@ -338,10 +338,25 @@ def test_graph_pool_is_a_method_with_torch_npus_check(mem):
     gc.collect()
 
 
+def test_capture_into_the_default_pool_id_gets_a_pool_of_its_own(mem):
+    """torch_npu's capture_begin with pool (0, 0), "no pool": a new private pool, id (n, 0), not the default
+    pools."""
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s, pool=DEFAULT):
+        x = alloc(1000)
+    pid = g.pool()
+    assert pid[0] > 0 and pid[1] == 0 and pool_of(x) == pid
+    h = npualloc.graph_pool_handle()
+    assert h[0] == 0 and h != pid  # graph_pool_handle() draws (0, n) ids
+    free(x)
+    g.reset()
+
+
 def test_graph_reset_releases_the_pool_and_allows_a_new_capture(mem):
     """torch's reset(): the graph gives back its pool reference at once (even while the executable it
     instantiated is still referenced), so empty_cache() returns the pool's memory; the graph can be captured
-    again; reset() during a capture ends it."""
+    again; reset() during a capture does nothing."""
     pool = npualloc.MemPool()
     s = npualloc.Stream()
     g = npualloc.Graph()
@@ -368,11 +383,15 @@ def test_graph_reset_releases_the_pool_and_allows_a_new_capture(mem):
     g.capture_begin(s, pool=pool)
     with npualloc.stream(s):
         assert pool.use_count() == 2 and npualloc.is_current_stream_capturing()
-        g.reset()  # ends the capture: the stream leaves capture mode, the pool's reference goes
-        assert pool.use_count() == 1 and not npualloc.is_current_stream_capturing()
-    with g.capture(stream=s, pool=pool):
+        g.reset()  # during a capture: nothing, as torch_npu's (it acts once the capture ended)
+        assert pool.use_count() == 2 and npualloc.is_current_stream_capturing()
         z = alloc(1000)
+        assert pool_of(z) == pool.id
+    g.capture_end()
+    assert g.pool() == pool.id
     free(z)
+    g.reset()
+    assert pool.use_count() == 1
     del exe, g
     gc.collect()
     assert pool.use_count() == 1
