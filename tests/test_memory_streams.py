@@ -17,7 +17,7 @@ def held(handle):
     """Holds the stream (an npu_stream handle) behind a BLOCK callback until the returned gate is set: what
     is queued behind it has not run, however slowly this thread goes."""
     gate = threading.Event()
-    assert npualloc.acl.rt.launch_callback(lambda _: gate.wait(), None, npualloc.acl.ACL_CALLBACK_BLOCK,
+    assert npualloc.acl.rt.launch_callback(lambda _: gate.wait(60), None, npualloc.acl.ACL_CALLBACK_BLOCK,
                                            handle) == 0
     return gate
 
@@ -182,7 +182,7 @@ def test_allocator_synchronizing_leaves_a_failed_task_error_to_the_stream(mem):
     dst, ret = rt.malloc(4096, 0)
     assert ret == 0
     # The copy is valid when queued and runs only after src was freed: it fails on the stream.
-    assert rt.launch_callback(lambda _: gate.wait(), None, npualloc.acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+    assert rt.launch_callback(lambda _: gate.wait(60), None, npualloc.acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
     assert rt.memcpy_async(dst, 4096, src, 4096, npualloc.acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s.npu_stream) == 0
     assert rt.free(src) == 0
     gate.set()

@@ -1,7 +1,6 @@
 /* test_memory.c - aclrtMalloc policies and capacity accounting, memcpy, memset, host memory. */
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -494,11 +493,12 @@ static void test_readonly_memory_faults_on_writes_and_takes_the_runtimes(void **
     assert_int_equal(aclrtFree(p), ACL_SUCCESS);
 }
 
-/* A stream callback that holds its stream until the gate opens. */
+/* A stream callback that holds its stream until the gate opens (at most 60 s: a failed test must not
+ * hang the teardown). */
 static void wait_for_gate(void *gate)
 {
-    while (!atomic_load((atomic_int *)gate))
-        sched_yield();
+    for (int waited = 0; waited < 60000 && !atomic_load((atomic_int *)gate); waited++)
+        usleep(1000);
 }
 
 /* Host addresses nobody allocated or that were unmapped, and read-only memory: memcpy and memset

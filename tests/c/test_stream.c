@@ -65,10 +65,11 @@ static void cb_set_flag(void *user_data) { atomic_store((atomic_int *)user_data,
 
 static void cb_count(void *user_data) { atomic_fetch_add((atomic_int *)user_data, 1); }
 
-/* Holds its stream's worker until the gate opens. */
+/* Holds its stream's worker until the gate opens, or 60 s passed (a test that failed before opening it
+ * must not hang the binary's teardown). */
 static void cb_wait_gate(void *user_data)
 {
-    while (!atomic_load((atomic_int *)user_data))
+    for (int waited = 0; waited < 60000 && !atomic_load((atomic_int *)user_data); waited++)
         host_sleep_ns(MS);
 }
 
@@ -88,8 +89,7 @@ static void cb_enter_gate(void *user_data)
 {
     entry_gate *g = user_data;
     atomic_store(&g->entered, 1);
-    while (!atomic_load(&g->open))
-        host_sleep_ns(MS);
+    cb_wait_gate(&g->open);
 }
 
 static aclrtStream new_stream(void)

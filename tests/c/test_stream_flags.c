@@ -16,10 +16,11 @@
 #define MS (1000000ull) /* nanoseconds */
 #define FORGED ((void *)(uintptr_t)0x4500000012345601ull) /* a plausible but unknown handle value */
 
-/* Holds its stream's worker until the gate opens. */
+/* Holds its stream's worker until the gate opens, or 60 s passed (a test that failed before opening it
+ * must not hang the binary's teardown). */
 static void cb_wait_gate(void *user_data)
 {
-    while (!atomic_load((atomic_int *)user_data))
+    for (int waited = 0; waited < 60000 && !atomic_load((atomic_int *)user_data); waited++)
         host_sleep_ns(MS);
 }
 
