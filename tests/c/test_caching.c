@@ -680,20 +680,12 @@ static void test_record_stream_delays_reuse_until_stream_work_ran(void **state)
     check();
 }
 
-/* Holds its stream's worker until the gate opens. */
-static void cb_wait_gate(void *user_data)
-{
-    while (!atomic_load((atomic_int *)user_data))
-        host_sleep_ns(1000000);
-}
-
 /* A block recorded on `stream`, whose queued work (which may use it) is held until *gate opens. */
 static void *block_used_by_held_stream(aclrtStream stream, atomic_int *gate)
 {
     void *a = alloc(1000);
     assert_int_equal(npualloc_cache_record_stream(a, (uint64_t)(uintptr_t)stream), ACL_SUCCESS);
-    atomic_store(gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, gate, ACL_CALLBACK_BLOCK, stream), ACL_SUCCESS);
+    hold_stream(stream, gate);
     return a;
 }
 

@@ -2,7 +2,6 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
-#include <stdatomic.h>
 #include <stddef.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -493,14 +492,6 @@ static void test_readonly_memory_faults_on_writes_and_takes_the_runtimes(void **
     assert_int_equal(aclrtFree(p), ACL_SUCCESS);
 }
 
-/* A stream callback that holds its stream until the gate opens (at most 60 s: a failed test must not
- * hang the teardown). */
-static void wait_for_gate(void *gate)
-{
-    for (int waited = 0; waited < 60000 && !atomic_load((atomic_int *)gate); waited++)
-        usleep(1000);
-}
-
 /* Host addresses nobody allocated or that were unmapped, and read-only memory: memcpy and memset
  * return ACL_ERROR_RT_PARAM_INVALID instead of faulting, synchronously and on a stream. */
 static void test_bad_host_addresses_are_error_codes(void **state)
@@ -546,8 +537,7 @@ static void test_bad_host_addresses_are_error_codes(void **state)
     void *pinned;
     assert_int_equal(aclrtMallocHost(&pinned, 16), ACL_SUCCESS);
     static atomic_int gate;
-    atomic_store(&gate, 0);
-    assert_int_equal(aclrtLaunchCallback(wait_for_gate, &gate, ACL_CALLBACK_BLOCK, s), ACL_SUCCESS);
+    hold_stream(s, &gate);
     assert_int_equal(aclrtMemcpyAsync(pinned, 16, d, 16, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
     assert_int_equal(aclrtFreeHost(pinned), ACL_SUCCESS);
     atomic_store(&gate, 1);

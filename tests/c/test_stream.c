@@ -8,18 +8,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <stdarg.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <setjmp.h>
-#include <cmocka.h>
-
-#include "acl_rt.h"
 #include "device.h"
 #include "host.h"
-#include "npualloc.h"
-#include "sanitizer.h"
 #include "stream.h"
+#include "testutil.h"
 
 #define MS (1000000ull) /* nanoseconds */
 
@@ -64,21 +56,6 @@ static void cb_append(void *user_data) { log_append(*(const int *)user_data); }
 static void cb_set_flag(void *user_data) { atomic_store((atomic_int *)user_data, 1); }
 
 static void cb_count(void *user_data) { atomic_fetch_add((atomic_int *)user_data, 1); }
-
-/* Holds its stream's worker until the gate opens, or 60 s passed (a test that failed before opening it
- * must not hang the binary's teardown). */
-static void cb_wait_gate(void *user_data)
-{
-    for (int waited = 0; waited < 60000 && !atomic_load((atomic_int *)user_data); waited++)
-        host_sleep_ns(MS);
-}
-
-/* Holds the stream behind cb_wait_gate until *gate is set. */
-static void hold(aclrtStream st, atomic_int *gate)
-{
-    atomic_store(gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, gate, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
-}
 
 typedef struct entry_gate {
     atomic_int entered, open;
@@ -201,7 +178,7 @@ static void test_event_behind_sleep_is_not_ready_until_synchronized(void **state
     aclrtEvent e = new_event();
     static atomic_int gate; /* holds the stream while the event is checked, however slow this thread is */
     uint64_t t0 = host_now_ns();
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(npualloc_sleep_async(st, 0.1), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
     assert_int_equal(query(e), ACL_EVENT_STATUS_NOT_READY);
@@ -234,7 +211,7 @@ static void test_memset_and_memcpy_async_run_in_order_behind_queued_work(void **
     assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
     assert_int_equal(aclrtMemset(d, 4096, 0, 4096), ACL_SUCCESS);
     static atomic_int gate;
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(aclrtMemsetAsync(d, 4096, 0x11, 4096, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(first, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
     assert_int_equal(aclrtMemcpyAsync(d, 4096, src, 2048, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
@@ -286,7 +263,7 @@ static void test_async_copy_of_pageable_memory_is_done_on_return(void **state)
     assert_int_equal(aclrtMalloc(&d, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
     assert_int_equal(aclrtMemset(d, 4096, 0, 4096), ACL_SUCCESS);
     static atomic_int gate;
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(aclrtMemsetAsync(d, 4096, 0x11, 4096, st), ACL_SUCCESS);
     gate_opener g = {.gate = &gate};
     atomic_init(&g.opened, 0);
@@ -311,7 +288,7 @@ static void test_async_copy_of_pageable_memory_is_done_on_return(void **state)
     /* a 2-D copy of pageable rows too */
     unsigned char rows[3][8];
     memset(rows, 0x44, sizeof rows);
-    hold(st, &gate);
+    hold_stream(st, &gate);
     atomic_store(&g.opened, 0);
     assert_int_equal(pthread_create(&opener, NULL, open_gate_later, &g), 0);
     assert_int_equal(aclrtMemcpy2dAsync(d, 64, rows, 8, 8, 3, ACL_MEMCPY_HOST_TO_DEVICE, st), ACL_SUCCESS);
@@ -327,7 +304,7 @@ static void test_async_copy_of_pageable_memory_is_done_on_return(void **state)
     unsigned char *pinned;
     assert_int_equal(aclrtMallocHost((void **)&pinned, 4096), ACL_SUCCESS);
     memset(pinned, 0, 4096);
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(aclrtMemcpyAsync(pinned, 4096, d, 4096, ACL_MEMCPY_DEVICE_TO_HOST, st), ACL_SUCCESS);
     assert_int_equal(pinned[0], 0);
     atomic_store(&gate, 1);
@@ -396,7 +373,7 @@ static void test_elapsed_time_rejects_unrecorded_and_incomplete_events(void **st
     assert_int_equal(ACL_ERROR_RT_INTERNAL_ERROR, 507000);
     assert_int_equal(aclrtEventElapsedTime(NULL, done, done), ACL_ERROR_INVALID_PARAM);
     static atomic_int gate;
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(npualloc_sleep_async(st, 0.1), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(pending, st), ACL_SUCCESS);
     /* Both records are checked before either time: a missing one wins over one not yet reached. */
@@ -481,7 +458,7 @@ static void test_re_record_moves_event_and_old_record_does_not_restamp(void **st
     aclrtStream a = new_stream(), b = new_stream();
     aclrtEvent e = new_event(), ref = new_event();
     static atomic_int gate;
-    hold(a, &gate);
+    hold_stream(a, &gate);
     assert_int_equal(npualloc_sleep_async(a, 0.1), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, a), ACL_SUCCESS);
     assert_int_equal(query(e), ACL_EVENT_STATUS_NOT_READY);
@@ -624,7 +601,7 @@ static void test_synchronize_with_timeout_stream_and_event(void **state)
     npu_stream *s;
     assert_int_equal(stream_acquire(st, &s), ACL_SUCCESS);
     static atomic_int gate;
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(stream_enqueue(s, task_fail, (void *)(intptr_t)ACL_ERROR_RT_DEVICE_MEM_ERROR, NULL, NULL),
                      ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
@@ -663,7 +640,7 @@ static void test_stream_query_reports_queued_work(void **state)
     assert_int_equal(aclrtStreamQuery(st, &status), ACL_SUCCESS);
     assert_int_equal(status, ACL_STREAM_STATUS_COMPLETE); /* nothing queued */
     static atomic_int gate;
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(aclrtStreamQuery(st, &status), ACL_SUCCESS);
     assert_int_equal(status, ACL_STREAM_STATUS_NOT_READY);
     assert_int_equal(aclrtStreamQuery(NULL, &status), ACL_SUCCESS); /* the default stream is idle */
@@ -1071,7 +1048,7 @@ static void test_task_cannot_wait_for_its_own_stream(void **state)
     self_results r = {.self = new_stream(), .other = new_stream(), .event_on_self = new_event()};
     /* Hold the worker so the event is recorded (behind the callback) before the callback runs. */
     static atomic_int gate;
-    hold(r.self, &gate);
+    hold_stream(r.self, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_self_calls, &r, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(r.event_on_self, r.self), ACL_SUCCESS);
     atomic_store(&gate, 1);
@@ -1615,7 +1592,7 @@ static void test_block_callback_on_subscribed_thread_cannot_wait_for_its_stream(
     atomic_init(&r.thread, 0);
     static atomic_int gate; /* the event is recorded before the callback runs */
     assert_int_equal(aclrtSubscribeReport(reporter_tid(&rep), r.self), ACL_SUCCESS);
-    hold(r.self, &gate);
+    hold_stream(r.self, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_block_self_calls, &r, ACL_CALLBACK_BLOCK, r.self), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(r.event_on_self, r.self), ACL_SUCCESS);
     atomic_store(&gate, 1);
@@ -1740,7 +1717,7 @@ static void test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_strea
     atomic_init(&d.done, 0);
     static atomic_int gate;
     assert_int_equal(aclrtSubscribeReport(d.tid, d.st), ACL_SUCCESS);
-    hold(d.st, &gate);
+    hold_stream(d.st, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_destroy_own_stream, &d, ACL_CALLBACK_NO_BLOCK, d.st), ACL_SUCCESS);
     assert_int_equal(aclrtLaunchCallback(cb_record, &later[1], ACL_CALLBACK_BLOCK, d.st), ACL_SUCCESS);
     atomic_store(&gate, 1);
@@ -1939,7 +1916,7 @@ static void test_fork_child_starts_without_streams_and_runs_no_parent_task(void 
     aclrtStream st = new_stream();
     aclrtEvent e = new_event();
     static atomic_int gate; /* the parent's task waits until the child is done */
-    hold(st, &gate);
+    hold_stream(st, &gate);
     assert_int_equal(aclrtLaunchCallback(cb_mark_parent_task, NULL, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, st), ACL_SUCCESS);
     npu_stream *pinned;

@@ -16,14 +16,6 @@
 #define MS (1000000ull) /* nanoseconds */
 #define FORGED ((void *)(uintptr_t)0x4500000012345601ull) /* a plausible but unknown handle value */
 
-/* Holds its stream's worker until the gate opens, or 60 s passed (a test that failed before opening it
- * must not hang the binary's teardown). */
-static void cb_wait_gate(void *user_data)
-{
-    for (int waited = 0; waited < 60000 && !atomic_load((atomic_int *)user_data); waited++)
-        host_sleep_ns(MS);
-}
-
 static aclError task_fail(void *arg) { return (aclError)(intptr_t)arg; }
 
 static aclrtStream new_stream(void)
@@ -61,13 +53,6 @@ static aclrtEventWaitStatus wait_status(aclrtEvent e)
     aclrtEventWaitStatus st = ACL_EVENT_WAIT_STATUS_RESERVED;
     assert_int_equal(aclrtQueryEventWaitStatus(e, &st), ACL_SUCCESS);
     return st;
-}
-
-/* Queues a BLOCK callback on s that holds it until *gate is set. */
-static void hold(aclrtStream s, atomic_int *gate)
-{
-    atomic_store(gate, 0);
-    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, gate, ACL_CALLBACK_BLOCK, s), ACL_SUCCESS);
 }
 
 static int setup(void **state)
@@ -200,7 +185,7 @@ static void test_ex_event_is_complete_until_recorded_and_refuses_query_reset_and
     assert_int_equal(aclrtQueryEvent(e, &old), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
     assert_int_equal(aclrtQueryEventWaitStatus(e, &ws), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
     assert_int_equal(aclrtResetEvent(e, t), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
-    hold(s, &gate);
+    hold_stream(s, &gate);
     assert_int_equal(aclrtRecordEvent(e, s), ACL_SUCCESS);
     assert_int_equal(recorded(e), ACL_EVENT_RECORDED_STATUS_NOT_READY);
     assert_int_equal(aclrtStreamWaitEvent(t, e), ACL_SUCCESS); /* with SYNC: streams wait for it */
@@ -230,7 +215,7 @@ static void test_reset_takes_effect_when_its_stream_reaches_it(void **state)
     assert_int_equal(aclrtRecordEvent(e, s), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
     assert_int_equal(recorded(e), ACL_EVENT_RECORDED_STATUS_COMPLETE);
-    hold(t, &gate);
+    hold_stream(t, &gate);
     assert_int_equal(aclrtResetEvent(e, t), ACL_SUCCESS);
     host_sleep_ns(5 * MS);
     assert_int_equal(recorded(e), ACL_EVENT_RECORDED_STATUS_COMPLETE); /* queued behind the gate */
@@ -261,7 +246,7 @@ static void test_reset_leaves_a_record_made_after_it_was_queued(void **state)
     aclrtStream s = new_stream(), t = new_stream();
     aclrtEvent e = flagged(ACL_EVENT_SYNC | ACL_EVENT_TIME_LINE);
     assert_int_equal(aclrtRecordEvent(e, s), ACL_SUCCESS);
-    hold(t, &gate);
+    hold_stream(t, &gate);
     assert_int_equal(aclrtResetEvent(e, t), ACL_SUCCESS);
     assert_int_equal(aclrtRecordEvent(e, s), ACL_SUCCESS); /* the newer record */
     assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
@@ -281,7 +266,7 @@ static void test_reset_of_a_record_still_pending_clears_it_and_its_late_stamp(vo
     static atomic_int gate;
     aclrtStream s = new_stream();
     aclrtEvent e = flagged(ACL_EVENT_SYNC);
-    hold(s, &gate);
+    hold_stream(s, &gate);
     assert_int_equal(aclrtRecordEvent(e, s), ACL_SUCCESS);
     /* on the default stream (NULL), which is idle: it runs before the record does */
     assert_int_equal(aclrtResetEvent(e, NULL), ACL_SUCCESS);
@@ -386,7 +371,7 @@ static void test_wait_status_is_not_ready_while_a_queued_wait_still_waits(void *
     aclrtStream s = new_stream(), t = new_stream(), u = new_stream();
     aclrtEvent e = flagged(ACL_EVENT_SYNC);
     assert_int_equal(wait_status(e), ACL_EVENT_WAIT_STATUS_COMPLETE); /* no wait at all */
-    hold(s, &gate);
+    hold_stream(s, &gate);
     assert_int_equal(aclrtRecordEvent(e, s), ACL_SUCCESS);
     assert_int_equal(aclrtStreamWaitEvent(t, e), ACL_SUCCESS);
     assert_int_equal(aclrtStreamWaitEvent(u, e), ACL_SUCCESS);
@@ -516,7 +501,7 @@ static void test_synchronize_device_with_timeout(void **state)
     /* two failed tasks, one of them held back */
     assert_int_equal(stream_enqueue(pt, task_fail, (void *)(intptr_t)ACL_ERROR_RT_AICORE_OVER_FLOW, NULL, NULL),
                      ACL_SUCCESS);
-    hold(s, &gate);
+    hold_stream(s, &gate);
     assert_int_equal(stream_enqueue(ps, task_fail, (void *)(intptr_t)ACL_ERROR_RT_DEVICE_MEM_ERROR, NULL, NULL),
                      ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeDeviceWithTimeout(20), ACL_ERROR_RT_STREAM_SYNC_TIMEOUT);
@@ -546,7 +531,7 @@ static void test_synchronize_device_with_timeout_waits_for_the_current_device_on
     static atomic_int gate;
     assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
     aclrtStream other = new_stream();
-    hold(other, &gate);
+    hold_stream(other, &gate);
     assert_int_equal(aclrtSynchronizeDeviceWithTimeout(10), ACL_ERROR_RT_STREAM_SYNC_TIMEOUT);
     assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeDeviceWithTimeout(10), ACL_SUCCESS);

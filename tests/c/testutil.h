@@ -4,10 +4,12 @@
 
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -34,6 +36,23 @@ static inline int random_steps(int release, int sanitized, int valgrind)
     (void)sanitized;
     return release;
 #endif
+}
+
+/* A BLOCK stream callback that holds its stream until *gate (an atomic_int) is set, at most 60 s: a
+ * test that fails before setting it then fails instead of hanging its teardown. */
+static inline void cb_wait_gate(void *gate)
+{
+    const struct timespec ms = {0, 1000000};
+    for (int waited = 0; waited < 60000 && !atomic_load((atomic_int *)gate); waited++)
+        nanosleep(&ms, NULL);
+}
+
+/* Holds `stream` behind cb_wait_gate until *gate is set: what is queued after it waits, however
+ * slowly the test's own thread goes. */
+static inline void hold_stream(aclrtStream stream, atomic_int *gate)
+{
+    atomic_store(gate, 0);
+    assert_int_equal(aclrtLaunchCallback(cb_wait_gate, gate, ACL_CALLBACK_BLOCK, stream), ACL_SUCCESS);
 }
 
 /* Starts a fresh runtime with the given configuration and device 0 current. */
