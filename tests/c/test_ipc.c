@@ -872,6 +872,24 @@ static void wait_until_no_pins(ipc_counts *ic)
     }
 }
 
+/* The end of a late-grant test: tells the child to close everything and checks its last report,
+ * then that no pin is left and that freeing the n blocks but `freed` (freed already) ends every share. */
+static void close_and_free_shared(child *c, uint64_t last_report, shared_blocks *s, int n, int freed)
+{
+    put64(c->to_child, 1);
+    assert_int_equal(get64(c->from_child), last_report);
+    assert_int_equal(finish(c), 0);
+    ipc_counts ic;
+    ipc_get_counts(&ic);
+    wait_until_no_pins(&ic);
+    assert_int_equal(ic.pins, 0);
+    for (int i = 0; i < n; i++)
+        if (i != freed)
+            assert_int_equal(npualloc_cache_free(s->block[i]), ACL_SUCCESS);
+    ipc_get_counts(&ic);
+    assert_int_equal(ic.shares, 0);
+}
+
 /* Child: opens block 0; opens block 1 while the owner is held (its OPEN times out); then, on the
  * same connection, opens block 2 and reports; closes everything when told. */
 static int child_open_past_a_timeout(int in, int out, void *arg)
@@ -888,7 +906,8 @@ static int child_open_past_a_timeout(int in, int out, void *arg)
     if (ipc_open_shared(s.desc[1], s.len[1], -1, &p1) != ACL_ERROR_RT_IPC_ERROR || cput64(out, 2))
         return 3;
     (void)get64(in); /* released: the late grant of block 1 is on its way */
-    if (ipc_open_shared(s.desc[2], s.len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
+    if (ipc_open_shared(s.desc[2], s.len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' ||
+        ((char *)p0)[0] != 'A')
         return 4;
     ipc_counts ic;
     ipc_get_counts(&ic);
@@ -913,7 +932,6 @@ static void test_a_late_grant_is_cancelled_and_the_connection_stays(void **state
     setup_runtime();
     shared_blocks s;
     share_blocks(&s, 3);
-    void **b = s.block;
     child c = spawn(child_open_past_a_timeout, NULL);
     send_descs(&c, &s, 3);
     assert_int_equal(get64(c.from_child), 1);
@@ -930,18 +948,10 @@ static void test_a_late_grant_is_cancelled_and_the_connection_stays(void **state
     ipc_get_counts(&ic);
     assert_int_equal(ic.pins, 2); /* blocks 0 and 2 */
     assert_int_equal(ic.shares, 3);
-    assert_int_equal(npualloc_cache_free(b[1]), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(s.block[1]), ACL_SUCCESS);
     ipc_get_counts(&ic);
     assert_int_equal(ic.shares, 2); /* no pin kept block 1: its share went with it */
-    put64(c.to_child, 1);
-    assert_int_equal(get64(c.from_child), 4);
-    assert_int_equal(finish(&c), 0);
-    wait_until_no_pins(&ic);
-    assert_int_equal(ic.pins, 0);
-    assert_int_equal(npualloc_cache_free(b[0]), ACL_SUCCESS);
-    assert_int_equal(npualloc_cache_free(b[2]), ACL_SUCCESS);
-    ipc_get_counts(&ic);
-    assert_int_equal(ic.shares, 0);
+    close_and_free_shared(&c, 4, &s, 3, 1);
 }
 
 /* Child: opens blocks 0 and 3 (one session), then, with the owner held, opens block 1 again and
@@ -958,7 +968,8 @@ static int child_fill_the_session(int in, int out, void *arg)
         return 1;
     setenv("NPUALLOC_IPC_TIMEOUT_MS", "300", 1); /* also the session's send timeout */
     void *p0 = NULL, *p1 = NULL, *p2 = NULL, *p3 = NULL;
-    if (ipc_open_shared(s.desc[0], s.len[0], -1, &p0) || ipc_open_shared(s.desc[3], s.len[3], -1, &p3) || cput64(out, 1))
+    if (ipc_open_shared(s.desc[0], s.len[0], -1, &p0) || ipc_open_shared(s.desc[3], s.len[3], -1, &p3) ||
+        cput64(out, 1))
         return 2;
     (void)get64(in); /* the owner is held */
     setenv("NPUALLOC_IPC_TIMEOUT_MS", "5", 1); /* replies: the owner answers none now */
@@ -979,7 +990,8 @@ static int child_fill_the_session(int in, int out, void *arg)
         return 6;
     (void)get64(in); /* released: the owner serves the queue, answering each OPEN late */
     setenv("NPUALLOC_IPC_TIMEOUT_MS", "20000", 1);
-    if (ipc_open_shared(s.desc[2], s.len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' || ((char *)p0)[0] != 'A')
+    if (ipc_open_shared(s.desc[2], s.len[2], -1, &p2) != ACL_SUCCESS || ((char *)p2)[0] != 'C' ||
+        ((char *)p0)[0] != 'A')
         return 7;
     ipc_counts ic;
     ipc_get_counts(&ic);
@@ -1002,7 +1014,6 @@ static void fill_a_session(bool close_first)
     setup_runtime();
     shared_blocks s;
     share_blocks(&s, 4);
-    void **b = s.block;
     child c = spawn(child_fill_the_session, close_first ? (void *)1 : NULL);
     send_descs(&c, &s, 4);
     assert_int_equal(get64(c.from_child), 1);
@@ -1017,19 +1028,10 @@ static void fill_a_session(bool close_first)
     ipc_counts ic;
     ipc_get_counts(&ic);
     assert_int_equal(ic.pins, close_first ? 2 : 3); /* blocks 0 and 2 (and 3): none of block 1 */
-    assert_int_equal(npualloc_cache_free(b[1]), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(s.block[1]), ACL_SUCCESS);
     ipc_get_counts(&ic);
     assert_int_equal(ic.shares, 3); /* no pin kept block 1: its share went with it */
-    put64(c.to_child, 1);
-    assert_int_equal(get64(c.from_child), 2);
-    assert_int_equal(finish(&c), 0);
-    wait_until_no_pins(&ic);
-    assert_int_equal(ic.pins, 0);
-    for (int i = 0; i < 4; i++)
-        if (i != 1)
-            assert_int_equal(npualloc_cache_free(b[i]), ACL_SUCCESS);
-    ipc_get_counts(&ic);
-    assert_int_equal(ic.shares, 0);
+    close_and_free_shared(&c, 2, &s, 4, 1);
 }
 
 static void test_a_full_session_socket_loses_no_pin(void **state)
