@@ -225,6 +225,15 @@ static bool pinned_locked(const void *p, size_t n)
     return key - b->addr < b->size && n <= b->size - (key - b->addr);
 }
 
+/* Is [p, p + n) inside one pinned block (aclrtMallocHost memory)? */
+static bool pinned(const void *p, size_t n)
+{
+    pthread_rwlock_rdlock(&host_lock);
+    bool in = pinned_locked(p, n);
+    pthread_rwlock_unlock(&host_lock);
+    return in;
+}
+
 static aclError checked_error(int err)
 {
     switch (err) {
@@ -339,12 +348,7 @@ static bool pageable_transfer(void *dst, size_t dst_span, const void *src, size_
     bool dst_host = vmm_classify_locked(dst, dst_span, &dev) == RANGE_HOST;
     bool src_host = vmm_classify_locked(src, src_span, &dev) == RANGE_HOST;
     vmm_read_unlock();
-    if (dst_host == src_host)
-        return false;
-    pthread_rwlock_rdlock(&host_lock);
-    bool pinned = dst_host ? pinned_locked(dst, dst_span) : pinned_locked(src, src_span);
-    pthread_rwlock_unlock(&host_lock);
-    return !pinned;
+    return dst_host != src_host && !(dst_host ? pinned(dst, dst_span) : pinned(src, src_span));
 }
 
 /* The start of the synchronous copy an asynchronous one of pageable memory becomes, in the order of
@@ -549,10 +553,7 @@ static bool contradicts_kind(int kind, bool to_device, const void *host_side, si
 {
     if (kind != (to_device ? ACL_MEMCPY_DEVICE_TO_HOST : ACL_MEMCPY_HOST_TO_DEVICE))
         return false;
-    pthread_rwlock_rdlock(&host_lock);
-    bool pinned = pinned_locked(host_side, width);
-    pthread_rwlock_unlock(&host_lock);
-    return !pinned;
+    return !pinned(host_side, width);
 }
 
 /* With the registry read lock held: checks every row as aclrtMemcpy checks its range, with one side

@@ -355,8 +355,8 @@ aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event);
  * So a GLOBAL capture refuses them in every thread, a THREAD_LOCAL one in the thread that began it,
  * a RELAXED one nowhere.  The asynchronous copies of pageable host memory, synchronous copies, follow
  * the same rule with ACL_ERROR_RT_CAPTURE_MODE_BLOCK_ASYNC; on a capturing stream they, like
- * aclrtSynchronizeStream of it, fail first with ACL_ERROR_RT_STREAM_CAPTURED.  npualloc begins captures with npualloc_graph_capture_begin
- * (npualloc_graph.h), which takes the mode, not with aclmdlRICaptureBegin. */
+ * aclrtSynchronizeStream of it, fail first with ACL_ERROR_RT_STREAM_CAPTURED.  npualloc begins captures
+ * with npualloc_graph_capture_begin (npualloc_graph.h), which takes the mode, not with aclmdlRICaptureBegin. */
 typedef enum aclmdlRICaptureMode {
     ACL_MODEL_RI_CAPTURE_MODE_GLOBAL = 0,
     ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL,
