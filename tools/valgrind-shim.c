@@ -11,6 +11,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -52,9 +53,6 @@ void *mremap(void *old_address, size_t old_size, size_t new_size, int flags, ...
  * mapped over with MAP_FIXED keeps its entry; npualloc advises every such mapping again.)
  * Unmapping there is safe only because valgrind still believes the ranges taken: it places no
  * other mapping in them. */
-#include <pthread.h>
-#include <stdbool.h>
-
 enum { MAX_RANGES = 65536 };
 static struct range {
     uintptr_t start, end;
