@@ -71,7 +71,6 @@ from .mempool import _pool_id
 _G = _C.graph
 
 GraphMemoryError = _G.GraphMemoryError
-_POOL_BUSY = "beginAllocateToPool: already recording to mempool_id"
 
 __all__ = ["Graph", "GraphExec", "GraphMemoryError", "set_graph_mem_access", "get_graph_mem_access",
            "is_current_stream_capturing"]
@@ -168,12 +167,7 @@ class Graph:
         if pid is not None and s.npu_stream == 0:  # torch_npu refuses a torch-style capture there
             raise RuntimeError("NPU graphs must be captured on a non-default stream. "
                                "(However, after capture, it's ok to replay them on the default stream.)")
-        try:
-            self._g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
-        except RuntimeError as e:
-            if _POOL_BUSY in str(e):  # torch's TORCH_CHECK words alone, as use_mem_pool raises them
-                raise RuntimeError(_POOL_BUSY) from None
-            raise
+        self._g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
         self._capture_pool = pid
         self._capturing = True
         return s

@@ -23,6 +23,7 @@
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "binding.h"
 #include "memory_py.h"
@@ -38,13 +39,6 @@
 
 static PyObject *GraphMemoryError;
 
-static PyObject *graph_error(aclError rc, const char *what)
-{
-    const char *msg = npualloc_graph_last_error();
-    PyErr_Format(PyExc_RuntimeError, "%s failed (ACL error %d): %s", what, (int)rc, msg && msg[0] ? msg : "?");
-    return NULL;
-}
-
 /* The allocator's own message alone, as torch raises it (use_mem_pool and MemPool surface these
  * errors), with torch_npu's suffix where it has one; the call and the code only when the allocator
  * left no message. */
@@ -55,6 +49,20 @@ static PyObject *cache_error(aclError rc, const char *what)
     if (kind != NPUALLOC_ERR_NONE && msg && msg[0])
         return raise_cache_error(rc);
     PyErr_Format(PyExc_RuntimeError, "%s failed (ACL error %d)", what, (int)rc);
+    return NULL;
+}
+
+/* A graph call's failure; one the caching allocator refused (the graph's message ends with the
+ * allocator's) is raised as the allocator's own, as torch raises beginAllocateToPool's. */
+static PyObject *graph_error(aclError rc, const char *what)
+{
+    const char *msg = npualloc_graph_last_error();
+    npualloc_error_kind kind;
+    const char *cache_msg = npualloc_last_error(&kind);
+    size_t len = msg ? strlen(msg) : 0, cache_len = cache_msg ? strlen(cache_msg) : 0;
+    if (kind != NPUALLOC_ERR_NONE && cache_len && len >= cache_len && strcmp(msg + len - cache_len, cache_msg) == 0)
+        return raise_cache_error(rc);
+    PyErr_Format(PyExc_RuntimeError, "%s failed (ACL error %d): %s", what, (int)rc, msg && msg[0] ? msg : "?");
     return NULL;
 }
 
