@@ -7,6 +7,7 @@ and of the NPUALLOC_* environment.
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ import npualloc
 from npualloc import _C, acl
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def held(stream):
+    """Holds a stream (an acl.rt handle, 0 for the default one) behind a BLOCK callback until the returned
+    gate (a threading.Event) is set, at most 60 s: what is queued behind it has not run, however slowly
+    the test's own thread goes, and a test that fails before setting it does not hang."""
+    gate = threading.Event()
+    assert acl.rt.launch_callback(lambda _: gate.wait(60), None, acl.ACL_CALLBACK_BLOCK, stream) == 0
+    return gate
 
 MiB = 1 << 20
 GiB = 1 << 30

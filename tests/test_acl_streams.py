@@ -11,6 +11,7 @@ import pytest
 
 import npualloc
 from npualloc import acl
+from conftest import held
 
 rt = acl.rt
 pytestmark = pytest.mark.usefixtures("dev0")
@@ -40,14 +41,6 @@ def event():
 
 def read(ptr, n=N):
     return acl.util.ptr_to_bytes(ptr, n)
-
-
-def held(s):
-    """Holds stream s behind a BLOCK callback until the returned gate is set: what is queued behind it has
-    not run, however slowly this thread goes."""
-    gate = threading.Event()
-    assert rt.launch_callback(lambda _: gate.wait(60), None, acl.ACL_CALLBACK_BLOCK, s) == 0
-    return gate
 
 
 def test_stream_lifecycle():
@@ -442,8 +435,7 @@ def test_a_subscribed_thread_with_nothing_to_run_times_out_with_canns_code():
 def test_synchronize_stream_and_event_with_timeout():
     """pyACL's synchronize_stream_with_timeout / synchronize_event_with_timeout: -1 forever, > 0 ms."""
     s, e = stream(), event()
-    gate = threading.Event()
-    assert rt.launch_callback(lambda _: gate.wait(60), None, acl.ACL_CALLBACK_BLOCK, s) == 0
+    gate = held(s)
     assert rt.record_event(e, s) == 0
     assert rt.synchronize_stream_with_timeout(s, 20) == acl.ACL_ERROR_RT_STREAM_SYNC_TIMEOUT == 507046
     assert rt.synchronize_event_with_timeout(e, 20) == acl.ACL_ERROR_RT_EVENT_SYNC_TIMEOUT == 507047
@@ -462,8 +454,7 @@ def test_stream_query_status():
     """pyACL: status, ret = acl.rt.stream_query(stream) with aclrtStreamStatus values."""
     s = stream()
     assert rt.stream_query(s) == (acl.ACL_STREAM_STATUS_COMPLETE, 0)
-    gate = threading.Event()
-    assert rt.launch_callback(lambda _: gate.wait(60), None, acl.ACL_CALLBACK_BLOCK, s) == 0
+    gate = held(s)
     assert rt.stream_query(s) == (acl.ACL_STREAM_STATUS_NOT_READY, 0) == (1, 0)
     gate.set()
     assert rt.synchronize_stream(s) == 0

@@ -5,21 +5,13 @@ import time
 import pytest
 
 import npualloc
+from conftest import held
 from conftest_memory import MiB, block_of, check_all, layout, mem, run_python, segment_of  # noqa: F401
 
 alloc = npualloc.caching_allocator_alloc
 free = npualloc.caching_allocator_delete
 
 SLEEP = 0.3
-
-
-def held(handle):
-    """Holds the stream (an npu_stream handle) behind a BLOCK callback until the returned gate is set: what
-    is queued behind it has not run, however slowly this thread goes."""
-    gate = threading.Event()
-    assert npualloc.acl.rt.launch_callback(lambda _: gate.wait(60), None, npualloc.acl.ACL_CALLBACK_BLOCK,
-                                           handle) == 0
-    return gate
 
 
 # ---- Stream, Event, current streams ----
@@ -176,13 +168,12 @@ def test_allocator_synchronizing_leaves_a_failed_task_error_to_the_stream(mem):
     task's error stays for the application's synchronize instead of being consumed on the way."""
     rt = npualloc.acl.rt
     s = npualloc.Stream()
-    gate = threading.Event()
     src, ret = rt.malloc(4096, 0)
     assert ret == 0
     dst, ret = rt.malloc(4096, 0)
     assert ret == 0
     # The copy is valid when queued and runs only after src was freed: it fails on the stream.
-    assert rt.launch_callback(lambda _: gate.wait(60), None, npualloc.acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+    gate = held(s.npu_stream)
     assert rt.memcpy_async(dst, 4096, src, 4096, npualloc.acl.ACL_MEMCPY_DEVICE_TO_DEVICE, s.npu_stream) == 0
     assert rt.free(src) == 0
     gate.set()
