@@ -105,8 +105,9 @@ test: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) $(REL_TESTS) $(ASAN_TESTS) $(TSAN_TESTS) $(BUILD)/valgrind/libvgshim.so
 	@$(MAKE) --no-print-directory -j1 ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan
 
+# TRACES=DIR replays the PyTorch snapshots in DIR too (default: ../shared/traces when it is there).
 demo: ext
-	$(PYTHON) -m npualloc demo
+	$(PYTHON) -m npualloc demo $(if $(TRACES),--traces $(TRACES))
 
 # Every benchmark, then one table of the performance targets with PASS/MISS (details to
 # build/bench-results.json); the peers jemalloc and mimalloc are installed when missing.

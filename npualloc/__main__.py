@@ -359,14 +359,16 @@ def demo_settings(device_memory):
     from .replay import Setting
 
     pool = device_memory * 3 // 4 // GiB * GiB
-    return [
+    settings = [
         Setting("", label="default"),
         Setting("max_split_size_mb:128"),
         Setting("garbage_collection_threshold:0.8", fraction=0.9,
                 label="garbage_collection_threshold:0.8 +fraction 0.9"),
         Setting("expandable_segments:True"),
-        Setting("page_size:1g", huge1g_memory=pool, label=f"page_size:1g ({pool // GiB} GiB pool)"),
     ]
+    if pool:  # a device below 4/3 GiB has no 1 GiB page to give: the row would be the default's
+        settings.append(Setting("page_size:1g", huge1g_memory=pool, label=f"page_size:1g ({pool // GiB} GiB pool)"))
+    return settings
 
 
 def _default_traces_dir():
@@ -394,6 +396,7 @@ def cmd_demo(args):
     if args.traces and not Path(args.traces).is_dir():
         raise RunError(f"--traces {args.traces}: not a directory")
     traces_dir = None if args.no_traces else (Path(args.traces) if args.traces else _default_traces_dir())
+    traces_missing = traces_dir is None and not args.no_traces
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -403,8 +406,9 @@ def cmd_demo(args):
     print("Each setting replays the same trace through npualloc's caching allocator (torch_npu's algorithm) on a "
           "simulated device;\nfragmentation = 1 - peak active / peak reserved (GMLake).\n")
 
-    # 1. the built-in workload
-    snap = workload.transformer_trace(args.size, seed=args.seed)
+    # 1. the built-in workload, recorded from its first step: nothing to reconstruct, so the default row
+    # replays the recorded run exactly (see docs/allocator.md on traces recorded mid-run)
+    snap = workload.transformer_trace(args.size, seed=args.seed, record_from_step=0)
     info = snap["npualloc_workload"]
     trace_path = out / "transformer-trace.pickle"
     with open(trace_path, "wb") as f:
@@ -445,13 +449,17 @@ def cmd_demo(args):
             print()
             if plot_ok:
                 _demo_plot(c, out / f"timeline-{_safe_name(p.name)}.png", plots)
+    if traces_missing:
+        print("No PyTorch traces: ../shared/traces is not beside the project or the current directory; "
+              f"{PROG} demo --traces DIR (make demo TRACES=DIR) replays the *.pickle snapshots in DIR.\n")
     _write_json(out / "results.json", rp.Comparison(all_results).to_dict())
     print(f"Wrote to {out}/:")
     print(f"  {trace_path.name:<40} the generated trace (a PyTorch-format memory snapshot pickle)")
     for p in plots:
         print(f"  {p.name:<40} allocated vs reserved over time, per setting")
     print(f"  {'results.json':<40} every result (npualloc.replay's to_dict())")
-    print(f"Replay a trace yourself: {PROG} replay {trace_path} --conf expandable_segments:True --plot timeline.png")
+    print(f"Replay a trace yourself: {PROG} replay {trace_path} --conf expandable_segments:True "
+          f"--plot {out / 'timeline.png'}")
     print(f"(demo took {time.perf_counter() - t_start:.1f} s)")
     return 0
 

@@ -688,14 +688,19 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
 _record_memory_history.__signature__ = inspect.signature(_record_memory_history_impl)
 
 
-def _snapshot(device=None):
+def _snapshot(device=None, augment_with_fx_traces=False):
     """torch's snapshot dict: ``{"segments": [...], "device_traces": [[entries of device d] for d],
     "allocator_settings": {...}, "external_annotations": []}`` (``device`` is ignored: every device is
     included).  ``external_annotations`` is torch >= 2.6's list of record_function annotations; npualloc
-    records none, so it is empty.
+    records none, so it is empty.  ``augment_with_fx_traces`` is torch's argument: it adds FX
+    graph nodes to frames that come from FX-generated code, which npualloc's frames never do, so it
+    changes nothing.
 
-    Segments and blocks always carry ``frames`` (the Python stack where the segment / the live
-    block was allocated, or [] when not recorded); a trace entry carries ``frames`` only when its
+    Segments and blocks always carry ``frames``: the Python stack where the live block was allocated,
+    and for a segment where it was allocated, or [] when not recorded.  As in torch, a segment whose first
+    block has been split reports [] from then on, even after the merge back: the split hands out a new
+    first block, and the stack stays with the old one, which the merge drops.  A trace entry carries
+    ``frames`` only when its
     context was kept (context "alloc" or "all").  Trace entries are oldest first; an "oom" entry
     has ``device_free`` instead of ``addr``.  Frames lists may be shared between entries that
     come from one stack, as in torch."""
@@ -703,11 +708,11 @@ def _snapshot(device=None):
     return _M._snapshot()
 
 
-def _dump_snapshot(filename="dump_snapshot.pickle"):
+def _dump_snapshot(filename="dump_snapshot.pickle", augment_with_fx_traces=False):
     """Pickles ``_snapshot()`` into ``filename``: only dicts, lists, tuples, ints, floats, strings and
     bools, so torch's ``torch.cuda._memory_viz`` and its web viewer read it, and so does an
-    unpickler that refuses every global."""
-    data = _snapshot()
+    unpickler that refuses every global.  ``augment_with_fx_traces``: as for :func:`_snapshot`."""
+    data = _snapshot(augment_with_fx_traces=augment_with_fx_traces)
     # torch's plain open(): the file is 0666 less the umask, like any file the user writes
     with open(filename, "wb") as f:
         pickle.dump(data, f)

@@ -56,6 +56,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 MAX_DEVICE_MEMORY = 1 << 60  # the largest simulated device (1 EiB)
 CHUNK = 1 << 16  # events per call into C (progress is reported between chunks)
+MAX_TIMELINE_POINTS = 1 << 22  # a timeline's samples (24 bytes each) per replay
 
 Unavailable = _C.replay.Unavailable  # NotImplementedError: a setting this build's allocator does not implement
 
@@ -146,7 +147,7 @@ def load_trace(path):
     machine's memory, a stream (a pipe, a device) that does not start like a pickle, and
     :class:`UnsafeTraceError` for a pickle that refers to any class or function (nothing in it is executed).
     """
-    name = os.fspath(path)
+    name = os.fsdecode(path)  # a str in every message, for a bytes path too
     try:
         with open(path, "rb") as f:
             data = _read_bounded(f, name)
@@ -558,7 +559,7 @@ class Trace:
     def load(cls, path):
         """The Trace of the snapshot pickle at ``path`` (read by :func:`load_trace`: no global is loaded),
         named after the file; TraceError for a file that is not a snapshot with events to replay."""
-        return cls(load_trace(path), name=os.path.basename(os.fspath(path)))
+        return cls(load_trace(path), name=os.path.basename(os.fsdecode(path)))
 
     def device_events(self, device=None):
         """The events :func:`replay` runs for ``device`` (None: the trace's only device): parallel arrays
@@ -570,6 +571,8 @@ class Trace:
                 raise ValueError(f"{self.name}: the trace has events on devices {sorted(self.devices)}: "
                                  "choose one with device=")
             device = next(iter(self.devices))
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"device must be an int or None, not {type(device).__name__}")
         if device not in self.devices:
             raise ValueError(f"{self.name}: no events on device {device} (devices: {sorted(self.devices)})")
         return self.devices[device]
@@ -596,9 +599,11 @@ def _as_trace(trace):
 class Setting:
     """One configuration to replay under: the settings text and what goes with it.
 
-    ``label`` names the row (default: the text, or "default"); ``fraction`` a per-process memory fraction;
-    ``huge1g_memory`` the simulated device's pool of 1 GiB pages (None: 3/4 of the device when the text asks
-    for page_size:1g, else none); ``rounding`` overrides the replay's "npu" / "cuda" rounding.
+    ``conf`` is ``PYTORCH_NPU_ALLOC_CONF`` text; surrounding spaces are dropped, and "" or "default" (as the CLI
+    takes it) is torch_npu's defaults.  ``label`` names the row (default: the text, or "default"); ``fraction`` a
+    per-process memory fraction; ``huge1g_memory`` the simulated device's pool of 1 GiB pages (None: 3/4 of the
+    device when the text asks for page_size:1g; only such a setting takes one); ``rounding`` overrides the
+    replay's "npu" / "cuda" rounding (either case).
     """
 
     __slots__ = ("conf", "label", "fraction", "huge1g_memory", "rounding")
@@ -610,10 +615,16 @@ class Setting:
             raise TypeError(f"conf must be a str, not {type(conf).__name__}")
         if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))):
             raise TypeError(f"fraction must be a number in (0, 1], not {type(fraction).__name__}")
+        conf = conf.strip()
+        if conf.lower() == "default":
+            conf = ""
+        if huge1g_memory is not None and not _wants_1g_pages(conf):
+            raise ValueError(f"huge1g_memory is the pool of page_size:1g, and the setting {conf or 'default'!r} "
+                             "does not ask for page_size:1g")
         self.conf = conf
         self.fraction = fraction
         self.huge1g_memory = huge1g_memory
-        self.rounding = rounding
+        self.rounding = None if rounding is None else _normal_rounding(rounding)
         if label is None:
             label = conf if conf else "default"
             if fraction is not None:
@@ -739,17 +750,20 @@ class ReplayResult:
         return "\n".join(lines) + ">"
 
 
-def _rounding_pad(rounding):
-    if rounding in ("npu", "NPU"):
-        return _C.replay.PAD_NPU
-    if rounding in ("cuda", "CUDA"):
-        return _C.replay.PAD_CUDA
+def _normal_rounding(rounding):
+    """"npu" or "cuda" (given in either case; results carry the lower-case name that ranking compares)."""
+    if isinstance(rounding, str) and rounding.lower() in ("npu", "cuda"):
+        return rounding.lower()
     raise ValueError(f"rounding must be 'npu' or 'cuda', not {rounding!r}")
+
+
+def _rounding_pad(rounding):
+    return _C.replay.PAD_NPU if _normal_rounding(rounding) == "npu" else _C.replay.PAD_CUDA
 
 
 def _session_config(setting, rounding, device_memory):
     """(rounding, pad, huge1g_memory, fraction) of a session replaying under ``setting``."""
-    rounding = setting.rounding or rounding
+    rounding = _normal_rounding(setting.rounding or rounding)
     pad = _rounding_pad(rounding)
     huge1g = setting.huge1g_memory
     if huge1g is None:
@@ -775,6 +789,14 @@ def _check_setting(setting, device_memory="80GiB", rounding="npu"):
         _C.replay.Session(setting.conf, device_memory, huge1g, pad, fraction or 0.0, False, 2)
     except Unavailable:
         pass
+
+
+def _check_timeline_points(timeline_points):
+    if isinstance(timeline_points, bool) or not isinstance(timeline_points, int):
+        raise TypeError(f"timeline_points must be an int, not {type(timeline_points).__name__}")
+    if not 0 <= timeline_points <= MAX_TIMELINE_POINTS:
+        raise ValueError(f"timeline_points must be in [0, {MAX_TIMELINE_POINTS}] (0: no timeline), "
+                         f"not {timeline_points}")
 
 
 def _run(events, trace_name, setting, rounding, device_memory, on_oom, timeline_points, progress):
@@ -850,9 +872,11 @@ def replay(trace, conf="", device_memory="80GiB", rounding="npu", fraction=None,
     on_oom: "continue" (skip the allocation and its free) or "stop".
     huge1g_memory: the device's pool of 1 GiB pages (None: 3/4 of the device for page_size:1g).
     device: which device's events (None: the only one).
+    timeline_points: at most this many samples in ``result.timeline`` (0: none; at most 2**22).
     progress: optional callable(done, total) called between chunks of events.
     """
     device_memory = _check_common(device_memory, on_oom, rounding)
+    _check_timeline_points(timeline_points)
     t0 = time.perf_counter()
     tr = _as_trace(trace)
     events = tr.device_events(device)
@@ -1077,6 +1101,7 @@ def compare(trace, confs=("",), device_memory="80GiB", rounding="npu", fraction=
     device that has events is replayed.
     """
     device_memory = _check_common(device_memory, on_oom, rounding)
+    _check_timeline_points(timeline_points)
     if isinstance(confs, (str, Setting)) or confs is None:
         confs = [confs]  # one setting (a str is not a list of one-letter settings)
     settings = []

@@ -51,12 +51,20 @@ class TransformerConfig:
     def __init__(self, layers=12, hidden=1024, heads=16, ffn_mult=4, vocab=32000, batch=8,
                  seq_choices=(256, 320, 384, 448, 512), steps=8, record_from_step=1, seed=0, comm_stream=True,
                  bucket_layers=2):
-        if layers < 1 or hidden < 1 or heads < 1 or vocab < 1 or batch < 1 or steps < 1 or not seq_choices:
-            raise ValueError("layers, hidden, heads, vocab, batch, steps must be positive; seq_choices non-empty")
+        counts = dict(layers=layers, hidden=hidden, heads=heads, ffn_mult=ffn_mult, vocab=vocab, batch=batch,
+                      steps=steps, bucket_layers=bucket_layers, record_from_step=record_from_step, seed=seed)
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if min(layers, hidden, heads, ffn_mult, vocab, batch, steps) < 1:
+            raise ValueError("layers, hidden, heads, ffn_mult, vocab, batch and steps must be positive")
+        seq_choices = tuple(seq_choices)
+        if not seq_choices or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in seq_choices):
+            raise ValueError(f"seq_choices must be positive ints, at least one, not {seq_choices!r}")
         if not 0 <= record_from_step < steps:
             raise ValueError(f"record_from_step must be in [0, steps), got {record_from_step}")
         self.layers, self.hidden, self.heads, self.ffn_mult = layers, hidden, heads, ffn_mult
-        self.vocab, self.batch, self.seq_choices, self.steps = vocab, batch, tuple(seq_choices), steps
+        self.vocab, self.batch, self.seq_choices, self.steps = vocab, batch, seq_choices, steps
         self.record_from_step, self.seed = record_from_step, seed
         self.comm_stream, self.bucket_layers = comm_stream, max(1, bucket_layers)
 
@@ -251,9 +259,15 @@ def transformer_trace(size="default", seed=0, conf="", device_memory=80 << 30, *
     """A memory snapshot (a dict in PyTorch's ``_snapshot()`` format) of the transformer loop, recorded
     through npualloc's allocator (NPU rounding) under ``conf``.  Deterministic for a given seed.
 
-    ``size``: "tiny", "small" or "default" (see :data:`SIZES`); ``overrides`` set any
+    ``size``: "tiny", "small" or "default" (see :data:`SIZES`); ``device_memory``: the recording device's
+    capacity, bytes or a size string ("80GiB"); ``overrides`` set any
     :class:`TransformerConfig` field (e.g. ``steps=4``, ``record_from_step=0`` to record from the start).
     """
+    from .replay import MAX_DEVICE_MEMORY, _parse_size
+
+    device_memory = _parse_size(device_memory, "device_memory")
+    if not 0 < device_memory <= MAX_DEVICE_MEMORY:
+        raise ValueError(f"device_memory must be more than 0 bytes and at most 1 EiB, not {device_memory}")
     cfg = TransformerConfig.of_size(size, seed=seed, **overrides)
     ev = transformer_events(cfg)
     n = len(ev)

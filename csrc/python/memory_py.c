@@ -2097,11 +2097,22 @@ static PyObject *m_event_elapsed(PyObject *self, PyObject *const *args, Py_ssize
 #define FAST(fn) (PyCFunction)(void (*)(void))(fn)
 
 static PyMethodDef memory_methods[] = {
+    /* "name(signature)\n--\n\n" first lines give inspect.signature() and help() the parameters */
     {"caching_allocator_alloc", FAST(m_caching_allocator_alloc), METH_FASTCALL | METH_KEYWORDS,
-     "caching_allocator_alloc(size, device=None, stream=None) -> int pointer"},
+     "caching_allocator_alloc($module, /, size, device=None, stream=None)\n--\n\n"
+     "Allocates size bytes with the caching allocator and returns the device pointer (an int), as\n"
+     "torch_npu.npu.caching_allocator_alloc does.  device: an int, \"npu:N\" or a device object (None: the\n"
+     "current device); stream: a Stream or stream handle (None: the device's current stream).  Raises\n"
+     "OutOfMemoryError when the device cannot hold it.  Free with caching_allocator_delete."},
     {"caching_allocator_delete", FAST(m_caching_allocator_delete), METH_FASTCALL | METH_KEYWORDS,
-     "caching_allocator_delete(mem_ptr)"},
-    {"empty", FAST(m_empty), METH_FASTCALL | METH_KEYWORDS, "empty(nbytes, device=None, stream=None) -> Buffer"},
+     "caching_allocator_delete($module, /, mem_ptr)\n--\n\n"
+     "Frees a pointer from caching_allocator_alloc back to the cache (0 does nothing); RuntimeError for a\n"
+     "pointer the allocator did not hand out."},
+    {"empty", FAST(m_empty), METH_FASTCALL | METH_KEYWORDS,
+     "empty($module, /, nbytes, device=None, stream=None)\n--\n\n"
+     "A Buffer of nbytes of device memory from the caching allocator (device and stream as for\n"
+     "caching_allocator_alloc), given back by its free(), at the end of a with block, or when it is\n"
+     "collected."},
     {"_empty_cache", m_empty_cache, METH_NOARGS, NULL},
     {"_empty_virt_addr_cache", m_empty_virt_addr_cache, METH_NOARGS, NULL},
     {"_stats", m_stats, METH_O, "_stats(device) -> nested dict"},

@@ -163,7 +163,9 @@ static PyObject *py_fault_counts(PyObject *self, PyObject *arg)
 }
 
 static PyMethodDef module_methods[] = {
-    {"parse_size", py_parse_size, METH_O, "parse_size(text) -> bytes"},
+    {"parse_size", py_parse_size, METH_O,
+     "parse_size($module, text, /)\n--\n\n"
+     "The bytes in a size text: a number of bytes, or one with KiB, MiB, GiB or TiB (or K, M, G, T), e.g. \"80GiB\"."},
     {"env_config", py_env_config, METH_NOARGS, "The NPUALLOC_* environment over the defaults."},
     {"configure", py_configure, METH_VARARGS, "Sets the device configuration before first use."},
     {"config", py_config, METH_NOARGS, "The configuration in effect (starts the devices)."},
