@@ -239,8 +239,15 @@ int main(int argc, char **argv)
             trace_only = 1;
         else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc)
             only = argv[++i];
-        else
+        else if (argv[i][0] == '-' || events) {
+            fprintf(stderr, "usage: bench_hotpath [EVENTS_FILE] [--json] [--only ALLOCATOR] [--trace-only]\n");
+            return 2;
+        } else
             events = argv[i];
+    }
+    if (trace_only && !events) {
+        fprintf(stderr, "bench_hotpath: --trace-only needs an EVENTS file\n");
+        return 2;
     }
     npualloc_config cfg = {1, (uint64_t)80 << 30, (uint64_t)80 << 30, 0, 0};
     char err[256];
@@ -273,12 +280,12 @@ int main(int argc, char **argv)
 
     workload loads[2];
     int nloads = 0;
-    if (events && load_trace(events, &loads[nloads]) == 0) {
-        loads[nloads].name = "trace";
-        nloads++;
-    } else if (events) {
-        fprintf(stderr, "bench_hotpath: cannot read %s (skipping the trace workload)\n", events);
+    if (events && load_trace(events, &loads[nloads]) != 0) {
+        fprintf(stderr, "bench_hotpath: cannot read %s (an events file, as benchmarks/run.py exports)\n", events);
+        return 1;
     }
+    if (events)
+        loads[nloads++].name = "trace";
     if (!trace_only) {
         synthetic(&loads[nloads]);
         loads[nloads].name = "synthetic-small";

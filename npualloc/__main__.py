@@ -264,6 +264,17 @@ def _write_json(path, payload):
         raise RunError(f"{path}: cannot write ({e.strerror or e})") from None
 
 
+def _device_index(text):
+    """--device's value: a device index, 0 or more (argparse reports anything else as a usage error)."""
+    n = int(text)
+    if n < 0:
+        raise ValueError(text)
+    return n
+
+
+_device_index.__name__ = "device index"  # argparse's message: "invalid device index value: '-1'"
+
+
 def _parse_memory(text, option="--device-memory", allow_zero=False):
     from . import _C
 
@@ -570,7 +581,7 @@ def main(argv=None):
     r.add_argument("--on-oom", default=None, choices=["continue", "stop"],
                    help="on an OOM: skip that allocation and its free and go on, or end that replay there "
                         "(default continue)")
-    r.add_argument("--device", type=int, default=None, metavar="N",
+    r.add_argument("--device", type=_device_index, default=None, metavar="N",
                    help="replay one device's events (default: every device with events)")
     r.add_argument("--json", metavar="FILE", help="write every result as JSON")
     r.add_argument("--plot", metavar="FILE",

@@ -266,7 +266,9 @@ def numpy_to_ptr(arr):
 def ptr_to_numpy(ptr, shape, npy_type):
     """``arr = acl.util.ptr_to_numpy(ptr, shape, npy_type)``: an ndarray over memory at ``ptr``.
 
-    No copy: the array is a writable view, valid while the memory stays allocated (and mapped).
+    No copy: the array is a writable view, valid while the memory stays allocated (and mapped); over
+    ``ACL_MEM_ACCESS_USER_SPACE_READONLY`` memory it is read-only (numpy refuses a write with ValueError,
+    where a write to the pages would fault).
     A device range is checked when the view is made: ValueError unless it is mapped throughout.
     ``npy_type`` is pyACL's code (NumPy's type number): 0 BOOL, 1 INT8, 2 UINT8, 3 INT16, 4 UINT16,
     5 INT32, 6 UINT32, 7 INT64, 8 UINT64, 9 LONGLONG, 10 ULONGLONG, 11 FLOAT32, 12 DOUBLE,

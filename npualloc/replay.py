@@ -91,7 +91,7 @@ def _unpickle(data, name):
         # make the unpickler allocate for it before noticing (a few bytes can ask for gigabytes).
         _C.replay.check_pickle(data)
     except ValueError as e:
-        raise TraceError(f"{name}: not a readable pickle ({e})") from None
+        raise TraceError(f"{name}: not a readable pickle ({e}){_looks_like(data)}") from None
     try:
         return _NoGlobalsUnpickler(io.BytesIO(data)).load()
     except UnsafeTraceError as e:
@@ -133,11 +133,19 @@ def _read_bounded(f, name):
         if not chunk:
             return b"".join(chunks)
         if not chunks and chunk[0] not in _PICKLE_OPCODES:
-            raise TraceError(f"{name}: not a readable pickle (unknown opcode at byte 0)")
+            raise TraceError(f"{name}: not a readable pickle (unknown opcode at byte 0){_looks_like(chunk)}")
         total += len(chunk)
         if total > limit:
             raise TraceError(too_large.format(f"more than {format_size(limit)}"))
         chunks.append(chunk)
+
+
+def _looks_like(head):
+    """A hint for data that is not a pickle: what it looks like from its first bytes, or ""."""
+    text = head[:64].lstrip()
+    if text[:1] in (b"{", b"["):
+        return ": it looks like JSON; a trace is the pickle torch's _dump_snapshot() writes"
+    return ""
 
 
 def load_trace(path):
@@ -520,7 +528,7 @@ class Trace:
 
     def __init__(self, snapshot, name="<snapshot>"):
         self.name = name
-        if isinstance(snapshot, list):
+        if isinstance(snapshot, list) and all(isinstance(s, dict) for s in snapshot):
             raise TraceError(f"{name}: this is a list of segments (memory_snapshot()), not a full snapshot with "
                              "device_traces: record one with _record_memory_history() and _dump_snapshot()")
         if not isinstance(snapshot, dict):

@@ -206,6 +206,21 @@ def test_readonly_memory_faults_on_writes_and_reads_what_the_runtime_wrote():
     assert proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr)
 
 
+def test_a_numpy_view_of_readonly_memory_is_readonly():
+    ptr = malloc(4096, acl.ACL_MEM_MALLOC_NORMAL_ONLY | acl.ACL_MEM_ACCESS_USER_SPACE_READONLY)
+    assert rt.memset(ptr, 4096, 7, 4096) == 0
+    view = acl.util.ptr_to_numpy(ptr + 16, (16,), 2)
+    assert not view.flags.writeable and view.tolist() == [7] * 16
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 1  # numpy refuses, where a write to the pages would kill the process
+    writable = malloc(4096, acl.ACL_MEM_MALLOC_NORMAL_ONLY)
+    other = acl.util.ptr_to_numpy(writable, (16,), 2)
+    other[0] = 1
+    assert other.flags.writeable and ctypes.string_at(writable, 1) == b"\x01"
+    del view, other
+    assert rt.free(ptr) == 0 and rt.free(writable) == 0
+
+
 def test_low_and_high_band_width_together_is_invalid():
     flags = acl.ACL_MEM_TYPE_LOW_BAND_WIDTH | acl.ACL_MEM_TYPE_HIGH_BAND_WIDTH
     assert rt.malloc(4096, flags) == (0, acl.ACL_ERROR_INVALID_PARAM)

@@ -450,6 +450,19 @@ def test_synchronize_stream_and_event_with_timeout():
     assert rt.destroy_event(e) == 0 and rt.destroy_stream(s) == 0
 
 
+def test_a_sync_timeout_neither_leaves_nor_consumes_an_error():
+    s = stream()
+    gate = held(s)
+    host, ret = rt.malloc_host(4096)
+    assert ret == 0 and rt.memset_async(host, 4096, 1, 4096, s) == 0
+    assert rt.free_host(host) == 0  # the queued memset will find its memory gone
+    assert rt.synchronize_stream_with_timeout(s, 20) == acl.ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
+    gate.set()
+    assert rt.synchronize_stream(s) == acl.ACL_ERROR_RT_DEVICE_MEM_ERROR  # the task's error, kept for this call
+    assert rt.synchronize_stream(s) == 0
+    assert rt.destroy_stream(s) == 0
+
+
 def test_stream_query_status():
     """pyACL: status, ret = acl.rt.stream_query(stream) with aclrtStreamStatus values."""
     s = stream()

@@ -582,14 +582,22 @@ def test_dump_snapshot_is_plain(hist, tmp_path):
     buf.free()
 
 
+def test_snapshot_takes_torchs_augment_with_fx_traces(hist, tmp_path):
+    memory._record_memory_history()
+    p = alloc(1000)
+    plain, augmented = memory._snapshot(), memory._snapshot(augment_with_fx_traces=True)
+    for snap in (plain, augmented):  # less the snapshots' own entries
+        snap["device_traces"] = [[e for e in t if e["action"] != "snapshot"] for t in snap["device_traces"]]
+    assert augmented == plain and plain["device_traces"][0]  # no FX-generated frames here: nothing to add
+    memory._dump_snapshot(str(tmp_path / "s.pickle"), augment_with_fx_traces=True)
+    assert "segments" in _NoGlobals(io.BytesIO((tmp_path / "s.pickle").read_bytes())).load()
+    free(p)
+
+
 def test_history_off_keeps_no_frames(hist):
     p = alloc(100)
     assert block_at(memory._snapshot(), p)[1]["frames"] == []
     free(p)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))
 
 
 def test_expandable_segments_record_segment_map_and_unmap(hist):

@@ -205,3 +205,24 @@ def test_mempool_stats_refuse_a_device_out_of_range(mem, device):
             call(pool, device)
         assert str(err.value) == f"Invalid device argument {index}: did you call init?"
     assert npualloc.mempool_stats(pool, 1)["reserved_bytes.all.current"] == 0
+
+
+# ---- signatures: torch's Python functions have them, so the C ones here give theirs ----
+
+@pytest.mark.parametrize("fn, text", [(npualloc.caching_allocator_alloc, "(size, device=None, stream=None)"),
+                                      (npualloc.caching_allocator_delete, "(mem_ptr)"),
+                                      (npualloc.empty, "(nbytes, device=None, stream=None)"),
+                                      (npualloc.parse_size, "(text, /)")])
+def test_c_functions_have_torchs_signatures(fn, text):
+    import inspect
+    assert str(inspect.signature(fn)) == text
+    assert fn.__doc__.splitlines()[0].strip()  # help() shows a description, not only the signature
+
+
+def test_the_signatures_keywords_are_accepted(mem):
+    p = alloc(size=1000, device=0, stream=None)
+    free(mem_ptr=p)
+    with npualloc.empty(nbytes=100, device=0, stream=None) as b:
+        assert b.nbytes == 100
+    with pytest.raises(TypeError):
+        npualloc.parse_size(text="1KiB")  # positional only, as the signature says

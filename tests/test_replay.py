@@ -427,6 +427,28 @@ def test_reconstruction_makes_a_mid_run_recording_complete():
     assert r.live_allocations == live_end
 
 
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(device_memory=-1), ValueError, "must not be negative"),
+    (dict(device_memory=0), ValueError, "more than 0 bytes"),
+    (dict(device_memory="lots"), ValueError, "is not a size"),
+    (dict(seq_choices=(-5,)), ValueError, "seq_choices must be positive ints"),
+    (dict(seq_choices=(0,)), ValueError, "seq_choices must be positive ints"),
+    (dict(seq_choices=()), ValueError, "seq_choices must be positive ints"),
+    (dict(layers=0), ValueError, "must be positive"),
+    (dict(layers=2.0), TypeError, "layers must be an int"),
+    (dict(steps=3, record_from_step=3), ValueError, "record_from_step must be in"),
+])
+def test_the_workload_checks_its_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        workload.transformer_trace("tiny", **kwargs)
+
+
+def test_the_workload_takes_a_size_string():
+    assert workload.transformer_trace("tiny", device_memory="8GiB") == workload.transformer_trace("tiny")
+    with pytest.raises(RuntimeError, match="does not fit in 1048576 bytes"):
+        workload.transformer_trace("tiny", device_memory="1MiB")
+
+
 def test_generated_trace_reports_the_settings_it_was_recorded_under(restart, monkeypatch):
     """workload.transformer_trace's allocator_settings are what _snapshot() reports for the same text,
     as torch's snapshot would be: not the defaults whatever conf says."""
@@ -548,6 +570,12 @@ def test_unreadable_and_malformed_traces_raise_trace_errors(tmp_path):
     (tmp_path / "junk.pickle").write_bytes(b"this is not a pickle")
     with pytest.raises(replay.TraceError, match="not a readable pickle"):
         replay.load_trace(tmp_path / "junk.pickle")
+    (tmp_path / "trace.json").write_text('{"device_traces": []}')
+    with pytest.raises(replay.TraceError, match="unknown opcode at byte 0.: it looks like JSON"):
+        replay.load_trace(tmp_path / "trace.json")
+    (tmp_path / "list.pickle").write_bytes(pickle.dumps([1, 2, 3]))
+    with pytest.raises(replay.TraceError, match="the pickle holds a list, not a dict"):
+        replay.Trace.load(tmp_path / "list.pickle")
     (tmp_path / "empty.pickle").write_bytes(b"")
     with pytest.raises(replay.TraceError, match="empty"):
         replay.load_trace(tmp_path / "empty.pickle")
@@ -778,6 +806,67 @@ def test_cuda_rounded_rows_are_not_ranked_against_npu_ones():
     assert replay.least_waste(table) is table["default"]
     only_cuda = replay.compare(ev, [""], rounding="cuda")
     assert replay.least_waste(only_cuda) is only_cuda[0]
+
+
+def test_rounding_in_capitals_ranks_as_its_lower_case_name():
+    ev = snapshot(alloc(0x1000, MiB) + free(0x1000, MiB))
+    for npu, cuda in (("NPU", "CUDA"), ("Npu", "cuda")):
+        table = replay.compare(ev, ["", {"conf": "", "rounding": cuda, "label": "cuda"}], rounding=npu)
+        assert [r.rounding for r in table] == ["npu", "cuda"]
+        assert replay.least_waste(table) is table["default"]  # the CUDA row (2 MiB) is not ranked against it
+    assert replay.Setting("", rounding="CUDA").rounding == "cuda"
+    with pytest.raises(ValueError, match="rounding must be 'npu' or 'cuda'"):
+        replay.Setting("", rounding="gpu")
+    with pytest.raises(ValueError, match="rounding must be 'npu' or 'cuda'"):
+        replay.replay(ev, rounding=None)
+
+
+def test_default_and_blank_settings_are_the_default_as_in_the_cli():
+    for text in ("default", " Default ", " ", ""):
+        s = replay.Setting.of(text)
+        assert s.conf == "" and s.label == "default", text
+    table = replay.compare(three_big_buffers(), ["garbage_collection_threshold:0.5", " "], device_memory="1GiB")
+    assert replay.least_waste(table) is table["default"]  # a tie goes to the default, now found
+    assert replay.Setting(" max_split_size_mb:20 ").conf == "max_split_size_mb:20"
+
+
+def test_a_1g_page_pool_needs_a_setting_that_asks_for_1g_pages():
+    with pytest.raises(ValueError, match="huge1g_memory is the pool of page_size:1g"):
+        replay.replay(small_trace(), huge1g_memory="4GiB")
+    with pytest.raises(ValueError, match="huge1g_memory is the pool of page_size:1g"):
+        replay.compare(small_trace(), [{"conf": "max_split_size_mb:20", "huge1g_memory": GiB}])
+    r = replay.replay(small_trace(), conf="page_size:1g", huge1g_memory="4GiB")
+    assert r.huge1g_memory == 4 * GiB
+
+
+@pytest.mark.parametrize("points, error", [(-1, ValueError), (10**12, ValueError), (1.5, TypeError),
+                                           (True, TypeError), ("9", TypeError)])
+def test_timeline_points_are_checked(points, error):
+    with pytest.raises(error, match="timeline_points"):
+        replay.replay(small_trace(), timeline_points=points)
+    with pytest.raises(error, match="timeline_points"):
+        replay.compare(small_trace(), [""], timeline_points=points)
+
+
+def test_timeline_points_bound_the_timeline():
+    assert len(replay.replay(small_trace(), timeline_points=0).timeline[0]) == 0
+    assert 0 < len(replay.replay(small_trace(), timeline_points=4).timeline[0]) <= 4
+
+
+def test_device_is_an_int():
+    with pytest.raises(TypeError, match="device must be an int or None, not str"):
+        replay.replay(small_trace(), device="0")
+    assert replay.replay(small_trace(), device=0).device == 0
+
+
+def test_a_bytes_path_gives_a_str_name(tmp_path):
+    path = tmp_path / "t.pickle"
+    path.write_bytes(pickle.dumps(small_trace()))
+    table = replay.compare(os.fsencode(path), [""])
+    assert table[0].trace == "t.pickle"
+    assert json.loads(json.dumps(table.to_dict()))["least_waste"][0]["trace"] == "t.pickle"
+    with pytest.raises(replay.TraceError, match="^/nonexistent/x.pickle: no such file"):
+        replay.load_trace(b"/nonexistent/x.pickle")
 
 
 def test_least_waste_of_several_traces_is_per_trace():

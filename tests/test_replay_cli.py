@@ -271,7 +271,7 @@ def test_unreadable_file(tmp_path):
     ({"segments": []}, "no 'device_traces'"),
     ({"device_traces": "nope"}, "list of lists"),
     ({"device_traces": [[{"action": "alloc", "addr": 1, "size": -5}]]}, "'size' is negative"),
-    ([1, 2, 3], "list of segments"),
+    ([1, 2, 3], "the pickle holds a list, not a dict"), ([], "list of segments"),
     ("a string", "holds a str"),
     ({"segments": [{"total_size": 10, "allocated_size": "x", "blocks": []}],
       "device_traces": [[{"action": "alloc", "addr": 1, "size": 5}]]}, "'allocated_size' must be an int"),
@@ -344,6 +344,12 @@ def test_a_bad_setting_is_a_usage_error_before_any_trace_is_read(tmp_path):
     p = cli("replay", tmp_path / "missing.pickle", "--conf", "", "foo:1")
     assert_usage_error(p, "setting 'foo:1': Unrecognized key 'foo' in NPU allocator config")
     assert p.stderr.rstrip("\n").endswith("config")  # not torch_npu's dangling ", "
+
+
+@pytest.mark.parametrize("device", ["-1", "one"])
+def test_a_device_that_is_not_an_index_is_a_usage_error(tmp_path, device):
+    p = cli("replay", tmp_path / "missing.pickle", "--device", device)
+    assert_usage_error(p, f"argument --device: invalid device index value: '{device}'")
 
 
 def test_a_trace_taken_for_a_setting_is_pointed_out(tiny_trace):
@@ -464,6 +470,32 @@ def test_demo_checks_its_options_before_it_runs(tmp_path):
     p = cli("demo", "--size", "tiny", "--out", out, "--traces", tmp_path, "--no-traces", cwd=tmp_path)
     assert_usage_error(p, "not allowed with argument --traces", command="demo")
     assert not out.exists()
+
+
+def test_demos_default_row_replays_its_recorded_run(tmp_path):
+    p = cli("demo", "--size", "tiny", "--out", tmp_path, "--no-traces", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "recorded from step 0" in p.stdout
+    (default,) = [r for r in json.loads((tmp_path / "results.json").read_text())["results"] if r["label"] == "default"]
+    assert default["reconstructed_count"] == 0
+    assert default["peak_reserved"] == default["recorded"]["peak_reserved"] > 0
+    assert f"--plot {tmp_path / 'timeline.png'}" in p.stdout  # the hint writes into the output directory
+
+
+def test_demo_without_traces_says_how_to_add_them(tmp_path, monkeypatch, capsys):
+    main = pytest.importorskip("npualloc.__main__")
+    monkeypatch.setattr(main, "_default_traces_dir", lambda: None)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    assert main.main(["demo", "--size", "tiny", "--out", str(tmp_path)]) == 0
+    assert "make demo TRACES=DIR" in capsys.readouterr().out
+    assert main.main(["demo", "--size", "tiny", "--out", str(tmp_path), "--no-traces"]) == 0
+    assert "TRACES=DIR" not in capsys.readouterr().out  # asked for none
+
+
+def test_demo_on_a_device_without_1g_pages_has_no_1g_row(tmp_path):
+    p = cli("demo", "--size", "tiny", "--out", tmp_path, "--no-traces", "--device-memory", "1GiB", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "page_size:1g" not in p.stdout and "expandable_segments:True" in p.stdout
 
 
 def test_demo_runs_end_to_end(tiny_trace, tmp_path):

@@ -71,7 +71,7 @@ static int util_range(PyObject *const *args, const char *fn, void **ptr, Py_ssiz
 
 /* 0 when [ptr, ptr + size) is mapped device memory or host memory (outside every reservation);
  * else -1 with ValueError (or the start-up error) set. */
-static int check_range(const char *fn, void *ptr, Py_ssize_t size)
+static int check_range(const char *fn, void *ptr, Py_ssize_t size, bool *readonly)
 {
     aclError rc = runtime_ensure_init();
     if (raise_init_error(rc))
@@ -79,6 +79,7 @@ static int check_range(const char *fn, void *ptr, Py_ssize_t size)
     int32_t dev;
     vmm_read_lock();
     range_class cls = vmm_classify_locked(ptr, (size_t)size, &dev);
+    *readonly = cls == RANGE_DEVICE && vmm_is_readonly_locked(ptr);
     vmm_read_unlock();
     if (cls != RANGE_INVALID)
         return 0;
@@ -97,7 +98,8 @@ static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssi
         return NULL;
     void *ptr;
     Py_ssize_t size;
-    if (util_range(args, fn, &ptr, &size) != 0 || (size > 0 && check_range(fn, ptr, size) != 0))
+    bool readonly;
+    if (util_range(args, fn, &ptr, &size) != 0 || (size > 0 && check_range(fn, ptr, size, &readonly) != 0))
         return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, size);
     if (!out || size == 0)
@@ -141,9 +143,10 @@ static PyObject *util_bytes_to_ptr(PyObject *self, PyObject *arg)
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
 }
 
-/* memory(ptr, size) -> memoryview: a writable view of size bytes at ptr, after checking that a
- * device range is mapped throughout (ValueError otherwise).  The view is valid only while the
- * memory stays mapped (used by acl.util.ptr_to_numpy). */
+/* memory(ptr, size) -> memoryview: a view of size bytes at ptr, after checking that a device range
+ * is mapped throughout (ValueError otherwise); read-only over ACL_MEM_ACCESS_USER_SPACE_READONLY
+ * memory, whose pages fault on a write, so a write through the view is an exception, not a crash.
+ * The view is valid only while the memory stays mapped (used by acl.util.ptr_to_numpy). */
 static PyObject *util_memory(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
@@ -156,9 +159,10 @@ static PyObject *util_memory(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     if (size == 0)
         return PyMemoryView_FromMemory((char *)"", 0, PyBUF_WRITE);
-    if (check_range(fn, ptr, size) != 0)
+    bool readonly;
+    if (check_range(fn, ptr, size, &readonly) != 0)
         return NULL;
-    return PyMemoryView_FromMemory(ptr, size, PyBUF_WRITE);
+    return PyMemoryView_FromMemory(ptr, size, readonly ? PyBUF_READ : PyBUF_WRITE);
 }
 
 static PyMethodDef acl_methods[] = {
@@ -168,7 +172,7 @@ static PyMethodDef acl_methods[] = {
      "ptr_to_bytes(ptr, size) -> bytes"},
     {"bytes_to_ptr", util_bytes_to_ptr, METH_O, "bytes_to_ptr(bytes_obj) -> ptr"},
     {"memory", (PyCFunction)(void (*)(void))util_memory, METH_FASTCALL,
-     "memory(ptr, size) -> memoryview (validated, writable)"},
+     "memory(ptr, size) -> memoryview (validated; read-only over read-only memory)"},
     {NULL, NULL, 0, NULL},
 };
 
