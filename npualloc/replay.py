@@ -155,7 +155,7 @@ def load_trace(path):
     machine's memory, a stream (a pipe, a device) that does not start like a pickle, and
     :class:`UnsafeTraceError` for a pickle that refers to any class or function (nothing in it is executed).
     """
-    name = os.fsdecode(path)  # a str in every message, for a bytes path too
+    name = os.fsdecode(path) or "''"  # a str in every message, for a bytes path too; an empty one shown
     try:
         with open(path, "rb") as f:
             data = _read_bounded(f, name)

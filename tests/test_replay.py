@@ -567,6 +567,8 @@ def test_a_pickle_naming_any_class_is_refused(tmp_path):
 def test_unreadable_and_malformed_traces_raise_trace_errors(tmp_path):
     with pytest.raises(replay.TraceError, match="no such file"):
         replay.load_trace(tmp_path / "missing.pickle")
+    with pytest.raises(replay.TraceError, match="^'': no such file"):
+        replay.load_trace("")
     (tmp_path / "junk.pickle").write_bytes(b"this is not a pickle")
     with pytest.raises(replay.TraceError, match="not a readable pickle"):
         replay.load_trace(tmp_path / "junk.pickle")
