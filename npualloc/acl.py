@@ -10,6 +10,8 @@ arguments or a keyword argument raises TypeError with pyACL's message, followed 
 ValueError with the same words.  A value of the right type that is out of range is not an exception
 but the ACL error code the C function returns for it.  A runtime that cannot start
 because an ``NPUALLOC_*`` variable is malformed raises ValueError.
+Each function's docstring gives its call form and the C function it calls (``help(acl.rt.malloc)``), after a
+text signature that ``inspect.signature`` reads.
 """
 import types as _types
 import warnings as _warnings

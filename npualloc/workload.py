@@ -70,6 +70,8 @@ class TransformerConfig:
 
     @classmethod
     def of_size(cls, size="default", **overrides):
+        """The configuration of a named size in :data:`SIZES` ("tiny", "small" or "default"), with
+        ``overrides`` (keyword arguments of the constructor) replacing its values; ValueError for another name."""
         if size not in SIZES:
             raise ValueError(f"size must be one of {', '.join(SIZES)}, not {size!r}")
         kw = dict(SIZES[size])
@@ -77,6 +79,7 @@ class TransformerConfig:
         return cls(**kw)
 
     def to_dict(self):
+        """The settings as a JSON-ready dict (``seq_choices`` as a list)."""
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
 
 

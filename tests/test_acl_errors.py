@@ -1,5 +1,6 @@
 """pyACL argument conventions over every acl.rt function (TypeError for wrong types, codes for
 bad values), the constants against acl_rt.h, environment configuration errors, and the README."""
+import inspect
 import re
 
 import pytest
@@ -13,7 +14,9 @@ rt = acl.rt
 PROP = {"handleType": 0, "allocationType": 0, "memAttr": 4, "location": {"id": 0, "type": 1}, "reserve": 0}
 CALLBACK = (lambda data: None)
 
-# name -> argument names; "prop", "fn" and "data" are not ints, every other argument is.
+# name -> argument names, as the binding's TypeErrors name them (launch_callback's user_data, which the binding
+# never checks, is named as in acl_rt.h and CANN's userData; pyACL's documentation calls it user_data_list);
+# "prop", "fn", "user_data", "key" and "pid_list" are not ints, every other argument is.
 SIGNATURES = {
     "set_device": ["device_id"],
     "reset_device": ["device_id"],
@@ -51,7 +54,7 @@ SIGNATURES = {
     "memcpy_async": ["dst", "dest_max", "src", "count", "kind", "stream"],
     "memcpy2d_async": ["dst", "dpitch", "src", "spitch", "width", "height", "kind", "stream"],
     "memset_async": ["dev_ptr", "max_count", "value", "count", "stream"],
-    "launch_callback": ["fn", "data", "block_type", "stream"],
+    "launch_callback": ["fn", "user_data", "block_type", "stream"],
     "create_event": [],
     "create_event_with_flag": ["flag"],
     "create_event_ex_with_flag": ["flag"],
@@ -81,7 +84,7 @@ SIGNATURES = {
 
 
 def valid_value(argname):
-    return {"prop": PROP, "fn": CALLBACK, "data": None, "key": "", "pid_list": [1]}.get(argname, 0)
+    return {"prop": PROP, "fn": CALLBACK, "user_data": None, "key": "", "pid_list": [1]}.get(argname, 0)
 
 
 def test_every_acl_rt_function_is_covered():
@@ -90,7 +93,7 @@ def test_every_acl_rt_function_is_covered():
 
 
 INT_ARGS = [(name, i, arg) for name, args in SIGNATURES.items() for i, arg in enumerate(args)
-            if arg not in ("prop", "fn", "data", "key", "pid_list")]
+            if arg not in ("prop", "fn", "user_data", "key", "pid_list")]
 
 
 @pytest.mark.usefixtures("npu")
@@ -132,6 +135,80 @@ def test_argument_errors_start_with_pyacls_args_parse_failed(name):
         with pytest.raises(TypeError) as err:
             fn(*call_args, **kwargs)
         assert str(err.value).startswith(f"acl.rt.{name} args parse failed: acl.rt.{name}() {reason}"), err.value
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_text_signature_names_the_arguments_the_binding_takes(name):
+    """help() and inspect.signature() read the text signature of each docstring (csrc/python/rt_binding.h:
+    RT_DOC): the binding's names, positional-only (RT_BEGIN refuses keywords), none with a default (it takes
+    an exact count)."""
+    fn = getattr(rt, name)
+    params = inspect.signature(fn).parameters.values()
+    assert [p.name for p in params] == SIGNATURES[name]
+    assert all(p.kind is p.POSITIONAL_ONLY and p.default is p.empty for p in params)
+    assert fn.__text_signature__ == "($module" + "".join(f", {p}" for p in SIGNATURES[name]) + ", /)"
+
+
+@pytest.mark.usefixtures("npu")
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_calls_made_from_the_signature_are_the_bindings(name):
+    """Calls built from inspect.signature() alone, so that a wrong signature fails here: its count is the one
+    the binding takes; each argument, positional-only in the signature, is refused by name; a value of the
+    wrong type in each position raises the error that names the signature's parameter."""
+    fn = getattr(rt, name)
+    params = list(inspect.signature(fn).parameters.values())
+    args = [valid_value(p.name) for p in params]
+    with pytest.raises(TypeError, match=rf"takes exactly {len(params)} argument"):
+        fn(*args, 0)
+    if params:
+        with pytest.raises(TypeError, match=rf"takes exactly {len(params)} argument"):
+            fn(*args[:-1])
+    for i, p in enumerate(params):
+        assert p.kind is p.POSITIONAL_ONLY  # (a keyword-capable one would need a call by name that works)
+        with pytest.raises(TypeError, match="takes no keyword arguments"):
+            fn(*args[:i], *args[i + 1:], **{p.name: args[i]})
+        if p.name == "user_data":
+            continue  # any object is user data: no wrong type to name it
+        wrong = list(args)
+        wrong[i] = object()
+        if p.name == "pid_list":  # pyACL's words, which number the argument
+            with pytest.raises(ValueError, match=f"argument {i + 1} only support the format of list"):
+                fn(*wrong)
+        else:
+            with pytest.raises(TypeError, match=rf"acl\.rt\.{name}\(\) argument '{p.name}' must be "):
+                fn(*wrong)
+
+
+def out_of_range(argname):
+    """An argument that makes the call fail with a code and change nothing: ints out of their C range (but
+    len 65, as a larger one raises ValueError), the other arguments valid."""
+    if argname in ("prop", "fn", "user_data", "key", "pid_list"):
+        return valid_value(argname)
+    return 65 if argname == "len" else 2**64
+
+
+@pytest.mark.usefixtures("dev0")
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_docstring_gives_the_call_form_and_what_the_call_returns(name):
+    """The docstring opens with pyACL's call form, "RET = acl.rt.NAME(ARGS)" with the signature's arguments,
+    then one to three lines on the C function; RET is what the call returns: ``ret``, an int, or a tuple of
+    outputs with ``ret`` last (pyACL's convention)."""
+    fn = getattr(rt, name)
+    params = list(inspect.signature(fn).parameters)
+    call_form, *description = fn.__doc__.split("\n")
+    returns, _, call = call_form.partition(" = ")
+    assert call == f"acl.rt.{name}({', '.join(params)})"
+    assert 1 <= len(description) <= 3 and description[0].startswith("aclrt"), fn.__doc__
+    result = fn(*[out_of_range(p) for p in params])
+    if returns == "ret":
+        assert type(result) is int
+    else:
+        outputs = returns.removeprefix("(").removesuffix(")").split(", ")
+        assert len(outputs) >= 2 and outputs[-1] == "ret", returns
+        assert type(result) is tuple and len(result) == len(outputs) and type(result[-1]) is int, result
+    if name in ("create_stream", "create_event"):  # the calls without arguments that make something
+        assert result[1] == 0
+        assert (rt.destroy_stream if name == "create_stream" else rt.destroy_event)(result[0]) == 0
 
 
 @pytest.mark.usefixtures("npu")

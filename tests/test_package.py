@@ -39,20 +39,47 @@ def test_submodules_are_attributes_imported_on_first_access():
     assert report["getattr_default"] == "default"
 
 
-def _documented_api():
-    """(qualified name, object) for every function and class in npualloc.__all__ and npualloc.replay.__all__,
-    and for the public methods and properties those classes define (members inherited from Python's own
-    classes, such as an exception's ``args``, are Python's to document)."""
+def _public_modules():
+    """(module, prefix, public names) for npualloc, its lazily imported submodules, and every npualloc module or
+    namespace reachable from their public names (npualloc.acl, acl.rt, acl.util, npualloc.memory, ...).  A
+    module's public names are its ``__all__``, or without one (npualloc.acl, acl.rt, acl.util, npualloc.faults)
+    every name without a leading underscore."""
+    import importlib
     import inspect
 
     import npualloc
-    from npualloc import replay
 
-    for module, prefix in ((npualloc, "npualloc."), (replay, "npualloc.replay.")):
-        for name in module.__all__:
+    todo = [(npualloc, "npualloc.")] + [(importlib.import_module(f"npualloc.{name}"), f"npualloc.{name}.")
+                                        for name in sorted(npualloc._LAZY_SUBMODULES)]
+    seen = set()
+    while todo:
+        module, prefix = todo.pop(0)
+        if module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        names = getattr(module, "__all__", None)
+        if names is None:
+            names = [name for name in dir(module) if not name.startswith("_")]
+        yield module, prefix, names
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.ismodule(obj) and obj.__name__.startswith("npualloc"):  # not an imported contextlib
+                todo.append((obj, f"{prefix}{name}."))
+
+
+def _documented_api():
+    """(qualified name, object) for every function and class of the public modules (_public_modules), and for
+    the public methods and properties those classes define (members inherited from Python's own classes, such
+    as an exception's ``args``, are Python's to document)."""
+    import inspect
+
+    for module, prefix, names in _public_modules():
+        for name in names:
             obj = getattr(module, name)
             if not (inspect.isclass(obj) or inspect.isroutine(obj)):
-                continue  # a submodule
+                continue  # a submodule (walked by _public_modules) or a constant
+            if not (getattr(obj, "__module__", None) or "").startswith("npualloc"):
+                continue  # imported from Python's library into a module without __all__
             yield prefix + name, obj
             if not inspect.isclass(obj):
                 continue
@@ -73,7 +100,30 @@ def test_public_functions_classes_and_methods_have_docstrings():
     for name in ("npualloc.memory_allocated", "npualloc.get_allocator_backend", "npualloc.GraphExec.launch",
                  "npualloc.GraphExec.replay", "npualloc.GraphExec.destroyed", "npualloc.MemPool.device",
                  "npualloc.Stream.device_index", "npualloc.Event.npu_event", "npualloc.replay.Trace.device_events",
-                 "npualloc.replay.Comparison.format", "npualloc.replay.RecordedRun.to_dict"):
+                 "npualloc.replay.Comparison.format", "npualloc.replay.RecordedRun.to_dict",
+                 "npualloc.acl.init", "npualloc.acl.rt.malloc", "npualloc.acl.rt.ipc_mem_close",
+                 "npualloc.acl.util.ptr_to_bytes", "npualloc.acl.util.ptr_to_numpy", "npualloc.faults.inject",
+                 "npualloc.workload.TransformerConfig.of_size", "npualloc.testing.restart"):
         assert name in api, name
+    # every acl.rt function (the pyACL face is 61 C functions of csrc/python/acl_rt_py.c and ipc_py.c)
+    from npualloc import acl
+    rt_functions = {f"npualloc.acl.rt.{name}" for name in dir(acl.rt) if not name.startswith("_")}
+    assert len(rt_functions) == 61 and rt_functions <= set(api)
     undocumented = sorted(name for name, obj in api.items() if not (obj.__doc__ or "").strip())
     assert undocumented == []
+
+
+def test_public_functions_have_signatures():
+    """help() and inspect.signature() can tell the parameters of every public function and method, those of
+    the C extension (acl.rt, acl.util, npualloc.empty, ...) included: their docstrings carry text signatures."""
+    import inspect
+
+    missing = []
+    for name, obj in _documented_api():
+        if isinstance(obj, property) or inspect.isclass(obj):
+            continue
+        try:
+            inspect.signature(obj)
+        except ValueError:
+            missing.append(name)
+    assert missing == []

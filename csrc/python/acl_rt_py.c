@@ -55,6 +55,9 @@ static PyObject *call_on_handle(const char *fn, PyObject *const *args, Py_ssize_
 
 /* ---- devices ---- */
 
+RT_DOC(set_device, "device_id", "ret",
+       "aclrtSetDevice: makes device_id the calling thread's current device and holds a\n"
+       "reference to it (reset_device drops it).");
 static PyObject *rt_set_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("set_device", 1);
@@ -78,18 +81,25 @@ static PyObject *do_reset(const char *fn, aclError (*reset)(int32_t), PyObject *
     return ret_or_init_error(rc);
 }
 
+RT_DOC(reset_device, "device_id", "ret",
+       "aclrtResetDevice: drops a reference set_device took; the last one waits for the\n"
+       "device's streams and ends every thread's context on it.");
 static PyObject *rt_reset_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("reset_device", 1);
     return do_reset(fn, aclrtResetDevice, args);
 }
 
+RT_DOC(reset_device_force, "device_id", "ret",
+       "aclrtResetDeviceForce: as the last reset_device, whatever references remain.");
 static PyObject *rt_reset_device_force(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("reset_device_force", 1);
     return do_reset(fn, aclrtResetDeviceForce, args);
 }
 
+RT_DOC0(get_device, "(device_id, ret)",
+        "aclrtGetDevice: the calling thread's current device (0 and an error code without one).");
 static PyObject *rt_get_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("get_device", 0);
@@ -99,6 +109,7 @@ static PyObject *rt_get_device(PyObject *self, PyObject *const *args, Py_ssize_t
     return ret_i64(dev, rc);
 }
 
+RT_DOC0(get_device_count, "(count, ret)", "aclrtGetDeviceCount: the number of devices.");
 static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("get_device_count", 0);
@@ -108,6 +119,9 @@ static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_s
     return ret_u64(count, rc);
 }
 
+RT_DOC0(synchronize_device, "ret",
+        "aclrtSynchronizeDevice: waits for every stream of the current device; returns a\n"
+        "failed task's sticky error once.");
 static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("synchronize_device", 0);
@@ -117,6 +131,9 @@ static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py
     return ret_or_init_error(rc);
 }
 
+RT_DOC(synchronize_device_with_timeout, "timeout", "ret",
+       "aclrtSynchronizeDeviceWithTimeout: synchronize_device waiting at most timeout ms (-1 or 0: no limit);\n"
+       "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT when the time runs out.");
 /* synchronize_device_with_timeout(timeout) -> ret: a timeout out of int32 range is invalid like one below -1. */
 static PyObject *rt_synchronize_device_with_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                     PyObject *kwnames)
@@ -129,6 +146,8 @@ static PyObject *rt_synchronize_device_with_timeout(PyObject *self, PyObject *co
     return ret_or_init_error(rc);
 }
 
+RT_DOC(device_can_access_peer, "device_id, peer_device_id", "(can_access, ret)",
+       "aclrtDeviceCanAccessPeer: can_access is 1 when device_id can reach peer_device_id's memory, else 0.");
 static PyObject *rt_device_can_access_peer(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("device_can_access_peer", 2);
@@ -152,6 +171,8 @@ static int arg_u32(PyObject *o, const char *fn, const char *arg, uint32_t *out)
     return rc;
 }
 
+RT_DOC(device_enable_peer_access, "peer_device_id, flags", "ret",
+       "aclrtDeviceEnablePeerAccess: lets the current device reach peer_device_id's memory; flags must be 0.");
 static PyObject *rt_device_enable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                               PyObject *kwnames)
 {
@@ -163,6 +184,8 @@ static PyObject *rt_device_enable_peer_access(PyObject *self, PyObject *const *a
     return ret_or_init_error(aclrtDeviceEnablePeerAccess(peer, flags));
 }
 
+RT_DOC(device_disable_peer_access, "peer_device_id", "ret",
+       "aclrtDeviceDisablePeerAccess: undoes device_enable_peer_access(peer_device_id, 0).");
 static PyObject *rt_device_disable_peer_access(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                PyObject *kwnames)
 {
@@ -191,24 +214,31 @@ static PyObject *do_malloc(const char *fn, malloc_fn alloc, PyObject *const *arg
     return ret_u64((uintptr_t)p, rc);
 }
 
+RT_DOC(malloc, "size, policy", "(dev_ptr, ret)",
+       "aclrtMalloc: size bytes of device memory on the current device. policy: an ACL_MEM_MALLOC_* page\n"
+       "policy, optionally | ACL_MEM_TYPE_* (bandwidth) or ACL_MEM_ACCESS_USER_SPACE_READONLY. Free with free.");
 static PyObject *rt_malloc(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc", 2);
     return do_malloc(fn, aclrtMalloc, args);
 }
 
+RT_DOC(malloc_align32, "size, policy", "(dev_ptr, ret)",
+       "aclrtMallocAlign32: as malloc, size rounded up to 32 bytes without malloc's 32-byte pad.");
 static PyObject *rt_malloc_align32(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_align32", 2);
     return do_malloc(fn, aclrtMallocAlign32, args);
 }
 
+RT_DOC(malloc_cached, "size, policy", "(dev_ptr, ret)", "aclrtMallocCached: as malloc (the same policies).");
 static PyObject *rt_malloc_cached(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_cached", 2);
     return do_malloc(fn, aclrtMallocCached, args);
 }
 
+RT_DOC(free, "dev_ptr", "ret", "aclrtFree: frees memory from malloc, malloc_align32 or malloc_cached.");
 static PyObject *rt_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("free", 1);
@@ -222,6 +252,8 @@ static PyObject *rt_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return ret_or_init_error(rc);
 }
 
+RT_DOC(malloc_host, "size", "(host_ptr, ret)",
+       "aclrtMallocHost: size bytes of pinned host memory. Free with free_host.");
 static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_host", 1);
@@ -236,8 +268,12 @@ static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_
     return ret_u64((uintptr_t)p, rc);
 }
 
+RT_DOC(free_host, "host_ptr", "ret", "aclrtFreeHost: frees memory from malloc_host.");
 RT_ON_HANDLE(free_host, "host_ptr", aclrtFreeHost) /* BAD_HANDLE is no pinned block: ACL_ERROR_RT_MEMORY_FREE */
 
+RT_DOC(memset, "dev_ptr, max_count, value, count", "ret",
+       "aclrtMemset: sets count bytes at dev_ptr to value (its low byte); max_count is the size of the memory\n"
+       "at dev_ptr (count may not exceed it).");
 static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memset", 4);
@@ -256,6 +292,9 @@ static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return ret_or_init_error(rc);
 }
 
+RT_DOC(memcpy, "dst, dest_max, src, count, kind", "ret",
+       "aclrtMemcpy: copies count bytes from src to dst; dest_max is the size of the memory at dst;\n"
+       "kind: an ACL_MEMCPY_* direction, HOST_TO_HOST .. HOST_TO_BUF_TO_DEVICE (0..5).");
 static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memcpy", 5);
@@ -306,18 +345,26 @@ static PyObject *memcpy2d(const char *fn, PyObject *const *args, Py_ssize_t narg
     return ret_or_init_error(rc);
 }
 
+RT_DOC(memcpy2d, "dst, dpitch, src, spitch, width, height, kind", "ret",
+       "aclrtMemcpy2d: copies height rows of width bytes, spitch bytes apart at src, to rows dpitch bytes\n"
+       "apart at dst; kind: ACL_MEMCPY_HOST_TO_DEVICE, _DEVICE_TO_HOST or _DEFAULT.");
 static PyObject *rt_memcpy2d(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     (void)self;
     return memcpy2d("acl.rt.memcpy2d", args, nargs, kwnames, false);
 }
 
+RT_DOC(memcpy2d_async, "dst, dpitch, src, spitch, width, height, kind, stream", "ret",
+       "aclrtMemcpy2dAsync: memcpy2d as a task of stream (done before it returns for pageable host memory).");
 static PyObject *rt_memcpy2d_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     (void)self;
     return memcpy2d("acl.rt.memcpy2d_async", args, nargs, kwnames, true);
 }
 
+RT_DOC(get_mem_info, "attr", "(free, total, ret)",
+       "aclrtGetMemInfo: free and total bytes of the current device's memory of kind attr, an ACL_*_MEM*\n"
+       "value (ACL_DDR_MEM, ACL_HBM_MEM, ...).");
 static PyObject *rt_get_mem_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("get_mem_info", 1);
@@ -435,6 +482,10 @@ static int prop_from_dict(PyObject *o, const char *fn, aclrtPhysicalMemProp *pro
     return ARG_OK;
 }
 
+RT_DOC(mem_get_allocation_granularity, "prop, option", "(granularity, ret)",
+       "aclrtMemGetAllocationGranularity: the size unit of physical memory with property prop, a dict\n"
+       "{'handleType', 'allocationType', 'memAttr', 'location': {'id', 'type'}, 'reserve'} of ints;\n"
+       "option: ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM or _RECOMMENDED.");
 static PyObject *rt_mem_get_allocation_granularity(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                    PyObject *kwnames)
 {
@@ -452,6 +503,9 @@ static PyObject *rt_mem_get_allocation_granularity(PyObject *self, PyObject *con
     return ret_u64(granularity, rc);
 }
 
+RT_DOC(malloc_physical, "size, prop, flags", "(handle, ret)",
+       "aclrtMallocPhysical: a handle of size bytes of physical memory (a multiple of the granularity);\n"
+       "prop as for mem_get_allocation_granularity; flags must be 0. Free with free_physical.");
 static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("malloc_physical", 3);
@@ -470,8 +524,14 @@ static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ss
     return ret_u64((uintptr_t)handle, rc);
 }
 
+RT_DOC(free_physical, "handle", "ret",
+       "aclrtFreePhysical: frees a handle from malloc_physical or mem_import_from_shareable_handle\n"
+       "(its memory stays while it is mapped).");
 RT_ON_HANDLE(free_physical, "handle", aclrtFreePhysical)
 
+RT_DOC(reserve_mem_address, "size, alignment, expect_ptr, flags", "(vir_ptr, ret)",
+       "aclrtReserveMemAddress: reserves size bytes of device addresses, at expect_ptr unless it is 0;\n"
+       "alignment must be 0; flags 0 or 1. Release with release_mem_address.");
 static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("reserve_mem_address", 4);
@@ -490,8 +550,13 @@ static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, P
     return ret_u64((uintptr_t)p, rc);
 }
 
+RT_DOC(release_mem_address, "vir_ptr", "ret",
+       "aclrtReleaseMemAddress: releases a range from reserve_mem_address that has nothing mapped.");
 RT_ON_HANDLE(release_mem_address, "vir_ptr", aclrtReleaseMemAddress)
 
+RT_DOC(map_mem, "vir_ptr, size, offset, handle, flags", "ret",
+       "aclrtMapMem: maps the physical memory of handle, size bytes, at vir_ptr in a reserved range;\n"
+       "offset and flags must be 0.");
 static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("map_mem", 5);
@@ -507,10 +572,12 @@ static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t na
     return ret_or_init_error(rc);
 }
 
+RT_DOC(unmap_mem, "vir_ptr", "ret", "aclrtUnmapMem: unmaps what map_mem mapped at vir_ptr.");
 RT_ON_HANDLE(unmap_mem, "vir_ptr", aclrtUnmapMem)
 
 /* ---- streams ---- */
 
+RT_DOC0(create_stream, "(stream, ret)", "aclrtCreateStream: a new stream on the current device.");
 static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("create_stream", 0);
@@ -520,6 +587,9 @@ static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssiz
     return ret_u64((uintptr_t)stream, rc);
 }
 
+RT_DOC(create_stream_with_config, "priority, flag", "(stream, ret)",
+       "aclrtCreateStreamWithConfig: a new stream; priority is accepted and has no effect;\n"
+       "flag: ACL_STREAM_* bits.");
 /* create_stream_with_config(priority, flag) -> (stream, ret).  A flag out of uint32 range has every
  * bit of one set: refused as CANN refuses its combination of flags. */
 static PyObject *rt_create_stream_with_config(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
@@ -537,8 +607,12 @@ static PyObject *rt_create_stream_with_config(PyObject *self, PyObject *const *a
     return ret_u64((uintptr_t)stream, rc);
 }
 
+RT_DOC(destroy_stream, "stream", "ret", "aclrtDestroyStream: waits for the stream's queued work, then destroys it.");
 RT_ON_HANDLE(destroy_stream, "stream", aclrtDestroyStream) /* waits for the stream's queued work */
 
+RT_DOC(synchronize_stream, "stream", "ret",
+       "aclrtSynchronizeStream: waits for the work queued on stream (0: the default stream); returns a\n"
+       "failed task's sticky error once.");
 RT_ON_HANDLE(synchronize_stream, "stream", aclrtSynchronizeStream)
 
 /* name(handle, timeout) -> ret: a timeout out of int32 range is invalid like one below -1. */
@@ -554,6 +628,9 @@ static PyObject *call_with_timeout(const char *fn, PyObject *const *args, const 
     return ret_or_init_error(rc);
 }
 
+RT_DOC(synchronize_stream_with_timeout, "stream, timeout", "ret",
+       "aclrtSynchronizeStreamWithTimeout: synchronize_stream waiting at most timeout ms (-1 or 0: no\n"
+       "limit); ACL_ERROR_RT_STREAM_SYNC_TIMEOUT when the time runs out.");
 static PyObject *rt_synchronize_stream_with_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                     PyObject *kwnames)
 {
@@ -561,6 +638,9 @@ static PyObject *rt_synchronize_stream_with_timeout(PyObject *self, PyObject *co
     return call_with_timeout(fn, args, "stream", aclrtSynchronizeStreamWithTimeout);
 }
 
+RT_DOC(stream_query, "stream", "(status, ret)",
+       "aclrtStreamQuery: ACL_STREAM_STATUS_COMPLETE once all queued work has run, else _NOT_READY;\n"
+       "ACL_STREAM_STATUS_RESERVED when ret is an error.");
 static PyObject *rt_stream_query(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("stream_query", 1);
@@ -575,6 +655,9 @@ static PyObject *rt_stream_query(PyObject *self, PyObject *const *args, Py_ssize
     return Py_BuildValue("(Ii)", (unsigned)(rc == ACL_SUCCESS ? status : ACL_STREAM_STATUS_RESERVED), rc);
 }
 
+RT_DOC(memcpy_async, "dst, dest_max, src, count, kind, stream", "ret",
+       "aclrtMemcpyAsync: memcpy as a task of stream (a copy with pageable host memory is done before\n"
+       "it returns).");
 static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memcpy_async", 6);
@@ -595,6 +678,8 @@ static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize
     return ret_or_init_error(rc);
 }
 
+RT_DOC(memset_async, "dev_ptr, max_count, value, count, stream", "ret",
+       "aclrtMemsetAsync: memset as a task of stream.");
 static PyObject *rt_memset_async(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("memset_async", 5);
@@ -678,6 +763,10 @@ static void py_callback_free(void *arg)
     PyMem_RawFree(c);
 }
 
+RT_DOC(launch_callback, "fn, user_data, block_type, stream", "ret",
+       "aclrtLaunchCallback: fn(user_data) runs when stream reaches it (user_data: any object, pyACL's\n"
+       "user_data_list), in process_report of the thread subscribed to stream (subscribe_report), else on\n"
+       "the stream's worker; block_type: ACL_CALLBACK_BLOCK or ACL_CALLBACK_NO_BLOCK.");
 static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("launch_callback", 4);
@@ -719,18 +808,26 @@ static PyObject *subscription(PyObject *const *args, const char *fn, bool subscr
     return ret_or_init_error(rc);
 }
 
+RT_DOC(subscribe_report, "thread_id, stream", "ret",
+       "aclrtSubscribeReport: the callbacks of stream run in process_report of thread thread_id\n"
+       "(threading.get_ident() of that thread).");
 static PyObject *rt_subscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("subscribe_report", 2);
     return subscription(args, fn, true);
 }
 
+RT_DOC(unsubscribe_report, "thread_id, stream", "ret",
+       "aclrtUnSubscribeReport: undoes subscribe_report(thread_id, stream).");
 static PyObject *rt_unsubscribe_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("unsubscribe_report", 2);
     return subscription(args, fn, false);
 }
 
+RT_DOC(process_report, "timeout", "ret",
+       "aclrtProcessReport: runs callbacks of the streams the calling thread subscribed to, waiting at most\n"
+       "timeout ms for one (-1: no limit; 0 is invalid); ACL_ERROR_RT_REPORT_TIMEOUT when none came.");
 static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("process_report", 1);
@@ -743,6 +840,7 @@ static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssi
 
 /* ---- events ---- */
 
+RT_DOC0(create_event, "(event, ret)", "aclrtCreateEvent: a new event.");
 static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("create_event", 0);
@@ -762,12 +860,17 @@ static PyObject *create_flagged_event(const char *fn, PyObject *const *args, acl
     return ret_u64((uintptr_t)event, rc);
 }
 
+RT_DOC(create_event_with_flag, "flag", "(event, ret)",
+       "aclrtCreateEventWithFlag: a new event; flag: ACL_EVENT_* bits.");
 static PyObject *rt_create_event_with_flag(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("create_event_with_flag", 1);
     return create_flagged_event(fn, args, aclrtCreateEventWithFlag);
 }
 
+RT_DOC(create_event_ex_with_flag, "flag", "(event, ret)",
+       "aclrtCreateEventExWithFlag: a new event of CANN's new mode (complete until first recorded);\n"
+       "flag: ACL_EVENT_* bits.");
 static PyObject *rt_create_event_ex_with_flag(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                               PyObject *kwnames)
 {
@@ -775,12 +878,19 @@ static PyObject *rt_create_event_ex_with_flag(PyObject *self, PyObject *const *a
     return create_flagged_event(fn, args, aclrtCreateEventExWithFlag);
 }
 
+RT_DOC(destroy_event, "event", "ret", "aclrtDestroyEvent: destroys event.");
 RT_ON_HANDLE(destroy_event, "event", aclrtDestroyEvent)
 
+RT_DOC(reset_event, "event, stream", "ret",
+       "aclrtResetEvent: a task of stream that returns event to its never-recorded state.");
 RT_ON_TWO_HANDLES(reset_event, "event", "stream", aclrtResetEvent)
 
+RT_DOC(record_event, "event, stream", "ret", "aclrtRecordEvent: records event at stream's current position.");
 RT_ON_TWO_HANDLES(record_event, "event", "stream", aclrtRecordEvent)
 
+RT_DOC(query_event, "event", "(status, ret)",
+       "aclrtQueryEvent: ACL_EVENT_STATUS_COMPLETE once the recorded position is reached, else _NOT_READY\n"
+       "(0, i.e. COMPLETE, when ret is an error: check ret first).");
 static PyObject *rt_query_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("query_event", 1);
@@ -791,6 +901,9 @@ static PyObject *rt_query_event(PyObject *self, PyObject *const *args, Py_ssize_
     return ret_i64(status, rc);
 }
 
+RT_DOC(query_event_status, "event", "(status, ret)",
+       "aclrtQueryEventStatus: ACL_EVENT_RECORDED_STATUS_COMPLETE once the recorded position is reached,\n"
+       "else _NOT_READY.");
 static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("query_event_status", 1);
@@ -801,6 +914,9 @@ static PyObject *rt_query_event_status(PyObject *self, PyObject *const *args, Py
     return ret_i64(status, rc);
 }
 
+RT_DOC(query_event_wait_status, "event", "(status, ret)",
+       "aclrtQueryEventWaitStatus: ACL_EVENT_WAIT_STATUS_NOT_READY while a stream_wait_event for event is\n"
+       "still waiting, else _COMPLETE.");
 static PyObject *rt_query_event_wait_status(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                             PyObject *kwnames)
 {
@@ -812,8 +928,12 @@ static PyObject *rt_query_event_wait_status(PyObject *self, PyObject *const *arg
     return ret_i64(status, rc);
 }
 
+RT_DOC(synchronize_event, "event", "ret", "aclrtSynchronizeEvent: waits until event's recorded position is reached.");
 RT_ON_HANDLE(synchronize_event, "event", aclrtSynchronizeEvent)
 
+RT_DOC(synchronize_event_with_timeout, "event, timeout", "ret",
+       "aclrtSynchronizeEventWithTimeout: synchronize_event waiting at most timeout ms (-1 or 0: no limit);\n"
+       "ACL_ERROR_RT_EVENT_SYNC_TIMEOUT when the time runs out.");
 static PyObject *rt_synchronize_event_with_timeout(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                    PyObject *kwnames)
 {
@@ -821,6 +941,8 @@ static PyObject *rt_synchronize_event_with_timeout(PyObject *self, PyObject *con
     return call_with_timeout(fn, args, "event", aclrtSynchronizeEventWithTimeout);
 }
 
+RT_DOC(event_elapsed_time, "start, end", "(ms, ret)",
+       "aclrtEventElapsedTime: the milliseconds (a float) between the records of events start and end.");
 static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("event_elapsed_time", 2);
@@ -834,6 +956,8 @@ static PyObject *rt_event_elapsed_time(PyObject *self, PyObject *const *args, Py
     return Py_BuildValue("(di)", rc == ACL_SUCCESS ? (double)ms : 0.0, rc);
 }
 
+RT_DOC(stream_wait_event, "stream, event", "ret",
+       "aclrtStreamWaitEvent: the work queued on stream after this waits for event's recorded position.");
 RT_ON_TWO_HANDLES(stream_wait_event, "stream", "event", aclrtStreamWaitEvent)
 
 static PyMethodDef rt_methods[] = {

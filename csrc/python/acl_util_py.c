@@ -168,9 +168,16 @@ static PyObject *util_memory(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef acl_methods[] = {
     {"init", (PyCFunction)(void (*)(void))acl_init, METH_FASTCALL, "init(config_path) -> ret"},
     {"finalize", (PyCFunction)(void (*)(void))acl_finalize, METH_FASTCALL, "finalize() -> ret"},
+    /* public as acl.util.*: text signatures (positional-only, as the functions take no keywords) for help() and
+     * inspect.signature() */
     {"ptr_to_bytes", (PyCFunction)(void (*)(void))util_ptr_to_bytes, METH_FASTCALL,
-     "ptr_to_bytes(ptr, size) -> bytes"},
-    {"bytes_to_ptr", util_bytes_to_ptr, METH_O, "bytes_to_ptr(bytes_obj) -> ptr"},
+     "ptr_to_bytes($module, ptr, size, /)\n--\n\n"
+     "data = acl.util.ptr_to_bytes(ptr, size)\n"
+     "A bytes copy of size bytes at ptr (device or host memory); ValueError when they are not mapped readable."},
+    {"bytes_to_ptr", util_bytes_to_ptr, METH_O,
+     "bytes_to_ptr($module, bytes_obj, /)\n--\n\n"
+     "ptr = acl.util.bytes_to_ptr(bytes_obj)\n"
+     "The address of a bytes or bytearray object's buffer (no copy: keep the object alive, a bytearray unresized)."},
     {"memory", (PyCFunction)(void (*)(void))util_memory, METH_FASTCALL,
      "memory(ptr, size) -> memoryview (validated; read-only over read-only memory)"},
     {NULL, NULL, 0, NULL},

@@ -77,6 +77,9 @@ static const char *key_arg(PyObject *o, const char *fn)
 
 /* ---- acl.rt ---- */
 
+RT_DOC(mem_export_to_shareable_handle, "handle, handle_type, flags", "(shareable_handle, ret)",
+       "aclrtMemExportToShareableHandle: an int by which other processes import the physical memory handle;\n"
+       "handle_type: ACL_MEM_HANDLE_TYPE_NONE; flags: ACL_RT_VMM_EXPORT_FLAG_*.");
 static PyObject *rt_mem_export_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                    PyObject *kwnames)
 {
@@ -93,6 +96,9 @@ static PyObject *rt_mem_export_to_shareable_handle(PyObject *self, PyObject *con
     return ret_u64(value, rc);
 }
 
+RT_DOC(mem_set_pid_to_shareable_handle, "shareable_handle, pid_list", "ret",
+       "aclrtMemSetPidToShareableHandle: lets the processes in pid_list (a list of device_get_bare_tgid()\n"
+       "values) import shareable_handle.");
 static PyObject *rt_mem_set_pid_to_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                     PyObject *kwnames)
 {
@@ -113,6 +119,9 @@ static PyObject *rt_mem_set_pid_to_shareable_handle(PyObject *self, PyObject *co
     return ret_or_init_error(rc);
 }
 
+RT_DOC(mem_import_from_shareable_handle, "shareable_handle, device_id", "(handle, ret)",
+       "aclrtMemImportFromShareableHandle: a physical memory handle on device_id for the memory another\n"
+       "process exported as shareable_handle.");
 static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
                                                      PyObject *kwnames)
 {
@@ -127,6 +136,7 @@ static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *c
     return ret_u64((uintptr_t)h, rc);
 }
 
+RT_DOC0(device_get_bare_tgid, "(pid, ret)", "aclrtDeviceGetBareTgid: this process's id, as the pid lists expect it.");
 static PyObject *rt_device_get_bare_tgid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("device_get_bare_tgid", 0);
@@ -136,6 +146,9 @@ static PyObject *rt_device_get_bare_tgid(PyObject *self, PyObject *const *args, 
     return ret_i64(pid, rc);
 }
 
+RT_DOC(ipc_mem_get_export_key, "dev_ptr, size, len, flags", "(key, ret)",
+       "aclrtIpcMemGetExportKey: a str key naming size bytes of malloc memory at dev_ptr for other processes;\n"
+       "len: the key's buffer size (65; ValueError from 1024); flags: ACL_RT_IPC_MEM_EXPORT_FLAG_*.");
 static PyObject *rt_ipc_mem_get_export_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_get_export_key", 4);
@@ -157,6 +170,9 @@ static PyObject *rt_ipc_mem_get_export_key(PyObject *self, PyObject *const *args
     return Py_BuildValue("(si)", rc == ACL_SUCCESS ? key : "", rc);
 }
 
+RT_DOC(ipc_mem_set_import_pid, "key, pid_list", "ret",
+       "aclrtIpcMemSetImportPid: lets the processes in pid_list (a list of device_get_bare_tgid() values)\n"
+       "import key.");
 static PyObject *rt_ipc_mem_set_import_pid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_set_import_pid", 2);
@@ -177,6 +193,9 @@ static PyObject *rt_ipc_mem_set_import_pid(PyObject *self, PyObject *const *args
     return ret_or_init_error(rc);
 }
 
+RT_DOC(ipc_mem_import_by_key, "key, flags", "(dev_ptr, ret)",
+       "aclrtIpcMemImportByKey: maps the memory key names into this process; flags:\n"
+       "ACL_RT_IPC_MEM_IMPORT_FLAG_*.");
 static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_import_by_key", 2);
@@ -191,6 +210,8 @@ static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args,
     return ret_u64((uintptr_t)p, rc);
 }
 
+RT_DOC(ipc_mem_close, "key", "ret",
+       "aclrtIpcMemClose: unmaps an imported key, or, in the exporting process, stops sharing it.");
 static PyObject *rt_ipc_mem_close(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("ipc_mem_close", 1);

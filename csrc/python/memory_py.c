@@ -988,10 +988,12 @@ static PyObject *Buffer_repr(BufferObject *b)
 }
 
 static PyMethodDef Buffer_methods[] = {
+    /* text signatures ("name($self, ...)\n--\n\n") for help() and inspect.signature() */
     {"free", (PyCFunction)Buffer_free, METH_NOARGS,
-     "Gives the memory back now (BufferError while views of it exist); later calls do nothing."},
+     "free($self, /)\n--\n\nGives the memory back now (BufferError while views of it exist); later calls do nothing."},
     {"record_stream", (PyCFunction)Buffer_record_stream, METH_O,
-     "record_stream(stream): the memory is reused only after the work queued on `stream` when it is freed."},
+     "record_stream($self, stream, /)\n--\n\n"
+     "The memory is reused only after the work queued on `stream` when it is freed."},
     {"__enter__", Buffer_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Buffer_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},

@@ -1,8 +1,8 @@
 /*
  * rt_binding.h - the conventions of the acl.rt functions, shared by acl_rt_py.c and ipc_py.c:
- * METH_FASTCALL functions named rt_NAME, positional arguments only, checked by count, converted with
- * pyarg.h's converters, `fn` ("acl.rt.NAME") naming the function in every TypeError, which starts with
- * pyACL's "acl.rt.NAME args parse failed: " (pyarg.h).
+ * METH_FASTCALL functions named rt_NAME with a docstring rt_NAME_doc (RT_DOC), positional arguments only,
+ * checked by count, converted with pyarg.h's converters, `fn` ("acl.rt.NAME") naming the function in every
+ * TypeError, which starts with pyACL's "acl.rt.NAME args parse failed: " (pyarg.h).
  */
 #ifndef NPUALLOC_RT_BINDING_H
 #define NPUALLOC_RT_BINDING_H
@@ -50,7 +50,19 @@
         Py_END_ALLOW_THREADS                                                                                       \
     } while (0)
 
-/* METH_KEYWORDS so that RT_BEGIN, not CPython, words the error for a keyword argument. */
-#define RT_METHOD(name) {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL | METH_KEYWORDS, NULL}
+/* The docstring of acl.rt.NAME (rt_NAME_doc, which RT_METHOD takes): CPython's text signature first, which
+ * help() and inspect.signature() read, positional-only ("/") because RT_BEGIN refuses keywords; then pyACL's
+ * call form, "RETURNS = acl.rt.NAME(PARAMS)", made from the same PARAMS so that the two cannot disagree; then
+ * `text`.  PARAMS are the names the binding's TypeErrors use.  RT_DOC0: a function of no arguments. */
+#define RT_DOC(name, params, returns, text)                                                                        \
+    PyDoc_STRVAR(rt_##name##_doc,                                                                                  \
+                 #name "($module, " params ", /)\n--\n\n" returns " = acl.rt." #name "(" params ")\n" text)
+#define RT_DOC0(name, returns, text)                                                                               \
+    PyDoc_STRVAR(rt_##name##_doc, #name "($module, /)\n--\n\n" returns " = acl.rt." #name "()\n" text)
+
+/* METH_KEYWORDS so that RT_BEGIN, not CPython, words the error for a keyword argument.  A function without an
+ * RT_DOC does not compile. */
+#define RT_METHOD(name)                                                                                            \
+    {#name, (PyCFunction)(void (*)(void))rt_##name, METH_FASTCALL | METH_KEYWORDS, rt_##name##_doc}
 
 #endif
