@@ -48,9 +48,12 @@ static device devices[NPU_MAX_DEVICES];
  * per device. */
 static pthread_mutex_t usage_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* The current device of this thread, valid while the device's epoch is unchanged. */
+/* The current device of this thread, valid while the device's epoch is unchanged.  A thread bound to an
+ * explicit context has that context's device instead, valid while the context's generation is unchanged. */
 static _Thread_local int32_t current_dev = -1;
 static _Thread_local uint32_t current_epoch;
+static _Thread_local device_context *current_ctx;
+static _Thread_local uint32_t current_ctx_generation;
 
 static uint32_t context_refs(uint64_t contexts) { return (uint32_t)contexts; }
 static uint32_t context_epoch(uint64_t contexts) { return (uint32_t)(contexts >> 32); }
@@ -338,6 +341,7 @@ aclError aclrtSetDevice(int32_t dev)
     while (!atomic_compare_exchange_weak(&d->contexts, &w, next));
     current_dev = dev;
     current_epoch = context_epoch(next);
+    current_ctx = NULL; /* the thread moves to the device's default context, as in CANN */
     return ACL_SUCCESS;
 }
 
@@ -398,13 +402,60 @@ aclError aclrtResetDeviceForce(int32_t dev)
     return ACL_SUCCESS;
 }
 
-aclError device_current(int32_t *dev)
+aclError device_current_stream(int32_t *dev, uint64_t *default_stream)
 {
+    if (unlikely(current_ctx != NULL)) {
+        /* acquire: a context made on another thread is read complete (context.c publishes with release) */
+        if (!atomic_load(&initialized) ||
+            atomic_load_explicit(&current_ctx->generation, memory_order_acquire) != current_ctx_generation)
+            return ACL_ERROR_RT_CONTEXT_NULL; /* destroyed: no default context to fall back on, as in CANN */
+        *dev = current_ctx->device;
+        *default_stream = atomic_load_explicit(&current_ctx->default_stream, memory_order_acquire);
+        return ACL_SUCCESS;
+    }
     if (current_dev < 0 || !atomic_load(&initialized) ||
         context_epoch(atomic_load(&devices[current_dev].contexts)) != current_epoch)
         return ACL_ERROR_RT_CONTEXT_NULL;
     *dev = current_dev;
+    *default_stream = 0;
     return ACL_SUCCESS;
+}
+
+aclError device_current(int32_t *dev)
+{
+    uint64_t unused;
+    return device_current_stream(dev, &unused);
+}
+
+device_context *device_bound_context(uint32_t *generation)
+{
+    *generation = current_ctx_generation;
+    return current_ctx;
+}
+
+void device_bind_context(device_context *ctx, uint32_t generation)
+{
+    current_ctx = ctx;
+    current_ctx_generation = generation;
+    current_dev = ctx->device;
+}
+
+bool device_default_context(int32_t dev, uint32_t *epoch)
+{
+    uint64_t w = atomic_load(&devices[dev].contexts);
+    *epoch = context_epoch(w);
+    return context_refs(w) > 0;
+}
+
+bool device_bind_default_context(int32_t dev, uint32_t epoch)
+{
+    uint32_t now;
+    if (!device_default_context(dev, &now) || now != epoch)
+        return false;
+    current_dev = dev;
+    current_epoch = epoch;
+    current_ctx = NULL;
+    return true;
 }
 
 aclError runtime_current_device(int32_t *dev)

@@ -16,6 +16,7 @@
 #ifndef NPUALLOC_DEVICE_H
 #define NPUALLOC_DEVICE_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -44,8 +45,32 @@ int device_count(void);
 bool device_valid(int32_t dev);
 const npualloc_config *device_config(void);
 
-/* The calling thread's current device (set by aclrtSetDevice); ACL_ERROR_RT_CONTEXT_NULL if none. */
+/* What the current-device logic reads of an explicit context (aclrtCreateContext; context.c owns them in a
+ * static table and never frees one, so a thread still bound to a context another thread destroyed reads a
+ * changed generation, not freed memory). */
+typedef struct device_context {
+    int32_t device;
+    _Atomic uint32_t generation;     /* changes when the context is destroyed (and at shutdown, fork) */
+    _Atomic uint64_t default_stream; /* its default stream's handle; 0 until made */
+} device_context;
+
+/* The calling thread's current device: its explicit context's, else the one aclrtSetDevice made current
+ * (CANN's default context of that device); ACL_ERROR_RT_CONTEXT_NULL if none, or if its explicit context was
+ * destroyed. */
 aclError device_current(int32_t *dev);
+/* device_current, with the handle of the stream a NULL stream means: the explicit context's default stream,
+ * or 0 for the device's own default stream. */
+aclError device_current_stream(int32_t *dev, uint64_t *default_stream);
+/* The explicit context the calling thread is bound to (NULL: none; it may have been destroyed since: check
+ * its generation against *generation). */
+device_context *device_bound_context(uint32_t *generation);
+/* Binds the calling thread to an explicit context at its current generation; its device becomes current. */
+void device_bind_context(device_context *ctx, uint32_t generation);
+/* The epoch of `dev`'s default context, false when the device has no aclrtSetDevice reference (no default
+ * context). */
+bool device_default_context(int32_t dev, uint32_t *epoch);
+/* Binds the calling thread to `dev`'s default context of `epoch`; false if that context has ended. */
+bool device_bind_default_context(int32_t dev, uint32_t epoch);
 /* runtime_ensure_init, then device_current: what an aclrt* call on "the current device" checks first. */
 aclError runtime_current_device(int32_t *dev);
 

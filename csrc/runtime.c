@@ -14,6 +14,7 @@
 #include <stdatomic.h>
 
 #include "caching.h"
+#include "context.h"
 #include "device.h"
 #include "graph.h"
 #include "host.h"
@@ -37,12 +38,14 @@ static void atfork_prepare(void)
     graph_atfork_prepare_leaves(); /* the range registry, then its violation log */
     caching_atfork_prepare_leaves();
     pluggable_atfork_prepare();
+    context_atfork_prepare();
     device_atfork_prepare();
 }
 
 static void atfork_parent(void)
 {
     device_atfork_parent();
+    context_atfork_parent();
     pluggable_atfork_parent();
     va_atfork_parent();
     mem_atfork_parent();
@@ -68,6 +71,7 @@ static void atfork_child(void)
 {
     atomic_fetch_add(&generation, 1);
     ipc_atfork_child(); /* sharing: no server, exports or imports in the child */
+    context_atfork_child(); /* before streams: a bound thread's NULL stream must not name a stream of the parent */
     stream_atfork_child();
     vmm_atfork_child();
     va_atfork_child();
@@ -115,6 +119,7 @@ void npualloc_shutdown(void)
     ipc_shutdown(); /* sharing: first, it drops the pins other processes hold on cached blocks */
     pluggable_shutdown(); /* the caching allocator is current again; the library is not told */
     caching_shutdown();
+    context_shutdown();
     stream_shutdown();
     vmm_shutdown();
     va_shutdown();

@@ -77,7 +77,8 @@ typedef struct stream_task {
 struct npu_stream {
     /* Immutable after creation. */
     int32_t device;
-    uint64_t handle; /* 0 for a default stream */
+    uint64_t handle;             /* 0 for a default stream */
+    const device_context *owner; /* the explicit context it was made in (its destroy takes it), or NULL */
 
     pthread_mutex_t lock;      /* guards the fields down to `worker` */
     pthread_cond_t work_cv;    /* the worker waits here for a task or for `stopping` */
@@ -608,21 +609,23 @@ static aclError default_stream_get(int32_t device, npu_stream **out)
     return rc;
 }
 
-/* Resolves a handle (NULL: the current default stream) to a referenced stream. */
+/* Resolves a handle (NULL: the current context's default stream) to a referenced stream. */
 static aclError stream_lookup(aclrtStream handle, npu_stream **out)
 {
+    uint64_t context_stream = 0;
     if (!handle) {
         int32_t dev;
-        aclError rc = device_current(&dev);
-        return rc == ACL_SUCCESS ? default_stream_get(dev, out) : rc;
+        aclError rc = device_current_stream(&dev, &context_stream);
+        if (rc != ACL_SUCCESS || !context_stream)
+            return rc == ACL_SUCCESS ? default_stream_get(dev, out) : rc;
     }
     pthread_mutex_lock(&table_lock);
-    npu_stream *s = handle_table_get(&stream_table, handle_value(handle));
+    npu_stream *s = handle_table_get(&stream_table, handle ? handle_value(handle) : context_stream);
     if (s)
         stream_retain(s); /* listed, so the count is at least 1 */
     pthread_mutex_unlock(&table_lock);
-    if (!s)
-        return ACL_ERROR_INVALID_PARAM;
+    if (!s) /* for a context's default stream: the context was destroyed meanwhile */
+        return handle ? ACL_ERROR_INVALID_PARAM : ACL_ERROR_RT_CONTEXT_NULL;
     *out = s;
     return ACL_SUCCESS;
 }
@@ -1016,16 +1019,15 @@ static void stream_stop(npu_stream *s)
  * Stream API
  * ------------------------------------------------------------------------------------------ */
 
-/* A new stream of the current device; with start_worker its worker runs before it is handed out. */
-static aclError stream_create(aclrtStream *stream, bool start_worker)
+/* A new stream of `dev` made in `owner` (NULL: the default context); with start_worker its worker runs before
+ * it is handed out. */
+static aclError stream_make(int32_t dev, const device_context *owner, bool start_worker, aclrtStream *stream)
 {
-    int32_t dev;
-    aclError rc = runtime_current_device(&dev);
-    if (rc != ACL_SUCCESS)
-        return rc;
+    aclError rc = ACL_SUCCESS;
     npu_stream *s = stream_new(dev);
     if (!s)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    s->owner = owner;
     if (start_worker) {
         pthread_mutex_lock(&s->lock);
         rc = ensure_worker_locked(s);
@@ -1050,6 +1052,22 @@ static aclError stream_create(aclrtStream *stream, bool start_worker)
     }
     *stream = (aclrtStream)(uintptr_t)h;
     return ACL_SUCCESS;
+}
+
+/* A new stream of the current context. */
+static aclError stream_create(aclrtStream *stream, bool start_worker)
+{
+    int32_t dev;
+    aclError rc = runtime_current_device(&dev);
+    if (rc != ACL_SUCCESS)
+        return rc;
+    uint32_t unused;
+    return stream_make(dev, device_bound_context(&unused), start_worker, stream);
+}
+
+aclError stream_create_owned(const device_context *owner, aclrtStream *stream)
+{
+    return stream_make(owner->device, owner, false, stream);
 }
 
 aclError aclrtCreateStream(aclrtStream *stream)
@@ -1104,6 +1122,21 @@ aclError aclrtDestroyStream(aclrtStream stream)
     stream_stop(s);
     stream_put(s); /* events and waiting tasks may keep the (finished) stream a little longer */
     return ACL_SUCCESS;
+}
+
+void stream_destroy_owned(const device_context *owner)
+{
+    for (;;) {
+        uint64_t found = 0;
+        pthread_mutex_lock(&table_lock);
+        for (npu_stream *s = stream_registry; s && !found; s = s->reg_next)
+            if (s->owner == owner && s->listed)
+                found = s->handle;
+        pthread_mutex_unlock(&table_lock);
+        /* one at a time, the lock dropped: the destroy waits for the stream's work */
+        if (!found || aclrtDestroyStream((aclrtStream)(uintptr_t)found) != ACL_SUCCESS)
+            return;
+    }
 }
 
 /* aclrtSynchronizeStream(WithTimeout): timeout -1 (or 0, which CANN's ACL layer also lets

@@ -3,7 +3,8 @@ and CANN's constants.
 
 Conventions as pyACL: arguments are positional, outputs come first and ``ret`` last
 (``ptr, ret = acl.rt.malloc(size, policy)``); pointers, handles, streams and events are ints
-(0 = NULL, or the current device's default stream).  A wrong Python type, a wrong number of
+(0 = NULL, or the current context's default stream: the device's own after ``set_device``, a context's
+own while ``create_context`` or ``set_context`` has bound it).  A wrong Python type, a wrong number of
 arguments or a keyword argument raises TypeError with pyACL's message, followed by the reason:
 ``acl.rt.malloc args parse failed: acl.rt.malloc() argument 'size' must be int, not str``; a key
 (a ``str``) that is no C string (a NUL inside it, or a character UTF-8 cannot encode) raises
@@ -159,6 +160,9 @@ ACL_CALLBACK_BLOCK = 1
 ACL_STREAM_STATUS_COMPLETE = 0
 ACL_STREAM_STATUS_NOT_READY = 1
 ACL_STREAM_STATUS_RESERVED = 0xFFFF
+# aclrtRunMode (acl.rt.get_run_mode)
+ACL_DEVICE = 0
+ACL_HOST = 1
 ACL_EVENT_STATUS_COMPLETE = 0
 ACL_EVENT_STATUS_NOT_READY = 1
 ACL_EVENT_STATUS_RESERVED = 2

@@ -6,6 +6,8 @@ import pytest
 import npualloc
 from npualloc import acl
 
+from conftest import held
+
 rt = acl.rt
 pytestmark = pytest.mark.usefixtures("npu")
 
@@ -168,3 +170,68 @@ def test_peer_access_enable_disable():
     assert rt.device_disable_peer_access(0) == acl.ACL_ERROR_INVALID_PARAM
     assert rt.device_disable_peer_access(9) == acl.ACL_ERROR_RT_INVALID_DEVICEID
     assert rt.device_disable_peer_access(2**33) == acl.ACL_ERROR_RT_INVALID_DEVICEID
+
+
+# ---- contexts (docs/runtime.md, Contexts) ----
+
+def test_a_pyacl_sample_with_an_explicit_context_runs():
+    """The resource flow of CANN's pyACL samples: init, set_device, create_context, streams and memory in it,
+    then everything released in reverse order."""
+    assert acl.init() == 0
+    assert rt.set_device(0) == 0
+    context, ret = rt.create_context(0)
+    assert ret == 0 and context != 0
+    assert rt.get_context() == (context, 0)
+    run_mode, ret = rt.get_run_mode()
+    assert (run_mode, ret) == (acl.ACL_HOST, 0) and acl.ACL_HOST == 1 and acl.ACL_DEVICE == 0
+    stream, ret = rt.create_stream()
+    assert ret == 0
+    dev, ret = rt.malloc(1024, acl.ACL_MEM_MALLOC_HUGE_FIRST)
+    assert ret == 0
+    host, ret = rt.malloc_host(1024)
+    assert ret == 0 and rt.memset(host, 1024, 7, 1024) == 0
+    assert rt.memcpy_async(dev, 1024, host, 1024, acl.ACL_MEMCPY_HOST_TO_DEVICE, stream) == 0
+    assert rt.synchronize_stream(stream) == 0
+    assert acl.util.ptr_to_bytes(dev, 4) == b"\x07" * 4
+    assert rt.free(dev) == 0 and rt.free_host(host) == 0
+    assert rt.destroy_stream(stream) == 0
+    assert rt.destroy_context(context) == 0
+    assert rt.reset_device(0) == 0
+    assert acl.finalize() == 0
+
+
+def test_stream_0_is_the_bound_contexts_default_stream():
+    assert rt.set_device(0) == 0
+    primary, ret = rt.get_context()
+    assert ret == 0
+    context, ret = rt.create_context(1)
+    assert ret == 0 and rt.get_device() == (1, 0)
+    gate = held(0)  # the context's default stream
+    assert rt.stream_query(0) == (acl.ACL_STREAM_STATUS_NOT_READY, 0)
+    assert rt.set_context(primary) == 0 and rt.get_device() == (0, 0)
+    assert rt.stream_query(0) == (acl.ACL_STREAM_STATUS_COMPLETE, 0)  # device 0's own default stream
+    gate.set()
+    assert rt.set_context(context) == 0 and rt.synchronize_stream(0) == 0
+    assert rt.destroy_context(context) == 0
+    assert rt.get_context() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)  # no fall back to a default context
+    assert rt.set_device(0) == 0 and rt.get_context() == (primary, 0)
+
+
+def test_another_thread_can_bind_a_context_and_loses_it_at_the_destroy():
+    assert rt.set_device(0) == 0
+    context, ret = rt.create_context(1)
+    assert ret == 0
+    assert in_thread(lambda: (rt.set_context(context), rt.get_device())) == (0, (1, 0))
+    assert rt.destroy_context(context) == 0
+    assert in_thread(lambda: rt.set_context(context)) == acl.ACL_ERROR_RT_PARAM_INVALID
+    assert rt.destroy_context(context) == acl.ACL_ERROR_RT_CONTEXT_NULL
+
+
+@pytest.mark.parametrize("call, expected", [
+    (lambda: rt.create_context(-1), (0, 107001)), (lambda: rt.create_context(2**40), (0, 107001)),
+    (lambda: rt.destroy_context(0), 100000), (lambda: rt.set_context(0), 100000),
+    (lambda: rt.destroy_context(2**70), 107002), (lambda: rt.set_context(12345), 107000),
+])
+def test_context_calls_return_canns_codes(call, expected):
+    assert rt.set_device(0) == 0
+    assert call() == expected

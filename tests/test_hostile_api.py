@@ -81,6 +81,10 @@ class World:
         p = M.caching_allocator_alloc(1000)  # right after it in the same segment
         M.caching_allocator_delete(p)
         self.cache_freed = p
+        dead_context, ret = rt.create_context(1)
+        assert ret == 0 and rt.destroy_context(dead_context) == 0
+        self.dead_context = dead_context
+        assert rt.set_device(0) == 0  # the destroy left this thread without a context
 
     def pointers(self):
         """Hostile pointers for functions that look pointers up (never dereference them).  Not the
@@ -94,7 +98,7 @@ class World:
         return [self.freed, self.va, self.va + MiB, self.buf + 2**40, 0] + unmapped_host_addresses()
 
     def handles(self):
-        return [self.dead_stream, self.dead_event, 12345, 2**40]
+        return [self.dead_stream, self.dead_event, self.dead_context, 12345, 2**40]
 
     def close(self):
         M.caching_allocator_delete(self.cache_live)
@@ -141,9 +145,10 @@ def assert_consistent(w, what):
 
 # ---- acl.rt ----
 # name -> argument kinds: i (int), p (pointer looked up), d (device data pointer), h (handle), s (stream),
-# e (event), prop, fn, data, key (str), pids (list of ints), dev (device id), n (size/count/enum/flags)
+# e (event), c (context), prop, fn, data, key (str), pids (list of ints), dev (device id), n (size/count/enum/flags)
 RT = {
     "set_device": ["dev"], "reset_device": ["dev"], "reset_device_force": ["dev"], "get_device": [],
+    "create_context": ["dev"], "destroy_context": ["c"], "set_context": ["c"], "get_context": [], "get_run_mode": [],
     "get_device_count": [], "synchronize_device": [], "device_can_access_peer": ["dev", "dev"], "device_enable_peer_access": ["dev", "n"],
     "device_disable_peer_access": ["dev"], "device_get_bare_tgid": [],
     "malloc": ["n", "n"], "malloc_align32": ["n", "n"], "malloc_cached": ["n", "n"], "free": ["p"],
@@ -179,7 +184,7 @@ def test_the_table_covers_every_acl_rt_function():
 
 def valid_args(w, kinds):
     """A harmless call: every argument of the right type (the call may still fail with a code)."""
-    base = {"dev": 0, "n": 0, "p": 0, "d": w.buf, "h": 0, "s": w.stream, "e": w.event, "prop": PROP,
+    base = {"dev": 0, "n": 0, "p": 0, "d": w.buf, "h": 0, "s": w.stream, "e": w.event, "c": 0, "prop": PROP,
             "fn": (lambda data: None), "data": None, "key": "no-such-key", "pids": [1]}
     args = [base[k] for k in kinds]
     if kinds[:2] == ["d", "n"]:
@@ -190,7 +195,7 @@ def valid_args(w, kinds):
 def hostile_values(w, kind):
     if kind == "p":
         return INTS + w.pointers() + w.handles()
-    if kind in ("h", "s", "e"):
+    if kind in ("h", "s", "e", "c"):
         return INTS + w.pointers() + w.handles() + [w.buf]  # a pointer is no handle
     if kind == "d":
         return w.device_pointers()
@@ -228,6 +233,9 @@ def cleanup(name, args, result):
         rt.destroy_event(value)
     elif name == "ipc_mem_get_export_key":
         rt.ipc_mem_close(value)
+    elif name == "create_context":
+        assert rt.destroy_context(value) == 0
+        rt.set_device(0)  # the context was the thread's: back to device 0's default one
     elif name == "ipc_mem_import_by_key":
         rt.ipc_mem_close(args[0])
 

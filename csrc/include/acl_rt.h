@@ -16,6 +16,7 @@ extern "C" {
 #endif
 
 typedef int aclError;
+typedef void *aclrtContext;
 typedef void *aclrtStream;
 typedef void *aclrtEvent;
 typedef void *aclrtDrvMemHandle;
@@ -264,6 +265,20 @@ aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout);
 aclError aclrtDeviceCanAccessPeer(int32_t *canAccessPeer, int32_t deviceId, int32_t peerDeviceId);
 aclError aclrtDeviceEnablePeerAccess(int32_t peerDeviceId, uint32_t flags);
 aclError aclrtDeviceDisablePeerAccess(int32_t peerDeviceId);
+
+/* ---- contexts ----
+ * A context is a device and a default stream of its own (what a NULL stream means while a thread is bound to
+ * it); aclrtSetDevice binds the thread to the device's default context.  aclrtCreateContext binds the new
+ * context to the calling thread; aclrtDestroyContext destroys the streams made in it, and leaves a thread
+ * bound to it with no context (ACL_ERROR_RT_CONTEXT_NULL).  A default context cannot be destroyed. */
+aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId);
+aclError aclrtDestroyContext(aclrtContext context);
+aclError aclrtSetCurrentContext(aclrtContext context);
+aclError aclrtGetCurrentContext(aclrtContext *context);
+
+typedef enum aclrtRunMode { ACL_DEVICE = 0, ACL_HOST = 1 } aclrtRunMode;
+/* ACL_HOST: the program runs on the host (the only mode here). */
+aclError aclrtGetRunMode(aclrtRunMode *runMode);
 
 /* ---- plain memory ---- */
 aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy);

@@ -119,6 +119,56 @@ static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_s
     return ret_u64(count, rc);
 }
 
+/* ---- contexts ---- */
+
+RT_DOC(create_context, "device_id", "(context, ret)",
+       "aclrtCreateContext: a new context on device_id, with a default stream of its own (what stream 0\n"
+       "means while it is current), bound to the calling thread.");
+static PyObject *rt_create_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("create_context", 1);
+    bool bad = false;
+    int32_t dev = 0;
+    RT_ARG(arg_i32, 0, "device_id", dev);
+    if (bad)
+        return ret_u64(0, ACL_ERROR_RT_INVALID_DEVICEID);
+    aclrtContext context = NULL;
+    aclError rc = aclrtCreateContext(&context, dev);
+    return ret_u64((uintptr_t)context, rc);
+}
+
+RT_DOC(destroy_context, "context", "ret",
+       "aclrtDestroyContext: destroys a context from create_context and the streams made in it (after their\n"
+       "queued work); a thread bound to it has no context afterwards.");
+RT_ON_HANDLE(destroy_context, "context", aclrtDestroyContext)
+
+RT_DOC(set_context, "context", "ret",
+       "aclrtSetCurrentContext: binds the calling thread to context (from create_context or get_context);\n"
+       "its device becomes the current device.");
+RT_ON_HANDLE(set_context, "context", aclrtSetCurrentContext)
+
+RT_DOC0(get_context, "(context, ret)",
+        "aclrtGetCurrentContext: the calling thread's context (set_device's default context of the device,\n"
+        "or the one create_context or set_context bound).");
+static PyObject *rt_get_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("get_context", 0);
+    (void)args;
+    aclrtContext context = NULL;
+    aclError rc = aclrtGetCurrentContext(&context);
+    return ret_u64((uintptr_t)context, rc);
+}
+
+RT_DOC0(get_run_mode, "(run_mode, ret)", "aclrtGetRunMode: ACL_HOST (1): the program runs on the host.");
+static PyObject *rt_get_run_mode(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    RT_BEGIN("get_run_mode", 0);
+    (void)args;
+    aclrtRunMode mode = ACL_DEVICE;
+    aclError rc = aclrtGetRunMode(&mode);
+    return ret_i64(mode, rc);
+}
+
 RT_DOC0(synchronize_device, "ret",
         "aclrtSynchronizeDevice: waits for every stream of the current device; returns a\n"
         "failed task's sticky error once.");
@@ -966,6 +1016,11 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(reset_device_force),
     RT_METHOD(get_device),
     RT_METHOD(get_device_count),
+    RT_METHOD(create_context),
+    RT_METHOD(destroy_context),
+    RT_METHOD(set_context),
+    RT_METHOD(get_context),
+    RT_METHOD(get_run_mode),
     RT_METHOD(synchronize_device),
     RT_METHOD(synchronize_device_with_timeout),
     RT_METHOD(device_can_access_peer),

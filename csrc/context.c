@@ -1,0 +1,214 @@
+/*
+ * context.c - explicit contexts (aclrtCreateContext and friends) and aclrtGetRunMode.
+ *
+ * A context is a device and a default stream of its own: what a NULL stream means while a thread is bound
+ * to it.  aclrtSetDevice binds a thread to the device's default context instead, whose default stream is the
+ * device's.  The binding itself lives with the current device (device.c); this file owns the contexts.
+ *
+ * Contexts are slots of a static table, never freed: a thread bound to a context that another thread
+ * destroys reads the slot's changed generation (device.c), not freed memory.  A slot is FREE, LIVE, or
+ * RETIRING while its destroy tears its streams down (not reusable yet: the sweep finds streams by slot).
+ *
+ * Handles: an explicit context's is its slot and generation, a default context's its device and the
+ * device's epoch (the default context ends with the device's last aclrtResetDevice), each with its own tag
+ * in the top byte so neither is taken for the other or for another object's handle.
+ *
+ * Locking: context_lock guards the slots' state and device; the generation and default stream are atomics
+ * read by device.c without it.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "acl_rt.h"
+#include "context.h"
+#include "device.h"
+#include "stream.h"
+
+enum { CONTEXT_SLOTS = 1024 };
+#define EXPLICIT_TAG ((uint64_t)'C' << 56)
+#define DEFAULT_TAG ((uint64_t)'D' << 56)
+#define TAG_MASK ((uint64_t)0xFF << 56)
+#define INDEX_MASK ((uint64_t)0xFFFFFF)
+
+typedef enum slot_state { SLOT_FREE, SLOT_LIVE, SLOT_RETIRING } slot_state;
+
+typedef struct context_slot {
+    device_context ctx; /* first: device.c's pointer to it is the slot's */
+    slot_state state;
+} context_slot;
+
+static pthread_mutex_t context_lock = PTHREAD_MUTEX_INITIALIZER;
+static context_slot slots[CONTEXT_SLOTS];
+
+static uint64_t handle_of(uint64_t tag, uint32_t generation, uint32_t index)
+{
+    return tag | (uint64_t)generation << 24 | (index + 1);
+}
+
+static uint32_t handle_generation(uint64_t h) { return (uint32_t)(h >> 24); }
+
+/* The slot index a handle of `tag` names, or -1. */
+static int64_t handle_index(uint64_t h, uint64_t tag, uint32_t limit)
+{
+    uint64_t index = h & INDEX_MASK;
+    return (h & TAG_MASK) == tag && index >= 1 && index <= limit ? (int64_t)index - 1 : -1;
+}
+
+/* The live slot an explicit context's handle names (context_lock held), or NULL. */
+static context_slot *live_slot_locked(aclrtContext context)
+{
+    uint64_t h = (uint64_t)(uintptr_t)context;
+    int64_t i = handle_index(h, EXPLICIT_TAG, CONTEXT_SLOTS);
+    if (i < 0 || slots[i].state != SLOT_LIVE || atomic_load(&slots[i].ctx.generation) != handle_generation(h))
+        return NULL;
+    return &slots[i];
+}
+
+/* Ends a slot's context for every thread bound to it (context_lock held). */
+static void retire_locked(context_slot *c)
+{
+    atomic_fetch_add_explicit(&c->ctx.generation, 1, memory_order_release);
+    c->state = SLOT_RETIRING;
+}
+
+aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
+{
+    if (!context)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    if (!device_valid(deviceId))
+        return ACL_ERROR_RT_INVALID_DEVICEID;
+    pthread_mutex_lock(&context_lock);
+    uint32_t index = 0;
+    while (index < CONTEXT_SLOTS && slots[index].state != SLOT_FREE)
+        index++;
+    if (index == CONTEXT_SLOTS) {
+        pthread_mutex_unlock(&context_lock);
+        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    }
+    context_slot *c = &slots[index];
+    c->state = SLOT_LIVE;
+    c->ctx.device = deviceId;
+    atomic_store(&c->ctx.default_stream, 0);
+    uint32_t generation = atomic_load(&c->ctx.generation);
+    pthread_mutex_unlock(&context_lock);
+
+    aclrtStream stream;
+    rc = stream_create_owned(&c->ctx, &stream);
+    if (rc != ACL_SUCCESS) {
+        pthread_mutex_lock(&context_lock);
+        retire_locked(c);
+        c->state = SLOT_FREE;
+        pthread_mutex_unlock(&context_lock);
+        return rc;
+    }
+    atomic_store_explicit(&c->ctx.default_stream, (uint64_t)(uintptr_t)stream, memory_order_release);
+    device_bind_context(&c->ctx, generation); /* CANN binds a new context to the thread that made it */
+    *context = (aclrtContext)(uintptr_t)handle_of(EXPLICIT_TAG, generation, index);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtDestroyContext(aclrtContext context)
+{
+    if (!context)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&context_lock);
+    context_slot *c = live_slot_locked(context); /* a default context's handle is not one: CANN refuses it too */
+    if (c)
+        retire_locked(c);
+    pthread_mutex_unlock(&context_lock);
+    if (!c)
+        return ACL_ERROR_RT_CONTEXT_NULL;
+    /* Threads bound to it (the caller too) now have no context, and no new stream is made in it. */
+    stream_destroy_owned(&c->ctx);
+    pthread_mutex_lock(&context_lock);
+    c->state = SLOT_FREE;
+    pthread_mutex_unlock(&context_lock);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtSetCurrentContext(aclrtContext context)
+{
+    if (!context)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    uint64_t h = (uint64_t)(uintptr_t)context;
+    int64_t dev = handle_index(h, DEFAULT_TAG, (uint32_t)device_count());
+    if (dev >= 0) /* a default context, while its device is set */
+        return device_bind_default_context((int32_t)dev, handle_generation(h)) ? ACL_SUCCESS
+                                                                                : ACL_ERROR_RT_PARAM_INVALID;
+    pthread_mutex_lock(&context_lock);
+    context_slot *c = live_slot_locked(context);
+    if (c)
+        device_bind_context(&c->ctx, handle_generation(h));
+    pthread_mutex_unlock(&context_lock);
+    return c ? ACL_SUCCESS : ACL_ERROR_RT_PARAM_INVALID;
+}
+
+aclError aclrtGetCurrentContext(aclrtContext *context)
+{
+    if (!context)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    uint32_t generation;
+    device_context *bound = device_bound_context(&generation);
+    if (bound) {
+        if (atomic_load(&bound->generation) != generation)
+            return ACL_ERROR_RT_CONTEXT_NULL;
+        uint32_t index = (uint32_t)((context_slot *)(void *)bound - slots);
+        *context = (aclrtContext)(uintptr_t)handle_of(EXPLICIT_TAG, generation, index);
+        return ACL_SUCCESS;
+    }
+    int32_t dev;
+    uint32_t epoch;
+    if ((rc = device_current(&dev)) != ACL_SUCCESS)
+        return rc;
+    if (!device_default_context(dev, &epoch))
+        return ACL_ERROR_RT_CONTEXT_NULL; /* reset since device_current looked */
+    *context = (aclrtContext)(uintptr_t)handle_of(DEFAULT_TAG, epoch, (uint32_t)dev);
+    return ACL_SUCCESS;
+}
+
+aclError aclrtGetRunMode(aclrtRunMode *runMode)
+{
+    if (!runMode)
+        return ACL_ERROR_INVALID_PARAM;
+    *runMode = ACL_HOST; /* a program on the host, driving the (virtual) device, as CANN reports it there */
+    return ACL_SUCCESS;
+}
+
+/* Ends every context (their streams are the stream module's to release). */
+static void end_all(void)
+{
+    for (uint32_t i = 0; i < CONTEXT_SLOTS; i++)
+        if (slots[i].state != SLOT_FREE) {
+            retire_locked(&slots[i]);
+            slots[i].state = SLOT_FREE;
+        }
+}
+
+void context_atfork_prepare(void) { pthread_mutex_lock(&context_lock); }
+
+void context_atfork_parent(void) { pthread_mutex_unlock(&context_lock); }
+
+void context_atfork_child(void)
+{
+    end_all(); /* the child has no contexts, as it has no streams */
+    pthread_mutex_unlock(&context_lock);
+}
+
+void context_shutdown(void)
+{
+    pthread_mutex_lock(&context_lock);
+    end_all();
+    pthread_mutex_unlock(&context_lock);
+}

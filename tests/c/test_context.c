@@ -1,0 +1,280 @@
+/* test_context.c - explicit contexts (aclrtCreateContext, aclrtDestroyContext, aclrtSetCurrentContext,
+ * aclrtGetCurrentContext) next to the default context aclrtSetDevice binds, and aclrtGetRunMode: the codes
+ * CANN's ACL layer and runtime give (docs/runtime.md), what a NULL stream means in each, and what a destroy,
+ * a device reset and fork() leave. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+#define FORGED ((aclrtContext)(uintptr_t)0x4300000012345601ull) /* the explicit tag, an unknown slot */
+
+static int setup(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0);
+    return 0;
+}
+
+static aclrtContext created(int32_t device)
+{
+    aclrtContext c = NULL;
+    assert_int_equal(aclrtCreateContext(&c, device), ACL_SUCCESS);
+    assert_non_null(c);
+    return c;
+}
+
+static aclrtContext current(void)
+{
+    aclrtContext c = NULL;
+    assert_int_equal(aclrtGetCurrentContext(&c), ACL_SUCCESS);
+    return c;
+}
+
+static int32_t current_device(void)
+{
+    int32_t dev = -1;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS);
+    return dev;
+}
+
+static aclrtStreamStatus null_stream_status(void)
+{
+    aclrtStreamStatus st = ACL_STREAM_STATUS_RESERVED;
+    assert_int_equal(aclrtStreamQuery(NULL, &st), ACL_SUCCESS);
+    return st;
+}
+
+static void test_a_new_context_is_bound_to_its_thread_with_its_device(void **state)
+{
+    (void)state;
+    aclrtContext primary = current(); /* setup's aclrtSetDevice(0): device 0's default context */
+    aclrtContext ctx = created(1);
+    assert_ptr_not_equal(ctx, primary);
+    assert_ptr_equal(current(), ctx);
+    assert_int_equal(current_device(), 1);
+    assert_int_equal(aclrtSetCurrentContext(primary), ACL_SUCCESS);
+    assert_int_equal(current_device(), 0);
+    assert_ptr_equal(current(), primary);
+    assert_int_equal(aclrtSetCurrentContext(ctx), ACL_SUCCESS);
+    assert_int_equal(current_device(), 1);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS); /* back to the device's default context, as in CANN */
+    assert_ptr_equal(current(), primary);
+    assert_int_equal(aclrtDestroyContext(ctx), ACL_SUCCESS);
+}
+
+static void test_a_null_stream_is_the_current_contexts_default_stream(void **state)
+{
+    (void)state;
+    aclrtContext primary = current();
+    aclrtContext a = created(0), b = created(0);
+    atomic_int gate;
+    assert_int_equal(aclrtSetCurrentContext(a), ACL_SUCCESS);
+    hold_stream(NULL, &gate); /* a's default stream */
+    assert_int_equal(null_stream_status(), ACL_STREAM_STATUS_NOT_READY);
+    assert_int_equal(aclrtSetCurrentContext(b), ACL_SUCCESS);
+    assert_int_equal(null_stream_status(), ACL_STREAM_STATUS_COMPLETE); /* b's: nothing queued */
+    assert_int_equal(aclrtSetCurrentContext(primary), ACL_SUCCESS);
+    assert_int_equal(null_stream_status(), ACL_STREAM_STATUS_COMPLETE); /* the device's own */
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSetCurrentContext(a), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_SUCCESS);
+    assert_int_equal(null_stream_status(), ACL_STREAM_STATUS_COMPLETE);
+    assert_int_equal(aclrtDestroyContext(a), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyContext(b), ACL_SUCCESS);
+}
+
+typedef struct bound_thread {
+    aclrtContext ctx;
+    atomic_int bound, go;
+    aclError after;
+} bound_thread;
+
+static void *use_after_destroy(void *arg)
+{
+    bound_thread *t = arg;
+    assert_int_equal(aclrtSetCurrentContext(t->ctx), ACL_SUCCESS);
+    atomic_store(&t->bound, 1);
+    cb_wait_gate(&t->go);
+    int32_t dev;
+    t->after = aclrtGetDevice(&dev);
+    return NULL;
+}
+
+static void test_a_destroy_ends_the_context_and_its_streams_for_every_thread(void **state)
+{
+    (void)state;
+    aclrtContext ctx = created(1);
+    aclrtStream mine = NULL;
+    assert_int_equal(aclrtCreateStream(&mine), ACL_SUCCESS);
+    bound_thread t = {.ctx = ctx};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, use_after_destroy, &t), 0);
+    cb_wait_gate(&t.bound);
+    assert_int_equal(aclrtDestroyContext(ctx), ACL_SUCCESS);
+    atomic_store(&t.go, 1);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(t.after, ACL_ERROR_RT_CONTEXT_NULL);
+    /* the destroying thread was bound to it too: no context now, no fallback to a default one */
+    int32_t dev;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_RT_CONTEXT_NULL);
+    aclrtContext none = NULL;
+    assert_int_equal(aclrtGetCurrentContext(&none), ACL_ERROR_RT_CONTEXT_NULL);
+    aclrtStream s = NULL;
+    assert_int_equal(aclrtCreateStream(&s), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_ERROR_RT_CONTEXT_NULL);
+    aclrtStreamStatus st;
+    assert_int_equal(aclrtStreamQuery(mine, &st), ACL_ERROR_INVALID_PARAM); /* destroyed with its context */
+    assert_int_equal(aclrtDestroyStream(mine), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    assert_int_equal(current_device(), 0);
+}
+
+static void test_a_destroy_waits_for_the_work_queued_in_the_context(void **state)
+{
+    (void)state;
+    aclrtContext ctx = created(0);
+    void *dev = NULL;
+    assert_int_equal(aclrtMalloc(&dev, 64, ACL_MEM_MALLOC_NORMAL_ONLY), ACL_SUCCESS);
+    atomic_int gate;
+    hold_stream(NULL, &gate);
+    assert_int_equal(aclrtMemsetAsync(dev, 64, 0x5A, 64, NULL), ACL_SUCCESS);
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtDestroyContext(ctx), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    unsigned char host[64];
+    assert_int_equal(aclrtMemcpy(host, 64, dev, 64, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(host[0], 0x5A);
+    assert_int_equal(host[63], 0x5A);
+    assert_int_equal(aclrtFree(dev), ACL_SUCCESS);
+}
+
+static void test_bad_arguments_get_canns_codes(void **state)
+{
+    (void)state;
+    aclrtContext primary = current();
+    assert_int_equal(aclrtCreateContext(NULL, 0), ACL_ERROR_INVALID_PARAM);
+    aclrtContext c = NULL;
+    assert_int_equal(aclrtCreateContext(&c, -1), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_int_equal(aclrtCreateContext(&c, 2), ACL_ERROR_RT_INVALID_DEVICEID);
+    assert_null(c);
+    assert_int_equal(aclrtDestroyContext(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyContext(primary), ACL_ERROR_RT_CONTEXT_NULL); /* a default context stays */
+    assert_int_equal(aclrtDestroyContext(FORGED), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtSetCurrentContext(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSetCurrentContext(FORGED), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtGetCurrentContext(NULL), ACL_ERROR_INVALID_PARAM);
+    c = created(1);
+    assert_int_equal(aclrtDestroyContext(c), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyContext(c), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_int_equal(aclrtSetCurrentContext(c), ACL_ERROR_RT_PARAM_INVALID);
+    aclrtContext again = created(1); /* may take the same slot: the old handle stays dead */
+    assert_int_equal(aclrtSetCurrentContext(c), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtSetCurrentContext(primary), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyContext(again), ACL_SUCCESS);
+}
+
+static void *context_without_device(void *arg)
+{
+    aclrtContext c = (aclrtContext)1;
+    *(aclError *)arg = aclrtGetCurrentContext(&c);
+    return NULL;
+}
+
+static void test_a_thread_without_a_device_has_no_context(void **state)
+{
+    (void)state;
+    aclError rc = ACL_SUCCESS;
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, context_without_device, &rc), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(rc, ACL_ERROR_RT_CONTEXT_NULL);
+}
+
+static void test_a_default_context_ends_with_its_device_and_explicit_ones_do_not(void **state)
+{
+    (void)state;
+    aclrtContext primary = current();
+    aclrtContext ctx = created(0);
+    assert_int_equal(aclrtResetDeviceForce(0), ACL_SUCCESS);
+    assert_int_equal(aclrtSetCurrentContext(primary), ACL_ERROR_RT_PARAM_INVALID);
+    assert_ptr_equal(current(), ctx); /* the failed call left the binding alone */
+    void *p = NULL;
+    assert_int_equal(aclrtMalloc(&p, 4096, ACL_MEM_MALLOC_NORMAL_ONLY), ACL_SUCCESS); /* the context's device */
+    assert_int_equal(aclrtMemsetAsync(p, 4096, 1, 4096, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(p), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    assert_ptr_not_equal(current(), primary); /* a new default context: the old handle stays ended */
+    assert_int_equal(aclrtDestroyContext(ctx), ACL_SUCCESS);
+}
+
+static void test_the_table_of_contexts_is_bounded(void **state)
+{
+    (void)state;
+    enum { MANY = 1024 };
+    static aclrtContext all[MANY];
+    for (int i = 0; i < MANY; i++)
+        all[i] = created(i % 2);
+    aclrtContext extra = NULL;
+    assert_int_equal(aclrtCreateContext(&extra, 0), ACL_ERROR_RT_RESOURCE_ALLOC_FAIL);
+    assert_ptr_equal(current(), all[MANY - 1]); /* the refusal left the binding alone */
+    for (int i = 0; i < MANY; i++)
+        assert_int_equal(aclrtDestroyContext(all[i]), ACL_SUCCESS);
+    extra = created(0);
+    assert_int_equal(aclrtDestroyContext(extra), ACL_SUCCESS);
+}
+
+static void test_a_fork_child_has_no_context(void **state)
+{
+    (void)state;
+    aclrtContext ctx = created(1);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        int32_t dev;
+        aclrtContext c;
+        int ok = aclrtGetDevice(&dev) == ACL_ERROR_RT_CONTEXT_NULL &&
+                 aclrtGetCurrentContext(&c) == ACL_ERROR_RT_CONTEXT_NULL &&
+                 aclrtSetCurrentContext(ctx) == ACL_ERROR_RT_PARAM_INVALID && aclrtSetDevice(0) == ACL_SUCCESS;
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    assert_int_equal(current_device(), 1); /* the parent keeps its context */
+    assert_int_equal(aclrtDestroyContext(ctx), ACL_SUCCESS);
+}
+
+static void test_run_mode_is_host(void **state)
+{
+    (void)state;
+    assert_int_equal(ACL_DEVICE, 0);
+    assert_int_equal(ACL_HOST, 1);
+    aclrtRunMode mode = ACL_DEVICE;
+    assert_int_equal(aclrtGetRunMode(&mode), ACL_SUCCESS);
+    assert_int_equal(mode, ACL_HOST);
+    assert_int_equal(aclrtGetRunMode(NULL), ACL_ERROR_INVALID_PARAM);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_a_new_context_is_bound_to_its_thread_with_its_device, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_null_stream_is_the_current_contexts_default_stream, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_destroy_ends_the_context_and_its_streams_for_every_thread, setup,
+                                        stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_destroy_waits_for_the_work_queued_in_the_context, setup,
+                                        stop_runtime),
+        cmocka_unit_test_setup_teardown(test_bad_arguments_get_canns_codes, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_thread_without_a_device_has_no_context, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_default_context_ends_with_its_device_and_explicit_ones_do_not, setup,
+                                        stop_runtime),
+        cmocka_unit_test_setup_teardown(test_the_table_of_contexts_is_bounded, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_fork_child_has_no_context, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_run_mode_is_host, setup, stop_runtime),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
