@@ -362,7 +362,7 @@ static device *reset_target(int32_t dev, aclError *rc)
 }
 
 /* Drops one aclrtSetDevice reference; the last one waits for the device's queued work, then ends
- * every thread's context on the device, and its peer access. */
+ * the device's default context for every thread bound to it, and its peer access. */
 aclError aclrtResetDevice(int32_t dev)
 {
     aclError rc;

@@ -1155,8 +1155,8 @@ static aclError check_listener(int fd, int32_t pid)
 static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
 {
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    if (fd < 0) /* out of descriptors passes: try again, as for a value whose search had none */
+        return errno == EMFILE || errno == ENFILE ? ACL_ERROR_RT_IPC_ERROR : ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
     int ms = timeout_ms();
     struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -1427,14 +1427,18 @@ static void known_forget(server_id id)
     pthread_mutex_unlock(&ipc.lock);
 }
 
-/* The listening npualloc servers of this network namespace, other than this process's
- * (a malloc'ed array, NULL when there are none or /proc/net/unix cannot be read). */
-static server_id *list_servers(size_t *count)
+/* The listening npualloc servers of this network namespace, other than this process's (a malloc'ed
+ * array, NULL when there are none or /proc/net/unix cannot be read).  *short_of_resources: the list is
+ * incomplete for want of a descriptor or memory, which passes; a server it misses may have the value. */
+static server_id *list_servers(size_t *count, bool *short_of_resources)
 {
     *count = 0;
+    *short_of_resources = false;
     FILE *f = fopen("/proc/net/unix", "re");
-    if (!f)
+    if (!f) {
+        *short_of_resources = errno == EMFILE || errno == ENFILE || errno == ENOMEM;
         return NULL;
+    }
     server_id *out = NULL;
     size_t cap = 0;
     char line[512], path[256], canon[64];
@@ -1455,8 +1459,10 @@ static server_id *list_servers(size_t *count)
         if (*count == cap) {
             size_t ncap = cap ? cap * 2 : 16;
             server_id *grown = realloc(out, ncap * sizeof *grown);
-            if (!grown)
+            if (!grown) {
+                *short_of_resources = true;
                 break;
+            }
             out = grown;
             cap = ncap;
         }
@@ -1560,7 +1566,9 @@ static aclError ask_servers(uint16_t op, uint64_t value, ipc_reply *rp, int *fd)
         uint64_t now = host_now_ns();
         /* everybody else once the known servers all answered, or after 10 ms */
         if (!listing && next_first == nfirst && (nflight == 0 || now >= list_at)) {
-            listed = list_servers(&nlisted);
+            bool short_of_resources;
+            listed = list_servers(&nlisted, &short_of_resources);
+            busy |= short_of_resources; /* as a server this process had no descriptor to ask */
             listing = true;
         }
         while (nflight < SEARCH_AT_ONCE && (next_first < nfirst || next_listed < nlisted)) {

@@ -400,7 +400,35 @@ def test_allocation_on_another_device_is_refused(mem):
         fork(s1, s)
 
 
+def test_an_executables_plan_is_its_own_capture_until_the_graph_is_reset(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        free(alloc(1 << 20))
+    exe = g.instantiate()
+    assert exe.memory_plan()["footprint"] == 1 << 20 == g.memory_plan()["footprint"]
+    g.reset()
+    with g.capture(stream=s):
+        y = alloc(4096)  # another capture: an output
+    assert g.memory_plan()["footprint"] == 4096
+    with pytest.raises(RuntimeError, match="was reset since"):
+        exe.memory_plan()  # used to answer with the new capture's plan
+    assert g.instantiate().memory_plan()["footprint"] == 4096
+    del y
+
+
 # ---- checked mode ----
+
+def test_a_checked_graph_refuses_a_pool_capture(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph(checked=True)
+    with pytest.raises(ValueError, match="checked applies to planned graph memory, not to a pool capture"):
+        g.capture_begin(stream=s, pool=npualloc.graph_pool_handle())
+    assert not npualloc.is_current_stream_capturing()
+    with g.capture(stream=s):  # planned memory: checked as before
+        free(alloc(4096))
+    g.instantiate()
+
 
 def test_checked_graph_detects_use_after_free_at_capture(mem):
     s = npualloc.Stream()

@@ -11,6 +11,35 @@ import npualloc
 from conftest_memory import GiB, MiB, block_of, check_all, mem, run_python, segment_of  # noqa: F401
 
 
+BUFFER_FREE_FAILS = """
+import gc, sys, weakref
+import npualloc
+for i in range(20):
+    b = npualloc.empty(1000)
+    npualloc.caching_allocator_delete(b.ptr)       # freed behind the Buffer's back
+    r = weakref.ref(b)
+    del b                                          # its own free fails: reported, not raised
+    gc.collect()
+    assert r() is None
+    s, g = npualloc.Stream(), npualloc.Graph()
+    with g.capture(stream=s):
+        b = npualloc.empty(1000)                   # graph memory, its graph dropped first
+    del g, b
+    gc.collect()
+print("survived", file=sys.stderr)
+"""
+
+
+def test_a_buffer_whose_free_fails_is_reported_and_collected_once():
+    # The failed free used to be reported from the deallocator with the dying Buffer, which the report
+    # resurrected and deallocated twice: a corrupted heap, then a segfault a few rounds later.
+    proc = run_python(BUFFER_FREE_FAILS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("Exception ignored in: <npualloc.Buffer") == 40
+    assert proc.stderr.count("RuntimeError: invalid device pointer") == 40
+    assert proc.stderr.rstrip().endswith("survived")
+
+
 def test_buffer_basics_and_numpy(mem):
     b = npualloc.empty(1000)
     assert isinstance(b, npualloc.Buffer)

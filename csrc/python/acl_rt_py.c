@@ -83,7 +83,7 @@ static PyObject *do_reset(const char *fn, aclError (*reset)(int32_t), PyObject *
 
 RT_DOC(reset_device, "device_id", "ret",
        "aclrtResetDevice: drops a reference set_device took; the last one waits for the\n"
-       "device's streams and ends every thread's context on it.");
+       "device's streams and ends its default context for every thread bound to it.");
 static PyObject *rt_reset_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("reset_device", 1);

@@ -885,20 +885,29 @@ static int buffer_release(BufferObject *b)
     return 0;
 }
 
+/* Gives the memory back when the Buffer is collected.  A finalizer (PEP 442), not the deallocator: a free that
+ * fails is reported with the Buffer itself, which the unraisable hook takes a reference to, and an object in
+ * tp_dealloc (no references left) would be deallocated again when that reference is dropped. */
+static void Buffer_finalize(BufferObject *b)
+{
+    if (b->freed)
+        return;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (buffer_release(b) < 0)
+        PyErr_WriteUnraisable((PyObject *)b);
+    else
+        (void)drain_warnings();
+    PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+}
+
 static void Buffer_dealloc(BufferObject *b)
 {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)b) < 0)
+        return; /* the finalizer's report kept it alive */
     if (b->weakrefs)
         PyObject_ClearWeakRefs((PyObject *)b);
-    if (!b->freed) {
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        if (buffer_release(b) < 0)
-            PyErr_WriteUnraisable((PyObject *)b);
-        else
-            (void)drain_warnings();
-        PyErr_Clear();
-        PyErr_Restore(et, ev, tb);
-    }
     Py_TYPE(b)->tp_free((PyObject *)b);
 }
 
@@ -1014,6 +1023,7 @@ static PyTypeObject Buffer_Type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "npualloc.Buffer",
     .tp_basicsize = sizeof(BufferObject),
     .tp_dealloc = (destructor)Buffer_dealloc,
+    .tp_finalize = (destructor)Buffer_finalize,
     .tp_repr = (reprfunc)Buffer_repr,
     .tp_as_sequence = &Buffer_as_sequence,
     .tp_as_buffer = &Buffer_as_buffer,

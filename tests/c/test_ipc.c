@@ -1199,6 +1199,71 @@ static void check_imported_bytes(aclrtDrvMemHandle h, char byte)
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
+/* Child: exports a physical handle (by value) and an aclrtMalloc allocation (by key), each without pid
+ * validation, filled with 'V' and 'K'; sends the value, then the key. */
+static int child_export_value_and_key(int in, int out, void *arg)
+{
+    (void)arg;
+    aclrtDrvMemHandle h = NULL;
+    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE, 0);
+    void *va = NULL, *mem = NULL;
+    uint64_t v = 0;
+    char key[IPC_KEY_LEN] = {0};
+    if (aclrtSetDevice(0) || aclrtMallocPhysical(&h, G2, &p, 0) || aclrtReserveMemAddress(&va, G2, 0, NULL, 0) ||
+        aclrtMapMem(va, G2, 0, h, 0) || aclrtMalloc(&mem, MiB_, ACL_MEM_MALLOC_HUGE_FIRST))
+        return 1;
+    memset(va, 'V', G2);
+    memset(mem, 'K', MiB_);
+    if (aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DISABLE_PID_VALIDATION, &v) ||
+        aclrtIpcMemGetExportKey(mem, MiB_, key, sizeof key, ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION))
+        return 2;
+    if (cput64(out, v) || write(out, key, sizeof key) != (ssize_t)sizeof key)
+        return 3;
+    (void)get64(in); /* until told to go */
+    return 0;
+}
+
+/* An importer with no free descriptor could not list the servers, and took that for "no server has the
+ * value": 107017, which says the value is dead.  Out of descriptors passes, so both imports now say try
+ * again (507022), and work once descriptors are free. */
+static void test_an_importer_out_of_descriptors_is_told_to_try_again(void **state)
+{
+    (void)state;
+    if (getenv("NPUALLOC_VALGRIND"))
+        skip(); /* valgrind keeps its own descriptors and emulates RLIMIT_NOFILE: the table never fills */
+    setup_runtime();
+    child c = spawn(child_export_value_and_key, NULL);
+    uint64_t v = get64(c.from_child);
+    char key[IPC_KEY_LEN];
+    assert_true(read(c.from_child, key, sizeof key) == (ssize_t)sizeof key);
+    struct rlimit saved, low;
+    assert_int_equal(getrlimit(RLIMIT_NOFILE, &saved), 0);
+    low = saved;
+    low.rlim_cur = (rlim_t)open_fds() + 16;
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &low), 0);
+    int held[64], nheld = 0;
+    while (nheld < 64 && (held[nheld] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0)
+        nheld++;
+    int full = nheld < 64 && errno == EMFILE;
+    aclrtDrvMemHandle h = NULL;
+    void *p = NULL;
+    aclError by_value = aclrtMemImportFromShareableHandle(v, 0, &h);
+    aclError by_key = aclrtIpcMemImportByKey(&p, key, 0);
+    while (nheld > 0)
+        close(held[--nheld]);
+    assert_int_equal(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    assert_true(full);
+    assert_int_equal(by_value, ACL_ERROR_RT_IPC_ERROR);
+    assert_int_equal(by_key, ACL_ERROR_RT_IPC_ERROR);
+    assert_int_equal(aclrtMemImportFromShareableHandle(v, 0, &h), ACL_SUCCESS);
+    check_imported_bytes(h, 'V');
+    assert_int_equal(aclrtIpcMemImportByKey(&p, key, 0), ACL_SUCCESS);
+    assert_true(((char *)p)[0] == 'K' && ((char *)p)[MiB_ - 1] == 'K');
+    assert_int_equal(aclrtIpcMemClose(key), ACL_SUCCESS);
+    put64(c.to_child, 1);
+    assert_int_equal(finish(&c), 0);
+}
+
 /* The server used to poll its listener ready for ever while accept() failed with EMFILE (100%
  * of a CPU), and the importer waited out its timeout.  Now the spare descriptor lets the server
  * answer 507022 at once and drop the connection: the importer learns promptly and the server
@@ -1547,6 +1612,7 @@ int main(void)
         cmocka_unit_test_teardown(test_import_after_exporter_freed, stop_runtime),
         cmocka_unit_test_teardown(test_cross_device_import_needs_peer_access, stop_runtime),
         cmocka_unit_test_teardown(test_exporter_exits_before_importer_unmaps, stop_runtime),
+        cmocka_unit_test_teardown(test_an_importer_out_of_descriptors_is_told_to_try_again, stop_runtime),
         cmocka_unit_test_teardown(test_ipc_keys, stop_runtime),
         cmocka_unit_test_teardown(test_ipc_key_range_cannot_be_unmapped_by_the_user, stop_runtime),
         cmocka_unit_test_teardown(test_share_pins_block_until_close, stop_runtime),
