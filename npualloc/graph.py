@@ -214,9 +214,10 @@ class Graph:
 
     # ---- execution ----
     def instantiate(self):
-        """The executable graph (one at a time); raises GraphMemoryError for a checked graph whose capture
-        recorded a violation."""
-        exe = GraphExec(self, self._g.instantiate())
+        """The executable graph (one at a time; after ``launch()`` or ``replay()`` made one, that one, now
+        yours); raises GraphMemoryError for a checked graph whose capture recorded a violation."""
+        owned, self._owned = self._owned, None
+        exe = GraphExec(self, owned if owned is not None and not owned.destroyed else self._g.instantiate())
         self._exec = weakref.ref(exe)
         return exe
 

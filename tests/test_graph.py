@@ -73,6 +73,23 @@ def test_chain_reuse_and_plan_report(mem):
         g.instantiate()
 
 
+def test_instantiate_after_a_replay_hands_over_the_replays_executable(mem):
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        free(alloc(1000))
+    g.replay(s)  # makes an executable the graph keeps
+    exe = g.instantiate()  # that one, not "one at a time"
+    assert not exe.destroyed and exe.memory_plan()["footprint"] == 1024
+    exe.launch(s)
+    g.replay(s)  # launches the handed-over executable
+    s.synchronize()
+    with pytest.raises(RuntimeError, match="one at a time"):
+        g.instantiate()  # while exe lives
+    exe.destroy()
+    assert not g.instantiate().destroyed
+
+
 def test_diamond_reuses_after_the_join_only(mem):
     """a -> (x on s1 | y on s2) -> z: x and y may run at the same time, z after both frees."""
     s1, s2 = npualloc.Stream(), npualloc.Stream()
