@@ -79,6 +79,18 @@ def dev0(npu):
     return npu
 
 
+def built_library():
+    """build/release/libnpualloc.a, made by `make -s lib` under a lock: two pytest-xdist workers building it at
+    once in a fresh tree (make pytest-asan's copy) wrote one archive over the other while a test linked it."""
+    import fcntl
+
+    (ROOT / "build").mkdir(exist_ok=True)
+    with open(ROOT / "build" / ".make-lib.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["make", "-s", "lib"], cwd=ROOT, check=True, capture_output=True)
+    return ROOT / "build" / "release" / "libnpualloc.a"
+
+
 def run_python(code, env=None, timeout=60):
     """Runs `code` in a fresh interpreter that imports this checkout; returns CompletedProcess."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NPUALLOC_")}

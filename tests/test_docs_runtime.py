@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import npualloc
+from conftest import built_library
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "runtime.md"
@@ -25,10 +26,10 @@ def test_the_c_example_builds_and_prints_what_the_doc_says(tmp_path):
     commands = re.search(r"^```sh\n(.*?)^```", SECTION, re.S | re.M).group(1)
     build = next(line for line in commands.splitlines() if line.startswith("cc "))
     expected = [line[2:] for line in commands.splitlines() if line.startswith("# ")]
-    subprocess.run(["make", "-s", "lib"], cwd=ROOT, check=True, capture_output=True)
+    library = built_library()
     (tmp_path / "example.c").write_text(source)
     build = build.replace('"$(python -m npualloc include)"', str(ROOT / "csrc" / "include"))
-    build = build.replace("build/release/libnpualloc.a", str(ROOT / "build" / "release" / "libnpualloc.a"))
+    build = build.replace("build/release/libnpualloc.a", str(library))
     subprocess.run(build + " -Wall -Wextra -Werror", shell=True, cwd=tmp_path, check=True)
     out = subprocess.run(["./example"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import built_library
+
 ROOT = Path(__file__).resolve().parent.parent
 INCLUDE = ROOT / "csrc" / "include"
 HEADERS = sorted(str(p.relative_to(INCLUDE)) for p in INCLUDE.rglob("*.h"))
@@ -64,10 +66,10 @@ def test_a_cpp_program_links_and_runs(tmp_path):
     cxx = compiler("c++")
     if shutil.which("make") is None:
         pytest.skip("needs make")
-    subprocess.run(["make", "-s", "lib"], cwd=ROOT, check=True, capture_output=True)
+    library = built_library()
     (tmp_path / "main.cpp").write_text(CPP_PROGRAM)
     subprocess.run([cxx, "-std=c++11", "-Wall", "-Wextra", "-Werror", "-I", str(INCLUDE), "main.cpp",
-                    str(ROOT / "build" / "release" / "libnpualloc.a"), "-pthread", "-lm", "-o", "main"],
+                    str(library), "-pthread", "-lm", "-o", "main"],
                    cwd=tmp_path, check=True)
     env = {"NPUALLOC_DEVICE_COUNT": "1", "NPUALLOC_DEVICE_MEMORY": "1GiB", "PATH": "/usr/bin:/bin"}
     out = subprocess.run(["./main"], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
