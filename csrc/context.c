@@ -6,18 +6,19 @@
  * device's.  The binding itself lives with the current device (device.c); this file owns the contexts.
  *
  * Contexts are slots of a static table, never freed: a thread bound to a context that another thread
- * destroys reads the slot's changed generation (device.c), not freed memory.  A slot is FREE, LIVE, or
- * RETIRING while its destroy tears its streams down (not reusable yet: the sweep finds streams by slot).
+ * destroys reads the slot's changed generation (device.c), not freed memory.  A stream names its context by
+ * slot and generation, so a destroy's sweep never takes a stream of the slot's next context.
  *
  * Handles: an explicit context's is its slot and generation, a default context's its device and the
  * device's epoch (the default context ends with the device's last aclrtResetDevice), each with its own tag
  * in the top byte so neither is taken for the other or for another object's handle.
  *
- * Locking: context_lock guards the slots' state and device; the generation and default stream are atomics
- * read by device.c without it.
+ * Locking: context_lock guards the slots' `live` flags; the device, default stream and generation are
+ * atomics, which device.c reads without it.
  */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 
 #include "acl_rt.h"
 #include "context.h"
@@ -30,11 +31,9 @@ enum { CONTEXT_SLOTS = 1024 };
 #define TAG_MASK ((uint64_t)0xFF << 56)
 #define INDEX_MASK ((uint64_t)0xFFFFFF)
 
-typedef enum slot_state { SLOT_FREE, SLOT_LIVE, SLOT_RETIRING } slot_state;
-
 typedef struct context_slot {
     device_context ctx; /* first: device.c's pointer to it is the slot's */
-    slot_state state;
+    bool live;
 } context_slot;
 
 static pthread_mutex_t context_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -59,16 +58,16 @@ static context_slot *live_slot_locked(aclrtContext context)
 {
     uint64_t h = (uint64_t)(uintptr_t)context;
     int64_t i = handle_index(h, EXPLICIT_TAG, CONTEXT_SLOTS);
-    if (i < 0 || slots[i].state != SLOT_LIVE || atomic_load(&slots[i].ctx.generation) != handle_generation(h))
+    if (i < 0 || !slots[i].live || atomic_load(&slots[i].ctx.generation) != handle_generation(h))
         return NULL;
     return &slots[i];
 }
 
-/* Ends a slot's context for every thread bound to it (context_lock held). */
-static void retire_locked(context_slot *c)
+/* Ends a slot's context for every thread bound to it and frees the slot (context_lock held). */
+static void end_locked(context_slot *c)
 {
     atomic_fetch_add_explicit(&c->ctx.generation, 1, memory_order_release);
-    c->state = SLOT_RETIRING;
+    c->live = false;
 }
 
 aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
@@ -82,25 +81,26 @@ aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
         return ACL_ERROR_RT_INVALID_DEVICEID;
     pthread_mutex_lock(&context_lock);
     uint32_t index = 0;
-    while (index < CONTEXT_SLOTS && slots[index].state != SLOT_FREE)
+    while (index < CONTEXT_SLOTS && slots[index].live)
         index++;
     if (index == CONTEXT_SLOTS) {
         pthread_mutex_unlock(&context_lock);
         return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
     }
     context_slot *c = &slots[index];
-    c->state = SLOT_LIVE;
-    c->ctx.device = deviceId;
-    atomic_store(&c->ctx.default_stream, 0);
+    c->live = true;
+    /* release: a reader still bound to the slot's last context that reads these also sees its end (the
+     * generation it then reads again, device.c) */
+    atomic_store_explicit(&c->ctx.device, deviceId, memory_order_release);
+    atomic_store_explicit(&c->ctx.default_stream, 0, memory_order_release);
     uint32_t generation = atomic_load(&c->ctx.generation);
     pthread_mutex_unlock(&context_lock);
 
     aclrtStream stream;
-    rc = stream_create_owned(&c->ctx, &stream);
+    rc = stream_create_owned(&c->ctx, generation, &stream);
     if (rc != ACL_SUCCESS) {
         pthread_mutex_lock(&context_lock);
-        retire_locked(c);
-        c->state = SLOT_FREE;
+        end_locked(c);
         pthread_mutex_unlock(&context_lock);
         return rc;
     }
@@ -120,15 +120,12 @@ aclError aclrtDestroyContext(aclrtContext context)
     pthread_mutex_lock(&context_lock);
     context_slot *c = live_slot_locked(context); /* a default context's handle is not one: CANN refuses it too */
     if (c)
-        retire_locked(c);
+        end_locked(c);
     pthread_mutex_unlock(&context_lock);
     if (!c)
         return ACL_ERROR_RT_CONTEXT_NULL;
     /* Threads bound to it (the caller too) now have no context, and no new stream is made in it. */
-    stream_destroy_owned(&c->ctx);
-    pthread_mutex_lock(&context_lock);
-    c->state = SLOT_FREE;
-    pthread_mutex_unlock(&context_lock);
+    stream_destroy_owned(&c->ctx, handle_generation((uint64_t)(uintptr_t)context));
     return ACL_SUCCESS;
 }
 
@@ -170,10 +167,8 @@ aclError aclrtGetCurrentContext(aclrtContext *context)
     }
     int32_t dev;
     uint32_t epoch;
-    if ((rc = device_current(&dev)) != ACL_SUCCESS)
-        return rc;
-    if (!device_default_context(dev, &epoch))
-        return ACL_ERROR_RT_CONTEXT_NULL; /* reset since device_current looked */
+    if (!device_current_default_context(&dev, &epoch))
+        return ACL_ERROR_RT_CONTEXT_NULL;
     *context = (aclrtContext)(uintptr_t)handle_of(DEFAULT_TAG, epoch, (uint32_t)dev);
     return ACL_SUCCESS;
 }
@@ -190,10 +185,8 @@ aclError aclrtGetRunMode(aclrtRunMode *runMode)
 static void end_all(void)
 {
     for (uint32_t i = 0; i < CONTEXT_SLOTS; i++)
-        if (slots[i].state != SLOT_FREE) {
-            retire_locked(&slots[i]);
-            slots[i].state = SLOT_FREE;
-        }
+        if (slots[i].live)
+            end_locked(&slots[i]);
 }
 
 void context_atfork_prepare(void) { pthread_mutex_lock(&context_lock); }

@@ -402,17 +402,28 @@ aclError aclrtResetDeviceForce(int32_t dev)
     return ACL_SUCCESS;
 }
 
+/* The bound explicit context's device and default stream, read as a seqlock reader reads: its slot may be
+ * destroyed and made a new context meanwhile, and then the generation read again has changed. */
+static aclError bound_context_read(int32_t *dev, uint64_t *default_stream)
+{
+    const device_context *c = current_ctx;
+    if (!atomic_load(&initialized) ||
+        atomic_load_explicit(&c->generation, memory_order_acquire) != current_ctx_generation)
+        return ACL_ERROR_RT_CONTEXT_NULL; /* destroyed: no default context to fall back on, as in CANN */
+    /* acquire: a value a new context of the slot stored (with release) brings the end of ours with it */
+    int32_t d = atomic_load_explicit(&c->device, memory_order_acquire);
+    uint64_t s = atomic_load_explicit(&c->default_stream, memory_order_acquire);
+    if (atomic_load_explicit(&c->generation, memory_order_relaxed) != current_ctx_generation)
+        return ACL_ERROR_RT_CONTEXT_NULL;
+    *dev = d;
+    *default_stream = s;
+    return ACL_SUCCESS;
+}
+
 aclError device_current_stream(int32_t *dev, uint64_t *default_stream)
 {
-    if (unlikely(current_ctx != NULL)) {
-        /* acquire: a context made on another thread is read complete (context.c publishes with release) */
-        if (!atomic_load(&initialized) ||
-            atomic_load_explicit(&current_ctx->generation, memory_order_acquire) != current_ctx_generation)
-            return ACL_ERROR_RT_CONTEXT_NULL; /* destroyed: no default context to fall back on, as in CANN */
-        *dev = current_ctx->device;
-        *default_stream = atomic_load_explicit(&current_ctx->default_stream, memory_order_acquire);
-        return ACL_SUCCESS;
-    }
+    if (unlikely(current_ctx != NULL))
+        return bound_context_read(dev, default_stream);
     if (current_dev < 0 || !atomic_load(&initialized) ||
         context_epoch(atomic_load(&devices[current_dev].contexts)) != current_epoch)
         return ACL_ERROR_RT_CONTEXT_NULL;
@@ -437,20 +448,23 @@ void device_bind_context(device_context *ctx, uint32_t generation)
 {
     current_ctx = ctx;
     current_ctx_generation = generation;
-    current_dev = ctx->device;
+    current_dev = atomic_load_explicit(&ctx->device, memory_order_relaxed);
 }
 
-bool device_default_context(int32_t dev, uint32_t *epoch)
+bool device_current_default_context(int32_t *dev, uint32_t *epoch)
 {
-    uint64_t w = atomic_load(&devices[dev].contexts);
-    *epoch = context_epoch(w);
-    return context_refs(w) > 0;
+    if (current_ctx != NULL || current_dev < 0 || !atomic_load(&initialized) ||
+        context_epoch(atomic_load(&devices[current_dev].contexts)) != current_epoch)
+        return false;
+    *dev = current_dev;
+    *epoch = current_epoch;
+    return true;
 }
 
 bool device_bind_default_context(int32_t dev, uint32_t epoch)
 {
-    uint32_t now;
-    if (!device_default_context(dev, &now) || now != epoch)
+    uint64_t w = atomic_load(&devices[dev].contexts);
+    if (context_refs(w) == 0 || context_epoch(w) != epoch)
         return false;
     current_dev = dev;
     current_epoch = epoch;
@@ -511,8 +525,10 @@ aclError aclrtDeviceEnablePeerAccess(int32_t peer, uint32_t flags)
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (peer == dev)
         return ACL_ERROR_INVALID_PARAM;
-    /* tagged with the caller's context: if a reset ended it meanwhile, the enable ends with it */
-    atomic_store(&devices[dev].peer_since[peer], 1u + (uint64_t)current_epoch);
+    /* tagged with the caller's default context: if a reset ended it meanwhile, the enable ends with it; a
+     * caller in an explicit context (which no reset ends) takes the device's epoch now */
+    uint32_t epoch = current_ctx ? context_epoch(atomic_load(&devices[dev].contexts)) : current_epoch;
+    atomic_store(&devices[dev].peer_since[peer], 1u + (uint64_t)epoch);
     return ACL_SUCCESS;
 }
 

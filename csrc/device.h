@@ -49,9 +49,9 @@ const npualloc_config *device_config(void);
  * static table and never frees one, so a thread still bound to a context another thread destroyed reads a
  * changed generation, not freed memory). */
 typedef struct device_context {
-    int32_t device;
+    _Atomic int32_t device;          /* atomics: a thread bound to a destroyed context may read them while */
+    _Atomic uint64_t default_stream; /* the slot is made a new context (its handle; 0 until made) */
     _Atomic uint32_t generation;     /* changes when the context is destroyed (and at shutdown, fork) */
-    _Atomic uint64_t default_stream; /* its default stream's handle; 0 until made */
 } device_context;
 
 /* The calling thread's current device: its explicit context's, else the one aclrtSetDevice made current
@@ -66,9 +66,9 @@ aclError device_current_stream(int32_t *dev, uint64_t *default_stream);
 device_context *device_bound_context(uint32_t *generation);
 /* Binds the calling thread to an explicit context at its current generation; its device becomes current. */
 void device_bind_context(device_context *ctx, uint32_t generation);
-/* The epoch of `dev`'s default context, false when the device has no aclrtSetDevice reference (no default
- * context). */
-bool device_default_context(int32_t dev, uint32_t *epoch);
+/* The calling thread's default context: its device and the epoch it was bound in; false when the thread is
+ * bound to an explicit context, or to none, or its default context has ended. */
+bool device_current_default_context(int32_t *dev, uint32_t *epoch);
 /* Binds the calling thread to `dev`'s default context of `epoch`; false if that context has ended. */
 bool device_bind_default_context(int32_t dev, uint32_t epoch);
 /* runtime_ensure_init, then device_current: what an aclrt* call on "the current device" checks first. */

@@ -78,7 +78,8 @@ struct npu_stream {
     /* Immutable after creation. */
     int32_t device;
     uint64_t handle;             /* 0 for a default stream */
-    const device_context *owner; /* the explicit context it was made in (its destroy takes it), or NULL */
+    const device_context *owner; /* the explicit context it was made in (its destroy takes it), or NULL, */
+    uint32_t owner_generation;   /* at this generation of its slot */
 
     pthread_mutex_t lock;      /* guards the fields down to `worker` */
     pthread_cond_t work_cv;    /* the worker waits here for a task or for `stopping` */
@@ -1019,15 +1020,17 @@ static void stream_stop(npu_stream *s)
  * Stream API
  * ------------------------------------------------------------------------------------------ */
 
-/* A new stream of `dev` made in `owner` (NULL: the default context); with start_worker its worker runs before
- * it is handed out. */
-static aclError stream_make(int32_t dev, const device_context *owner, bool start_worker, aclrtStream *stream)
+/* A new stream of `dev` made in `owner` at `generation` (owner NULL: the default context); with start_worker its
+ * worker runs before it is handed out. */
+static aclError stream_make(int32_t dev, const device_context *owner, uint32_t generation, bool start_worker,
+                            aclrtStream *stream)
 {
     aclError rc = ACL_SUCCESS;
     npu_stream *s = stream_new(dev);
     if (!s)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     s->owner = owner;
+    s->owner_generation = generation;
     if (start_worker) {
         pthread_mutex_lock(&s->lock);
         rc = ensure_worker_locked(s);
@@ -1038,7 +1041,10 @@ static aclError stream_make(int32_t dev, const device_context *owner, bool start
         }
     }
     pthread_mutex_lock(&table_lock);
-    uint64_t h = handle_table_insert(&stream_table, s);
+    /* A destroy of the owner retires it before its sweep takes this lock: a stream listed after that sweep
+     * would outlive its context, so it is refused here, under the lock the sweep reads the table with. */
+    bool owner_gone = owner && atomic_load(&owner->generation) != generation;
+    uint64_t h = owner_gone ? 0 : handle_table_insert(&stream_table, s);
     if (h) {
         s->handle = h;
         s->listed = true;
@@ -1048,7 +1054,7 @@ static aclError stream_make(int32_t dev, const device_context *owner, bool start
     if (!h) {
         stream_stop(s); /* joins the worker, if one was started */
         stream_free(s);
-        return ACL_ERROR_RT_NO_STREAM_RESOURCE;
+        return owner_gone ? ACL_ERROR_RT_CONTEXT_NULL : ACL_ERROR_RT_NO_STREAM_RESOURCE;
     }
     *stream = (aclrtStream)(uintptr_t)h;
     return ACL_SUCCESS;
@@ -1061,13 +1067,14 @@ static aclError stream_create(aclrtStream *stream, bool start_worker)
     aclError rc = runtime_current_device(&dev);
     if (rc != ACL_SUCCESS)
         return rc;
-    uint32_t unused;
-    return stream_make(dev, device_bound_context(&unused), start_worker, stream);
+    uint32_t generation;
+    const device_context *owner = device_bound_context(&generation);
+    return stream_make(dev, owner, generation, start_worker, stream);
 }
 
-aclError stream_create_owned(const device_context *owner, aclrtStream *stream)
+aclError stream_create_owned(const device_context *owner, uint32_t generation, aclrtStream *stream)
 {
-    return stream_make(owner->device, owner, false, stream);
+    return stream_make(atomic_load(&owner->device), owner, generation, false, stream);
 }
 
 aclError aclrtCreateStream(aclrtStream *stream)
@@ -1124,18 +1131,25 @@ aclError aclrtDestroyStream(aclrtStream stream)
     return ACL_SUCCESS;
 }
 
-void stream_destroy_owned(const device_context *owner)
+void stream_destroy_owned(const device_context *owner, uint32_t generation)
 {
-    for (;;) {
-        uint64_t found = 0;
+    /* In batches, the lock dropped for the destroys (each waits for its stream's work), until a batch destroys
+     * nothing: what is left then is streams a callback of their own is destroying the context from. */
+    enum { BATCH = 64 };
+    bool progress = true;
+    while (progress) {
+        uint64_t found[BATCH];
+        size_t n = 0;
         pthread_mutex_lock(&table_lock);
-        for (npu_stream *s = stream_registry; s && !found; s = s->reg_next)
-            if (s->owner == owner && s->listed)
-                found = s->handle;
+        for (npu_stream *s = stream_registry; s && n < BATCH; s = s->reg_next)
+            if (s->owner == owner && s->owner_generation == generation && s->listed)
+                found[n++] = s->handle;
         pthread_mutex_unlock(&table_lock);
-        /* one at a time, the lock dropped: the destroy waits for the stream's work */
-        if (!found || aclrtDestroyStream((aclrtStream)(uintptr_t)found) != ACL_SUCCESS)
-            return;
+        progress = false;
+        for (size_t i = 0; i < n; i++) {
+            aclError rc = aclrtDestroyStream((aclrtStream)(uintptr_t)found[i]);
+            progress |= rc == ACL_SUCCESS || rc == ACL_ERROR_INVALID_PARAM; /* (destroyed by another thread) */
+        }
     }
 }
 

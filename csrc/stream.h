@@ -105,11 +105,12 @@ aclError stream_acquire_default(int32_t device, npu_stream **out);
  * waiter (the caching allocator's reuse events) must still wait for.  ACL_ERROR_INVALID_PARAM
  * once nothing of the stream remains (then none of its work can still run). */
 aclError stream_acquire_for_wait(int32_t device, uint64_t id, npu_stream **out);
-/* A new stream made in `owner` (an explicit context's default stream), whatever the current context. */
-aclError stream_create_owned(const device_context *owner, aclrtStream *stream);
-/* Destroys, as aclrtDestroyStream does, every stream made while `owner` was the current context (its default
- * stream included); stops at one that cannot be destroyed now (a callback of its own is running the call). */
-void stream_destroy_owned(const device_context *owner);
+/* A new stream made in `owner` at `generation` (an explicit context's default stream), whatever the current
+ * context; ACL_ERROR_RT_CONTEXT_NULL if the context was destroyed meanwhile. */
+aclError stream_create_owned(const device_context *owner, uint32_t generation, aclrtStream *stream);
+/* Destroys, as aclrtDestroyStream does, every stream made in `owner` at `generation` (its default stream
+ * included), but a stream whose own callback is running this (it stays, an ordinary stream of its device). */
+void stream_destroy_owned(const device_context *owner, uint32_t generation);
 void stream_release(npu_stream *s);
 
 int32_t stream_device(const npu_stream *s);

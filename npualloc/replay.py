@@ -38,6 +38,7 @@ runs (:class:`UnsafeTraceError`).
 """
 import io
 import math
+import operator
 import os
 import pickle
 import pickletools
@@ -579,8 +580,12 @@ class Trace:
                 raise ValueError(f"{self.name}: the trace has events on devices {sorted(self.devices)}: "
                                  "choose one with device=")
             device = next(iter(self.devices))
-        if isinstance(device, bool) or not isinstance(device, int):
-            raise TypeError(f"device must be an int or None, not {type(device).__name__}")
+        if isinstance(device, bool):
+            raise TypeError("device must be an int or None, not bool")
+        try:
+            device = operator.index(device)  # numpy integers too
+        except TypeError:
+            raise TypeError(f"device must be an int or None, not {type(device).__name__}") from None
         if device not in self.devices:
             raise ValueError(f"{self.name}: no events on device {device} (devices: {sorted(self.devices)})")
         return self.devices[device]

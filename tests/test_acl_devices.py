@@ -221,8 +221,21 @@ def test_another_thread_can_bind_a_context_and_loses_it_at_the_destroy():
     assert rt.set_device(0) == 0
     context, ret = rt.create_context(1)
     assert ret == 0
-    assert in_thread(lambda: (rt.set_context(context), rt.get_device())) == (0, (1, 0))
+    bound, destroyed, seen = threading.Event(), threading.Event(), []
+
+    def bound_thread():
+        seen.append((rt.set_context(context), rt.get_device()))
+        bound.set()
+        destroyed.wait(60)
+        seen.append(rt.get_device())  # still bound, to a context that is gone
+
+    t = threading.Thread(target=bound_thread)
+    t.start()
+    assert bound.wait(60)
     assert rt.destroy_context(context) == 0
+    destroyed.set()
+    t.join()
+    assert seen == [(0, (1, 0)), (0, acl.ACL_ERROR_RT_CONTEXT_NULL)]
     assert in_thread(lambda: rt.set_context(context)) == acl.ACL_ERROR_RT_PARAM_INVALID
     assert rt.destroy_context(context) == acl.ACL_ERROR_RT_CONTEXT_NULL
 

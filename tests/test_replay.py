@@ -860,6 +860,12 @@ def test_device_is_an_int():
         replay.replay(small_trace(), device="0")
     assert replay.replay(small_trace(), device=0).device == 0
 
+    class Index:  # what numpy's integers are to operator.index
+        def __index__(self):
+            return 0
+
+    assert replay.replay(small_trace(), device=Index()).device == 0
+
 
 def test_a_bytes_path_gives_a_str_name(tmp_path):
     path = tmp_path / "t.pickle"

@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "device.h"
+#include "stream.h"
 #include "testutil.h"
 
 #define FORGED ((aclrtContext)(uintptr_t)0x4300000012345601ull) /* the explicit tag, an unknown slot */
@@ -248,6 +250,146 @@ static void test_a_fork_child_has_no_context(void **state)
     assert_int_equal(aclrtDestroyContext(ctx), ACL_SUCCESS);
 }
 
+static size_t live_streams(void)
+{
+    size_t streams = 0, events = 0;
+    stream_counts(&streams, &events);
+    return streams;
+}
+
+typedef struct destroy_from_callback {
+    aclrtContext ctx;
+    aclError rc;
+} destroy_from_callback;
+
+static void cb_destroy_context(void *arg)
+{
+    destroy_from_callback *d = arg;
+    d->rc = aclrtDestroyContext(d->ctx);
+}
+
+static aclrtStream made_stream(void)
+{
+    aclrtStream s = NULL;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    return s;
+}
+
+/* The destroy used to stop at the stream running it and leave the context's other streams alive, and
+ * the next context made in the slot then destroyed them. */
+static void test_a_destroy_from_a_callback_of_its_own_stream_takes_the_other_streams(void **state)
+{
+    (void)state;
+    size_t before = live_streams();
+    destroy_from_callback d = {.ctx = created(1), .rc = -1};
+    aclrtStream runner = made_stream(), other = made_stream(), later = made_stream();
+    assert_int_equal(aclrtLaunchCallback(cb_destroy_context, &d, ACL_CALLBACK_BLOCK, runner), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(runner), ACL_SUCCESS);
+    assert_int_equal(d.rc, ACL_SUCCESS);
+    aclrtStreamStatus st;
+    assert_int_equal(aclrtStreamQuery(other, &st), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtStreamQuery(later, &st), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(live_streams(), before + 1); /* the runner alone: an ordinary stream of device 1 now */
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    aclrtContext next = created(1); /* very likely the same slot */
+    assert_int_equal(aclrtDestroyContext(next), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamQuery(runner, &st), ACL_SUCCESS); /* not taken by the slot's next context */
+    assert_int_equal(aclrtDestroyStream(runner), ACL_SUCCESS);
+    assert_int_equal(live_streams(), before);
+}
+
+typedef struct stream_maker {
+    aclrtContext ctx;
+    atomic_int bound;
+    int made;
+} stream_maker;
+
+static void *make_streams_until_refused(void *arg)
+{
+    stream_maker *m = arg;
+    assert_int_equal(aclrtSetCurrentContext(m->ctx), ACL_SUCCESS);
+    atomic_store(&m->bound, 1);
+    aclrtStream s;
+    while (aclrtCreateStream(&s) == ACL_SUCCESS)
+        m->made++;
+    return NULL;
+}
+
+/* A stream made while another thread destroyed its context used to be listed after the destroy's sweep:
+ * it outlived the context. */
+static void test_no_stream_outlives_a_context_destroyed_while_streams_are_made_in_it(void **state)
+{
+    (void)state;
+    size_t before = live_streams();
+    for (int round = 0; round < 50; round++) {
+        stream_maker m = {.ctx = created(round % 2)};
+        pthread_t th;
+        assert_int_equal(pthread_create(&th, NULL, make_streams_until_refused, &m), 0);
+        cb_wait_gate(&m.bound);
+        for (volatile int spin = 0; spin < round * 1000; spin++) {
+        }
+        assert_int_equal(aclrtDestroyContext(m.ctx), ACL_SUCCESS);
+        assert_int_equal(pthread_join(th, NULL), 0);
+        assert_int_equal(live_streams(), before);
+        assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    }
+}
+
+typedef struct stale_reader {
+    aclrtContext ctx;
+    atomic_int bound, stop;
+    int wrong; /* answers that were neither the context's device nor "no context" after its end */
+} stale_reader;
+
+static void *read_device_until_stopped(void *arg)
+{
+    stale_reader *r = arg;
+    assert_int_equal(aclrtSetCurrentContext(r->ctx), ACL_SUCCESS);
+    atomic_store(&r->bound, 1);
+    bool ended = false;
+    while (!atomic_load(&r->stop)) {
+        int32_t dev = -1;
+        aclError rc = aclrtGetDevice(&dev);
+        if (rc == ACL_ERROR_RT_CONTEXT_NULL)
+            ended = true;
+        else if (rc != ACL_SUCCESS || dev != 1 || ended)
+            r->wrong++;
+    }
+    return NULL;
+}
+
+/* A thread bound to a context that another thread destroys, while the slot is made new contexts of another
+ * device: it sees its context's device, then no context, never the new ones' (TSan: no race). */
+static void test_a_thread_bound_to_a_destroyed_context_never_reads_the_next_one(void **state)
+{
+    (void)state;
+    stale_reader r = {.ctx = created(1)};
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, read_device_until_stopped, &r), 0);
+    cb_wait_gate(&r.bound);
+    assert_int_equal(aclrtDestroyContext(r.ctx), ACL_SUCCESS);
+    for (int i = 0; i < 200; i++)
+        assert_int_equal(aclrtDestroyContext(created(0)), ACL_SUCCESS);
+    atomic_store(&r.stop, 1);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(r.wrong, 0);
+}
+
+/* An enable made in an explicit context was tagged with the thread's last default context, which a reset
+ * had ended: the access was gone at once. */
+static void test_peer_access_enabled_in_an_explicit_context_holds(void **state)
+{
+    (void)state;
+    assert_int_equal(aclrtResetDeviceForce(0), ACL_SUCCESS); /* the thread's default context of device 0 ends */
+    aclrtContext ctx = created(0);
+    assert_false(device_peer_enabled(0, 1));
+    assert_int_equal(aclrtDeviceEnablePeerAccess(1, 0), ACL_SUCCESS);
+    assert_true(device_peer_enabled(0, 1));
+    assert_int_equal(aclrtDeviceDisablePeerAccess(1), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyContext(ctx), ACL_SUCCESS);
+}
+
 static void test_run_mode_is_host(void **state)
 {
     (void)state;
@@ -274,6 +416,13 @@ int main(void)
                                         stop_runtime),
         cmocka_unit_test_setup_teardown(test_the_table_of_contexts_is_bounded, setup, stop_runtime),
         cmocka_unit_test_setup_teardown(test_a_fork_child_has_no_context, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_destroy_from_a_callback_of_its_own_stream_takes_the_other_streams,
+                                        setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_no_stream_outlives_a_context_destroyed_while_streams_are_made_in_it,
+                                        setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_a_thread_bound_to_a_destroyed_context_never_reads_the_next_one, setup,
+                                        stop_runtime),
+        cmocka_unit_test_setup_teardown(test_peer_access_enabled_in_an_explicit_context_holds, setup, stop_runtime),
         cmocka_unit_test_setup_teardown(test_run_mode_is_host, setup, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
