@@ -23,13 +23,12 @@
 #include "acl_rt.h"
 #include "context.h"
 #include "device.h"
+#include "handle_table.h"
 #include "stream.h"
 
 enum { CONTEXT_SLOTS = 1024 };
-#define EXPLICIT_TAG ((uint64_t)'C' << 56)
-#define DEFAULT_TAG ((uint64_t)'D' << 56)
-#define TAG_MASK ((uint64_t)0xFF << 56)
-#define INDEX_MASK ((uint64_t)0xFFFFFF)
+#define EXPLICIT_TAG 'C'
+#define DEFAULT_TAG 'D'
 
 typedef struct context_slot {
     device_context ctx; /* first: device.c's pointer to it is the slot's */
@@ -39,18 +38,11 @@ typedef struct context_slot {
 static pthread_mutex_t context_lock = PTHREAD_MUTEX_INITIALIZER;
 static context_slot slots[CONTEXT_SLOTS];
 
-static uint64_t handle_of(uint64_t tag, uint32_t generation, uint32_t index)
+/* The slot index (a device for DEFAULT_TAG) a handle of `tag` names, or -1. */
+static int64_t handle_index(uint64_t h, uint8_t tag, uint32_t limit)
 {
-    return tag | (uint64_t)generation << 24 | (index + 1);
-}
-
-static uint32_t handle_generation(uint64_t h) { return (uint32_t)(h >> 24); }
-
-/* The slot index a handle of `tag` names, or -1. */
-static int64_t handle_index(uint64_t h, uint64_t tag, uint32_t limit)
-{
-    uint64_t index = h & INDEX_MASK;
-    return (h & TAG_MASK) == tag && index >= 1 && index <= limit ? (int64_t)index - 1 : -1;
+    uint32_t index1 = handle_index1(h);
+    return handle_tag(h) == tag && index1 >= 1 && index1 <= limit ? (int64_t)index1 - 1 : -1;
 }
 
 /* The live slot an explicit context's handle names (context_lock held), or NULL. */
@@ -106,7 +98,7 @@ aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId)
     }
     atomic_store_explicit(&c->ctx.default_stream, (uint64_t)(uintptr_t)stream, memory_order_release);
     device_bind_context(&c->ctx, generation); /* CANN binds a new context to the thread that made it */
-    *context = (aclrtContext)(uintptr_t)handle_of(EXPLICIT_TAG, generation, index);
+    *context = (aclrtContext)(uintptr_t)handle_make(EXPLICIT_TAG, generation, index);
     return ACL_SUCCESS;
 }
 
@@ -162,14 +154,14 @@ aclError aclrtGetCurrentContext(aclrtContext *context)
         if (atomic_load(&bound->generation) != generation)
             return ACL_ERROR_RT_CONTEXT_NULL;
         uint32_t index = (uint32_t)((context_slot *)(void *)bound - slots);
-        *context = (aclrtContext)(uintptr_t)handle_of(EXPLICIT_TAG, generation, index);
+        *context = (aclrtContext)(uintptr_t)handle_make(EXPLICIT_TAG, generation, index);
         return ACL_SUCCESS;
     }
     int32_t dev;
     uint32_t epoch;
     if (!device_current_default_context(&dev, &epoch))
         return ACL_ERROR_RT_CONTEXT_NULL;
-    *context = (aclrtContext)(uintptr_t)handle_of(DEFAULT_TAG, epoch, (uint32_t)dev);
+    *context = (aclrtContext)(uintptr_t)handle_make(DEFAULT_TAG, epoch, (uint32_t)dev);
     return ACL_SUCCESS;
 }
 

@@ -420,12 +420,18 @@ static aclError bound_context_read(int32_t *dev, uint64_t *default_stream)
     return ACL_SUCCESS;
 }
 
+/* Is the thread's default context (no explicit one bound) still the device's? */
+static bool default_context_live(void)
+{
+    return current_ctx == NULL && current_dev >= 0 && atomic_load(&initialized) &&
+           context_epoch(atomic_load(&devices[current_dev].contexts)) == current_epoch;
+}
+
 aclError device_current_stream(int32_t *dev, uint64_t *default_stream)
 {
     if (unlikely(current_ctx != NULL))
         return bound_context_read(dev, default_stream);
-    if (current_dev < 0 || !atomic_load(&initialized) ||
-        context_epoch(atomic_load(&devices[current_dev].contexts)) != current_epoch)
+    if (!default_context_live())
         return ACL_ERROR_RT_CONTEXT_NULL;
     *dev = current_dev;
     *default_stream = 0;
@@ -453,8 +459,7 @@ void device_bind_context(device_context *ctx, uint32_t generation)
 
 bool device_current_default_context(int32_t *dev, uint32_t *epoch)
 {
-    if (current_ctx != NULL || current_dev < 0 || !atomic_load(&initialized) ||
-        context_epoch(atomic_load(&devices[current_dev].contexts)) != current_epoch)
+    if (!default_context_live())
         return false;
     *dev = current_dev;
     *epoch = current_epoch;

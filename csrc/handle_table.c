@@ -4,9 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define INDEX_BITS 24
-#define GEN_SHIFT INDEX_BITS
-#define TAG_SHIFT 56
 #define GEN_MASK 0xFFFFFFFFu
 
 void handle_table_destroy(handle_table *t)
@@ -56,19 +53,16 @@ uint64_t handle_table_insert(handle_table *t, void *object)
     s->object = object;
     s->next_free = 0;
     t->live++;
-    return ((uint64_t)t->tag << TAG_SHIFT) | ((uint64_t)s->generation << GEN_SHIFT) | (uint64_t)(index + 1);
+    return handle_make(t->tag, s->generation, index);
 }
 
 static handle_slot *slot_of(const handle_table *t, uint64_t handle)
 {
-    if ((handle >> TAG_SHIFT) != t->tag)
-        return NULL;
-    uint64_t index1 = handle & ((1u << INDEX_BITS) - 1);
-    uint32_t gen = (uint32_t)((handle >> GEN_SHIFT) & GEN_MASK);
-    if (index1 == 0 || index1 > t->capacity)
+    uint32_t index1 = handle_index1(handle);
+    if (handle_tag(handle) != t->tag || index1 == 0 || index1 > t->capacity)
         return NULL;
     handle_slot *s = &t->slots[index1 - 1];
-    return (s->object && s->generation == gen) ? s : NULL;
+    return (s->object && s->generation == handle_generation(handle)) ? s : NULL;
 }
 
 void *handle_table_get(const handle_table *t, uint64_t handle)

@@ -31,6 +31,16 @@ typedef struct handle_table {
 
 #define HANDLE_TABLE_MAX_SLOTS (1u << 24)
 
+/* The layout, also for an owner that keeps slots of its own (context.c): index is the slot's, from 0. */
+static inline uint64_t handle_make(uint8_t tag, uint32_t generation, uint32_t index)
+{
+    return (uint64_t)tag << 56 | (uint64_t)generation << 24 | (uint64_t)(index + 1);
+}
+static inline uint8_t handle_tag(uint64_t handle) { return (uint8_t)(handle >> 56); }
+static inline uint32_t handle_generation(uint64_t handle) { return (uint32_t)(handle >> 24); }
+/* The slot index + 1 (0: no slot). */
+static inline uint32_t handle_index1(uint64_t handle) { return (uint32_t)(handle & (HANDLE_TABLE_MAX_SLOTS - 1)); }
+
 /* Frees the slot array (the objects are the owner's); the table stays usable, and no handle it
  * gave out before will name an object it gives out after. */
 void handle_table_destroy(handle_table *t);

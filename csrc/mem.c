@@ -580,6 +580,15 @@ static aclError copy2d_locked(const copy2d *c, bool move)
     return ACL_SUCCESS;
 }
 
+/* copy2d_locked under the registry's read lock. */
+static aclError copy2d_checked(const copy2d *c, bool move)
+{
+    vmm_read_lock();
+    aclError rc = copy2d_locked(c, move);
+    vmm_read_unlock();
+    return rc;
+}
+
 aclError aclrtMemcpy2d(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
                        aclrtMemcpyKind kind)
 {
@@ -587,18 +596,13 @@ aclError aclrtMemcpy2d(void *dst, size_t dpitch, const void *src, size_t spitch,
     aclError rc = copy2d_args_check(&c);
     if (rc != ACL_SUCCESS || (rc = sync_call_start()) != ACL_SUCCESS)
         return rc;
-    vmm_read_lock();
-    rc = copy2d_locked(&c, true);
-    vmm_read_unlock();
-    return rc;
+    return copy2d_checked(&c, true);
 }
 
 /* The queued 2-D copy, checked again when it runs (the memory may be gone by then). */
 static aclError run_copy2d_task(void *arg)
 {
-    vmm_read_lock();
-    aclError rc = copy2d_locked(arg, true);
-    vmm_read_unlock();
+    aclError rc = copy2d_checked(arg, true);
     return rc == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_DEVICE_MEM_ERROR;
 }
 
@@ -614,10 +618,7 @@ aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t sp
     if (pageable_transfer(dst, (height - 1) * dpitch + width, src, (height - 1) * spitch + width)) {
         if ((rc = pageable_copy_start(stream)) != ACL_SUCCESS) /* as aclrtMemcpyAsync's */
             return rc;
-        vmm_read_lock();
-        rc = copy2d_locked(&c, true);
-        vmm_read_unlock();
-        return rc;
+        return copy2d_checked(&c, true);
     }
     if (unlikely(graph_capture_active())) {
         /* graph capture (graph.c): on a capturing stream each row becomes a MEMCPY node, in order, checked
@@ -637,9 +638,7 @@ aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t sp
         c.src = row_at(src, spitch, i);
         c.height -= i;
     }
-    vmm_read_lock();
-    rc = copy2d_locked(&c, false);
-    vmm_read_unlock();
+    rc = copy2d_checked(&c, false);
     if (rc != ACL_SUCCESS)
         return rc;
     return enqueue_task(stream, run_copy2d_task, &c, sizeof c);

@@ -863,14 +863,6 @@ void *vmm_runtime_view_locked(const void *p)
     return r && r->write_view ? r->write_view + ((uintptr_t)p - r->base) : (void *)(uintptr_t)p;
 }
 
-bool vmm_is_readonly_locked(const void *p)
-{
-    if (likely(vmm.readonly_regions == 0))
-        return false;
-    const region *r = region_containing((uintptr_t)p);
-    return r && r->write_view;
-}
-
 /* ---- bookkeeping ---- */
 
 void vmm_counts(size_t *handles, size_t *regions, size_t *mappings)

@@ -81,9 +81,6 @@ range_class vmm_classify_locked(const void *p, size_t n, int32_t *device);
  * the runtime's copies and memsets access it, which is `p` itself except in read-only aclrtMalloc
  * memory (a writable view of the same pages). */
 void *vmm_runtime_view_locked(const void *p);
-/* With the read lock held: is `p` in read-only aclrtMalloc memory (ACL_MEM_ACCESS_USER_SPACE_READONLY),
- * where the process's own writes fault?  False for host memory. */
-bool vmm_is_readonly_locked(const void *p);
 
 /* ---- cross-process sharing (ipc.c) ----
  * A reference to shareable memory that is safe to resolve after the memory was freed: a user

@@ -100,24 +100,10 @@ static PyObject *rt_reset_device_force(PyObject *self, PyObject *const *args, Py
 
 RT_DOC0(get_device, "(device_id, ret)",
         "aclrtGetDevice: the calling thread's current device (0 and an error code without one).");
-static PyObject *rt_get_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("get_device", 0);
-    (void)args;
-    int32_t dev = 0;
-    aclError rc = aclrtGetDevice(&dev);
-    return ret_i64(dev, rc);
-}
+RT_OUTPUT(get_device, int32_t, aclrtGetDevice, ret_i64)
 
 RT_DOC0(get_device_count, "(count, ret)", "aclrtGetDeviceCount: the number of devices.");
-static PyObject *rt_get_device_count(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("get_device_count", 0);
-    (void)args;
-    uint32_t count = 0;
-    aclError rc = aclrtGetDeviceCount(&count);
-    return ret_u64(count, rc);
-}
+RT_OUTPUT(get_device_count, uint32_t, aclrtGetDeviceCount, ret_u64)
 
 /* ---- contexts ---- */
 
@@ -134,7 +120,7 @@ static PyObject *rt_create_context(PyObject *self, PyObject *const *args, Py_ssi
         return ret_u64(0, ACL_ERROR_RT_INVALID_DEVICEID);
     aclrtContext context = NULL;
     aclError rc = aclrtCreateContext(&context, dev);
-    return ret_u64((uintptr_t)context, rc);
+    return ret_handle(context, rc);
 }
 
 RT_DOC(destroy_context, "context", "ret",
@@ -150,24 +136,10 @@ RT_ON_HANDLE(set_context, "context", aclrtSetCurrentContext)
 RT_DOC0(get_context, "(context, ret)",
         "aclrtGetCurrentContext: the calling thread's context (set_device's default context of the device,\n"
         "or the one create_context or set_context bound).");
-static PyObject *rt_get_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("get_context", 0);
-    (void)args;
-    aclrtContext context = NULL;
-    aclError rc = aclrtGetCurrentContext(&context);
-    return ret_u64((uintptr_t)context, rc);
-}
+RT_OUTPUT(get_context, aclrtContext, aclrtGetCurrentContext, ret_handle)
 
 RT_DOC0(get_run_mode, "(run_mode, ret)", "aclrtGetRunMode: ACL_HOST (1): the program runs on the host.");
-static PyObject *rt_get_run_mode(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("get_run_mode", 0);
-    (void)args;
-    aclrtRunMode mode = ACL_DEVICE;
-    aclError rc = aclrtGetRunMode(&mode);
-    return ret_i64(mode, rc);
-}
+RT_OUTPUT(get_run_mode, aclrtRunMode, aclrtGetRunMode, ret_i64)
 
 RT_DOC0(synchronize_device, "ret",
         "aclrtSynchronizeDevice: waits for every stream of the current device; returns a\n"
@@ -261,7 +233,7 @@ static PyObject *do_malloc(const char *fn, malloc_fn alloc, PyObject *const *arg
     void *p = NULL;
     aclError rc;
     CALL_NOGIL(rc = alloc(&p, (size_t)size, (aclrtMemMallocPolicy)policy));
-    return ret_u64((uintptr_t)p, rc);
+    return ret_handle(p, rc);
 }
 
 RT_DOC(malloc, "size, policy", "(dev_ptr, ret)",
@@ -315,7 +287,7 @@ static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_
     void *p = NULL;
     aclError rc;
     CALL_NOGIL(rc = aclrtMallocHost(&p, (size_t)size));
-    return ret_u64((uintptr_t)p, rc);
+    return ret_handle(p, rc);
 }
 
 RT_DOC(free_host, "host_ptr", "ret", "aclrtFreeHost: frees memory from malloc_host.");
@@ -571,7 +543,7 @@ static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ss
     aclrtDrvMemHandle handle = NULL;
     aclError rc;
     CALL_NOGIL(rc = aclrtMallocPhysical(&handle, (size_t)size, &prop, flags));
-    return ret_u64((uintptr_t)handle, rc);
+    return ret_handle(handle, rc);
 }
 
 RT_DOC(free_physical, "handle", "ret",
@@ -597,7 +569,7 @@ static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, P
     void *p = NULL;
     aclError rc;
     CALL_NOGIL(rc = aclrtReserveMemAddress(&p, (size_t)size, (size_t)alignment, expect, flags));
-    return ret_u64((uintptr_t)p, rc);
+    return ret_handle(p, rc);
 }
 
 RT_DOC(release_mem_address, "vir_ptr", "ret",
@@ -628,14 +600,7 @@ RT_ON_HANDLE(unmap_mem, "vir_ptr", aclrtUnmapMem)
 /* ---- streams ---- */
 
 RT_DOC0(create_stream, "(stream, ret)", "aclrtCreateStream: a new stream on the current device.");
-static PyObject *rt_create_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("create_stream", 0);
-    (void)args;
-    aclrtStream stream = NULL;
-    aclError rc = aclrtCreateStream(&stream);
-    return ret_u64((uintptr_t)stream, rc);
-}
+RT_OUTPUT(create_stream, aclrtStream, aclrtCreateStream, ret_handle)
 
 RT_DOC(create_stream_with_config, "priority, flag", "(stream, ret)",
        "aclrtCreateStreamWithConfig: a new stream; priority is accepted and has no effect;\n"
@@ -654,7 +619,7 @@ static PyObject *rt_create_stream_with_config(PyObject *self, PyObject *const *a
         return ret_u64(0, ACL_ERROR_INVALID_PARAM);
     aclrtStream stream = NULL;
     aclError rc = aclrtCreateStreamWithConfig(&stream, priority, flag);
-    return ret_u64((uintptr_t)stream, rc);
+    return ret_handle(stream, rc);
 }
 
 RT_DOC(destroy_stream, "stream", "ret", "aclrtDestroyStream: waits for the stream's queued work, then destroys it.");
@@ -891,14 +856,7 @@ static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssi
 /* ---- events ---- */
 
 RT_DOC0(create_event, "(event, ret)", "aclrtCreateEvent: a new event.");
-static PyObject *rt_create_event(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("create_event", 0);
-    (void)args;
-    aclrtEvent event = NULL;
-    aclError rc = aclrtCreateEvent(&event);
-    return ret_u64((uintptr_t)event, rc);
-}
+RT_OUTPUT(create_event, aclrtEvent, aclrtCreateEvent, ret_handle)
 
 /* name(flag) -> (event, ret): a flag out of uint32 range is one CANN refuses (UINT32_MAX). */
 static PyObject *create_flagged_event(const char *fn, PyObject *const *args, aclError (*create)(aclrtEvent *, uint32_t))
@@ -907,7 +865,7 @@ static PyObject *create_flagged_event(const char *fn, PyObject *const *args, acl
     RT_ARG_OR(arg_u32, 0, "flag", flag, UINT32_MAX);
     aclrtEvent event = NULL;
     aclError rc = create(&event, flag);
-    return ret_u64((uintptr_t)event, rc);
+    return ret_handle(event, rc);
 }
 
 RT_DOC(create_event_with_flag, "flag", "(event, ret)",

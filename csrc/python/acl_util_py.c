@@ -79,7 +79,8 @@ static int check_range(const char *fn, void *ptr, Py_ssize_t size, bool *readonl
     int32_t dev;
     vmm_read_lock();
     range_class cls = vmm_classify_locked(ptr, (size_t)size, &dev);
-    *readonly = cls == RANGE_DEVICE && vmm_is_readonly_locked(ptr);
+    /* read-only memory is the one the runtime writes through another view of */
+    *readonly = cls == RANGE_DEVICE && vmm_runtime_view_locked(ptr) != ptr;
     vmm_read_unlock();
     if (cls != RANGE_INVALID)
         return 0;

@@ -133,18 +133,11 @@ static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *c
     aclrtDrvMemHandle h = NULL;
     aclError rc;
     CALL_NOGIL(rc = aclrtMemImportFromShareableHandle(value, dev, &h));
-    return ret_u64((uintptr_t)h, rc);
+    return ret_handle(h, rc);
 }
 
 RT_DOC0(device_get_bare_tgid, "(pid, ret)", "aclrtDeviceGetBareTgid: this process's id, as the pid lists expect it.");
-static PyObject *rt_device_get_bare_tgid(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
-{
-    RT_BEGIN("device_get_bare_tgid", 0);
-    (void)args;
-    int32_t pid = 0;
-    aclError rc = aclrtDeviceGetBareTgid(&pid);
-    return ret_i64(pid, rc);
-}
+RT_OUTPUT(device_get_bare_tgid, int32_t, aclrtDeviceGetBareTgid, ret_i64)
 
 RT_DOC(ipc_mem_get_export_key, "dev_ptr, size, len, flags", "(key, ret)",
        "aclrtIpcMemGetExportKey: a str key naming size bytes of malloc memory at dev_ptr for other processes;\n"
@@ -207,7 +200,7 @@ static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args,
     void *p = NULL;
     aclError rc;
     CALL_NOGIL(rc = aclrtIpcMemImportByKey(&p, key, flags));
-    return ret_u64((uintptr_t)p, rc);
+    return ret_handle(p, rc);
 }
 
 RT_DOC(ipc_mem_close, "key", "ret",

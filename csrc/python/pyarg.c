@@ -164,3 +164,5 @@ PyObject *ret_i64(int64_t value, aclError ret)
         return NULL;
     return Py_BuildValue("(Li)", (long long)(ret == ACL_SUCCESS ? value : 0), ret);
 }
+
+PyObject *ret_handle(const void *handle, aclError ret) { return ret_u64((uintptr_t)handle, ret); }

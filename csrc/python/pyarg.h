@@ -45,6 +45,8 @@ PyObject *ret_or_init_error(aclError ret);
 /* (value, ret) tuples. */
 PyObject *ret_u64(uint64_t value, aclError ret);
 PyObject *ret_i64(int64_t value, aclError ret);
+/* (handle, ret): a handle or pointer as pyACL's int. */
+PyObject *ret_handle(const void *handle, aclError ret);
 /* Raises ValueError for a failed runtime start; returns true if it did. */
 bool raise_init_error(aclError ret);
 

@@ -50,6 +50,18 @@
         Py_END_ALLOW_THREADS                                                                                       \
     } while (0)
 
+/* name() -> (value, ret) for a call with one output, of `type`, which `to_int` (ret_i64, ret_u64 or ret_handle)
+ * makes the tuple of. */
+#define RT_OUTPUT(name, type, call, to_int)                                                                        \
+    static PyObject *rt_##name(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)         \
+    {                                                                                                              \
+        RT_BEGIN(#name, 0);                                                                                        \
+        (void)args;                                                                                                \
+        type out = 0;                                                                                              \
+        aclError rc = call(&out);                                                                                  \
+        return to_int(out, rc);                                                                                    \
+    }
+
 /* The docstring of acl.rt.NAME (rt_NAME_doc, which RT_METHOD takes): CPython's text signature first, which
  * help() and inspect.signature() read, positional-only ("/") because RT_BEGIN refuses keywords; then pyACL's
  * call form, "RETURNS = acl.rt.NAME(PARAMS)", made from the same PARAMS so that the two cannot disagree; then
