@@ -130,9 +130,9 @@ def _replay_settings(confs, fraction, device_memory, rounding, huge1g_memory=Non
 
     out = []
     for c in confs:
-        text = "" if c is None or c.strip().lower() in ("", "default") else c.strip()
-        pool = huge1g_memory if rp._wants_1g_pages(text) else None
-        setting = rp.Setting(text, fraction=fraction, huge1g_memory=pool)
+        setting = rp.Setting(c, fraction=fraction)  # it takes "default" and surrounding spaces as the CLI does
+        if rp._wants_1g_pages(setting.conf):
+            setting.huge1g_memory = huge1g_memory
         try:
             rp._check_setting(setting, device_memory, rounding)
         except ValueError as e:

@@ -770,14 +770,10 @@ def _normal_rounding(rounding):
     raise ValueError(f"rounding must be 'npu' or 'cuda', not {rounding!r}")
 
 
-def _rounding_pad(rounding):
-    return _C.replay.PAD_NPU if _normal_rounding(rounding) == "npu" else _C.replay.PAD_CUDA
-
-
 def _session_config(setting, rounding, device_memory):
     """(rounding, pad, huge1g_memory, fraction) of a session replaying under ``setting``."""
     rounding = _normal_rounding(setting.rounding or rounding)
-    pad = _rounding_pad(rounding)
+    pad = _C.replay.PAD_NPU if rounding == "npu" else _C.replay.PAD_CUDA
     huge1g = setting.huge1g_memory
     if huge1g is None:
         huge1g = (device_memory * 3 // 4) // GiB * GiB if _wants_1g_pages(setting.conf) else 0
@@ -860,15 +856,21 @@ def describe_oom(result, oom):
             f"{oom['stream']:#x}")
 
 
-def _check_common(device_memory, on_oom, rounding):
+def _device_memory(device_memory):
+    """The simulated device's capacity in bytes (a size string or bytes), from 1 byte to 1 EiB."""
     device_memory = _parse_size(device_memory, "device_memory")
     if device_memory <= 0:
         raise ValueError("device_memory must be more than 0 bytes")
     if device_memory > MAX_DEVICE_MEMORY:
         raise ValueError("device_memory must be at most 1 EiB")
+    return device_memory
+
+
+def _check_common(device_memory, on_oom, rounding):
+    device_memory = _device_memory(device_memory)
     if on_oom not in ("continue", "stop"):
         raise ValueError(f"on_oom must be 'continue' or 'stop', not {on_oom!r}")
-    _rounding_pad(rounding)
+    _normal_rounding(rounding)
     return device_memory
 
 

@@ -266,11 +266,9 @@ def transformer_trace(size="default", seed=0, conf="", device_memory=80 << 30, *
     capacity, bytes or a size string ("80GiB"); ``overrides`` set any
     :class:`TransformerConfig` field (e.g. ``steps=4``, ``record_from_step=0`` to record from the start).
     """
-    from .replay import MAX_DEVICE_MEMORY, _parse_size
+    from .replay import _device_memory
 
-    device_memory = _parse_size(device_memory, "device_memory")
-    if not 0 < device_memory <= MAX_DEVICE_MEMORY:
-        raise ValueError(f"device_memory must be more than 0 bytes and at most 1 EiB, not {device_memory}")
+    device_memory = _device_memory(device_memory)
     cfg = TransformerConfig.of_size(size, seed=seed, **overrides)
     ev = transformer_events(cfg)
     n = len(ev)
