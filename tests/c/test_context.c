@@ -268,13 +268,6 @@ static void cb_destroy_context(void *arg)
     d->rc = aclrtDestroyContext(d->ctx);
 }
 
-static aclrtStream made_stream(void)
-{
-    aclrtStream s = NULL;
-    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
-    return s;
-}
-
 /* The destroy used to stop at the stream running it and leave the context's other streams alive, and
  * the next context made in the slot then destroyed them. */
 static void test_a_destroy_from_a_callback_of_its_own_stream_takes_the_other_streams(void **state)
@@ -282,7 +275,7 @@ static void test_a_destroy_from_a_callback_of_its_own_stream_takes_the_other_str
     (void)state;
     size_t before = live_streams();
     destroy_from_callback d = {.ctx = created(1), .rc = -1};
-    aclrtStream runner = made_stream(), other = made_stream(), later = made_stream();
+    aclrtStream runner = new_stream(), other = new_stream(), later = new_stream();
     assert_int_equal(aclrtLaunchCallback(cb_destroy_context, &d, ACL_CALLBACK_BLOCK, runner), ACL_SUCCESS);
     assert_int_equal(aclrtSynchronizeStream(runner), ACL_SUCCESS);
     assert_int_equal(d.rc, ACL_SUCCESS);

@@ -12,13 +12,6 @@ static void start(void)
     start_runtime(2, 4 * GiB_, 4 * GiB_, 0, 0);
 }
 
-static aclrtStream new_stream(void)
-{
-    aclrtStream s;
-    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
-    return s;
-}
-
 static aclrtEvent new_event(void)
 {
     aclrtEvent e;

@@ -69,14 +69,6 @@ static void cb_enter_gate(void *user_data)
     cb_wait_gate(&g->open);
 }
 
-static aclrtStream new_stream(void)
-{
-    aclrtStream s = NULL;
-    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
-    assert_non_null(s);
-    return s;
-}
-
 static aclrtEvent new_event(void)
 {
     aclrtEvent e = NULL;

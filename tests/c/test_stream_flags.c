@@ -18,13 +18,6 @@
 
 static aclError task_fail(void *arg) { return (aclError)(intptr_t)arg; }
 
-static aclrtStream new_stream(void)
-{
-    aclrtStream s = NULL;
-    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
-    return s;
-}
-
 static aclrtEvent flagged(uint32_t flag)
 {
     aclrtEvent e = NULL;

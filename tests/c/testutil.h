@@ -55,6 +55,15 @@ static inline void hold_stream(aclrtStream stream, atomic_int *gate)
     assert_int_equal(aclrtLaunchCallback(cb_wait_gate, gate, ACL_CALLBACK_BLOCK, stream), ACL_SUCCESS);
 }
 
+/* A new stream of the current context. */
+static inline aclrtStream new_stream(void)
+{
+    aclrtStream s = NULL;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    assert_non_null(s);
+    return s;
+}
+
 /* Starts a fresh runtime with the given configuration and device 0 current. */
 static inline void start_runtime(int count, uint64_t hbm, uint64_t huge, uint64_t huge1g, uint64_t ddr)
 {
