@@ -61,21 +61,15 @@ RT_DOC(set_device, "device_id", "ret",
 static PyObject *rt_set_device(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("set_device", 1);
-    bool bad = false;
     int32_t dev = 0;
-    RT_ARG(arg_i32, 0, "device_id", dev);
-    if (bad)
-        return ret_or_init_error(ACL_ERROR_RT_INVALID_DEVICEID);
+    RT_ARG_OR(arg_i32, 0, "device_id", dev, BAD_DEVICE);
     return ret_or_init_error(aclrtSetDevice(dev));
 }
 
 static PyObject *do_reset(const char *fn, aclError (*reset)(int32_t), PyObject *const *args)
 {
-    bool bad = false;
     int32_t dev = 0;
-    RT_ARG(arg_i32, 0, "device_id", dev);
-    if (bad)
-        return ret_or_init_error(ACL_ERROR_RT_INVALID_DEVICEID);
+    RT_ARG_OR(arg_i32, 0, "device_id", dev, BAD_DEVICE);
     aclError rc;
     CALL_NOGIL(rc = reset(dev));
     return ret_or_init_error(rc);
@@ -113,11 +107,8 @@ RT_DOC(create_context, "device_id", "(context, ret)",
 static PyObject *rt_create_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     RT_BEGIN("create_context", 1);
-    bool bad = false;
     int32_t dev = 0;
-    RT_ARG(arg_i32, 0, "device_id", dev);
-    if (bad)
-        return ret_u64(0, ACL_ERROR_RT_INVALID_DEVICEID);
+    RT_ARG_OR(arg_i32, 0, "device_id", dev, BAD_DEVICE);
     aclrtContext context = NULL;
     aclError rc = aclrtCreateContext(&context, dev);
     return ret_handle(context, rc);
