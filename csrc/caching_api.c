@@ -665,21 +665,26 @@ aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream,
     return ACL_SUCCESS;
 }
 
-/* A stream handle must name a live stream (0 = the default stream). */
-static bool stream_exists(uint64_t stream)
+/* A stream id must name a live stream (stream_acquire_id). */
+static bool stream_exists(int32_t device, uint64_t stream)
 {
-    if (stream == 0)
-        return true;
     npu_stream *s;
-    if (stream_acquire((aclrtStream)(uintptr_t)stream, &s) != ACL_SUCCESS)
+    if (stream_acquire_id(device, stream, &s) != ACL_SUCCESS)
         return false;
     stream_release(s);
     return true;
 }
 
-aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
+/* The id the block's use list keeps for `stream` of `device` (-1: the block's device): 0 names the
+ * block's device's default stream, so another device's default stream gets an id of its own. */
+static uint64_t use_id(const device_cache *dc, int32_t device, uint64_t stream)
 {
-    if (!stream_exists(stream)) {
+    return stream == 0 && device >= 0 && device != dc->device ? stream_default_id(device) : stream;
+}
+
+static aclError record_stream(void *ptr, int32_t device, uint64_t stream)
+{
+    if ((stream != 0 || device >= 0) && !stream_exists(device, stream)) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: %#llx is not a live stream", (unsigned long long)stream);
         return ACL_ERROR_INVALID_PARAM;
     }
@@ -688,16 +693,29 @@ aclError npualloc_cache_record_stream(void *ptr, uint64_t stream)
     device_cache *dc;
     cache_block *b = locked_block(ptr, &dc);
     aclError grc; /* graph capture hook (graph.c): graph memory's FREE node also waits for the stream */
-    if (!b)
-        return unlikely(graph_capture_active()) && graph_record_stream(ptr, stream, &grc) ? grc : ACL_ERROR_INVALID_PARAM;
-    aclError rc = cache_record_stream_locked(dc, b, stream);
+    if (!b) {
+        uint64_t id = stream == 0 && device >= 0 ? stream_default_id(device) : stream;
+        return unlikely(graph_capture_active()) && graph_record_stream(ptr, id, &grc) ? grc : ACL_ERROR_INVALID_PARAM;
+    }
+    aclError rc = cache_record_stream_locked(dc, b, use_id(dc, device, stream));
     cache_lock_release(&dc->lock);
     if (rc != ACL_SUCCESS)
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: out of host memory");
     return rc;
 }
 
-aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
+aclError npualloc_cache_record_stream(void *ptr, uint64_t stream) { return record_stream(ptr, -1, stream); }
+
+aclError npualloc_cache_record_stream_on(void *ptr, int32_t device, uint64_t stream)
+{
+    if (!device_valid(device)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: %d is not a device", (int)device);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return record_stream(ptr, device, stream);
+}
+
+static aclError erase_stream(void *ptr, int32_t device, uint64_t stream)
 {
     if (unlikely(pluggable_active()) && pluggable_info(ptr, NULL, NULL, NULL))
         return ACL_SUCCESS; /* as record_stream */
@@ -705,9 +723,20 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream)
     cache_block *b = locked_block(ptr, &dc);
     if (!b)
         return ACL_ERROR_INVALID_PARAM;
-    cache_erase_stream_locked(dc, b, stream);
+    cache_erase_stream_locked(dc, b, use_id(dc, device, stream));
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream) { return erase_stream(ptr, -1, stream); }
+
+aclError npualloc_cache_erase_stream_on(void *ptr, int32_t device, uint64_t stream)
+{
+    if (!device_valid(device)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "erase_stream: %d is not a device", (int)device);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    return erase_stream(ptr, device, stream);
 }
 
 /* ---- the uncached path (PYTORCH_NO_NPU_MEMORY_CACHING) ---- */

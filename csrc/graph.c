@@ -1336,15 +1336,11 @@ bool graph_capture_memop(aclrtStream stream, void *dst, const void *src, size_t 
  * Hooks: allocation, free, record_stream
  * ------------------------------------------------------------------------------------------ */
 
-static aclError stream_of(int32_t device, uint64_t stream, npu_stream **out)
-{
-    return stream ? stream_acquire((aclrtStream)(uintptr_t)stream, out) : stream_acquire_default(device, out);
-}
 
 bool graph_capture_malloc(int32_t device, size_t size, uint64_t stream, void **ptr, aclError *rc)
 {
     npu_stream *s;
-    if (!device_valid(device) || stream_of(device, stream, &s) != ACL_SUCCESS)
+    if (!device_valid(device) || stream_acquire_id(device, stream, &s) != ACL_SUCCESS)
         return false;
     if (!stream_capture_get(s)) {
         stream_release(s);
@@ -1490,7 +1486,7 @@ bool graph_record_stream(void *ptr, uint64_t stream, aclError *rc)
     }
     int32_t dev = g->device;
     pthread_mutex_unlock(&graph_lock);
-    if (r == ACL_SUCCESS && stream_of(dev, stream, &s) != ACL_SUCCESS) {
+    if (r == ACL_SUCCESS && stream_acquire_id(dev, stream, &s) != ACL_SUCCESS) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: %#llx is not a live stream", (unsigned long long)stream);
         r = ACL_ERROR_INVALID_PARAM;
     }

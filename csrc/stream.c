@@ -651,12 +651,42 @@ aclError stream_acquire_default(int32_t device, npu_stream **out)
     return rc;
 }
 
+/* Its own tag: no table hands out handles with it, so a default-stream id is never a live handle. */
+#define DEFAULT_STREAM_ID_TAG 'd'
+
+uint64_t stream_default_id(int32_t device)
+{
+    return device_valid(device) ? handle_make(DEFAULT_STREAM_ID_TAG, 0, (uint32_t)device) : 0;
+}
+
+/* A default-stream id's device, or `device` for 0; false for any other id. */
+static bool default_stream_of_id(int32_t device, uint64_t id, int32_t *out)
+{
+    if (id == 0) {
+        *out = device;
+        return true;
+    }
+    if (handle_tag(id) != DEFAULT_STREAM_ID_TAG)
+        return false;
+    *out = (int32_t)handle_index1(id) - 1;
+    return true;
+}
+
+aclError stream_acquire_id(int32_t device, uint64_t id, npu_stream **out)
+{
+    int32_t dev;
+    if (default_stream_of_id(device, id, &dev))
+        return stream_acquire_default(dev, out);
+    return stream_acquire((aclrtStream)(uintptr_t)id, out);
+}
+
 aclError stream_acquire_for_wait(int32_t device, uint64_t id, npu_stream **out)
 {
     if (!out)
         return ACL_ERROR_INVALID_PARAM;
-    if (id == 0)
-        return stream_acquire_default(device, out);
+    int32_t dev;
+    if (default_stream_of_id(device, id, &dev))
+        return stream_acquire_default(dev, out);
     pthread_mutex_lock(&table_lock);
     npu_stream *s = handle_table_get(&stream_table, id);
     if (s) {

@@ -105,6 +105,12 @@ aclError stream_acquire_default(int32_t device, npu_stream **out);
  * waiter (the caching allocator's reuse events) must still wait for.  ACL_ERROR_INVALID_PARAM
  * once nothing of the stream remains (then none of its work can still run). */
 aclError stream_acquire_for_wait(int32_t device, uint64_t id, npu_stream **out);
+/* An id naming `device`'s default stream for the two functions here that take ids, whatever device the
+ * user is on: every device's default stream has the handle 0, which they read as their own device's.
+ * (torch_npu's record_stream takes another device's default stream.)  0 for an invalid device. */
+uint64_t stream_default_id(int32_t device);
+/* Resolves an id as stream_acquire_for_wait does, but only while the stream is live (stream_acquire). */
+aclError stream_acquire_id(int32_t device, uint64_t id, npu_stream **out);
 /* A new stream made in `owner` at `generation` (an explicit context's default stream), whatever the current
  * context; ACL_ERROR_RT_CONTEXT_NULL if the context was destroyed meanwhile. */
 aclError stream_create_owned(const device_context *owner, uint32_t generation, aclrtStream *stream);

@@ -484,7 +484,7 @@ def erase_stream(ptr, stream):
         raise TypeError(f"ptr should be int or npualloc.Buffer, could not be {type(ptr)}" + _pta_error("TYPE"))
     if not isinstance(stream, Stream):
         raise TypeError(f"stream should be torch_npu.npu.Stream, could not be {type(stream)}" + _pta_error("TYPE"))
-    return _M._erase_stream(ptr, stream.npu_stream)
+    return _M._erase_stream(ptr, stream)
 
 
 def _set_allocator_settings(settings):

@@ -245,6 +245,58 @@ def test_record_stream_on_the_own_stream_still_waits(mem):
     assert alloc(1) == p
 
 
+def held_default_stream(device):
+    """held() on the default stream of `device` (handle 0 of whichever device is current)."""
+    npualloc.set_device(device)
+    try:
+        return held(0)
+    finally:
+        npualloc.set_device(0)
+
+
+def test_record_stream_with_another_devices_default_stream(mem):
+    # torch_npu records the event on the stream given, whatever its device.  Every default stream
+    # has the handle 0, so the device must come with it: device 1's is not the block's own.
+    gate = held_default_stream(1)
+    p = alloc(1)
+    npualloc.record_stream(p, npualloc.default_stream(1))
+    free(p)
+    assert block_of(p)["state"] == "active_pending_free"
+    q = alloc(1)
+    assert q != p                                # device 1's default stream has not passed the free
+    gate.set()
+    npualloc.synchronize(1)
+    assert alloc(1) == p
+    free(p)
+    # The other way round: device 0's default stream busy, device 1's idle default recorded.
+    gate = held_default_stream(0)
+    p2 = alloc(1)
+    buf = npualloc.empty(1)
+    buf.record_stream(npualloc.default_stream(1))  # the Buffer's record_stream too
+    npualloc.record_stream(p2, npualloc.default_stream(1))
+    free(p2)
+    p3 = alloc(1)
+    assert p3 == p2                              # device 1's default stream had nothing queued
+    gate.set()
+    npualloc.synchronize()
+    buf.free()
+    free(p3)
+    free(q)
+    check_all()
+
+
+def test_erase_stream_with_another_devices_default_stream(mem):
+    p = alloc(1)
+    npualloc.record_stream(p, npualloc.default_stream(1))
+    npualloc.erase_stream(p, npualloc.default_stream(1))   # the block's stream is current: erased
+    gate = held_default_stream(1)
+    free(p)
+    assert block_of(p)["state"] == "inactive"
+    gate.set()
+    npualloc.synchronize(1)
+    check_all()
+
+
 def test_a_free_deferred_by_a_pool_context_is_pending_in_the_snapshot(mem):
     # Inside use_mem_pool (a capture for torch) a freed block with stream uses waits with its
     # events not yet recorded: still active, so torch's snapshot shows it active_pending_free.

@@ -153,10 +153,16 @@ int npualloc_format_oom(const npualloc_oom_info *info, char *buf, size_t len);
 void npualloc_format_size(uint64_t size, char *buf, size_t len);
 
 /* Marks a live block as used on another stream: its memory is reused only after the work
- * queued on that stream when the block is freed has run. */
+ * queued on that stream when the block is freed has run.  `stream` is a stream handle of any
+ * device, or 0 for the default stream of the block's device. */
 aclError npualloc_cache_record_stream(void *ptr, uint64_t stream);
 /* torch_npu.erase_stream: forgets such a use (and cancels its pending event). */
 aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream);
+/* The same, with the stream's device given: 0 is then `device`'s default stream, which may be
+ * another device than the block's (as torch_npu's record_stream takes any device's stream).  A
+ * negative or unknown device is ACL_ERROR_INVALID_PARAM. */
+aclError npualloc_cache_record_stream_on(void *ptr, int32_t device, uint64_t stream);
+aclError npualloc_cache_erase_stream_on(void *ptr, int32_t device, uint64_t stream);
 
 /* Synchronizes the devices in use and returns every unused cached segment to them. */
 aclError npualloc_cache_empty(void);

@@ -410,6 +410,29 @@ static int resolve_stream(PyObject *obj, int32_t dev, uint64_t *out)
     return as_u64(obj, "caching_allocator_alloc", "stream", out);
 }
 
+static aclError record_stream_on(void *ptr, int32_t device, uint64_t stream)
+{
+    return device < 0 ? npualloc_cache_record_stream(ptr, stream) : npualloc_cache_record_stream_on(ptr, device, stream);
+}
+
+/* record_stream's and erase_stream's stream: *handle as resolve_stream gives it, and *device the
+ * device of an npualloc.Stream (-1 for an int, whose 0 is the block's device's default stream):
+ * each device's default stream has the handle 0. */
+static int resolve_stream_use(PyObject *obj, uint64_t *handle, int32_t *device)
+{
+    if (resolve_stream(obj, 0, handle) < 0)
+        return -1;
+    *device = -1;
+    if (PyLong_Check(obj))
+        return 0;
+    PyObject *d = PyObject_GetAttrString(obj, "device_index");
+    if (!d)
+        return -1;
+    int rc = as_i32(d, "Stream", "device_index", device);
+    Py_DECREF(d);
+    return rc;
+}
+
 /* Switches the thread to `dev` (lazily starting the current device first); *prev gets the
  * device to switch back to with restore_device. */
 static int enter_device(int32_t dev, int32_t *prev)
@@ -955,16 +978,17 @@ static PyObject *Buffer_record_stream(BufferObject *b, PyObject *stream)
         return NULL;
     }
     uint64_t h;
+    int32_t dev;
     if (stream == Py_None) {
         PyErr_SetString(PyExc_TypeError, "record_stream(): argument 'stream' must be npualloc.Stream or int");
         return NULL;
     }
-    if (resolve_stream(stream, b->device, &h) < 0)
+    if (resolve_stream_use(stream, &h, &dev) < 0)
         return NULL;
     if (!b->ptr || npualloc_caching_disabled())
         Py_RETURN_NONE; /* torch: memory not from the caching allocator is ignored */
     aclError rc;
-    LOCKING_CALL(rc = npualloc_cache_record_stream((void *)(uintptr_t)b->ptr, h));
+    LOCKING_CALL(rc = record_stream_on((void *)(uintptr_t)b->ptr, dev, h));
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     Py_RETURN_NONE;
@@ -1414,24 +1438,26 @@ static PyObject *m_record_stream(PyObject *self, PyObject *const *args, Py_ssize
     if (!check_nargs("record_stream", nargs, 2))
         return NULL;
     uint64_t p, h;
-    if (as_u64(args[0], "record_stream", "ptr", &p) < 0 || resolve_stream(args[1], 0, &h) < 0)
+    int32_t dev;
+    if (as_u64(args[0], "record_stream", "ptr", &p) < 0 || resolve_stream_use(args[1], &h, &dev) < 0)
         return NULL;
     aclError rc;
-    LOCKING_CALL(rc = npualloc_cache_record_stream((void *)(uintptr_t)p, h));
+    LOCKING_CALL(rc = record_stream_on((void *)(uintptr_t)p, dev, h));
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     Py_RETURN_NONE;
 }
 
-/* _erase_stream(ptr, stream_handle): torch_npu erases only when the block's own stream is the
- * current stream of its device; otherwise it silently does nothing. */
+/* _erase_stream(ptr, stream): torch_npu erases only when the block's own stream is the current
+ * stream of its device; otherwise it silently does nothing. */
 static PyObject *m_erase_stream(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (!check_nargs("erase_stream", nargs, 2))
         return NULL;
     uint64_t p, h;
-    if (as_u64(args[0], "erase_stream", "ptr", &p) < 0 || as_u64(args[1], "erase_stream", "stream", &h) < 0)
+    int32_t stream_dev;
+    if (as_u64(args[0], "erase_stream", "ptr", &p) < 0 || resolve_stream_use(args[1], &h, &stream_dev) < 0)
         return NULL;
     int32_t dev;
     uint64_t own;
@@ -1441,7 +1467,8 @@ static PyObject *m_erase_stream(PyObject *self, PyObject *const *args, Py_ssize_
         return raise_cache_error(rc);
     if (own != current_stream_of(dev))
         Py_RETURN_NONE;
-    LOCKING_CALL(rc = npualloc_cache_erase_stream((void *)(uintptr_t)p, h));
+    LOCKING_CALL(rc = stream_dev < 0 ? npualloc_cache_erase_stream((void *)(uintptr_t)p, h)
+                                     : npualloc_cache_erase_stream_on((void *)(uintptr_t)p, stream_dev, h));
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     Py_RETURN_NONE;

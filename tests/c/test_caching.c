@@ -680,6 +680,43 @@ static void test_record_stream_delays_reuse_until_stream_work_ran(void **state)
     check();
 }
 
+/* Every device's default stream is the handle 0: npualloc_cache_record_stream_on says whose. */
+static void test_record_stream_on_another_devices_default_stream(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    static atomic_int gate;
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    hold_stream(NULL, &gate); /* device 1's default stream is busy */
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    void *a = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream_on(a, 1, 0), ACL_SUCCESS);
+    npualloc_cache_free(a);
+    void *b = alloc(1000);
+    int64_t active_while_held = stats().active[ALL].current;
+    atomic_store(&gate, 1);
+    assert_int_equal(active_while_held, 2); /* a waits for device 1's default stream */
+    assert_ptr_not_equal(a, b);
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    npualloc_cache_free(b);
+    assert_ptr_equal(alloc(1000), a);
+    /* Device 0 (the block's own) given explicitly is the same use as 0; erase_stream_on finds it. */
+    assert_int_equal(npualloc_cache_record_stream_on(a, 0, 0), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_stream_on(a, 1, 0), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_erase_stream(a, 0), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_erase_stream_on(a, 1, 0), ACL_SUCCESS);
+    npualloc_cache_free(a);
+    assert_int_equal(stats().active[ALL].current, 0); /* no use left: freed at once */
+    void *c = alloc(1000);
+    assert_int_equal(npualloc_cache_record_stream_on(c, 2, 0), ACL_ERROR_INVALID_PARAM); /* 2 devices */
+    assert_int_equal(npualloc_cache_record_stream_on(c, -1, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_erase_stream_on(c, 7, 0), ACL_ERROR_INVALID_PARAM);
+    npualloc_cache_free(c);
+    check();
+}
+
 /* A block recorded on `stream`, whose queued work (which may use it) is held until *gate opens. */
 static void *block_used_by_held_stream(aclrtStream stream, atomic_int *gate)
 {
@@ -1241,6 +1278,7 @@ int main(void)
         cmocka_unit_test_teardown(test_garbage_collection_frees_oldest_segments_first, stop_cache),
         cmocka_unit_test_teardown(test_garbage_collection_ages_count_a_miss_once_through_the_cached_path, stop_cache),
         cmocka_unit_test_teardown(test_record_stream_delays_reuse_until_stream_work_ran, stop_cache),
+        cmocka_unit_test_teardown(test_record_stream_on_another_devices_default_stream, stop_cache),
         cmocka_unit_test_teardown(test_free_waits_for_a_recorded_stream_being_destroyed, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_waits_for_another_devices_stream_without_the_lock, stop_cache),
 #if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
