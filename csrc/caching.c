@@ -505,10 +505,7 @@ static aclError segment_take(device_cache *dc, const alloc_params *p, void **ptr
     aclError rc = be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, true, ptr);
     if (rc != ACL_ERROR_RT_MEMORY_ALLOCATION)
         return rc;
-    cache_push_warning("The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M memory "
-                       "page may result in performance degradation. This warning occurs because the "
-                       "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated number "
-                       "of 1G large pages is insufficient or 1G large-page memory pre-allocation is not enabled.");
+    cache_warn_1g_fallback();
     return be->segment_alloc(dc->backend_ctx, dc->device, p->alloc_size, false, ptr);
 }
 

@@ -433,6 +433,8 @@ void caching_atfork_child(void);
 /* ---- errors (caching_api.c) ---- */
 void cache_set_error(npualloc_error_kind kind, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 void cache_push_warning(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* torch_npu's warning that a page_size:1g allocation fell back to 2 MiB pages; once a process, as there. */
+void cache_warn_1g_fallback(void);
 
 size_t cache_round_size(const alloc_settings *settings, size_t pad, size_t size);
 /* The backend of the virtual NPU's devices. */

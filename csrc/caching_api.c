@@ -99,6 +99,20 @@ void cache_push_warning(const char *fmt, ...)
     pthread_mutex_unlock(&warning_lock);
 }
 
+/* torch_npu's TORCH_NPU_WARN_ONCE: once a process (a fork inherits it); a runtime started again after
+ * npualloc_shutdown warns again, as a new process would. */
+static atomic_bool warned_1g_fallback;
+
+void cache_warn_1g_fallback(void)
+{
+    if (!atomic_exchange(&warned_1g_fallback, true))
+        cache_push_warning("The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M "
+                           "memory page may result in performance degradation. This warning occurs because the "
+                           "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated "
+                           "number of 1G large pages is insufficient or 1G large-page memory pre-allocation is not "
+                           "enabled.");
+}
+
 bool npualloc_has_warnings(void) { return warnings_pending != 0; }
 
 bool npualloc_pop_warning(char *buf, size_t len)
@@ -1179,6 +1193,7 @@ void caching_shutdown(void)
     atomic_store(&record_level, NPUALLOC_RECORD_NEVER);
     memset(&settings_error, 0, sizeof settings_error);
     atomic_store_explicit(&caching_disabled, -1, memory_order_relaxed);
+    atomic_store(&warned_1g_fallback, false);
     pthread_mutex_unlock(&api_lock);
 }
 

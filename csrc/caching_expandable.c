@@ -112,11 +112,7 @@ static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t in
     bool huge1g = es->page_size == K_EXTRA_LARGE_BUFFER && !es->pool->is_small;
     aclError rc = dc->backend->map_page(dc->backend_ctx, dc->device, va, es->page_size, huge1g, &handle);
     if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION && huge1g) {
-        cache_push_warning(
-            "The malloc 1G large-page physical memory failed, so malloc 2M page memory.Using the 2M memory "
-            "page may result in performance degradation. This warning occurs because the "
-            "PYTORCH_NPU_ALLOC_CONF = page_size:1g configuration is enabled, but the pre-allocated number of "
-            "1G large pages is insufficient or 1G large-page memory pre-allocation is not enabled.");
+        cache_warn_1g_fallback();
         rc = dc->backend->map_page(dc->backend_ctx, dc->device, va, es->page_size, false, &handle);
     }
     if (rc == ACL_SUCCESS)

@@ -594,6 +594,10 @@ def test_warnings_become_user_warnings(mem):
         warnings.simplefilter("error")
         q = alloc(1)                             # small pool: no 1 GiB pages, no warning
         free(q)
+        npualloc.empty_cache()
+        r = alloc(30 * MiB)                      # a second fallback: torch_npu warns once a process
+        assert segment_of(r)["total_size"] == GiB
+        free(r)
 
 
 def test_devices_and_backend(mem):

@@ -318,6 +318,9 @@ static void test_page_size_1g_without_1g_pages_warns_and_falls_back(void **state
     npualloc_stats s = stats();
     assert_int_equal(s.reserved_bytes[NPUALLOC_STAT_ALL].current, GiB_);
     assert_int_equal(free_of(ACL_HBM_MEM_HUGE), 7 * GiB_);
+    alloc(1100 * MiB_); /* a second fallback: torch_npu warns once a process */
+    assert_int_equal(free_of(ACL_HBM_MEM_HUGE), 5 * GiB_);
+    assert_false(pop_warning_containing("1G large-page"));
     check();
 }
 
