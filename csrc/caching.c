@@ -650,6 +650,9 @@ static void release_blocks(device_cache *dc, block_pool *pool, bool keep_pages)
 /* Returns every whole cached segment to the device (torch's release_cached_blocks). */
 static void pool_destroy(device_cache *dc, private_pool *pp)
 {
+    /* its kept pages too: nothing else could map them again (torch_npu's BlockPool would leak them) */
+    expandable_free_cached_pages(dc, &pp->small);
+    expandable_free_cached_pages(dc, &pp->large);
     block_pool_destroy(&pp->small);
     block_pool_destroy(&pp->large);
     for (private_pool **link = &dc->private_pools; *link; link = &(*link)->next) {
@@ -679,6 +682,10 @@ static void release_freeable_pool(device_cache *dc, private_pool *pp, bool keep_
         return;
     release_blocks(dc, &pp->large, keep_pages);
     release_blocks(dc, &pp->small, keep_pages);
+    if (!keep_pages) {
+        expandable_free_cached_pages(dc, &pp->large);
+        expandable_free_cached_pages(dc, &pp->small);
+    }
     if (pp->segments == 0) /* every block, free or unmapped, lies in a counted segment */
         pool_destroy(dc, pp);
 }
@@ -693,7 +700,7 @@ static bool release_cached_blocks(device_cache *dc, bool keep_pages)
         release_freeable_pool(dc, pp, keep_pages);
     }
     if (!keep_pages)
-        expandable_free_cached_pages(dc);
+        expandable_free_cached_pages(dc, NULL);
     return true;
 }
 

@@ -173,10 +173,11 @@ typedef struct pool_route {
     bool owns_ref;         /* a begin's route holds a reference; a joined one is covered by it */
 } pool_route;
 
-/* Physical pages unmapped by empty_virt_addr_cache, kept for the next map. */
+/* Physical pages unmapped by empty_virt_addr_cache, kept for the pool's next map. */
 typedef struct cached_page {
     uint64_t handle;
     size_t size;
+    const struct block_pool *pool; /* the pool that unmapped it, and alone maps it again */
 } cached_page;
 
 /* Where a cache gets its segments: the virtual NPU (vmm.c) for real devices, a simulated
@@ -337,8 +338,8 @@ cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t st
 void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages);
 /* Gives back the segments of the pool with nothing mapped (whose first mapping failed). */
 void expandable_release_unmapped_segments(device_cache *dc, block_pool *pool);
-/* Frees every page kept by empty_virt_addr_cache. */
-void expandable_free_cached_pages(device_cache *dc);
+/* Frees the pages a pool kept (empty_virt_addr_cache), or every pool's for NULL. */
+void expandable_free_cached_pages(device_cache *dc, const block_pool *pool);
 void expandable_release_all(device_cache *dc, bool return_memory);
 
 /* ---- shared state (caching_api.c) ---- */

@@ -74,11 +74,12 @@ static void segment_destroy(device_cache *dc, expandable_segment *es)
     free(es);
 }
 
-/* Takes a kept page of the right size, if any (LIFO). */
-static uint64_t take_cached_page(device_cache *dc, size_t size)
+/* Takes a kept page of the right size that the pool kept, if any (LIFO).  As torch_npu's BlockPool
+ * free_physical_handles_: a pool maps only the pages it unmapped itself. */
+static uint64_t take_cached_page(device_cache *dc, const block_pool *pool, size_t size)
 {
     for (size_t i = dc->cached_page_count; i-- > 0;) {
-        if (dc->cached_pages[i].size == size) {
+        if (dc->cached_pages[i].size == size && dc->cached_pages[i].pool == pool) {
             uint64_t h = dc->cached_pages[i].handle;
             dc->cached_pages[i] = dc->cached_pages[--dc->cached_page_count];
             return h;
@@ -87,20 +88,20 @@ static uint64_t take_cached_page(device_cache *dc, size_t size)
     return 0;
 }
 
-static void keep_cached_page(device_cache *dc, uint64_t handle, size_t size)
+static void keep_cached_page(device_cache *dc, const block_pool *pool, uint64_t handle, size_t size)
 {
     if (!ARRAY_RESERVE(dc->cached_pages, dc->cached_page_capacity, dc->cached_page_count + 1, 16)) {
         dc->backend->free_page(dc->backend_ctx, dc->device, handle); /* out of host memory: not kept */
         return;
     }
-    dc->cached_pages[dc->cached_page_count++] = (cached_page){handle, size};
+    dc->cached_pages[dc->cached_page_count++] = (cached_page){handle, size, pool};
 }
 
 /* `*kept_used` is incremented when the page mapped is a kept one. */
 static aclError map_one_page(device_cache *dc, expandable_segment *es, size_t index, size_t *kept_used)
 {
     uintptr_t va = es->base + index * es->page_size;
-    uint64_t handle = take_cached_page(dc, es->page_size);
+    uint64_t handle = take_cached_page(dc, es->pool, es->page_size);
     if (handle) {
         if (dc->backend->remap_page(dc->backend_ctx, dc->device, va, es->page_size, handle) == ACL_SUCCESS) {
             es->handles[index] = handle;
@@ -160,7 +161,7 @@ static void segment_unmap_undo(device_cache *dc, expandable_segment *es, size_t 
         dc->backend->unmap_page(dc->backend_ctx, dc->device, es->base + i * es->page_size, es->page_size,
                                 es->handles[i], keep);
         if (keep) {
-            keep_cached_page(dc, es->handles[i], es->page_size);
+            keep_cached_page(dc, es->pool, es->handles[i], es->page_size);
             kept_used--;
         }
         es->handles[i] = 0;
@@ -200,7 +201,7 @@ static void segment_unmap(device_cache *dc, expandable_segment *es, uintptr_t pt
         uintptr_t va = es->base + i * es->page_size;
         dc->backend->unmap_page(dc->backend_ctx, dc->device, va, es->page_size, es->handles[i], keep);
         if (keep)
-            keep_cached_page(dc, es->handles[i], es->page_size);
+            keep_cached_page(dc, es->pool, es->handles[i], es->page_size);
         es->handles[i] = 0;
         es->mapped_pages--;
     }
@@ -403,11 +404,17 @@ void expandable_release_unmapped_segments(device_cache *dc, block_pool *pool)
     }
 }
 
-void expandable_free_cached_pages(device_cache *dc)
+void expandable_free_cached_pages(device_cache *dc, const block_pool *pool)
 {
-    for (size_t i = 0; i < dc->cached_page_count; i++)
-        dc->backend->free_page(dc->backend_ctx, dc->device, dc->cached_pages[i].handle);
-    dc->cached_page_count = 0;
+    size_t kept = 0;
+    for (size_t i = 0; i < dc->cached_page_count; i++) {
+        cached_page page = dc->cached_pages[i];
+        if (pool && page.pool != pool)
+            dc->cached_pages[kept++] = page;
+        else
+            dc->backend->free_page(dc->backend_ctx, dc->device, page.handle);
+    }
+    dc->cached_page_count = kept;
 }
 
 void expandable_release_all(device_cache *dc, bool return_memory)
@@ -426,7 +433,7 @@ void expandable_release_all(device_cache *dc, bool return_memory)
         free(es);
     }
     if (return_memory)
-        expandable_free_cached_pages(dc);
+        expandable_free_cached_pages(dc, NULL);
     free(dc->cached_pages);
     dc->cached_pages = NULL;
     dc->cached_page_count = dc->cached_page_capacity = 0;

@@ -651,6 +651,45 @@ def test_empty_virt_addr_cache_unmaps_but_keeps_physical_pages(mem):
     check_all()
 
 
+def test_pages_kept_by_empty_virt_addr_cache_belong_to_their_pool(mem):
+    # torch_npu keeps them per BlockPool (free_physical_handles_): a MemPool maps pages of its own.
+    mem(alloc_conf="expandable_segments:True")
+    p = alloc(40 * MiB - 32)                    # two 20 MiB pages of the default large pool
+    free(p)
+    npualloc.empty_virt_addr_cache()
+    hbm_free = _hbm_free()
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        q = alloc(40 * MiB - 32)                # two new pages, not the kept ones
+    assert _C.vmm_counts()["physical_handles"] == 4 and _hbm_free() == hbm_free - 40 * MiB
+    r = alloc(40 * MiB - 32)                    # the default pool maps its own kept pages again
+    assert _C.vmm_counts()["physical_handles"] == 4 and _hbm_free() == hbm_free - 40 * MiB
+    free(r)
+    free(q)
+    del pool                                    # nothing uses the pool's cached block any more
+    npualloc.empty_virt_addr_cache()
+    # The pool's pages were unmapped and kept, and the pool, holding no segment, was forgotten: no pool
+    # can map them again, so they went back to the device.  The default pool's are kept.
+    assert _C.vmm_counts()["physical_handles"] == 2 and _hbm_free() == hbm_free
+    npualloc.empty_cache()
+    assert _C.vmm_counts()["physical_handles"] == 0 and _hbm_free() == hbm_free + 40 * MiB
+    check_all()
+
+
+def test_a_mempool_cannot_take_the_default_pools_kept_pages(mem):
+    mem(alloc_conf="expandable_segments:True")  # 1 GiB device
+    p = alloc(600 * MiB)                        # 31 pages of 20 MiB
+    free(p)
+    npualloc.empty_virt_addr_cache()            # 620 MiB kept, 404 MiB free
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        with pytest.raises(npualloc.OutOfMemoryError, match=r"Tried to allocate 602\.00 MiB .* 404\.00 MiB free;"):
+            alloc(600 * MiB)
+    assert stat("num_ooms") == 1
+    del pool
+    check_all()
+
+
 def test_empty_virt_addr_cache_releases_plain_segments_like_torch_npu(mem):
     p = alloc(5 * MiB)                          # a plain 20 MiB segment, made before expandable was on
     free(p)

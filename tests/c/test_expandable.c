@@ -571,10 +571,11 @@ static void test_map_without_host_memory_keeps_the_kept_pages(void **state)
     npualloc_vmm_counts c;
     npualloc_vmm_counts_get(&c);
     assert_int_equal(c.physical_handles, 2);
-    /* In a private pool, so the failed allocation ends without the last resort (which frees the
-     * kept pages anyway). */
-    npualloc_mempool_id id;
-    route_to_new_pool(&id);
+    /* A route to a private pool (for another stream: the allocations here stay in the default pool,
+     * whose pages were kept) makes the failed allocation end without the last resort, which would
+     * free the kept pages anyway. */
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_STREAM, 0x5eed), ACL_SUCCESS);
     device_cache *dc = cache_device(0);
     cache_block *spare = dc->spare_blocks, *rest = spare->free_link;
     spare->free_link = NULL; /* one spare struct: the new segment gets it, the map's rest finds none */
