@@ -338,13 +338,21 @@ static void insert_deferred_events(device_cache *dc)
         insert_events(dc, dc->deferred[i]);
 }
 
-/* Completes, per stream in FIFO order, the frees whose events have passed or were inserted up to
- * `last_seq` (0: none of them). */
+/* Is the event's free complete: its stream passed it, or it is one of those synchronize_and_free_events
+ * waited for (inserted up to `last_seq`), but not on the stream whose task is calling, which that could
+ * not wait for: its queued work may still use the block. */
+static inline bool event_done(const pending_event *e, uint64_t last_seq)
+{
+    return stream_passed(e->stream, e->position) || (e->seq <= last_seq && !stream_waits_for_self(e->stream));
+}
+
+/* Completes, per stream in FIFO order, the frees whose events are done (event_done; `last_seq` 0:
+ * only those passed). */
 static void complete_events_up_to(device_cache *dc, uint64_t last_seq)
 {
     for (size_t i = 0; i < dc->queue_count; i++) {
         event_queue *q = &dc->queues[i];
-        while (q->head && (q->head->seq <= last_seq || stream_passed(q->head->stream, q->head->position))) {
+        while (q->head && event_done(q->head, last_seq)) {
             pending_event *e = q->head;
             q->head = e->next;
             if (!q->head)
@@ -370,7 +378,7 @@ static inline void process_events(device_cache *dc)
 
 /* The first event inserted up to `last_seq` whose position has not passed yet and can be waited
  * for, or NULL.  One on the stream whose task is calling cannot (the wait would return at once):
- * it is completed without waiting, as it always was. */
+ * its free stays pending. */
 static pending_event *first_unpassed_event(device_cache *dc, uint64_t last_seq)
 {
     for (size_t i = 0; i < dc->queue_count; i++)

@@ -379,6 +379,21 @@ static device_cache *cache_get(int32_t device)
     return dc;
 }
 
+/* cache_get with the cache's lock held; NULL (error set) also when a shutdown reset the cache between
+ * the two, as it may while another thread calls in: its settings are gone then. */
+static device_cache *cache_acquire(int32_t device)
+{
+    device_cache *dc = cache_get(device);
+    if (!dc)
+        return NULL;
+    cache_lock_acquire(&dc->lock);
+    if (likely(dc->started))
+        return dc;
+    cache_lock_release(&dc->lock);
+    cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: the runtime was shut down during the call");
+    return NULL;
+}
+
 device_cache *cache_device(int32_t device) { return cache_get(device); }
 
 /* ---- a pluggable allocator in its place (pluggable.c) ---- */
@@ -585,11 +600,10 @@ aclError npualloc_cache_malloc_ctx(int32_t device, size_t size, uint64_t stream,
         npualloc_oom_info info = {.device = device, .over_1eb = true, .requested = size};
         return report_oom(&info);
     }
-    device_cache *dc = cache_get(device);
+    device_cache *dc = cache_acquire(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
     npualloc_oom_info oom;
-    cache_lock_acquire(&dc->lock);
     dc->current_ctx = ctx;
     aclError rc = cache_malloc_locked(dc, size, stream, ptr, &oom);
     dc->current_ctx = NULL;
@@ -608,6 +622,10 @@ bool npualloc_cache_malloc_cached(int32_t device, size_t size, uint64_t stream, 
     device_cache *dc = &caches[device];
     if (!__atomic_load_n(&dc->started, __ATOMIC_ACQUIRE) || !cache_lock_try(&dc->lock))
         return false;
+    if (unlikely(!dc->started)) { /* a shutdown reset it meanwhile (cache_acquire) */
+        cache_lock_release(&dc->lock);
+        return false;
+    }
     dc->current_ctx = ctx;
     bool served = cache_malloc_cached_locked(dc, size, stream, ptr);
     dc->current_ctx = NULL;
@@ -846,7 +864,15 @@ npualloc_mempool_id npualloc_mempool_id_new(bool user_created)
 }
 
 /* Runs a pool operation on a started device under its lock. */
-#define WITH_DEVICE(device, expr)                                                                                      do {                                                                                                                   device_cache *dc_ = cache_get(device);                                                                             if (!dc_)                                                                                                              return ACL_ERROR_INVALID_PARAM;                                                                                cache_lock_acquire(&dc_->lock);                                                                                  aclError rc_ = (expr);                                                                                             cache_lock_release(&dc_->lock);                                                                                    return rc_;                                                                                                    } while (0)
+#define WITH_DEVICE(device, expr)                                                                              \
+    do {                                                                                                           \
+        device_cache *dc_ = cache_acquire(device);                                                                 \
+        if (!dc_)                                                                                                  \
+            return ACL_ERROR_INVALID_PARAM;                                                                        \
+        aclError rc_ = (expr);                                                                                     \
+        cache_lock_release(&dc_->lock);                                                                            \
+        return rc_;                                                                                                \
+    } while (0)
 
 aclError npualloc_cache_pool_create(int32_t device, npualloc_mempool_id id)
 {
@@ -912,10 +938,9 @@ aclError npualloc_cache_pool_empty(int32_t device, npualloc_mempool_id id)
 
 int npualloc_cache_pool_use_count(int32_t device, npualloc_mempool_id id)
 {
-    device_cache *dc = cache_get(device);
+    device_cache *dc = cache_acquire(device);
     if (!dc)
         return 0;
-    cache_lock_acquire(&dc->lock);
     private_pool *pp = cache_pool_find(dc, id);
     int n = pp ? pp->use_count : 0;
     cache_lock_release(&dc->lock);
@@ -980,10 +1005,9 @@ aclError npualloc_cache_set_fraction(int32_t device, double fraction)
         cache_set_error(NPUALLOC_ERR_RUNTIME, "invalid fraction:%g. Please set within [0, 1].", fraction);
         return ACL_ERROR_INVALID_PARAM;
     }
-    device_cache *dc = cache_get(device);
+    device_cache *dc = cache_acquire(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    cache_lock_acquire(&dc->lock);
     cache_set_fraction_locked(dc, fraction);
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
@@ -991,10 +1015,9 @@ aclError npualloc_cache_set_fraction(int32_t device, double fraction)
 
 aclError npualloc_cache_get_fraction(int32_t device, double *fraction)
 {
-    device_cache *dc = fraction ? cache_get(device) : NULL;
+    device_cache *dc = fraction ? cache_acquire(device) : NULL;
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    cache_lock_acquire(&dc->lock);
     *fraction = dc->set_fraction ? dc->fraction : 1.0;
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
@@ -1002,10 +1025,9 @@ aclError npualloc_cache_get_fraction(int32_t device, double *fraction)
 
 aclError npualloc_cache_get_stats(int32_t device, npualloc_stats *out)
 {
-    device_cache *dc = out ? cache_get(device) : NULL;
+    device_cache *dc = out ? cache_acquire(device) : NULL;
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    cache_lock_acquire(&dc->lock);
     cache_stats_read(&dc->stats, out);
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
@@ -1028,10 +1050,9 @@ static void reset_accumulated_stat(npualloc_stat *s) { s->allocated = s->freed =
 
 aclError npualloc_cache_reset_peak(int32_t device)
 {
-    device_cache *dc = cache_get(device);
+    device_cache *dc = cache_acquire(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    cache_lock_acquire(&dc->lock);
     cache_stats_reset_peak(&dc->stats);
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
@@ -1039,10 +1060,9 @@ aclError npualloc_cache_reset_peak(int32_t device)
 
 aclError npualloc_cache_reset_accumulated(int32_t device)
 {
-    device_cache *dc = cache_get(device);
+    device_cache *dc = cache_acquire(device);
     if (!dc)
         return ACL_ERROR_INVALID_PARAM;
-    cache_lock_acquire(&dc->lock);
     each_stat(&dc->stats, reset_accumulated_stat);
     dc->stats.num_alloc_retries = 0;
     dc->stats.num_ooms = 0;
@@ -1058,12 +1078,11 @@ aclError npualloc_cache_check(int32_t device, char *why, size_t len)
 {
     if (!why && len) /* a message of len bytes would be written through why */
         return ACL_ERROR_INVALID_PARAM;
-    device_cache *dc = cache_get(device);
+    device_cache *dc = cache_acquire(device);
     if (!dc) {
         snprintf(why, len, "%s", last_message);
         return ACL_ERROR_INVALID_PARAM;
     }
-    cache_lock_acquire(&dc->lock);
     aclError rc = cache_check_locked(dc, why, len);
     cache_lock_release(&dc->lock);
     return rc;
@@ -1158,10 +1177,9 @@ aclError npualloc_cache_record_history_opts(bool enabled, npualloc_record_contex
         max_entries = 1;
     int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
     for (int d = 0; d < count; d++) {
-        device_cache *dc = cache_get(d);
+        device_cache *dc = cache_acquire(d);
         if (!dc)
             return ACL_ERROR_INVALID_PARAM;
-        cache_lock_acquire(&dc->lock);
         history_keep_newest(dc, enabled && !opts->clear_history ? max_entries : 0);
         dc->record_context = level;
         dc->history_skip = opts->skip_actions;

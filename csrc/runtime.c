@@ -113,8 +113,10 @@ void npualloc_vmm_counts_get(npualloc_vmm_counts *out)
     out->fds_kept = (size_t)host_fds_kept();
 }
 
-void npualloc_shutdown(void)
+aclError npualloc_shutdown(void)
 {
+    if (npualloc_in_stream_task())
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT; /* it would have to wait for the task's own stream */
     atomic_fetch_add(&generation, 1); /* nothing of the old runtime is used while it shuts down */
     ipc_shutdown(); /* sharing: first, it drops the pins other processes hold on cached blocks */
     pluggable_shutdown(); /* the caching allocator is current again; the library is not told */
@@ -127,4 +129,5 @@ void npualloc_shutdown(void)
     device_shutdown();
     atomic_store(&acl_session, false);
     atomic_fetch_add(&generation, 1); /* nor anything made while it did */
+    return ACL_SUCCESS;
 }

@@ -52,7 +52,8 @@ def restart(alloc_conf="", *, no_caching=False, device_count=None, device_memory
     The device values are those of :func:`npualloc.configure`; the ones not given come from the
     ``NPUALLOC_*`` environment or the defaults.  The settings are parsed at once: a malformed
     ``alloc_conf`` raises here (``ValueError`` or ``RuntimeError``, with torch_npu's message) and leaves
-    the runtime stopped, its variables cleared.
+    the runtime stopped, its variables cleared.  As ``aclFinalize``, it is for a moment when no other thread
+    uses the runtime; from a stream's callback it raises ``RuntimeError`` and changes nothing.
     """
     if not isinstance(alloc_conf, str):
         raise TypeError(f"restart() argument 'alloc_conf' must be str, not {type(alloc_conf).__name__}")

@@ -285,6 +285,38 @@ def test_record_stream_with_another_devices_default_stream(mem):
     check_all()
 
 
+def test_a_free_waiting_for_a_stream_stays_pending_when_that_streams_callback_empties_the_cache(mem):
+    # A callback of `side` cannot wait for `side`: the free that waits for `side`'s memset (queued after
+    # the callback) must stay pending through the callback's empty_cache and allocation.
+    from npualloc import acl
+    n = 8 * MiB
+    side = npualloc.Stream()
+    p = alloc(n)
+    npualloc.record_stream(p, side)
+    gate = threading.Event()
+    seen = {}
+
+    def callback(_):
+        gate.wait(60)
+        npualloc.empty_cache()
+        q = alloc(n)
+        acl.rt.memset(q, n, 0, n)
+        seen["q"] = q
+        seen["state"] = block_of(p)["state"]
+
+    assert acl.rt.launch_callback(callback, None, acl.ACL_CALLBACK_BLOCK, side.npu_stream) == 0
+    assert acl.rt.memset_async(p, n, 0x5A, n, side.npu_stream) == 0   # side still uses p after the callback
+    free(p)
+    gate.set()
+    side.synchronize()
+    assert seen["state"] == "active_pending_free" and seen["q"] != p
+    assert acl.util.ptr_to_bytes(seen["q"], 4) == bytes(4)           # not overwritten by p's memset
+    assert alloc(n) == p                                               # side passed the memset: reused now
+    free(p)
+    free(seen["q"])
+    check_all()
+
+
 def test_erase_stream_with_another_devices_default_stream(mem):
     p = alloc(1)
     npualloc.record_stream(p, npualloc.default_stream(1))

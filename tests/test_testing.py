@@ -63,6 +63,30 @@ def test_restart_makes_old_objects_stale(clean):
     testing.check_invariants()
 
 
+def test_restart_from_a_stream_callback_is_refused(clean):
+    # It would wait for every stream, the callback's own included: refused, and the runtime lives on.
+    from npualloc import acl
+    testing.restart()
+    s = npualloc.Stream()
+    p = npualloc.caching_allocator_alloc(4096)
+    seen = []
+
+    def callback(_):
+        try:
+            testing.restart()
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    assert acl.rt.launch_callback(callback, None, acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+    s.synchronize()
+    assert seen == ["npualloc: the runtime cannot be shut down from a stream's task (error 207000): it would "
+                    "wait for that task's own stream"]
+    assert acl.rt.memset_async(p, 4096, 1, 4096, s.npu_stream) == 0   # the stream and the memory still live
+    s.synchronize()
+    assert acl.util.ptr_to_bytes(p, 2) == b"\x01\x01"
+    npualloc.caching_allocator_delete(p)
+
+
 def test_restart_with_bad_settings_raises_at_once(clean):
     with pytest.raises(ValueError, match="Unrecognized key 'no_such_key' in NPU allocator config"):
         testing.restart("no_such_key:1", device_count=1, device_memory="1GiB")

@@ -417,8 +417,11 @@ typedef struct npualloc_vmm_counts {
 void npualloc_vmm_counts_get(npualloc_vmm_counts *out);
 
 /* Releases every resource (memory, streams, events) and stops the devices; the next call
- * starts them again.  Tests use it before checking for leaks. */
-void npualloc_shutdown(void);
+ * starts them again.  Tests use it before checking for leaks.  As aclFinalize, it must not run
+ * while other threads still call into the runtime: a call racing it may fail, or use what it
+ * releases.  Refused from a stream's task (a callback) with ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+ * changing nothing: it would wait for that task's own stream. */
+aclError npualloc_shutdown(void);
 /* Changes whenever the runtime's objects go away (npualloc_shutdown, a fork child): pointers
  * remembered from an older generation may name someone else's memory now.  (Physical memory,
  * stream and event handles never do: an old one is refused as stale.) */

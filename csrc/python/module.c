@@ -111,8 +111,18 @@ static PyObject *py_shutdown(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    Py_BEGIN_ALLOW_THREADS npualloc_shutdown();
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    aclError rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = npualloc_shutdown();
+    Py_END_ALLOW_THREADS
+    if (rc != ACL_SUCCESS) {
+        PyErr_Format(PyExc_RuntimeError,
+                     "npualloc: the runtime cannot be shut down from a stream's task (error %d): it would wait "
+                     "for that task's own stream",
+                     (int)rc);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 /* sleep(seconds, stream) -> ret: queues a delay on a stream (0/None = default stream). */

@@ -227,6 +227,28 @@ static void test_current_device_is_per_thread_and_checked(void **state)
     assert_int_equal(in_thread, ACL_ERROR_RT_CONTEXT_NULL);
 }
 
+static void cb_shutdown(void *user) { *(aclError *)user = npualloc_shutdown(); }
+
+/* A callback cannot shut the runtime down: shutdown waits for every stream, its own included. */
+static void test_shutdown_from_a_callback_is_refused_and_changes_nothing(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    aclrtStream st = new_stream();
+    void *dev = NULL;
+    assert_int_equal(aclrtMalloc(&dev, 4096, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    static aclError rc = ACL_SUCCESS;
+    uint64_t generation = npualloc_runtime_generation();
+    assert_int_equal(aclrtLaunchCallback(cb_shutdown, &rc, ACL_CALLBACK_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(rc, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(npualloc_runtime_generation(), generation);
+    assert_int_equal(aclrtMemset(dev, 4096, 7, 4096), ACL_SUCCESS); /* memory and stream still live */
+    assert_int_equal(aclrtFree(dev), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+    assert_int_equal(npualloc_shutdown(), ACL_SUCCESS);
+}
+
 static void test_reset_device_ends_context_after_last_reference(void **state)
 {
     (void)state;
@@ -306,6 +328,7 @@ int main(void)
         cmocka_unit_test_teardown(test_reset_device_ends_context_after_last_reference, stop_runtime),
         cmocka_unit_test_teardown(test_reset_device_force_drops_every_reference, stop_runtime),
         cmocka_unit_test_teardown(test_peer_access_rules, stop_runtime),
+        cmocka_unit_test_teardown(test_shutdown_from_a_callback_is_refused_and_changes_nothing, stop_runtime),
     };
     return cmocka_run_group_tests_name("devices", tests, NULL, NULL);
 }

@@ -16,7 +16,7 @@
 #define MS (1000000ull) /* nanoseconds */
 
 /* Defined only when runtime.c is linked in: then its pthread_atfork handlers are registered. */
-extern void npualloc_shutdown(void) __attribute__((weak));
+extern aclError npualloc_shutdown(void) __attribute__((weak));
 
 /* ---- helpers ---- */
 
