@@ -478,18 +478,20 @@ aclError npualloc_cache_set_settings(const char *text)
     }
     if (!runtime_started())
         return ACL_ERROR_UNINITIALIZE;
+    /* torch_npu empties the NPU streams first; then the change happens under every device lock.  The
+     * wait comes before api_lock: a queued callback may need that lock (a snapshot reads the settings),
+     * and so may fork's prepare handler while the forking thread holds what the callback waits for. */
+    for (int d = 0; d < device_count(); d++)
+        if (__atomic_load_n(&caches[d].started, __ATOMIC_ACQUIRE))
+            (void)stream_wait_device(d);
     if (!lock_settings())
         return ACL_ERROR_INVALID_PARAM;
     alloc_settings next = cache_settings;
     next.per_process_memory_fraction_set = false; /* set again only by a text that names the key */
     conf_result r;
+    /* A failed text changes what it set before its error (alloc_conf_parse_runtime), as in torch_npu. */
     conf_status st = alloc_conf_parse_runtime(text, &next, expandable_probe, NULL, &r);
     forward_warnings(&r);
-    /* torch_npu empties the NPU streams first; then the change happens under every device lock.  A
-     * failed text changes what it set before its error (alloc_conf_parse_runtime), as in torch_npu. */
-    for (int d = 0; d < device_count(); d++)
-        if (caches[d].started)
-            (void)stream_wait_device(d);
     for (int d = 0; d < NPU_MAX_DEVICES; d++)
         cache_lock_acquire(&caches[d].lock);
     if (st == CONF_OK && next.per_process_memory_fraction_set) {

@@ -317,6 +317,39 @@ def test_a_free_waiting_for_a_stream_stays_pending_when_that_streams_callback_em
     check_all()
 
 
+def test_settings_change_while_a_queued_callback_reads_the_settings():
+    # _set_allocator_settings waits for the streams; a callback queued there that takes a snapshot (which
+    # reads the settings) and a fork from another thread meanwhile must both get through.
+    code = """
+import os, threading
+import npualloc
+from npualloc import acl
+p = npualloc.caching_allocator_alloc(1000)
+s = npualloc.Stream()
+gate = threading.Event()
+done = []
+def callback(_):
+    gate.wait(30)
+    done.append(len(npualloc.memory._snapshot()["segments"]))
+assert acl.rt.launch_callback(callback, None, acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+def open_gate_and_fork():
+    gate.set()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+t = threading.Timer(0.3, open_gate_and_fork)
+t.start()
+npualloc.memory._set_allocator_settings("expandable_segments:False")
+t.join()
+s.synchronize()
+print(done)
+"""
+    r = run_python(code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[1]"
+
+
 def test_erase_stream_with_another_devices_default_stream(mem):
     p = alloc(1)
     npualloc.record_stream(p, npualloc.default_stream(1))
