@@ -2005,11 +2005,9 @@ aclError npualloc_graph_launch(npualloc_graph_exec *e, aclrtStream stream, int32
 
 static void graph_put(npualloc_graph *g);
 
-void npualloc_graph_exec_destroy(npualloc_graph_exec *e)
+/* Waits for every launch (the queued nodes point into the graph), then frees the executable. */
+static void exec_destroy_now(npualloc_graph_exec *e)
 {
-    if (!e)
-        return;
-    /* Every launch finishes first: the queued nodes point into the graph. */
     pthread_mutex_lock(&bind_lock);
     struct launch_rec *l = e->launches;
     size_t nl = e->nlaunches;
@@ -2035,6 +2033,42 @@ void npualloc_graph_exec_destroy(npualloc_graph_exec *e)
     free(e->is_priv);
     free(e);
     graph_put(g);
+}
+
+static void *exec_destroy_thread(void *e)
+{
+    exec_destroy_now(e);
+    return NULL;
+}
+
+static bool launches_pending(const npualloc_graph_exec *e)
+{
+    pthread_mutex_lock(&bind_lock);
+    bool pending = false;
+    for (size_t i = 0; i < e->nlaunches && !pending; i++)
+        pending = !stream_passed(e->launches[i].s, e->launches[i].pos);
+    pthread_mutex_unlock(&bind_lock);
+    return pending && e->gen == npualloc_runtime_generation();
+}
+
+void npualloc_graph_exec_destroy(npualloc_graph_exec *e)
+{
+    if (!e)
+        return;
+    /* A stream's task cannot wait for launches queued behind it (on its own stream, or on one that waits
+     * for it): a thread of its own waits and frees.  Without a thread the executable is kept, not freed
+     * under its launches. */
+    if (npualloc_in_stream_task() && launches_pending(e)) {
+        pthread_attr_t attr;
+        pthread_t t;
+        if (pthread_attr_init(&attr) == 0) {
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            (void)pthread_create(&t, &attr, exec_destroy_thread, e);
+            pthread_attr_destroy(&attr);
+        }
+        return;
+    }
+    exec_destroy_now(e);
 }
 
 /* ------------------------------------------------------------------------------------------

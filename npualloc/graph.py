@@ -329,7 +329,8 @@ class GraphExec:
 
     def destroy(self):
         """Waits for the graph's launches, unmaps its memory and frees it (also done when it is collected);
-        calling it again does nothing."""
+        calling it again does nothing.  From a stream's callback, which cannot wait for launches queued
+        behind it, it returns at once and a thread of its own waits and frees."""
         self._e.destroy()
 
     def __enter__(self):

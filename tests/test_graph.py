@@ -90,6 +90,38 @@ def test_instantiate_after_a_replay_hands_over_the_replays_executable(mem):
     assert not g.instantiate().destroyed
 
 
+@pytest.mark.parametrize("other_stream", [False, True])
+def test_an_executable_collected_by_a_stream_callback_finishes_its_queued_launches(mem, other_stream):
+    # The callback holds the last references to the Graph and its GraphExec, and launches are queued
+    # behind it (on its own stream, or on a stream that waits for it): the destroy cannot wait there,
+    # so a thread of its own waits for the launches before it frees the graph's nodes.
+    n = MiB
+    s = npualloc.Stream()
+    b = npualloc.Stream() if other_stream else s
+    g = npualloc.Graph()
+    with g.capture(stream=s):
+        out = npualloc.caching_allocator_alloc(n)
+        assert acl.rt.memset_async(out, n, 7, n, s.npu_stream) == 0
+    exe = g.instantiate()
+    gate = threading.Event()
+    box = [exe, g]
+
+    def callback(_):
+        gate.wait(60)
+        box.clear()
+
+    assert acl.rt.launch_callback(callback, None, acl.ACL_CALLBACK_BLOCK, b.npu_stream) == 0
+    if other_stream:
+        s.wait_stream(b)
+    for _ in range(3):
+        exe.launch(s)
+    del exe, g
+    gate.set()
+    s.synchronize()                                       # each launch ran on live nodes
+    b.synchronize()
+    assert not box
+
+
 def test_diamond_reuses_after_the_join_only(mem):
     """a -> (x on s1 | y on s2) -> z: x and y may run at the same time, z after both frees."""
     s1, s2 = npualloc.Stream(), npualloc.Stream()

@@ -164,7 +164,9 @@ aclError npualloc_stream_capture_status(aclrtStream stream, int32_t device, bool
 aclError npualloc_graph_instantiate(npualloc_graph *g, npualloc_graph_exec **out);
 /* Queues the graph on a stream of its device (NULL: `device`'s default stream). */
 aclError npualloc_graph_launch(npualloc_graph_exec *e, aclrtStream stream, int32_t device);
-/* Waits for the launches, unmaps the graph's memory and frees the executable graph. */
+/* Waits for the launches, unmaps the graph's memory and frees the executable graph.  From a
+ * stream's task (a callback), which cannot wait for launches queued behind it, it returns at once
+ * and a thread of its own waits and frees (the graph's single executable stays taken until then). */
 void npualloc_graph_exec_destroy(npualloc_graph_exec *e);
 /* The captured graph an executable graph was made from (NULL for NULL). */
 npualloc_graph *npualloc_graph_exec_graph(npualloc_graph_exec *e);
