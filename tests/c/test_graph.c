@@ -3,6 +3,7 @@
 
 #include "testutil.h"
 
+#include "host.h"
 #include "npualloc_graph.h"
 
 static void start(void)
@@ -242,6 +243,60 @@ static void test_graphs_on_one_stream_alias(void **state)
     assert_int_equal(after.mappings, before.mappings);
     npualloc_graph_destroy(g1);
     npualloc_graph_destroy(g2);
+    assert_int_equal(aclrtFreeHost(host_src), ACL_SUCCESS);
+    assert_int_equal(aclrtFreeHost(host_dst), ACL_SUCCESS);
+}
+
+struct graph_pair {
+    npualloc_graph *g;
+    npualloc_graph_exec *e;
+};
+
+static void cb_destroy_graph(void *user)
+{
+    struct graph_pair *p = user;
+    npualloc_graph_exec_destroy(p->e);
+    npualloc_graph_destroy(p->g);
+}
+
+/* Destroyed by a task of the stream its launches are queued on, behind that task: the destroy cannot
+ * wait there, so a thread of its own waits for them, then frees the graph's nodes and pages. */
+static void test_exec_destroyed_by_a_callback_finishes_its_queued_launches(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    char *host_src = pinned_host(4096), *host_dst = pinned_host(4096);
+    memset(host_src, 0x6b, 4096);
+    npualloc_vmm_counts before;
+    npualloc_vmm_counts_get(&before);
+    static struct graph_pair pair;
+    pair.g = new_graph(0);
+    begin(pair.g, s);
+    void *x = galloc_on(s, 4096);
+    assert_int_equal(aclrtMemcpyAsync(x, 4096, host_src, 4096, ACL_MEMCPY_HOST_TO_DEVICE, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(host_dst, 4096, x, 4096, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    end(pair.g);
+    assert_int_equal(npualloc_graph_instantiate(pair.g, &pair.e), ACL_SUCCESS);
+    static atomic_int gate;
+    hold_stream(s, &gate);
+    assert_int_equal(aclrtLaunchCallback(cb_destroy_graph, &pair, ACL_CALLBACK_BLOCK, s), ACL_SUCCESS);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(npualloc_graph_launch(pair.e, s, 0), ACL_SUCCESS);
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS); /* the launches ran on live nodes */
+    assert_int_equal((unsigned char)host_dst[0], 0x6b);
+    assert_int_equal((unsigned char)host_dst[4095], 0x6b);
+    npualloc_vmm_counts after;
+    for (int waited = 0; waited < 5000; waited++) { /* the destroying thread finishes after the launches */
+        npualloc_vmm_counts_get(&after);
+        if (after.mappings == before.mappings && after.physical_handles == before.physical_handles)
+            break;
+        host_sleep_ns(1000000);
+    }
+    assert_int_equal(after.mappings, before.mappings);
+    assert_int_equal(after.physical_handles, before.physical_handles);
     assert_int_equal(aclrtFreeHost(host_src), ACL_SUCCESS);
     assert_int_equal(aclrtFreeHost(host_dst), ACL_SUCCESS);
 }
@@ -1134,6 +1189,7 @@ int main(void)
         cmocka_unit_test_teardown(test_chain_reuses_freed_address, stop_runtime),
         cmocka_unit_test_teardown(test_an_exabyte_on_a_capturing_stream_is_the_graphs_oom, stop_runtime),
         cmocka_unit_test_teardown(test_diamond, stop_runtime),
+        cmocka_unit_test_teardown(test_exec_destroyed_by_a_callback_finishes_its_queued_launches, stop_runtime),
         cmocka_unit_test_teardown(test_unjoined_stream_fails_the_capture, stop_runtime),
         cmocka_unit_test_teardown(test_graphs_on_one_stream_alias, stop_runtime),
         cmocka_unit_test_teardown(test_checked_graph_reports_use_after_free, stop_runtime),
