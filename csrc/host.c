@@ -102,6 +102,11 @@ int host_memfile_create(size_t size, host_memfile *out)
     if (fault_fires(NPUALLOC_FAULT_MEMFILE))
         return EMFILE;
     size = round_to_page(size);
+    /* A memory file is a file: sized beyond RLIMIT_FSIZE, ftruncate would raise SIGXFSZ, whose default
+     * action kills the process.  Refused as the EFBIG that ftruncate returns when the signal is ignored. */
+    struct rlimit fsize;
+    if (getrlimit(RLIMIT_FSIZE, &fsize) == 0 && fsize.rlim_cur != RLIM_INFINITY && size > fsize.rlim_cur)
+        return EFBIG;
     /* ALLOW_SEALING: an exporter seals the size (ipc.c), so no importer can shrink it under others */
     int fd = memfd_create("npualloc", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0)
@@ -241,7 +246,12 @@ int host_map(void *va, const host_memfile *mf)
         void *p = mmap(va, mf->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, mf->fd, 0);
         if (p == MAP_FAILED)
             return errno;
-        return madvise(p, mf->size, MADV_DONTFORK) == 0 ? 0 : errno;
+        if (madvise(p, mf->size, MADV_DONTFORK) != 0) {
+            int err = errno;
+            host_unmap(va, mf->size); /* the caller gives the range back as unmapped */
+            return err;
+        }
+        return 0;
     }
     void *p = mremap(mf->home, 0, mf->size, MREMAP_MAYMOVE | MREMAP_FIXED, va);
     if (p == MAP_FAILED)
@@ -266,8 +276,22 @@ int host_unmap(void *va, size_t size)
 {
     size = round_to_page(size);
     void *p = mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
-    if (p == MAP_FAILED)
-        return errno;
+    if (p == MAP_FAILED) {
+        /* Above vm.max_map_count (a fixed mapping that split a reservation may leave the process one
+         * above it) no mapping can be made, and the view would stay.  Removing the view's own area
+         * needs none, and then the count allows the reservation back: NOREPLACE, so that a mapping
+         * another thread made in the hole meanwhile is refused, not replaced. */
+        int err = errno;
+        if (err != ENOMEM || munmap(va, size) != 0)
+            return err;
+        p = mmap(va, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED_NOREPLACE, -1, 0);
+        if (p == MAP_FAILED)
+            return errno;
+        if (p != va) { /* a kernel before 4.17 takes NOREPLACE as a hint */
+            munmap(p, size);
+            return EEXIST;
+        }
+    }
     return madvise(p, size, MADV_DONTFORK) == 0 ? 0 : errno;
 }
 
