@@ -538,8 +538,7 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
     /* A pool with its own allocator has plain segments only, as in torch. */
     if (dc->settings->expandable_segments && expandable_supported(dc) && !segment_source(p->pool)) {
         /* Pages are mapped for the rounded size; stats and the trace come from the mapping. */
-        p->block = expandable_allocate(dc, p->pool, p->stream, p->size);
-        p->err = p->block ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
+        p->block = expandable_allocate(dc, p->pool, p->stream, p->size, &p->err);
         return p->block != NULL;
     }
     void *ptr = NULL;

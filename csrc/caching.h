@@ -331,8 +331,10 @@ static inline void cache_stat_update(npualloc_stat *arr, unsigned kind, int64_t 
 /* Expandable segments (caching_expandable.c). */
 bool expandable_supported(const device_cache *dc);
 /* Finds or maps room for `size` bytes in the stream's expandable segment of the pool; the
- * block returned is mapped, free, and out of the pool.  NULL when the device is out of memory. */
-cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t stream, size_t size);
+ * block returned is mapped, free, and out of the pool.  NULL with *err set when it cannot:
+ * ACL_ERROR_RT_MEMORY_ALLOCATION when the device is out of memory, else the error of the page
+ * mapping that failed (torch_npu's map raises any other error than running out of memory). */
+cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t stream, size_t size, aclError *err);
 /* Unmaps the fully free pages of a free expandable block; releases the segment when nothing of
  * it stays mapped.  `keep_pages` keeps the physical pages for reuse (empty_virt_addr_cache). */
 void expandable_release_block(device_cache *dc, cache_block *b, bool keep_pages);

@@ -170,22 +170,29 @@ static void segment_unmap_undo(device_cache *dc, expandable_segment *es, size_t 
 }
 
 /* Maps the pages covering [ptr, ptr + size) (all unmapped); returns the bytes mapped (whole pages
- * from ptr) and in *kept_used how many were kept pages, or 0 when the device (or the host, for the
- * page table) ran out of memory (the pages mapped by this call are given back as they came). */
-static size_t segment_map(device_cache *dc, expandable_segment *es, uintptr_t ptr, size_t size, size_t *kept_used)
+ * from ptr) and in *kept_used how many were kept pages, or 0 with *err set when a page could not be
+ * mapped: ACL_ERROR_RT_MEMORY_ALLOCATION when the device (or the host, for the page table) ran out of
+ * memory, else the runtime's error (out of descriptors or mappings).  The pages mapped by this call
+ * are given back as they came. */
+static size_t segment_map(device_cache *dc, expandable_segment *es, uintptr_t ptr, size_t size, size_t *kept_used,
+                          aclError *err)
 {
     size_t first = (ptr - es->base) / es->page_size;
     size_t last = (ptr + size - es->base + es->page_size - 1) / es->page_size;
     *kept_used = 0;
+    *err = ACL_ERROR_RT_MEMORY_ALLOCATION;
     if (!ensure_handles(es, last))
         return 0;
     for (size_t i = first; i < last; i++) {
-        if (map_one_page(dc, es, i, kept_used) != ACL_SUCCESS) {
+        aclError rc = map_one_page(dc, es, i, kept_used);
+        if (rc != ACL_SUCCESS) {
             segment_unmap_undo(dc, es, first, i, *kept_used);
+            *err = rc;
             return 0;
         }
         es->mapped_pages++;
     }
+    *err = ACL_SUCCESS;
     return (last - first) * es->page_size;
 }
 
@@ -215,14 +222,16 @@ static inline bool allocatable(const cache_block *b)
 }
 
 /* Maps the front `size` bytes (rounded to pages) of an unmapped block; the block becomes mapped,
- * merges with free neighbours and goes into the pool.  False when out of device memory. */
-static bool map_block(device_cache *dc, cache_block *b, size_t size)
+ * merges with free neighbours and goes into the pool.  Else segment_map's error (out of host memory
+ * for a block struct: ACL_ERROR_RT_MEMORY_ALLOCATION). */
+static aclError map_block(device_cache *dc, cache_block *b, size_t size)
 {
     expandable_segment *es = b->es;
     size_t kept_used;
-    size_t mapped = segment_map(dc, es, b->ptr, size, &kept_used);
+    aclError err;
+    size_t mapped = segment_map(dc, es, b->ptr, size, &kept_used, &err);
     if (mapped == 0)
-        return false;
+        return err;
     block_pool *pool = b->pool;
     block_pool_remove_unmapped(pool, b);
     b->mapped = true;
@@ -233,7 +242,7 @@ static bool map_block(device_cache *dc, cache_block *b, size_t size)
             segment_unmap_undo(dc, es, first, first + mapped / es->page_size, kept_used);
             b->mapped = false;
             block_pool_insert_unmapped(pool, b);
-            return false;
+            return ACL_ERROR_RT_MEMORY_ALLOCATION;
         }
         rest->pool = pool;
         rest->stream = b->stream;
@@ -263,7 +272,7 @@ static bool map_block(device_cache *dc, cache_block *b, size_t size)
         b->segment_ctx = dc->current_ctx;
         npualloc_context_retain(b->segment_ctx);
     }
-    return true;
+    return ACL_SUCCESS;
 }
 
 /* The lowest-addressed place of the stream's segment with `size` bytes of free and unmapped
@@ -296,22 +305,25 @@ static cache_block *find_expandable_block(device_cache *dc, block_pool *pool, ui
     return whole;
 }
 
-cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t stream, size_t size)
+cache_block *expandable_allocate(device_cache *dc, block_pool *pool, uint64_t stream, size_t size, aclError *err)
 {
+    *err = ACL_ERROR_RT_MEMORY_ALLOCATION;
     cache_block *candidate = find_expandable_block(dc, pool, stream, size);
     if (!candidate)
         return NULL;
     /* The candidate is unmapped, or free and followed by unmapped space. */
-    if (!candidate->mapped && !map_block(dc, candidate, candidate->size < size ? candidate->size : size))
+    if (!candidate->mapped &&
+        (*err = map_block(dc, candidate, candidate->size < size ? candidate->size : size)) != ACL_SUCCESS)
         return NULL;
     while (candidate->size < size) {
         /* free -> unmapped: map the missing part; the mapped pages merge into the candidate */
         cache_block *grow = candidate->next;
         size_t missing = size - candidate->size;
-        if (!map_block(dc, grow, grow->size < missing ? grow->size : missing))
+        if ((*err = map_block(dc, grow, grow->size < missing ? grow->size : missing)) != ACL_SUCCESS)
             return NULL;
         candidate = grow;
     }
+    *err = ACL_SUCCESS;
     block_pool_remove(pool, candidate);
     return candidate;
 }

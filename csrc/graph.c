@@ -1835,7 +1835,10 @@ static aclError exec_bind(npualloc_graph_exec *e, npu_stream *s)
         e->nchunks = i + 1;
     }
     if (rc != ACL_SUCCESS) {
-        set_err("launch: no device memory for the graph (%llu bytes mapped)", (unsigned long long)g->mapped);
+        set_err(rc == ACL_ERROR_RT_MEMORY_ALLOCATION ? "launch: no device memory for the graph (%llu bytes mapped)"
+                                                      : "launch: the graph's memory could not be mapped (%llu bytes "
+                                                        "mapped; out of descriptors or mappings?)",
+                (unsigned long long)g->mapped);
         exec_unbind(e);
     }
     return rc;

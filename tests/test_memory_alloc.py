@@ -690,6 +690,39 @@ def test_a_mempool_cannot_take_the_default_pools_kept_pages(mem):
     check_all()
 
 
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True"])
+def test_out_of_descriptors_is_a_runtime_error_not_an_oom(conf):
+    # torch_npu raises any error of a segment's allocation but running out of device memory; its
+    # expandable segments' map does the same (NPU_CHECK_ERROR), so neither is an OutOfMemoryError.
+    code = """
+import os
+import npualloc
+fds = []
+try:
+    while True:
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+try:
+    npualloc.caching_allocator_alloc(1000)
+except npualloc.OutOfMemoryError as e:
+    print("OOM", e)
+except RuntimeError as e:
+    print("RuntimeError", e)
+for fd in fds:
+    os.close(fd)
+p = npualloc.caching_allocator_alloc(1000)      # recovered
+npualloc.caching_allocator_delete(p)
+npualloc.memory._check(0)
+print("ok")
+"""
+    r = run_python(code, env={"PYTORCH_NPU_ALLOC_CONF": conf})
+    assert r.returncode == 0, r.stderr
+    first, last = r.stdout.strip().splitlines()
+    assert first == ("RuntimeError NPU error: allocating a 2097152-byte segment on device 0 failed with ACL error "
+                     "207005") and last == "ok"
+
+
 def test_empty_virt_addr_cache_releases_plain_segments_like_torch_npu(mem):
     p = alloc(5 * MiB)                          # a plain 20 MiB segment, made before expandable was on
     free(p)

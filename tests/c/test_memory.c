@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -766,12 +767,39 @@ static void test_free_above_the_map_count_limit_removes_the_views(void **state)
     assert_int_equal(aclrtFree(again), ACL_SUCCESS);
 }
 
+/* A memory file larger than RLIMIT_FSIZE: refused as out of memory, where the kernel's SIGXFSZ would have
+ * killed the process (its default action; CPython ignores it, a C program does not). */
+static void test_a_file_size_limit_is_an_allocation_failure_not_a_signal(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        signal(SIGXFSZ, SIG_DFL);
+        struct rlimit limit = {4 << 20, 4 << 20};
+        if (setrlimit(RLIMIT_FSIZE, &limit) != 0 || aclrtSetDevice(0) != ACL_SUCCESS)
+            _exit(10);
+        void *small, *big;
+        if (aclrtMalloc(&small, 2 << 20, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS)
+            _exit(11);
+        if (aclrtMalloc(&big, 8 << 20, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_ERROR_RT_MEMORY_ALLOCATION)
+            _exit(12);
+        _exit(aclrtFree(small) == ACL_SUCCESS ? 0 : 13);
+    }
+    int status = 0;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    assert_false(WIFSIGNALED(status));
+    assert_int_equal(WEXITSTATUS(status), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_huge_first_small_uses_normal_pages, stop_runtime),
         cmocka_unit_test_teardown(test_padding_and_align32_rounding, stop_runtime),
         cmocka_unit_test_teardown(test_free_above_the_map_count_limit_removes_the_views, stop_runtime),
+        cmocka_unit_test_teardown(test_a_file_size_limit_is_an_allocation_failure_not_a_signal, stop_runtime),
         cmocka_unit_test_teardown(test_padding_is_left_out_only_for_1g_pages, stop_runtime),
         cmocka_unit_test_teardown(test_huge_first_large_prefers_huge_and_falls_back, stop_runtime),
         cmocka_unit_test_teardown(test_huge_only_fails_when_huge_pages_run_out, stop_runtime),
