@@ -709,16 +709,32 @@ static bool stream_exists(int32_t device, uint64_t stream)
     return true;
 }
 
-/* The id the block's use list keeps for `stream` of `device` (-1: the block's device): 0 names the
- * block's device's default stream, so another device's default stream gets an id of its own. */
-static uint64_t use_id(const device_cache *dc, int32_t device, uint64_t stream)
+/* The id of `stream` of `device`: every default stream's handle is 0, which names the block's device's
+ * (device -1), so another device's default stream gets an id of its own. */
+static uint64_t stream_of_device(int32_t device, uint64_t stream)
 {
-    return stream == 0 && device >= 0 && device != dc->device ? stream_default_id(device) : stream;
+    return stream == 0 && device >= 0 ? stream_default_id(device) : stream;
+}
+
+/* The id a block's use list keeps: its own device's default stream is 0, however it was named. */
+static uint64_t use_id(const device_cache *dc, uint64_t id)
+{
+    return id == stream_default_id(dc->device) ? 0 : id;
+}
+
+/* The device of a *_stream_on call must exist (error set when not). */
+static bool stream_device_valid(int32_t device, const char *fn)
+{
+    if (device_valid(device))
+        return true;
+    cache_set_error(NPUALLOC_ERR_RUNTIME, "%s: %d is not a device", fn, (int)device);
+    return false;
 }
 
 static aclError record_stream(void *ptr, int32_t device, uint64_t stream)
 {
-    if ((stream != 0 || device >= 0) && !stream_exists(device, stream)) {
+    uint64_t id = stream_of_device(device, stream);
+    if (id != 0 && !stream_exists(device, id)) {
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: %#llx is not a live stream", (unsigned long long)stream);
         return ACL_ERROR_INVALID_PARAM;
     }
@@ -727,11 +743,9 @@ static aclError record_stream(void *ptr, int32_t device, uint64_t stream)
     device_cache *dc;
     cache_block *b = locked_block(ptr, &dc);
     aclError grc; /* graph capture hook (graph.c): graph memory's FREE node also waits for the stream */
-    if (!b) {
-        uint64_t id = stream == 0 && device >= 0 ? stream_default_id(device) : stream;
+    if (!b)
         return unlikely(graph_capture_active()) && graph_record_stream(ptr, id, &grc) ? grc : ACL_ERROR_INVALID_PARAM;
-    }
-    aclError rc = cache_record_stream_locked(dc, b, use_id(dc, device, stream));
+    aclError rc = cache_record_stream_locked(dc, b, use_id(dc, id));
     cache_lock_release(&dc->lock);
     if (rc != ACL_SUCCESS)
         cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: out of host memory");
@@ -742,11 +756,7 @@ aclError npualloc_cache_record_stream(void *ptr, uint64_t stream) { return recor
 
 aclError npualloc_cache_record_stream_on(void *ptr, int32_t device, uint64_t stream)
 {
-    if (!device_valid(device)) {
-        cache_set_error(NPUALLOC_ERR_RUNTIME, "record_stream: %d is not a device", (int)device);
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    return record_stream(ptr, device, stream);
+    return stream_device_valid(device, "record_stream") ? record_stream(ptr, device, stream) : ACL_ERROR_INVALID_PARAM;
 }
 
 static aclError erase_stream(void *ptr, int32_t device, uint64_t stream)
@@ -757,7 +767,7 @@ static aclError erase_stream(void *ptr, int32_t device, uint64_t stream)
     cache_block *b = locked_block(ptr, &dc);
     if (!b)
         return ACL_ERROR_INVALID_PARAM;
-    cache_erase_stream_locked(dc, b, use_id(dc, device, stream));
+    cache_erase_stream_locked(dc, b, use_id(dc, stream_of_device(device, stream)));
     cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
@@ -766,11 +776,7 @@ aclError npualloc_cache_erase_stream(void *ptr, uint64_t stream) { return erase_
 
 aclError npualloc_cache_erase_stream_on(void *ptr, int32_t device, uint64_t stream)
 {
-    if (!device_valid(device)) {
-        cache_set_error(NPUALLOC_ERR_RUNTIME, "erase_stream: %d is not a device", (int)device);
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    return erase_stream(ptr, device, stream);
+    return stream_device_valid(device, "erase_stream") ? erase_stream(ptr, device, stream) : ACL_ERROR_INVALID_PARAM;
 }
 
 /* ---- the uncached path (PYTORCH_NO_NPU_MEMORY_CACHING) ---- */
