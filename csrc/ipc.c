@@ -162,6 +162,7 @@ typedef struct client {
     proc_id who;   /* read at accept (all 0: unknown, no whitelist admits it) */
     bool uid_ok;
     uint32_t failures;
+    bool answered;     /* a lookup of this connection found a live value: not a blind guesser */
     client_pin *pins;
     size_t pin_count, pin_cap;
 } client;
@@ -717,7 +718,10 @@ static aclError serve_open(client *c, const uint8_t token[16])
     device_cache *dc = dev >= 0 ? cache_device(dev) : NULL;
     if (!dc)
         return ACL_ERROR_RT_INVALID_HANDLE;
-    if (!ARRAY_RESERVE(c->pins, c->pin_cap, c->pin_count + 1, 4))
+    pthread_mutex_lock(&ipc.lock); /* the pins array is fork-consistent (serve_close) */
+    bool room = ARRAY_RESERVE(c->pins, c->pin_cap, c->pin_count + 1, 4);
+    pthread_mutex_unlock(&ipc.lock);
+    if (!room)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     aclError rc = ACL_SUCCESS;
     cache_lock_acquire(&dc->lock); /* lock order: device cache, then ipc */
@@ -761,13 +765,20 @@ static void unpin(share_record *rec, uint32_t n)
         cache_lock_release(&dc->lock);
 }
 
+/* The server thread alone uses the client table and each client's pins, but it changes them under
+ * ipc.lock, which fork's prepare handler takes: the child then finds them whole, not half changed
+ * (it closes the descriptors and frees the arrays; a free already done, or a pointer realloc had
+ * moved, was freed twice). */
+
 static aclError serve_close(client *c, const uint8_t token[16])
 {
     for (size_t i = 0; i < c->pin_count; i++) {
         if (memcmp(c->pins[i].rec->token, token, 16) == 0) {
             share_record *rec = c->pins[i].rec;
+            pthread_mutex_lock(&ipc.lock);
             if (--c->pins[i].n == 0)
                 c->pins[i] = c->pins[--c->pin_count];
+            pthread_mutex_unlock(&ipc.lock);
             unpin(rec, 1);
             return ACL_SUCCESS;
         }
@@ -777,13 +788,15 @@ static aclError serve_close(client *c, const uint8_t token[16])
 
 static void client_drop(size_t index)
 {
-    client *c = &clients[index];
-    close(c->fd); /* first: the peer sees the hang-up at once */
-    for (size_t i = 0; i < c->pin_count; i++)
-        unpin(c->pins[i].rec, c->pins[i].n);
-    free(c->pins);
+    pthread_mutex_lock(&ipc.lock);
+    client gone = clients[index];
+    close(gone.fd); /* first: the peer sees the hang-up at once */
     clients[index] = clients[--nclients];
     atomic_store(&ipc.client_count, nclients);
+    pthread_mutex_unlock(&ipc.lock);
+    for (size_t i = 0; i < gone.pin_count; i++)
+        unpin(gone.pins[i].rec, gone.pins[i].n);
+    free(gone.pins);
 }
 
 static bool send_reply(int sock, const ipc_reply *rp, int fd)
@@ -932,12 +945,15 @@ static bool serve_client(size_t index)
             atomic_fetch_add(&lookups_failed, 1);
             c->failures++;
         }
+        c->answered |= rp.status == ACL_SUCCESS;
     }
     bool ok = send_reply(c->fd, &rp, fd);
     if (fd >= 0)
         close(fd);
-    /* a guesser goes; a connection holding pins stays (dropping it would release them) */
-    return ok && (c->failures < MAX_CLIENT_FAILURES || c->pin_count > 0);
+    /* A guesser goes.  A connection holding pins stays (dropping it would release them), and so does one
+     * that found a live value: its process's threads share it, and one opening blocks their owner freed
+     * (each a failure) would cut off another's open in flight.  The rate limit still bounds them all. */
+    return ok && (c->failures < MAX_CLIENT_FAILURES || c->pin_count > 0 || c->answered);
 }
 
 /* accept() fails with EMFILE when the process has no free descriptor, whether or not a
@@ -998,22 +1014,27 @@ static bool accept_clients(int lfd)
             close(fd);
             continue;
         }
+        client added = {.fd = fd, .pid = cr.pid, .uid = cr.uid, .who = peer_identity(fd, cr.pid), .uid_ok = uid_ok};
+        pthread_mutex_lock(&ipc.lock); /* the table is fork-consistent (serve_close) */
+        bool room = true;
         if (nclients == clients_cap) {
             size_t cap = clients_cap ? clients_cap * 2 : 16;
             client *grown = realloc(clients, cap * sizeof *grown);
-            if (!grown) {
-                close(fd);
-                continue;
+            if (grown) {
+                clients = grown;
+                clients_cap = cap;
             }
-            clients = grown;
-            clients_cap = cap;
+            room = grown != NULL;
         }
-        clients[nclients++] = (client){.fd = fd,
-                                       .pid = cr.pid,
-                                       .uid = cr.uid,
-                                       .who = peer_identity(fd, cr.pid),
-                                       .uid_ok = uid_ok};
-        atomic_store(&ipc.client_count, nclients);
+        if (room) {
+            clients[nclients++] = added;
+            atomic_store(&ipc.client_count, nclients);
+        }
+        pthread_mutex_unlock(&ipc.lock);
+        if (!room) {
+            close(fd);
+            continue;
+        }
         /* The request usually follows the connect at once: serve it without another poll round. */
         if (!serve_client(nclients - 1))
             client_drop(nclients - 1);

@@ -261,6 +261,53 @@ ret = (sorted(set(got)), _C.ipc.counts()["opens"], ctypes.string_at(got[0], 2))
     assert wait_for(lambda: counts()["shares"] == 0)
 
 
+def test_opens_of_freed_blocks_do_not_cut_off_another_threads_open(dev0, workers):  # noqa: F811
+    """Each open of a block its owner freed fails (107017) and counts against the connection, which the
+    opener's threads share; the owner used to hang up after 16 such failures, and an open of a live
+    block in flight on another thread then failed too."""
+    (w,) = workers()
+    live = npualloc.caching_allocator_alloc(MiB, 0)
+    ctypes.memset(live, ord("L"), MiB)
+    blocks = [npualloc.caching_allocator_alloc(4096, 0) for _ in range(40)]
+    freed = [pickle.dumps(npualloc.share(b)) for b in blocks]
+    for b in blocks:
+        npualloc.caching_allocator_delete(b)
+    code = """
+import collections, pickle, threading, time
+live_h = pickle.loads(live); freed_h = [pickle.loads(b) for b in freed]
+results = collections.Counter()
+stop = threading.Event()
+def open_live():
+    while not stop.is_set():
+        try:
+            q = npualloc.open_shared(live_h)
+            results["live " + ("ok" if ctypes.string_at(q, 1) == b"L" else "wrong bytes")] += 1
+            npualloc.close_shared(q)
+        except RuntimeError as e:
+            results["live failed: " + str(e)[-30:]] += 1
+t = threading.Thread(target=open_live)
+t.start()
+while not results:
+    time.sleep(0.001)
+for _ in range(15):  # 600 failures: below the owner's 1000 a second (beyond, it refuses every lookup)
+    for h in freed_h:
+        try:
+            npualloc.open_shared(h)
+            results["freed opened"] += 1
+        except RuntimeError as e:
+            results["freed " + ("107017" if "107017" in str(e) else str(e))] += 1
+stop.set()
+t.join()
+ret = dict(results)
+"""
+    got = w.call(code, live=pickle.dumps(npualloc.share(live)), freed=freed)
+    assert got.pop("freed 107017") == 15 * 40
+    assert got.pop("live ok") > 0
+    assert got == {}  # no live open failed, none read wrong bytes
+    npualloc.caching_allocator_delete(live)
+    assert wait_for(lambda: counts()["shares"] == 0)
+
+
 def stopped(pid):
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
