@@ -122,6 +122,43 @@ def test_an_executable_collected_by_a_stream_callback_finishes_its_queued_launch
     assert not box
 
 
+def test_destroy_while_another_thread_launches(mem):
+    # The launch runs without the GIL: a destroy meanwhile leaves the executable to it, which destroys it
+    # once its launch is queued (it was freed under the launch: use after free, or nodes run unmapped).
+    streams = [npualloc.Stream() for _ in range(3)]
+    before = npualloc._C.vmm_counts()
+    for _ in range(40):
+        g = npualloc.Graph()
+        with g.capture(stream=streams[0]):
+            x = npualloc.caching_allocator_alloc(1 << 14)
+            assert acl.rt.memset_async(x, 1 << 14, 1, 1 << 14, streams[0].npu_stream) == 0
+            npualloc.caching_allocator_delete(x)
+        exe = g.instantiate()
+        stop = threading.Event()
+        errors = []
+
+        def launcher():
+            k = 0
+            while not stop.is_set():
+                k += 1
+                try:
+                    exe.launch(streams[k % 3])
+                except RuntimeError as e:
+                    if "destroyed" not in str(e):
+                        errors.append(str(e))
+
+        t = threading.Thread(target=launcher)
+        t.start()
+        exe.destroy()
+        stop.set()
+        t.join()
+        for s in streams:
+            s.synchronize()
+        assert errors == [] and exe.destroyed
+        del g, exe
+    assert npualloc._C.vmm_counts() == before
+
+
 def test_diamond_reuses_after_the_join_only(mem):
     """a -> (x on s1 | y on s2) -> z: x and y may run at the same time, z after both frees."""
     s1, s2 = npualloc.Stream(), npualloc.Stream()

@@ -276,6 +276,10 @@ typedef struct {
     PyObject_HEAD npualloc_graph_exec *e;
     PyObject *graph; /* the GraphObject */
     uint64_t gen;
+    /* Launches in flight on other threads (they run without the GIL): a destroy meanwhile leaves the
+     * executable to the last of them (doomed), as it must not be freed under a launch being queued. */
+    int launching;
+    npualloc_graph_exec *doomed;
 } ExecObject;
 
 static PyTypeObject Graph_Type, Exec_Type;
@@ -436,6 +440,8 @@ static PyObject *Graph_instantiate(GraphObject *self, PyObject *unused)
     x->e = e;
     x->graph = Py_NewRef((PyObject *)self);
     x->gen = self->gen;
+    x->launching = 0;
+    x->doomed = NULL;
     return (PyObject *)x;
 }
 
@@ -609,7 +615,9 @@ static void exec_release(ExecObject *self)
 {
     npualloc_graph_exec *e = self->e;
     self->e = NULL;
-    if (e)
+    if (e && self->launching > 0)
+        self->doomed = e;
+    else if (e)
         NOGIL(npualloc_graph_exec_destroy(e)); /* waits for its launches */
 }
 
@@ -624,16 +632,23 @@ static PyObject *Exec_launch(ExecObject *self, PyObject *const *args, Py_ssize_t
 {
     if (!check_nargs("launch", nargs, 2))
         return NULL;
-    if (!self->e) {
-        PyErr_SetString(PyExc_RuntimeError, "launch: the executable graph was destroyed");
-        return NULL;
-    }
     void *stream;
     int32_t dev;
     if (stream_args(args, "launch", &stream, &dev) < 0)
         return NULL;
+    npualloc_graph_exec *e = self->e;
+    if (!e) {
+        PyErr_SetString(PyExc_RuntimeError, "launch: the executable graph was destroyed");
+        return NULL;
+    }
     aclError rc;
-    NOGIL(rc = npualloc_graph_launch(self->e, stream, dev));
+    self->launching++;
+    NOGIL(rc = npualloc_graph_launch(e, stream, dev));
+    if (--self->launching == 0 && self->doomed) {
+        npualloc_graph_exec *doomed = self->doomed;
+        self->doomed = NULL;
+        NOGIL(npualloc_graph_exec_destroy(doomed)); /* destroyed meanwhile: after this launch */
+    }
     if (rc != ACL_SUCCESS)
         return graph_error(rc, "launch");
     Py_RETURN_NONE;
