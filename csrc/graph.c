@@ -1963,6 +1963,15 @@ aclError npualloc_graph_launch(npualloc_graph_exec *e, aclrtStream stream, int32
     while (g->mapped && e->bound && e->bound != s) {
         npu_stream *old = e->bound;
         uint64_t pos = e->last_pos;
+        if (!stream_passed(old, pos) && stream_waits_for_self(old)) {
+            /* A task of that stream, with a launch queued behind it: the range cannot move while it runs
+             * there, nor can this task wait for it. */
+            pthread_mutex_unlock(&bind_lock);
+            stream_release(s);
+            set_err("launch: the graph's launch on another stream is queued behind this task of that stream; "
+                    "launch it on that stream, or from elsewhere");
+            return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+        }
         stream_pin(old);
         pthread_mutex_unlock(&bind_lock);
         stream_wait_position(old, pos);

@@ -63,6 +63,7 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   fraction of a second, but 40,000 allocations all live at once took about 4 s (2026-11-27, 10,000: 0.4 s).
 """
 import contextlib
+import threading
 import weakref
 
 from . import _C
@@ -148,6 +149,7 @@ class Graph:
                             # mapped until the cycle collector ran
         self._capture_pool = None  # the pool capture_begin routed to (None: planned memory)
         self._capturing = False    # between capture_begin and capture_end
+        self._exec_lock = threading.Lock()  # one executable at a time: threads launching first make one
         self._captured = False     # capture_end succeeded: pool() answers
         self._resets = 0           # reset() calls: an executable of an earlier capture has no plan here
 
@@ -216,9 +218,10 @@ class Graph:
     def instantiate(self):
         """The executable graph (one at a time; after ``launch()`` or ``replay()`` made one, that one, now
         yours); raises GraphMemoryError for a checked graph whose capture recorded a violation."""
-        owned, self._owned = self._owned, None
-        exe = GraphExec(self, owned if owned is not None and not owned.destroyed else self._g.instantiate())
-        self._exec = weakref.ref(exe)
+        with self._exec_lock:
+            owned, self._owned = self._owned, None
+            exe = GraphExec(self, owned if owned is not None and not owned.destroyed else self._g.instantiate())
+            self._exec = weakref.ref(exe)
         return exe
 
     def launch(self, stream=None):
@@ -231,10 +234,12 @@ class Graph:
         if exe is not None and not exe.destroyed:
             exe.launch(stream)
             return
-        if self._owned is None or self._owned.destroyed:
-            self._owned = self._g.instantiate()
+        with self._exec_lock:
+            if self._owned is None or self._owned.destroyed:
+                self._owned = self._g.instantiate()
+            owned = self._owned
         s = _as_stream(stream)
-        self._owned.launch(s.npu_stream, s.device)
+        owned.launch(s.npu_stream, s.device)
 
     replay = launch
 
@@ -312,7 +317,9 @@ class GraphExec:
         """Runs the graph on ``stream`` (default: the current stream; ``replay`` is the same method, torch's
         ``CUDAGraph.replay``): maps the stream's shared pages behind the graph's address range (after waiting
         for its launches on another stream, if any) and queues the nodes on the stream in capture order, then
-        returns without waiting for them.  RuntimeError once destroyed or if the launch fails."""
+        returns without waiting for them.  RuntimeError once destroyed or if the launch fails, and from a
+        callback of the stream it was launched on last, with that launch still queued behind the callback,
+        when ``stream`` is another stream (it could not wait for that launch)."""
         s = _as_stream(stream)
         self._e.launch(s.npu_stream, s.device)
 

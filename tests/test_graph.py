@@ -6,6 +6,7 @@ import json
 import re
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -157,6 +158,81 @@ def test_destroy_while_another_thread_launches(mem):
         assert errors == [] and exe.destroyed
         del g, exe
     assert npualloc._C.vmm_counts() == before
+
+
+def test_a_callback_cannot_move_a_launch_queued_behind_it_to_another_stream(mem):
+    # E's launch on s2 is queued behind s2's callback, which launches E on s1: the range would have to move
+    # to s1 before the queued launch ran, and the callback cannot wait for it.  Refused (207000); both
+    # launches used to run at once on the same pages.
+    n = 1 << 14
+    host, ret = acl.rt.malloc_host(n)
+    assert ret == 0
+    ctypes.memset(host, 7, n)
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    seen = []
+    g = npualloc.Graph()
+    with g.capture(stream=s1):
+        x = npualloc.caching_allocator_alloc(n)
+        assert acl.rt.memcpy_async(x, n, host, n, acl.ACL_MEMCPY_HOST_TO_DEVICE, s1.npu_stream) == 0
+
+        def check(_):
+            time.sleep(0.05)
+            seen.append(acl.util.ptr_to_bytes(x, n) == bytes([7]) * n)
+
+        assert acl.rt.launch_callback(check, None, acl.ACL_CALLBACK_BLOCK, s1.npu_stream) == 0
+        assert acl.rt.memset_async(x, n, 0, n, s1.npu_stream) == 0
+        npualloc.caching_allocator_delete(x)
+    exe = g.instantiate()
+    gate, errors = threading.Event(), []
+
+    def callback(_):
+        gate.wait(60)
+        try:
+            exe.launch(s1)
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    assert acl.rt.launch_callback(callback, None, acl.ACL_CALLBACK_BLOCK, s2.npu_stream) == 0
+    exe.launch(s2)
+    gate.set()
+    s2.synchronize()
+    s1.synchronize()
+    assert len(errors) == 1 and "207000" in errors[0] and "queued behind this task" in errors[0]
+    assert seen == [True]                       # the one launch saw its own data
+    exe.launch(s1)                              # from here it moves, after waiting for s2
+    s1.synchronize()
+    assert seen == [True, True]
+    exe.destroy()
+    assert acl.rt.free_host(host) == 0
+
+
+def test_threads_launching_a_graph_first_share_one_executable(mem):
+    # Graph.launch() makes the executable on first use; two threads doing that at once each tried, and one
+    # failed with "the graph already has an executable graph".
+    s = npualloc.Stream()
+    for _ in range(30):
+        g = npualloc.Graph()
+        with g.capture(stream=s):
+            x = npualloc.caching_allocator_alloc(4096)
+            assert acl.rt.memset_async(x, 4096, 1, 4096, s.npu_stream) == 0
+            npualloc.caching_allocator_delete(x)
+        go, errors = threading.Barrier(4), []
+
+        def launch():
+            go.wait()
+            try:
+                g.launch(s)
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=launch) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s.synchronize()
+        assert errors == []
+        g.reset()
 
 
 def test_diamond_reuses_after_the_join_only(mem):

@@ -162,7 +162,9 @@ aclError npualloc_stream_capture_status(aclrtStream stream, int32_t device, bool
 
 /* Finalises the plan and creates the executable graph (one at a time per graph). */
 aclError npualloc_graph_instantiate(npualloc_graph *g, npualloc_graph_exec **out);
-/* Queues the graph on a stream of its device (NULL: `device`'s default stream). */
+/* Queues the graph on a stream of its device (NULL: `device`'s default stream).  Moving to another
+ * stream waits for the launches on the stream it was on; from a task of that stream, with a launch
+ * queued behind the task, it cannot: ACL_ERROR_RT_FEATURE_NOT_SUPPORT. */
 aclError npualloc_graph_launch(npualloc_graph_exec *e, aclrtStream stream, int32_t device);
 /* Waits for the launches, unmaps the graph's memory and frees the executable graph.  From a
  * stream's task (a callback), which cannot wait for launches queued behind it, it returns at once
