@@ -1,6 +1,7 @@
 """Python-level costs: a caching_allocator_alloc + caching_allocator_delete pair, an npualloc.empty()
 buffer, acl.rt.malloc + acl.rt.free, and the statistics readers memory_stats() and memory_allocated()
-(one call each, with blocks held).  Prints ns per pair or call (median of 7 rounds); --json prints
+(one call each, with blocks held), and a reference loop of two builtin calls that tells how fast the
+machine runs the interpreter at the time.  Prints ns per pair or call (median of 7 rounds); --json prints
 one JSON object per line."""
 import json
 import statistics
@@ -24,6 +25,15 @@ def caching_pairs(n):
     alloc, free = npualloc.caching_allocator_alloc, npualloc.caching_allocator_delete
     for _ in range(n):
         free(alloc(4096))
+
+
+def reference_pairs(n):
+    """The same loop with two calls of builtins for the pair, one making a new 47-bit int (as an
+    allocation's pointer is): no npualloc.  It tells how fast this machine runs the interpreter
+    at the moment: on a shared VM, every row here moves with it, up to 2x from one process to the next."""
+    make, drop = int.__add__, abs
+    for i in range(n):
+        drop(make(0x7F0000000000, i))
 
 
 def empty_pairs(n):
@@ -57,6 +67,7 @@ def main():
     caching_pairs(1000)  # warm the cache
     rows = [
         ("caching_allocator_alloc+delete", per_pair(caching_pairs, 200000)),
+        ("reference: 2 builtin calls", per_pair(reference_pairs, 200000)),
         ("npualloc.empty().free()", per_pair(empty_pairs, 100000)),
         ("acl.rt.malloc+free (4 KiB)", per_pair(acl_pairs, 2000)),
     ]
