@@ -351,6 +351,16 @@ static bool pageable_transfer(void *dst, size_t dst_span, const void *src, size_
     return dst_host != src_host && !(dst_host ? pinned(dst, dst_span) : pinned(src, src_span));
 }
 
+/* Are both sides of a copy of `count` bytes outside device memory? */
+static bool host_to_host(void *dst, const void *src, size_t count)
+{
+    int32_t dev;
+    vmm_read_lock();
+    bool both = vmm_classify_locked(dst, count, &dev) == RANGE_HOST && vmm_classify_locked(src, count, &dev) == RANGE_HOST;
+    vmm_read_unlock();
+    return both;
+}
+
 /* The start of the synchronous copy an asynchronous one of pageable memory becomes, in the order of
  * CANN's runtime: the stream drained (a stream being captured refuses that: ACL_ERROR_RT_STREAM_CAPTURED),
  * then the capture modes' verdict, under the code CANN gives a refused converted copy; the memory is
@@ -381,7 +391,9 @@ aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, a
     if (count == 0)
         return ACL_SUCCESS;
     aclError rc = copy_args_check(dst, destMax, src, count, (int)kind);
-    if (rc != ACL_SUCCESS || (rc = sync_call_start()) != ACL_SUCCESS)
+    if (rc != ACL_SUCCESS || dst == src) /* CANN's runtime: nothing to copy, after the argument checks */
+        return rc;
+    if ((rc = sync_call_start()) != ACL_SUCCESS)
         return rc;
     return copy_now(dst, src, count);
 }
@@ -464,6 +476,17 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
+    /* CANN's runtime, with the host attached to the device (aclrtGetRunMode's ACL_HOST), after checking
+     * the stream: no copy between two host buffers on a stream, pinned or not; then nothing to copy when
+     * the two are one. */
+    npu_stream *s;
+    if ((rc = stream_acquire(stream, &s)) != ACL_SUCCESS)
+        return rc;
+    stream_release(s);
+    if (host_to_host(dst, src, count))
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    if (dst == src)
+        return ACL_SUCCESS;
     if (pageable_transfer(dst, count, src, count)) { /* made now, after the stream's queued work */
         rc = pageable_copy_start(stream);
         return rc == ACL_SUCCESS ? copy_now(dst, src, count) : rc;

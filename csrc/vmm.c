@@ -257,6 +257,8 @@ static aclError classify_prop(const aclrtPhysicalMemProp *prop, prop_class *out)
         return ACL_SUCCESS;
     case ACL_MEM_HUGE1G:
     case ACL_MEM_P2P_HUGE1G:
+        if (host) /* 1 GiB pages are device memory only (CANN's driver: not supported on the host side) */
+            return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
         out->kind = MEM_HUGE1G;
         out->granularity = VMM_GRANULARITY_1G;
         return ACL_SUCCESS;
@@ -273,13 +275,16 @@ aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp *prop, aclrtMemGr
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    if (option != ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM && option != ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
-        return ACL_ERROR_INVALID_PARAM;
     prop_class pc;
     if ((rc = classify_prop(prop, &pc)) != ACL_SUCCESS)
         return rc;
     if (!pc.host && !device_valid((int32_t)prop->location.id))
         return ACL_ERROR_RT_INVALID_DEVICEID;
+    /* The ACL layer passes the option and the reserved field on; CANN's driver refuses them. */
+    if (prop->reserve != 0)
+        return ACL_ERROR_RT_PARAM_INVALID;
+    if (option != ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM && option != ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     *granularity = pc.granularity;
     return ACL_SUCCESS;
 }
@@ -299,7 +304,7 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrt
     int32_t device = pc.host ? -1 : (int32_t)prop->location.id;
     if (!pc.host && !device_valid(device))
         return ACL_ERROR_RT_INVALID_DEVICEID;
-    if (size % pc.granularity != 0)
+    if (prop->reserve != 0 || size % pc.granularity != 0) /* CANN's driver checks both */
         return ACL_ERROR_RT_PARAM_INVALID;
     return vmm_physical_create(device, pc.kind, size, handle);
 }
@@ -433,7 +438,8 @@ aclError aclrtReserveMemAddress(void **virPtr, size_t size, size_t alignment, vo
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
         return rc;
-    if (expectPtr && (uintptr_t)expectPtr % VMM_GRANULARITY != 0)
+    /* CANN's rule for a chosen address: aligned, to 1 GiB for more than 1 GiB. */
+    if (expectPtr && (uintptr_t)expectPtr % (size > VMM_GRANULARITY_1G ? VMM_GRANULARITY_1G : VMM_GRANULARITY) != 0)
         return ACL_ERROR_INVALID_PARAM;
     /* The range lives in the current device's slice (device 0 without a context). */
     int32_t dev = 0;
@@ -488,7 +494,8 @@ static aclError map_range(void *virPtr, size_t size, aclrtDrvMemHandle handle, b
     if (!h) {
         rc = ACL_ERROR_RT_INVALID_HANDLE;
     } else if (size != h->size || !r || r->malloc_handle || r->runtime_owned != runtime_owned ||
-               (va - r->base) % VMM_GRANULARITY != 0 || size > r->size - (va - r->base)) {
+               (va - r->base) % VMM_GRANULARITY != 0 || size > r->size - (va - r->base) ||
+               (h->kind == MEM_HUGE1G && va % VMM_GRANULARITY_1G != 0)) { /* a page maps at its own alignment */
         rc = ACL_ERROR_RT_PARAM_INVALID;
     } else if (r->device >= 0 && h->device >= 0 && r->device != h->device) {
         rc = ACL_ERROR_RT_PARAM_INVALID; /* one range holds memory of one device only */

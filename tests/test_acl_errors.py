@@ -288,7 +288,7 @@ BAD_VALUES = [
     ("malloc_physical", (2 << 20, dict(PROP, memAttr=BIG), 0), (0, acl.ACL_ERROR_INVALID_PARAM)),
     ("malloc_physical", (2 << 20, dict(PROP, location={"id": -1, "type": 1}), 0),
      (0, acl.ACL_ERROR_RT_INVALID_DEVICEID)),
-    ("mem_get_allocation_granularity", (PROP, BIG), (0, acl.ACL_ERROR_INVALID_PARAM)),
+    ("mem_get_allocation_granularity", (PROP, BIG), (0, acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT)),
     ("free_physical", (-5,), acl.ACL_ERROR_RT_INVALID_HANDLE),
     ("free_physical", (12345,), acl.ACL_ERROR_RT_INVALID_HANDLE),
     ("reserve_mem_address", (BIG, 0, 0, 0), (0, acl.ACL_ERROR_INVALID_PARAM)),

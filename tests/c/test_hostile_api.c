@@ -196,10 +196,18 @@ static void test_physical_memory_rejects_bad_arguments(void **state)
                      ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, NULL),
                      ACL_ERROR_INVALID_PARAM);
+    /* the option and the reserved field go to CANN's driver, which refuses them */
     assert_int_equal(aclrtMemGetAllocationGranularity(&prop, ACL_RT_MEM_ALLOC_GRANULARITY_UNDEF, &g),
-                     ACL_ERROR_INVALID_PARAM);
+                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
     assert_int_equal(aclrtMemGetAllocationGranularity(&prop, (aclrtMemGranularityOptions)-1, &g),
-                     ACL_ERROR_INVALID_PARAM);
+                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(aclrtMemGetAllocationGranularity(&prop, (aclrtMemGranularityOptions)2, &g),
+                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    aclrtPhysicalMemProp reserved = good_prop();
+    reserved.reserve = 5;
+    assert_int_equal(aclrtMemGetAllocationGranularity(&reserved, ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM, &g),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &reserved, 0), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(g, 7);
     assert_int_equal(aclrtMallocPhysical(NULL, 2 * MiB_, &prop, 0), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMallocPhysical(&h, 0, &prop, 0), ACL_ERROR_INVALID_PARAM);

@@ -243,6 +243,54 @@ static void test_memcpy_all_kinds_and_checks(void **state)
     aclrtFreeHost(hp);
 }
 
+/* CANN's runtime with the host attached to the device: no copy between two host buffers on a stream,
+ * pinned or pageable (aclrtMemcpy makes it); a copy onto itself succeeds without looking at the memory,
+ * after the argument checks. */
+static void test_copies_between_host_buffers_and_onto_themselves(void **state)
+{
+    (void)state;
+    start_runtime(1, 64 * MiB_, 64 * MiB_, 0, 0);
+    aclrtStream s;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    char a[64], b[64];
+    memset(a, 1, sizeof a);
+    memset(b, 2, sizeof b);
+    void *pa, *pb, *d;
+    assert_int_equal(aclrtMallocHost(&pa, 64), ACL_SUCCESS);
+    assert_int_equal(aclrtMallocHost(&pb, 64), ACL_SUCCESS);
+    assert_int_equal(aclrtMalloc(&d, 64, 0), ACL_SUCCESS);
+    const void *srcs[] = {a, pa, a};
+    void *dsts[] = {b, pb, pb};
+    for (int i = 0; i < 3; i++)
+        for (int kind = ACL_MEMCPY_HOST_TO_HOST; kind <= ACL_MEMCPY_DEFAULT; kind++)
+            assert_int_equal(aclrtMemcpyAsync(dsts[i], 64, srcs[i], 64, (aclrtMemcpyKind)kind, s),
+                             ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    /* nothing was queued, and nothing copied */
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(b[0], 2);
+    /* no host address is device memory: a bogus pair is refused the same way, not queued */
+    assert_int_equal(aclrtMemcpyAsync((void *)0x10, 64, (void *)0x10, 64, ACL_MEMCPY_DEVICE_TO_DEVICE, s),
+                     ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(aclrtMemcpy(b, 64, a, 64, ACL_MEMCPY_HOST_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(b[0], 1);
+    /* onto itself */
+    assert_int_equal(aclrtMemcpy((void *)0x10, 64, (void *)0x10, 64, ACL_MEMCPY_DEVICE_TO_DEVICE), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpy((void *)0x10, 64, (void *)0x10, 65, ACL_MEMCPY_DEVICE_TO_DEVICE),
+                     ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpy((void *)0x10, 64, (void *)0x10, 64, (aclrtMemcpyKind)7), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtMemcpyAsync(d, 64, d, 64, ACL_MEMCPY_DEVICE_TO_DEVICE, s), ACL_SUCCESS);
+    void *freed;
+    assert_int_equal(aclrtMalloc(&freed, 64, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtFree(freed), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(d, 64, freed, 64, ACL_MEMCPY_DEVICE_TO_DEVICE, s), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMemcpyAsync(freed, 64, freed, 64, ACL_MEMCPY_DEVICE_TO_DEVICE, s), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    aclrtFree(d);
+    aclrtFreeHost(pa);
+    aclrtFreeHost(pb);
+}
+
 /* ---- 2-D copies ---- */
 
 static aclrtStream stream2d; /* NULL: the synchronous aclrtMemcpy2d */
@@ -807,6 +855,7 @@ int main(void)
         cmocka_unit_test_teardown(test_huge1g_pool_is_separate_and_exact, stop_runtime),
         cmocka_unit_test_teardown(test_bandwidth_types_choose_ddr_or_hbm, stop_runtime),
         cmocka_unit_test_teardown(test_capacity_is_exact_until_out_of_memory, stop_runtime),
+        cmocka_unit_test_teardown(test_copies_between_host_buffers_and_onto_themselves, stop_runtime),
         cmocka_unit_test_teardown(test_malloc_and_free_errors, stop_runtime),
         cmocka_unit_test_teardown(test_memcpy_all_kinds_and_checks, stop_runtime),
         cmocka_unit_test_teardown(test_memcpy2d_round_trip_with_pitches, stop_runtime),

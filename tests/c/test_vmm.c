@@ -52,7 +52,25 @@ static void test_granularity_per_attribute(void **state)
     p.allocationType = (aclrtMemAllocationType)1;
     assert_int_equal(aclrtMemGetAllocationGranularity(&p, 0, &g), ACL_SUCCESS);
     assert_int_equal(g, GiB_);
-    assert_int_equal(aclrtMemGetAllocationGranularity(&p, 2, &g), ACL_ERROR_INVALID_PARAM);
+    /* the option and `reserve` reach CANN's driver, which refuses them */
+    assert_int_equal(aclrtMemGetAllocationGranularity(&p, 2, &g), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    p.reserve = 1;
+    assert_int_equal(aclrtMemGetAllocationGranularity(&p, 0, &g), ACL_ERROR_RT_PARAM_INVALID);
+    p.reserve = 0;
+    /* 1 GiB pages are device memory only */
+    aclrtPhysicalMemProp host = hbm_prop(ACL_MEM_HUGE1G, 0);
+    for (int i = 0; i < 2; i++) {
+        host.location.type = i ? ACL_MEM_LOCATION_TYPE_HOST_NUMA : ACL_MEM_LOCATION_TYPE_HOST;
+        host.memAttr = ACL_MEM_HUGE1G;
+        assert_int_equal(aclrtMemGetAllocationGranularity(&host, 0, &g), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+        host.memAttr = ACL_MEM_P2P_HUGE1G;
+        aclrtDrvMemHandle none = NULL;
+        assert_int_equal(aclrtMallocPhysical(&none, GiB_, &host, 0), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+        assert_null(none);
+        host.memAttr = ACL_MEM_HUGE; /* the same location with 2 MiB pages */
+        assert_int_equal(aclrtMemGetAllocationGranularity(&host, 0, &g), ACL_SUCCESS);
+        assert_int_equal(g, 2 * MiB_);
+    }
     assert_int_equal(aclrtMemGetAllocationGranularity(NULL, 0, &g), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtMemGetAllocationGranularity(&p, 0, NULL), ACL_ERROR_INVALID_PARAM);
     p.location.id = 5;
@@ -85,6 +103,9 @@ static void test_malloc_physical_validates_properties(void **state)
             q.location.type = (aclrtMemLocationType)bad[i].value;
         assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &q, 0), ACL_ERROR_INVALID_PARAM);
     }
+    p.reserve = 7;
+    assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &p, 0), ACL_ERROR_RT_PARAM_INVALID);
+    p.reserve = 0;
     p.location.id = 2;
     assert_int_equal(aclrtMallocPhysical(&h, 2 * MiB_, &p, 0), ACL_ERROR_RT_INVALID_DEVICEID);
     /* Host-located DDR memory is ordinary host memory, charged to no device. */
@@ -205,6 +226,36 @@ static void test_reserve_arguments(void **state)
     assert_int_equal(aclrtReserveMemAddress(&clash, 2 * MiB_, 0, first, 0), ACL_ERROR_RT_PARAM_INVALID);
     assert_int_equal(aclrtReserveMemAddress(&clash, 2 * MiB_, 0, (char *)first + 4096, 0), ACL_ERROR_INVALID_PARAM);
     assert_int_equal(aclrtReleaseMemAddress(again), ACL_SUCCESS);
+    /* More than 1 GiB at a chosen address: the address aligned to 1 GiB (CANN's rule). */
+    void *wide = reserve(4 * GiB_);
+    assert_int_equal((uintptr_t)wide % GiB_, 0);
+    assert_int_equal(aclrtReleaseMemAddress(wide), ACL_SUCCESS);
+    assert_int_equal(aclrtReserveMemAddress(&clash, 2 * GiB_, 0, (char *)wide + 2 * MiB_, 0), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtReserveMemAddress(&clash, GiB_, 0, (char *)wide + 2 * MiB_, 0), ACL_SUCCESS);
+    assert_ptr_equal(clash, (char *)wide + 2 * MiB_);
+    assert_int_equal(aclrtReleaseMemAddress(clash), ACL_SUCCESS);
+    assert_int_equal(aclrtReserveMemAddress(&clash, 2 * GiB_, 0, (char *)wide + GiB_, 0), ACL_SUCCESS);
+    assert_ptr_equal(clash, (char *)wide + GiB_);
+    assert_int_equal(aclrtReleaseMemAddress(clash), ACL_SUCCESS);
+}
+
+/* A 1 GiB page maps at a 1 GiB-aligned address only, as a 2 MiB one maps at a 2 MiB-aligned one. */
+static void test_a_1g_page_maps_at_its_alignment(void **state)
+{
+    (void)state;
+    start_runtime(1, 4 * GiB_, 4 * GiB_, 2 * GiB_, 0);
+    aclrtPhysicalMemProp p = hbm_prop(ACL_HBM_MEM_HUGE1G, 0);
+    aclrtDrvMemHandle h;
+    assert_int_equal(aclrtMallocPhysical(&h, GiB_, &p, 0), ACL_SUCCESS);
+    char *va = reserve(3 * GiB_);
+    assert_int_equal((uintptr_t)va % GiB_, 0);
+    assert_int_equal(aclrtMapMem(va + 2 * MiB_, GiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMapMem(va + GiB_ + 512 * MiB_, GiB_, 0, h, 0), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtMapMem(va + GiB_, GiB_, 0, h, 0), ACL_SUCCESS);
+    va[GiB_] = 5;
+    assert_int_equal(aclrtUnmapMem(va + GiB_), ACL_SUCCESS);
+    assert_int_equal(aclrtReleaseMemAddress(va), ACL_SUCCESS);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
 static void test_pages_of_several_handles_form_one_range(void **state)
@@ -471,6 +522,7 @@ int main(void)
         cmocka_unit_test_teardown(test_aliasing_same_bytes_through_two_ranges, stop_runtime),
         cmocka_unit_test_teardown(test_map_and_unmap_errors, stop_runtime),
         cmocka_unit_test_teardown(test_reserve_arguments, stop_runtime),
+        cmocka_unit_test_teardown(test_a_1g_page_maps_at_its_alignment, stop_runtime),
         cmocka_unit_test_teardown(test_pages_of_several_handles_form_one_range, stop_runtime),
         cmocka_unit_test_teardown(test_unmapped_range_faults_on_access, stop_runtime),
         cmocka_unit_test_teardown(test_fork_child_starts_with_fresh_devices, stop_runtime),
