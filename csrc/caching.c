@@ -329,13 +329,37 @@ static void insert_events(device_cache *dc, cache_block *b)
         free_block(dc, b);
 }
 
-/* Records the events of frees deferred while a capture was underway. */
+/* Forgets the streams recorded on `b` during a capture; with `drop_uses`, drops them from its uses as
+ * well (torch's remove_graph_stream_uses). */
+static void forget_capture_uses(device_cache *dc, cache_block *b, bool drop_uses)
+{
+    for (size_t i = dc->capture_use_count; i-- > 0;) {
+        if (dc->capture_uses[i].block != b)
+            continue;
+        for (uint32_t j = 0; drop_uses && j < b->use_count; j++) {
+            if (b->uses[j] == dc->capture_uses[i].stream) {
+                b->uses[j] = b->uses[--b->use_count];
+                free(take_spare_event(dc)); /* the use's reserved event */
+                break;
+            }
+        }
+        dc->capture_uses[i] = dc->capture_uses[--dc->capture_use_count];
+    }
+}
+
+/* Records the events of frees deferred while a capture was underway.  Only streams recorded before
+ * the capture are waited for: work a capture recorded on a stream was captured, not run, so it cannot
+ * be using the block (torch's insert_events_deferred_until_no_capture); with none, the free completes. */
 static void insert_deferred_events(device_cache *dc)
 {
     size_t n = dc->deferred_count;
     dc->deferred_count = 0;
-    for (size_t i = 0; i < n; i++)
-        insert_events(dc, dc->deferred[i]);
+    for (size_t i = 0; i < n; i++) {
+        cache_block *b = dc->deferred[i];
+        if (unlikely(dc->capture_use_count))
+            forget_capture_uses(dc, b, true);
+        insert_events(dc, b);
+    }
 }
 
 /* Is the event's free complete: its stream passed it, or it is one of those synchronize_and_free_events
@@ -654,7 +678,6 @@ static void release_blocks(device_cache *dc, block_pool *pool, bool keep_pages)
     expandable_release_unmapped_segments(dc, pool);
 }
 
-/* Returns every whole cached segment to the device (torch's release_cached_blocks). */
 static void pool_destroy(device_cache *dc, private_pool *pp)
 {
     /* its kept pages too: nothing else could map them again (torch_npu's BlockPool would leak them) */
@@ -697,16 +720,22 @@ static void release_freeable_pool(device_cache *dc, private_pool *pp, bool keep_
         pool_destroy(dc, pp);
 }
 
+/* Returns every whole cached segment to the device (torch's release_cached_blocks).  While a capture
+ * or use_mem_pool is underway only the pools nobody uses are released, as newest torch's
+ * release_cached_blocks does (torch_npu's asserts that none is): its frees wait for the capture to end. */
 static bool release_cached_blocks(device_cache *dc, bool keep_pages)
 {
-    synchronize_and_free_events(dc);
-    release_blocks(dc, &dc->large, keep_pages);
-    release_blocks(dc, &dc->small, keep_pages);
+    const bool all = dc->route_count == 0;
+    if (all) {
+        synchronize_and_free_events(dc);
+        release_blocks(dc, &dc->large, keep_pages);
+        release_blocks(dc, &dc->small, keep_pages);
+    }
     for (private_pool *pp = dc->private_pools, *next; pp; pp = next) {
         next = pp->next;
         release_freeable_pool(dc, pp, keep_pages);
     }
-    if (!keep_pages)
+    if (all && !keep_pages)
         expandable_free_cached_pages(dc, NULL);
     return true;
 }
@@ -1014,14 +1043,16 @@ void cache_free_locked(device_cache *dc, cache_block *b)
     cache_history_record_ctx(dc, TRACE_FREE_REQUESTED, b->ptr, b->requested_size, b->stream, b->ctx);
     if (b->oversize_alloc) /* counted when allocated, whatever max_split is now */
         cache_stat_one_dec(&dc->stats.oversize_allocations, 1);
-    if (b->use_count > 0 && dc->route_count > 0) {
-        /* During a capture events cannot be recorded: they are inserted when it ends. */
-        if (!ARRAY_RESERVE(dc->deferred, dc->deferred_capacity, dc->deferred_count + 1, 8)) {
-            insert_events(dc, b); /* out of host memory: record the events now (correct, just early) */
-            return;
-        }
+    if (b->use_count > 0 && dc->route_count > 0 &&
+        ARRAY_RESERVE(dc->deferred, dc->deferred_capacity, dc->deferred_count + 1, 8)) {
+        /* During a capture events cannot be recorded: they are inserted when it ends.  (Out of host
+         * memory, they are recorded now, with every use: correct, just early.) */
         dc->deferred[dc->deferred_count++] = b;
-    } else if (b->use_count > 0) {
+        return;
+    }
+    if (b->use_count > 0) {
+        if (unlikely(dc->capture_use_count))
+            forget_capture_uses(dc, b, false);
         insert_events(dc, b);
     } else if (b->event_count == 0) { /* non-zero: held by a sharing pin */
         complete_free(dc, b);
@@ -1030,6 +1061,16 @@ void cache_free_locked(device_cache *dc, cache_block *b)
 
 aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
 {
+    if (unlikely(dc->route_count > 0)) { /* marked as recorded during a capture (capture_use) */
+        bool known = false;
+        for (size_t i = 0; i < dc->capture_use_count && !known; i++)
+            known = dc->capture_uses[i].block == b && dc->capture_uses[i].stream == stream;
+        if (!known) {
+            if (!ARRAY_RESERVE(dc->capture_uses, dc->capture_use_capacity, dc->capture_use_count + 1, 4))
+                return ACL_ERROR_BAD_ALLOC;
+            dc->capture_uses[dc->capture_use_count++] = (capture_use){b, stream};
+        }
+    }
     /* torch_npu records even the block's own stream (no early return). */
     for (uint32_t i = 0; i < b->use_count; i++)
         if (b->uses[i] == stream)
@@ -1057,6 +1098,7 @@ aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t s
     return ACL_SUCCESS;
 }
 
+
 /* torch_npu's eraseStream also cancels the block's events queued on `stream`; there are none
  * here: events are recorded only when a block is freed, and `b` is allocated (the caller found
  * it in allocated_blocks), so it has none until its next free. */
@@ -1066,7 +1108,13 @@ void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream
         if (b->uses[i] == stream) {
             b->uses[i] = b->uses[--b->use_count];
             free(take_spare_event(dc)); /* the use's reserved event */
-            return;
+            break;
+        }
+    }
+    for (size_t i = 0; i < dc->capture_use_count; i++) {
+        if (dc->capture_uses[i].block == b && dc->capture_uses[i].stream == stream) {
+            dc->capture_uses[i] = dc->capture_uses[--dc->capture_use_count];
+            break;
         }
     }
 }
@@ -1546,6 +1594,7 @@ static void release_everything(device_cache *dc, bool return_memory)
     block_pool_destroy(&dc->large);
     free(dc->routes);
     free(dc->deferred);
+    free(dc->capture_uses);
     ptr_map_free(&dc->allocated_blocks);
     for (size_t i = 0; i < dc->chunk_count; i++)
         free(dc->chunks[i]);

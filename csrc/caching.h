@@ -173,6 +173,13 @@ typedef struct pool_route {
     bool owns_ref;         /* a begin's route holds a reference; a joined one is covered by it */
 } pool_route;
 
+/* A stream recorded on an allocated block while a capture was underway (torch's
+ * block_to_graph_stream_uses): the free deferred to the capture's end does not wait for it. */
+typedef struct capture_use {
+    const struct cache_block *block;
+    uint64_t stream;
+} capture_use;
+
 /* Physical pages unmapped by empty_virt_addr_cache, kept for the pool's next map. */
 typedef struct cached_page {
     uint64_t handle;
@@ -243,6 +250,8 @@ typedef struct device_cache {
     size_t route_count, route_capacity;
     cache_block **deferred; /* freed with stream uses during a capture: events wait for its end */
     size_t deferred_count, deferred_capacity;
+    capture_use *capture_uses; /* each of a block that has the stream in its uses; dropped with it */
+    size_t capture_use_count, capture_use_capacity;
     cached_page *cached_pages; /* pages kept by empty_virt_addr_cache */
     size_t cached_page_count, cached_page_capacity;
     cache_block *pinned;       /* freed blocks still open in another process (sharing pin) */

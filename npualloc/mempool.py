@@ -16,9 +16,9 @@ Semantics (torch's, reference section 3.14):
   reference before the check and never gives it back (the pool then outlives its last user).
 * Memory of a pool goes back to the device only once nothing uses the pool and its blocks are free: when a
   MemPool is collected, its reference is released and ``emptyCache(pool.id)`` runs (torch's ~MemPool);
-  ``empty_cache()`` releases the free memory of the pools nobody uses.  (As in torch_npu, i.e. torch
-  before ``emptyCache(mempool_id)`` learned to skip the default pools during captures, ``empty_cache()``
-  also releases the default pools while a ``use_mem_pool`` is active.)
+  ``empty_cache()`` releases the free memory of the pools nobody uses.  While a ``use_mem_pool`` or a
+  capture is active it releases only those, and leaves the default pools and their waiting frees alone,
+  as newest torch's release_cached_blocks does (torch_npu's asserts that no capture is underway).
 * ``memory_snapshot(mempool_id=pool.id)`` / ``pool.snapshot()`` list the pool's segments
   (``segment_pool_id``); as in torch, ``mempool_id=(0, 0)`` lists every segment, not the default pool's.
 * ``MemPool(allocator=pluggable.allocator())`` (an ``NPUPluggableAllocator``): the pool's segments come

@@ -382,6 +382,40 @@ def test_a_free_deferred_by_a_pool_context_is_pending_in_the_snapshot(mem):
     check_all()
 
 
+def test_streams_recorded_during_a_capture_are_not_waited_for_by_its_deferred_free(mem):
+    # torch's insert_events_deferred_until_no_capture waits only for streams recorded before the capture
+    # (remove_graph_stream_uses): work recorded during it was captured, not run.  With none left the
+    # free completes at the next allocation; a stream recorded before the capture is still waited for.
+    side, early = npualloc.Stream(), npualloc.Stream()
+    gate = threading.Event()
+    from npualloc import acl
+
+    def hold(_):
+        gate.wait(60)
+
+    a, b = alloc(3 * MiB), alloc(3 * MiB)
+    npualloc.record_stream(b, early)
+    pool = npualloc.MemPool()
+    with npualloc.use_mem_pool(pool):
+        npualloc.record_stream(a, side)
+        npualloc.record_stream(b, side)
+        free(a)
+        free(b)
+        assert block_of(a)["state"] == block_of(b)["state"] == "active_pending_free"
+    for s in (side, early):                     # both streams busy until the gate opens
+        assert acl.rt.launch_callback(hold, None, acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+    c = alloc(3 * MiB)                          # processes the deferred frees
+    assert c == a                               # `side` is not waited for
+    assert block_of(b)["state"] == "active_pending_free"   # `early` is
+    gate.set()
+    npualloc.synchronize()
+    assert alloc(3 * MiB) == b
+    free(b)
+    free(c)
+    del pool
+    check_all()
+
+
 def test_erase_stream_only_from_the_blocks_current_stream(mem):
     own, side = npualloc.Stream(), npualloc.Stream()
     p = alloc(1, stream=own)

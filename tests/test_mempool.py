@@ -161,6 +161,31 @@ def test_memory_returns_when_the_pool_goes(mem):
     check_all()
 
 
+def test_empty_cache_during_a_pool_context_releases_only_pools_nobody_uses(mem):
+    # Newest torch's release_cached_blocks: with a capture underway (use_mem_pool is one) the default
+    # pools and their waiting frees stay (torch_npu asserts that none is underway); a pool released
+    # meanwhile goes.  Once the context ends, everything goes.
+    x = alloc(30 * MiB)
+    free(x)
+    gone = npualloc.MemPool()
+    with npualloc.use_mem_pool(gone):
+        y = alloc(4 * MiB)
+    free(y)
+    gone.release()
+    pool = npualloc.MemPool()
+    syncs = npualloc.memory_stats()["num_sync_all_streams"]
+    with npualloc.use_mem_pool(pool):
+        npualloc.empty_cache()
+        assert block_of(x)["state"] == "inactive"              # the default pool's segment stays
+        assert npualloc.memory_snapshot(mempool_id=gone.id) == []
+        assert npualloc.memory_stats()["num_sync_all_streams"] == syncs
+    npualloc.empty_cache()
+    assert npualloc.memory_reserved() == 0
+    assert npualloc.memory_stats()["num_sync_all_streams"] == syncs + 1
+    del pool, gone
+    check_all()
+
+
 def test_a_released_pool_keeps_live_blocks_until_freed(mem):
     pool = npualloc.MemPool()
     with npualloc.use_mem_pool(pool):
