@@ -549,14 +549,32 @@ def _check_str(fn, name, value):
         raise TypeError(f"{fn}(): argument '{name}' must be str or None, not {type(value).__name__}")
 
 
-def _check_int(fn, name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
+def _pybind_bool(fn, name, value):
+    """A bool argument as torch's pybind11 bindings convert it: True/False, None as False, an object with
+    ``__bool__`` (a number) by its truth; anything else (a str, a list) is a TypeError."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if getattr(type(value), "__bool__", None) is not None:
+        try:
+            return bool(value)
+        except Exception:
+            pass
+    raise TypeError(f"{fn}(): argument '{name}' must be bool, not {type(value).__name__}")
+
+
+def _pybind_int(fn, name, value, bits=64, unsigned=False):
+    """An integer argument as pybind11 converts it to a C integer type: an int (a bool included) or an
+    object with ``__index__``, in the type's range; anything else, a float included, is a TypeError."""
+    try:
+        n = value.__index__() if not isinstance(value, float) else None
+    except (AttributeError, TypeError):
+        n = None
+    low, high = (0, 1 << bits) if unsigned else (-(1 << (bits - 1)), 1 << (bits - 1))
+    if n is None:
         raise TypeError(f"{fn}(): argument '{name}' must be int, not {type(value).__name__}")
-
-
-def _check_bool(fn, name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{fn}(): argument '{name}' must be bool, not {type(value).__name__}")
+    if not low <= n < high:
+        raise TypeError(f"{fn}(): argument '{name}' must be an int in [{low}, {high - 1}], got {n}")
+    return n
 
 
 # The actions of trace entries, in the order of npualloc_trace_action (skip_actions' bits).
@@ -606,8 +624,12 @@ def _record_memory_history(enabled="all", *args, **kwargs):
     same as ``"python"``.
 
     ``clear_history``: as torch >= 2.3, a call that enables recording keeps what was recorded so
-    far (trimmed to the newest ``max_entries``) unless this is True; ``enabled=None`` always
-    clears.  torch_npu instead starts every call from an empty history.
+    far (trimmed to the newest ``max_entries``, where torch keeps it whole) unless this is True;
+    ``enabled=None`` always clears.  torch_npu instead starts every call from an empty history.
+
+    Bools and counts convert as torch's pybind11 binding converts them: None or a number for a
+    bool, an int (True is 1) or an ``__index__`` in range for a count; a str or float count is a
+    TypeError.
 
     ``skip_actions``: trace actions (names as above) that are not recorded from now on; None or []
     records all.  An unknown name raises torch's ``RuntimeError: Unknown TraceEntry action: <name>``.
@@ -636,13 +658,11 @@ def _record_memory_history_impl(enabled="all", context="all", stacks="all", max_
     _check_str(fn, "context", context)
     if not isinstance(stacks, str):
         raise TypeError(f"{fn}(): argument 'stacks' must be str, not {type(stacks).__name__}")
-    _check_int(fn, "max_entries", max_entries)
-    for name, value in (("clear_history", clear_history), ("compile_context", compile_context),
-                        ("global_record_annotations", global_record_annotations)):
-        _check_bool(fn, name, value)
+    max_entries = _pybind_int(fn, "max_entries", max_entries, unsigned=True)  # torch's size_t
+    clear_history = _pybind_bool(fn, "clear_history", clear_history)
+    _pybind_bool(fn, "compile_context", compile_context)
+    _pybind_bool(fn, "global_record_annotations", global_record_annotations)
     skip_actions = _check_skip_actions(fn, skip_actions)
-    if max_entries < 0:
-        raise TypeError(f"{fn}(): argument 'max_entries' must be a non-negative int, got {max_entries}")
     if not (enabled is None or enabled in ("state", "all")):
         raise RuntimeError("expected state to be 'state', 'all', or None" + _pta_error("NOT_FOUND"))
     if not (context is None or context in ("state", "alloc", "all")):
@@ -663,13 +683,13 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
                                   clear_history=False, compile_context=False, global_record_annotations=False,
                                   skip_actions=None):
     fn = "_record_memory_history"
-    for name, value in (("enabled", enabled), ("record_context", record_context),
-                        ("trace_alloc_record_context", trace_alloc_record_context),
-                        ("record_context_cpp", record_context_cpp), ("clear_history", clear_history),
-                        ("compile_context", compile_context),
+    record_context = _pybind_bool(fn, "record_context", record_context)
+    trace_alloc_record_context = _pybind_bool(fn, "trace_alloc_record_context", trace_alloc_record_context)
+    clear_history = _pybind_bool(fn, "clear_history", clear_history)
+    for name, value in (("record_context_cpp", record_context_cpp), ("compile_context", compile_context),
                         ("global_record_annotations", global_record_annotations)):
-        _check_bool(fn, name, value)
-    _check_int(fn, "trace_alloc_max_entries", trace_alloc_max_entries)
+        _pybind_bool(fn, name, value)
+    trace_alloc_max_entries = _pybind_int(fn, "trace_alloc_max_entries", trace_alloc_max_entries)  # int64
     skip = _skip_mask(_check_skip_actions(fn, skip_actions))
     if trace_alloc_record_context:
         when = _CONTEXT_LEVELS["alloc"]

@@ -71,19 +71,6 @@ def _pool_id(pool):
     raise TypeError(f"expected a MemPool or a (int, int) pool id, not {type(pool).__name__}")
 
 
-def _flag(name, value):
-    """A MemPool flag as torch's binding converts it (pybind11's bool): True/False, None as False,
-    an object with ``__bool__`` (a number) by its truth; anything else is a TypeError."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if getattr(type(value), "__bool__", None) is not None:
-        try:
-            return bool(value)
-        except Exception:
-            pass
-    raise TypeError(f"MemPool(): {name} must be a bool, not {type(value).__name__}")
-
-
 class MemPool:
     """A private memory pool of the current device (torch's
     ``MemPool(allocator=None, use_on_oom=False, no_split=False)``).
@@ -105,8 +92,8 @@ class MemPool:
     """
 
     def __init__(self, allocator=None, use_on_oom=False, no_split=False):
-        use_on_oom = _flag("use_on_oom", use_on_oom)
-        no_split = _flag("no_split", no_split)
+        use_on_oom = _memory._pybind_bool("MemPool", "use_on_oom", use_on_oom)
+        no_split = _memory._pybind_bool("MemPool", "no_split", no_split)
         if isinstance(allocator, _memory._NPUAllocator):
             allocator = allocator.allocator()
         if allocator is not None and not (isinstance(allocator, tuple) and len(allocator) == 2):

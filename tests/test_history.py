@@ -408,7 +408,7 @@ def test_argument_errors(hist):
     with pytest.raises(RuntimeError, match=r"^expected stacks to be 'python', or 'all'$"):
         memory._record_memory_history(stacks="cpp")
     for kwargs in (dict(enabled=1), dict(context=2), dict(stacks=None), dict(max_entries="3"),
-                   dict(max_entries=-1), dict(max_entries=True), dict(bogus=1)):
+                   dict(max_entries=-1), dict(max_entries=2**64), dict(max_entries=5.0), dict(bogus=1)):
         with pytest.raises(TypeError):
             memory._record_memory_history(**kwargs)
     assert list(inspect.signature(memory._record_memory_history).parameters) == [
@@ -416,8 +416,30 @@ def test_argument_errors(hist):
         "global_record_annotations", "skip_actions"]
 
 
+def test_bools_and_counts_convert_as_torchs_pybind11_binding_converts_them(hist):
+    # pybind11: a bool parameter takes None (False) and anything with __bool__ by its truth, not a str;
+    # a size_t or int64 takes an int (a bool is one) or an __index__ in range, not a float or a str.
+    memory._record_memory_history(max_entries=True, clear_history=1, compile_context=None,
+                                  global_record_annotations=0)
+    p = alloc(100)
+    q = alloc(100)
+    assert [e["action"] for e in entries(memory._snapshot())] == ["alloc"]   # max_entries=True: 1 entry
+    memory._record_memory_history(max_entries=3, clear_history=1.5)        # a float has __bool__: True
+    assert entries(memory._snapshot()) == []
+    memory._record_memory_history(True, record_context=None, trace_alloc_max_entries=True,
+                                  trace_alloc_record_context=1, clear_history=0)
+    free(q)
+    snap = memory._snapshot()
+    assert [e["action"] for e in entries(snap)] == ["free_completed"] and "frames" in entries(snap)[0]
+    for legacy in (dict(trace_alloc_max_entries=2**63), dict(trace_alloc_max_entries=1.0),
+                   dict(record_context="yes"), dict(clear_history=[1])):
+        with pytest.raises(TypeError):
+            memory._record_memory_history(True, **legacy)
+    free(p)
+
+
 def test_newer_keywords_are_checked_as_torch_checks_them(hist):
-    for kwargs in (dict(clear_history=1), dict(compile_context="yes"), dict(global_record_annotations=None),
+    for kwargs in (dict(compile_context="yes"), dict(global_record_annotations=[]),
                    dict(skip_actions="alloc"), dict(skip_actions=[1]), dict(skip_actions={"alloc"}),
                    dict(record_pinned_host_memory=True), dict(record_cuda=True)):
         with pytest.raises(TypeError):
@@ -534,7 +556,7 @@ def test_legacy_bool_form(hist):
     memory._record_memory_history(False)
     assert memory._snapshot()["device_traces"] == [[], []]
     with pytest.raises(TypeError):
-        memory._record_memory_history(True, record_context=1)
+        memory._record_memory_history(True, record_context="1")
     for x in (p, q, r):
         free(x)
 

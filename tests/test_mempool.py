@@ -29,9 +29,9 @@ def test_ids_share_one_counter_with_graph_pool_handle(mem):
         npualloc.MemPool(allocator=object())  # pools with a pluggable allocator: tests/test_pluggable.py
     # torch's binding takes bools as pybind11 does: numbers and None by their truth, not strings
     for bad in ("yes", [], object()):
-        with pytest.raises(TypeError, match="use_on_oom must be a bool"):
+        with pytest.raises(TypeError, match="argument .use_on_oom. must be bool"):
             npualloc.MemPool(use_on_oom=bad)
-        with pytest.raises(TypeError, match="no_split must be a bool"):
+        with pytest.raises(TypeError, match="argument .no_split. must be bool"):
             npualloc.MemPool(no_split=bad)
     flagged = npualloc.MemPool(None, 1, None)  # torch's order: allocator, use_on_oom, no_split
     assert flagged.use_count() == 1
