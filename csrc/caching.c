@@ -184,8 +184,9 @@ void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, si
     npualloc_context *ctx = dc->current_ctx ? dc->current_ctx : fallback;
     if (dc->record_context < NPUALLOC_RECORD_ALLOC)
         ctx = NULL;
-    trace_entry e = {action, addr, size, stream, host_epoch_us(), ctx};
+    trace_entry e = {action, addr, size, stream, host_epoch_us(), ctx, dc->user_metadata};
     npualloc_context_retain(ctx);
+    npualloc_context_retain(e.metadata);
     if (dc->history_count == dc->history_capacity && dc->history_capacity < dc->history_max) {
         size_t cap = dc->history_capacity ? dc->history_capacity * 2 : 1024;
         if (cap > dc->history_max)
@@ -201,12 +202,18 @@ void cache_history_add(device_cache *dc, trace_action action, uintptr_t addr, si
     if (dc->history_count < dc->history_capacity) {
         dc->history[dc->history_count++] = e;
     } else if (dc->history_capacity) {
-        npualloc_context_release(dc->history[dc->history_next].ctx);
+        trace_entry_drop(&dc->history[dc->history_next]);
         dc->history[dc->history_next] = e;
         dc->history_next = (dc->history_next + 1) % dc->history_capacity;
     } else {
-        npualloc_context_release(ctx);
+        trace_entry_drop(&e);
     }
+}
+
+void trace_entry_drop(trace_entry *e)
+{
+    npualloc_context_release(e->ctx);
+    npualloc_context_release(e->metadata);
 }
 
 /* ---- allocation parameters ---- */
@@ -1600,8 +1607,9 @@ static void release_everything(device_cache *dc, bool return_memory)
         free(dc->chunks[i]);
     free(dc->chunks);
     for (size_t i = 0; i < dc->history_count; i++)
-        npualloc_context_release(dc->history[i].ctx);
+        trace_entry_drop(&dc->history[i]);
     free(dc->history);
+    npualloc_context_release(dc->user_metadata);
     cache_lock lock = dc->lock;
     memset(dc, 0, sizeof *dc);
     dc->lock = lock;

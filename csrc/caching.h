@@ -119,8 +119,12 @@ typedef struct trace_entry {
     size_t size;
     uint64_t stream;
     int64_t time_us;
-    npualloc_context *ctx; /* held while the entry is */
+    npualloc_context *ctx;      /* held while the entry is */
+    npualloc_context *metadata; /* the user metadata then (torch's user_metadata), held likewise */
 } trace_entry;
+
+/* Drops what an entry holds. */
+void trace_entry_drop(trace_entry *e);
 
 struct npualloc_context {
     _Atomic uint32_t refs;
@@ -264,6 +268,7 @@ typedef struct device_cache {
     uint32_t history_skip;   /* NPUALLOC_TRACE_SKIP bits: actions not recorded */
     size_t history_max;      /* the ring's limit (max_entries); 0 while the history is off */
     trace_entry *history;    /* grows on demand up to history_max */
+    npualloc_context *user_metadata; /* attached to the entries recorded from now on (NULL: none) */
     size_t history_capacity;
     size_t history_count, history_next; /* entries held; where the oldest is once full */
 } device_cache;

@@ -1156,7 +1156,7 @@ static void history_keep_newest(device_cache *dc, size_t keep)
     reverse_entries(h, 0, n);
     size_t drop = n > keep ? n - keep : 0;
     for (size_t i = 0; i < drop; i++)
-        npualloc_context_release(h[i].ctx);
+        trace_entry_drop(&h[i]);
     if (drop)
         memmove(h, h + drop, (n - drop) * sizeof *h);
     dc->history_count = dc->history_capacity = n - drop;
@@ -1194,6 +1194,38 @@ aclError npualloc_cache_record_history_opts(bool enabled, npualloc_record_contex
         dc->history_max = enabled ? max_entries : 0; /* at least 1 when enabled */
         cache_lock_release(&dc->lock);
     }
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_set_user_metadata(int32_t device, const void *data, size_t len)
+{
+    if (len && !data)
+        return ACL_ERROR_INVALID_PARAM;
+    npualloc_context *md = NULL;
+    if (len && !(md = npualloc_context_create(data, len)))
+        return ACL_ERROR_BAD_ALLOC;
+    device_cache *dc = cache_acquire(device);
+    if (!dc) {
+        npualloc_context_release(md);
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    npualloc_context *old = dc->user_metadata;
+    dc->user_metadata = md;
+    cache_lock_release(&dc->lock);
+    npualloc_context_release(old);
+    return ACL_SUCCESS;
+}
+
+aclError npualloc_cache_get_user_metadata(int32_t device, npualloc_context **out)
+{
+    if (!out)
+        return ACL_ERROR_INVALID_PARAM;
+    device_cache *dc = cache_acquire(device);
+    if (!dc)
+        return ACL_ERROR_INVALID_PARAM;
+    *out = dc->user_metadata;
+    npualloc_context_retain(*out);
+    cache_lock_release(&dc->lock);
     return ACL_SUCCESS;
 }
 

@@ -98,6 +98,8 @@ static bool add_traces(snapshot_builder *sb, const device_cache *dc)
         t->time_us = e->time_us;
         t->frames = e->ctx;
         npualloc_context_retain(t->frames);
+        t->user_metadata = e->metadata;
+        npualloc_context_retain(t->user_metadata);
     }
     return true;
 }
@@ -121,8 +123,10 @@ void npualloc_snapshot_free(npualloc_snapshot *snap)
         npualloc_context_release(snap->segments[i].frames);
     for (size_t i = 0; i < snap->block_count; i++)
         npualloc_context_release(snap->blocks[i].frames);
-    for (size_t i = 0; i < snap->trace_count; i++)
+    for (size_t i = 0; i < snap->trace_count; i++) {
         npualloc_context_release(snap->traces[i].frames);
+        npualloc_context_release(snap->traces[i].user_metadata);
+    }
     free(snap->segments);
     free(snap->blocks);
     free(snap->traces);

@@ -708,6 +708,18 @@ def _record_memory_history_legacy(enabled, record_context=True, trace_alloc_max_
 _record_memory_history.__signature__ = inspect.signature(_record_memory_history_impl)
 
 
+def _set_memory_metadata(metadata):
+    """Attaches ``metadata`` (a str; "" for none) to the current device's trace entries recorded from
+    now on, as their ``user_metadata`` (torch's ``torch.cuda.memory._set_memory_metadata``)."""
+    _M._set_user_metadata(current_device(), metadata)
+
+
+def _get_memory_metadata():
+    """The metadata the current device's new trace entries get ("" for none; torch's
+    ``_get_memory_metadata``)."""
+    return _M._get_user_metadata(current_device())
+
+
 def _snapshot(device=None, augment_with_fx_traces=False):
     """torch's snapshot dict: ``{"segments": [...], "device_traces": [[entries of device d] for d],
     "allocator_settings": {...}, "external_annotations": []}`` (``device`` is ignored: every device is
@@ -721,7 +733,8 @@ def _snapshot(device=None, augment_with_fx_traces=False):
     block has been split reports [] from then on, even after the merge back: the split hands out a new
     first block, and the stack stays with the old one, which the merge drops.  A trace entry carries
     ``frames`` only when its
-    context was kept (context "alloc" or "all").  Trace entries are oldest first; an "oom" entry
+    context was kept (context "alloc" or "all"), and always torch's ``compile_context`` ("N/A": no
+    compiled regions here) and ``user_metadata`` (see ``_set_memory_metadata``; "" for none).  Trace entries are oldest first; an "oom" entry
     has ``device_free`` instead of ``addr``.  Frames lists may be shared between entries that
     come from one stack, as in torch."""
     _unsupported_by_pluggable("snapshot")  # then the caching allocator's: empty

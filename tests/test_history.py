@@ -385,7 +385,8 @@ def test_oom_entry(hist):
     with pytest.raises(npualloc.OutOfMemoryError):
         too_big()
     oom = entries(memory._snapshot())[-1]
-    assert list(oom) == ["action", "device_free", "size", "stream", "time_us", "frames"]
+    assert list(oom) == ["action", "device_free", "size", "stream", "time_us", "compile_context", "user_metadata",
+                         "frames"]
     assert oom["action"] == "oom" and oom["size"] == 2 * GiB + 512 and oom["device_free"] == GiB
     assert oom["frames"][0]["name"] == "too_big"
 
@@ -457,6 +458,32 @@ def test_newer_keywords_are_checked_as_torch_checks_them(hist):
     p = alloc(100)
     assert memory._snapshot()["device_traces"] == [[], []]
     free(p)
+
+
+def test_entries_carry_torchs_compile_context_and_user_metadata(hist):
+    memory._record_memory_history()
+    p = alloc(100)
+    assert memory._get_memory_metadata() == ""
+    memory._set_memory_metadata("step 1 \u00e9")
+    assert memory._get_memory_metadata() == "step 1 \u00e9"
+    free(p)
+    memory._set_memory_metadata("")
+    q = alloc(100)
+    got = [(e["action"], e["compile_context"], e["user_metadata"]) for e in entries(memory._snapshot())]
+    assert got == [("segment_alloc", "N/A", ""), ("alloc", "N/A", ""), ("free_requested", "N/A", "step 1 \u00e9"),
+                   ("free_completed", "N/A", "step 1 \u00e9"), ("alloc", "N/A", "")]
+    with pytest.raises(TypeError, match="argument 'metadata' must be str, not bytes"):
+        memory._set_memory_metadata(b"x")
+    assert memory._get_memory_metadata() == ""
+    npualloc.set_device(1)
+    memory._set_memory_metadata("on 1")              # per device, as torch's
+    npualloc.set_device(0)
+    assert memory._get_memory_metadata() == ""
+    r = alloc(100, device=1)
+    assert [(e["action"], e["user_metadata"]) for e in entries(memory._snapshot(), 1)] == [
+        ("snapshot", ""), ("segment_alloc", "on 1"), ("alloc", "on 1")]   # (the first snapshot's entry)
+    free(q)
+    free(r)
 
 
 def test_skip_actions_are_not_recorded(hist):

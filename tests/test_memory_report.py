@@ -144,7 +144,8 @@ def test_history_traces(mem):
     assert [(e["action"], e["addr"], e["size"], e["stream"]) for e in trace] == [
         ("segment_alloc", p, 2 * MiB, 0), ("alloc", p, 1, 0), ("free_requested", p, 1, 0),
         ("free_completed", p, 1, 0)]
-    assert all(list(e) == ["action", "addr", "size", "stream", "time_us", "frames"] for e in trace)
+    assert all(list(e) == ["action", "addr", "size", "stream", "time_us", "compile_context", "user_metadata",
+                           "frames"] for e in trace)
     assert all(before - 5e6 <= e["time_us"] <= time.time() * 1e6 for e in trace)      # microseconds since the epoch
     assert [e["time_us"] for e in trace] == sorted(e["time_us"] for e in trace)
     q = alloc(MiB + 1)

@@ -268,6 +268,7 @@ typedef struct npualloc_trace_info {
     uint64_t stream;
     int64_t time_us;
     npualloc_context *frames; /* NULL if not recorded */
+    npualloc_context *user_metadata; /* the device's metadata when recorded, or NULL for none */
 } npualloc_trace_info;
 
 typedef struct npualloc_snapshot {
@@ -302,6 +303,13 @@ typedef struct npualloc_history_options {
  * skip_actions has a bit that is no npualloc_trace_action. */
 aclError npualloc_cache_record_history_opts(bool enabled, npualloc_record_context when, size_t max_entries,
                                             const npualloc_history_options *opts);
+
+/* torch's setUserMetadata / getUserMetadata: `len` bytes attached to the device's trace entries recorded
+ * from now on (len 0: none).  The getter gives a reference to the current bytes (NULL for none), to
+ * read with npualloc_context_data and drop with npualloc_context_release.  ACL_ERROR_INVALID_PARAM for a
+ * device out of range or a NULL pointer, ACL_ERROR_BAD_ALLOC out of host memory. */
+aclError npualloc_cache_set_user_metadata(int32_t device, const void *data, size_t len);
+aclError npualloc_cache_get_user_metadata(int32_t device, npualloc_context **out);
 
 /* ---- private memory pools (torch's MemPool / graph_pool_handle) ---- */
 typedef struct npualloc_mempool_id {

@@ -1539,10 +1539,14 @@ static PyObject *trace_dict(frame_decoder *d, const npualloc_trace_info *t)
 {
     unsigned a = (unsigned)t->action;
     const char *action = a < sizeof trace_actions / sizeof *trace_actions ? trace_actions[a] : "unknown";
-    PyObject *e = Py_BuildValue("{s:s,s:K,s:K,s:K,s:L}", "action", action,
+    size_t md_len;
+    const char *md = npualloc_context_data(t->user_metadata, &md_len);
+    /* compile_context: torch's "N/A" outside a compiled region, which is everywhere here */
+    PyObject *e = Py_BuildValue("{s:s,s:K,s:K,s:K,s:L,s:s,s:s#}", "action", action,
                                 t->action == NPUALLOC_TRACE_OOM ? "device_free" : "addr", (unsigned long long)t->addr,
                                 "size", (unsigned long long)t->size, "stream", (unsigned long long)t->stream,
-                                "time_us", (long long)t->time_us);
+                                "time_us", (long long)t->time_us, "compile_context", "N/A", "user_metadata",
+                                md ? md : "", (Py_ssize_t)md_len);
     if (e && t->frames) {
         PyObject *frames = decode_frames(d, t->frames);
         if (!frames || PyDict_SetItemString(e, "frames", frames) < 0)
@@ -1686,6 +1690,49 @@ static PyObject *m_record_history(PyObject *self, PyObject *const *args, Py_ssiz
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     Py_RETURN_NONE;
+}
+
+/* _set_user_metadata(device, text): torch's setUserMetadata for one device. */
+static PyObject *m_set_user_metadata(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (!check_nargs("_set_user_metadata", nargs, 2))
+        return NULL;
+    int32_t dev;
+    if (as_i32(args[0], "_set_user_metadata", "device", &dev) < 0)
+        return NULL;
+    if (!PyUnicode_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "_set_memory_metadata(): argument 'metadata' must be str, not %.80s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    Py_ssize_t len;
+    const char *text = PyUnicode_AsUTF8AndSize(args[1], &len);
+    if (!text)
+        return NULL;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_set_user_metadata(dev, text, (size_t)len));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    Py_RETURN_NONE;
+}
+
+static PyObject *m_get_user_metadata(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int32_t dev;
+    if (as_i32(arg, "_get_user_metadata", "device", &dev) < 0)
+        return NULL;
+    npualloc_context *md;
+    aclError rc;
+    LOCKING_CALL(rc = npualloc_cache_get_user_metadata(dev, &md));
+    if (rc != ACL_SUCCESS)
+        return raise_cache_error(rc);
+    size_t len;
+    const char *text = npualloc_context_data(md, &len);
+    PyObject *r = PyUnicode_FromStringAndSize(text ? text : "", (Py_ssize_t)len);
+    npualloc_context_release(md);
+    return r;
 }
 
 static PyObject *m_set_settings(PyObject *self, PyObject *arg)
@@ -2166,6 +2213,8 @@ static PyMethodDef memory_methods[] = {
     {"_block_info", m_block_info, METH_O, "_block_info(ptr) -> (device, stream, size)"},
     {"_snapshot", m_snapshot, METH_NOARGS, NULL},
     {"_record_history", FAST(m_record_history), METH_FASTCALL, NULL},
+    {"_set_user_metadata", FAST(m_set_user_metadata), METH_FASTCALL, NULL},
+    {"_get_user_metadata", m_get_user_metadata, METH_O, NULL},
     {"_set_settings", m_set_settings, METH_O, NULL},
     {"_settings_text", m_settings_text, METH_NOARGS, NULL},
     {"_check", m_check, METH_O, "_check(device): None, or AssertionError with the first violated invariant"},

@@ -973,6 +973,47 @@ static size_t history_actions(npualloc_trace_action *out, size_t cap)
     return n;
 }
 
+/* torch's user metadata: attached to the entries recorded after it is set, kept by them when it changes. */
+static void test_user_metadata_goes_with_the_entries_recorded_after_it(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALL, 100), ACL_SUCCESS);
+    void *p = alloc(1000);
+    assert_int_equal(npualloc_cache_set_user_metadata(0, "step", 4), ACL_SUCCESS);
+    npualloc_cache_free(p);
+    assert_int_equal(npualloc_cache_set_user_metadata(0, "", 0), ACL_SUCCESS);
+    npualloc_cache_free(alloc(1000));
+    npualloc_context *md = (npualloc_context *)1;
+    assert_int_equal(npualloc_cache_get_user_metadata(0, &md), ACL_SUCCESS);
+    assert_null(md);
+    assert_int_equal(npualloc_cache_set_user_metadata(0, "later", 5), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_get_user_metadata(0, &md), ACL_SUCCESS);
+    size_t len;
+    assert_memory_equal(npualloc_context_data(md, &len), "later", 5);
+    assert_int_equal(len, 5);
+    npualloc_context_release(md);
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    /* segment_alloc, alloc | free_requested, free_completed ("step") | alloc, free_requested, free_completed */
+    assert_int_equal(snap->trace_count, 7);
+    for (size_t i = 0; i < snap->trace_count; i++) {
+        const void *data = npualloc_context_data(snap->traces[i].user_metadata, &len);
+        if (i == 2 || i == 3) {
+            assert_int_equal(len, 4);
+            assert_memory_equal(data, "step", 4);
+        } else {
+            assert_null(data);
+        }
+    }
+    npualloc_snapshot_free(snap);
+    assert_int_equal(npualloc_cache_set_user_metadata(0, NULL, 3), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_set_user_metadata(NPU_MAX_DEVICES, "x", 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_set_user_metadata(-1, "x", 1), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_get_user_metadata(0, NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(npualloc_cache_record_history(false, NPUALLOC_RECORD_NEVER, 0), ACL_SUCCESS);
+}
+
 static void test_history_options_skip_keep_and_clear(void **state)
 {
     (void)state;
@@ -1288,6 +1329,7 @@ int main(void)
         cmocka_unit_test_teardown(test_stats_reset, stop_cache),
         cmocka_unit_test_teardown(test_snapshot_reports_segments_blocks_and_history, stop_cache),
         cmocka_unit_test_teardown(test_history_options_skip_keep_and_clear, stop_cache),
+        cmocka_unit_test_teardown(test_user_metadata_goes_with_the_entries_recorded_after_it, stop_cache),
         cmocka_unit_test_teardown(test_history_keeps_contexts_by_level, stop_cache),
         cmocka_unit_test_teardown(test_settings_change_at_run_time, stop_cache),
         cmocka_unit_test_teardown(test_cached_only_allocation_serves_hits_and_leaves_misses, stop_cache),
