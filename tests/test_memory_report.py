@@ -160,7 +160,8 @@ def test_history_traces(mem):
     assert [e["action"] for e in trace[-2:]] == ["segment_free", "oom"]   # the retry freed the small segment
     assert trace[-2]["size"] == 2 * MiB
     oom = trace[-1]
-    assert list(oom) == ["action", "device_free", "size", "stream", "time_us", "frames"]
+    assert list(oom) == ["action", "device_free", "size", "stream", "time_us", "compile_context", "user_metadata",
+                         "frames"]
     assert oom["size"] == 2 * GiB + 512 and oom["device_free"] == GiB - 20 * MiB
     assert _plain(memory._snapshot())
     free(q)
