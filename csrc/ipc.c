@@ -1338,6 +1338,14 @@ static void session_kill(session *s)
     pthread_mutex_unlock(&ipc.lock);
 }
 
+static bool session_dead(session *s)
+{
+    pthread_mutex_lock(&ipc.lock);
+    bool dead = s->dead;
+    pthread_mutex_unlock(&ipc.lock);
+    return dead;
+}
+
 static uint32_t session_next_id(session *s)
 {
     uint32_t id = s->next_id++;
@@ -2424,7 +2432,17 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
     session *s;
     if ((rc = session_get(d.pid, d.secret, &s)) != ACL_SUCCESS)
         return rc;
-    if ((rc = session_request(s, IPC_OP_OPEN, d.token)) != ACL_SUCCESS) {
+    rc = session_request(s, IPC_OP_OPEN, d.token);
+    if (rc != ACL_SUCCESS && session_dead(s)) {
+        /* The owner hung up under this request: it drops a connection of 16 failed lookups and no
+         * success (another thread's, which shares it), or it exited.  Once more on a connection of
+         * its own; an owner that exited refuses it as before. */
+        session_put(s);
+        if ((rc = session_get(d.pid, d.secret, &s)) != ACL_SUCCESS)
+            return rc;
+        rc = session_request(s, IPC_OP_OPEN, d.token);
+    }
+    if (rc != ACL_SUCCESS) {
         session_put(s);
         return rc;
     }

@@ -308,6 +308,24 @@ ret = dict(results)
     assert wait_for(lambda: counts()["shares"] == 0)
 
 
+def test_an_open_after_its_owner_exited_fails_on_the_connection_left_open(dev0, workers):  # noqa: F811
+    """An opener keeps its connection to an owner while it has a block of it open; when the owner exits,
+    the next open sent on that connection meets the hang-up, is tried once more on a connection of its
+    own (an owner hangs up on a connection of 16 failed lookups), and fails 107017: nobody listens."""
+    (owner,) = workers()
+    owner.call("import pickle")
+    code = "p = npualloc.caching_allocator_alloc(4096, 0); ctypes.memset(p, 0x33, 4096); " \
+           "ret = pickle.dumps(npualloc.share(p))"
+    first, second = owner.call(code), owner.call(code)
+    q = npualloc.open_shared(pickle.loads(first))
+    assert ctypes.string_at(q, 2) == b"33"
+    owner.kill()
+    with pytest.raises(RuntimeError, match="107017"):
+        npualloc.open_shared(pickle.loads(second))
+    assert ctypes.string_at(q, 2) == b"33"  # the open block stays readable
+    npualloc.close_shared(q)
+
+
 def stopped(pid):
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
