@@ -2574,7 +2574,7 @@ void ipc_get_counts(ipc_counts *out)
 
 /* ---- lifetime ---- */
 
-/* Frees every table entry; `in_child`: after fork (nothing to give back). */
+/* Frees every table entry (at shutdown and in a fork child). */
 static void forget_all(void)
 {
     nknown = 0;

@@ -2207,10 +2207,10 @@ void stream_atfork_child(void)
     stream_registry = kept;
 }
 
+/* Never called from a stream task (npualloc_shutdown refuses that): a task could not wait for its own
+ * worker to stop. */
 void stream_shutdown(void)
 {
-    if (tl_worker || tl_block_cb)
-        return; /* a task cannot wait for its own worker to stop */
     npu_stream *streams = NULL;
     npu_event *events = NULL;
     /* Take every listed object out of its listing; the listing references become ours. */

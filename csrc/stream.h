@@ -70,7 +70,7 @@
  *     deadlocks of "the thread waits for a stream that waits for the thread".
  *   - A thread running a BLOCK callback of stream S stands in for S's worker: waiting for S (or
  *     its device, or an event on S) or destroying S from the callback returns
- *     ACL_ERROR_RT_FEATURE_NOT_SUPPORT, and stream_shutdown() does nothing there.
+ *     ACL_ERROR_RT_FEATURE_NOT_SUPPORT (npualloc_shutdown, and so stream_shutdown(), is refused there).
  *   - fork child: no subscriptions; callbacks queued to threads are dropped, not run.
  */
 #ifndef NPUALLOC_STREAM_H
@@ -155,7 +155,7 @@ void stream_atfork_prepare(void);
 void stream_atfork_parent(void);
 void stream_atfork_child(void);
 /* Waits for all queued work, stops every worker and frees every stream and event (a stream
- * still pinned is freed by its last stream_release).  Does nothing when called from a task. */
+ * still pinned is freed by its last stream_release).  Never called from a task. */
 void stream_shutdown(void);
 
 /* Graph capture (graph.c, npualloc_graph.h): while a stream's capture pointer is set, what is

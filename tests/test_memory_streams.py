@@ -416,6 +416,24 @@ def test_streams_recorded_during_a_capture_are_not_waited_for_by_its_deferred_fr
     check_all()
 
 
+def test_a_free_does_not_wait_for_a_recorded_stream_destroyed_before_it(mem):
+    # The stream's work all ran before it went: nothing can still use the block there, so the free
+    # completes at once and its reserved event goes (memory._check counts them).
+    from npualloc import acl
+    p = alloc(3 * MiB)
+    s, ret = acl.rt.create_stream()
+    assert ret == 0
+    npualloc.record_stream(p, s)
+    assert acl.rt.memset_async(p, 3 * MiB, 7, 3 * MiB, s) == 0
+    assert acl.rt.destroy_stream(s) == 0          # after its queued memset
+    free(p)
+    assert block_of(p)["state"] == "inactive"
+    assert acl.util.ptr_to_bytes(p, 2) == b"\x07\x07"
+    assert alloc(3 * MiB) == p
+    free(p)
+    check_all()
+
+
 def test_erase_stream_only_from_the_blocks_current_stream(mem):
     own, side = npualloc.Stream(), npualloc.Stream()
     p = alloc(1, stream=own)

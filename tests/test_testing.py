@@ -99,6 +99,24 @@ def test_restart_with_bad_settings_raises_at_once(clean):
     assert npualloc.caching_allocator_alloc(0) == 0
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(device_count=0), "NPUALLOC_DEVICE_COUNT must be from 1 to 64"),
+    (dict(device_count=65), "NPUALLOC_DEVICE_COUNT must be from 1 to 64"),
+    (dict(device_memory=0), "NPUALLOC_DEVICE_MEMORY must be more than 0"),
+    (dict(device_memory=(1 << 50) + 1), "NPUALLOC_DEVICE_MEMORY must be at most 1024 TiB"),
+    (dict(device_memory="1GiB", huge_memory="2GiB"), "NPUALLOC_HUGE_MEMORY must not exceed NPUALLOC_DEVICE_MEMORY"),
+    (dict(device_memory="1GiB", huge1g_memory="2GiB"), "NPUALLOC_HUGE1G_MEMORY must not exceed NPUALLOC_DEVICE_MEMORY"),
+    (dict(device_memory="4GiB", huge1g_memory="1536MiB"), "NPUALLOC_HUGE1G_MEMORY must be a whole number of GiB"),
+    (dict(ddr_memory=(1 << 50) + 1), "NPUALLOC_DDR_MEMORY must be at most 1024 TiB"),
+])
+def test_restart_refuses_a_device_configuration_out_of_range(clean, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        testing.restart(**kwargs)
+    assert not npualloc.is_initialized()
+    testing.restart(device_count=1, device_memory="1GiB")  # and then it starts again
+    assert npualloc.device_count() == 1
+
+
 def test_restart_without_caching(clean):
     testing.restart(no_caching=True, device_count=1, device_memory="1GiB")
     assert os.environ["PYTORCH_NO_NPU_MEMORY_CACHING"] == "1"

@@ -664,12 +664,6 @@ static PyObject *Exec_destroy(ExecObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *Exec_get_graph(ExecObject *self, void *closure)
-{
-    (void)closure;
-    return Py_NewRef(self->graph ? self->graph : Py_None);
-}
-
 static PyObject *Exec_get_destroyed(ExecObject *self, void *closure)
 {
     (void)closure;
@@ -683,7 +677,6 @@ static PyMethodDef Exec_methods[] = {
 };
 
 static PyGetSetDef Exec_getset[] = {
-    {"graph", (getter)Exec_get_graph, NULL, "The _C.graph.Graph it was instantiated from.", NULL},
     {"destroyed", (getter)Exec_get_destroyed, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

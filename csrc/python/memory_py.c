@@ -1474,23 +1474,6 @@ static PyObject *m_erase_stream(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
-/* _block_info(ptr) -> (device, stream, size) of a live block. */
-static PyObject *m_block_info(PyObject *self, PyObject *arg)
-{
-    (void)self;
-    uint64_t p;
-    if (as_u64(arg, "_block_info", "ptr", &p) < 0)
-        return NULL;
-    int32_t dev;
-    uint64_t stream;
-    size_t size;
-    aclError rc;
-    LOCKING_CALL(rc = npualloc_cache_block_info((void *)(uintptr_t)p, &dev, &stream, &size));
-    if (rc != ACL_SUCCESS)
-        return raise_cache_error(rc);
-    return Py_BuildValue("(iKn)", (int)dev, (unsigned long long)stream, (Py_ssize_t)size);
-}
-
 static const char *const block_states[] = {"inactive", "active_allocated", "active_pending_free"};
 static const char *const trace_actions[] = {"alloc",       "free_requested", "free_completed",
                                             "segment_alloc", "segment_free", "segment_map",
@@ -2210,7 +2193,6 @@ static PyMethodDef memory_methods[] = {
     {"_get_fraction", m_get_fraction, METH_O, NULL},
     {"_record_stream", FAST(m_record_stream), METH_FASTCALL, NULL},
     {"_erase_stream", FAST(m_erase_stream), METH_FASTCALL, NULL},
-    {"_block_info", m_block_info, METH_O, "_block_info(ptr) -> (device, stream, size)"},
     {"_snapshot", m_snapshot, METH_NOARGS, NULL},
     {"_record_history", FAST(m_record_history), METH_FASTCALL, NULL},
     {"_set_user_metadata", FAST(m_set_user_metadata), METH_FASTCALL, NULL},

@@ -327,19 +327,6 @@ static PyObject *Session_allocator_settings(SessionObject *self, PyObject *unuse
     return allocator_settings_dict(&s, text);
 }
 
-static PyObject *Session_check(SessionObject *self, PyObject *unused)
-{
-    (void)unused;
-    if (!session_ready(self))
-        return NULL;
-    char why[512] = "";
-    if (npualloc_replay_check(self->r, why, sizeof why) != ACL_SUCCESS) {
-        PyErr_Format(PyExc_AssertionError, "replay allocator invariant broken: %s", why);
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef Session_methods[] = {
     {"feed", (PyCFunction)Session_feed, METH_VARARGS,
      "feed(action, addr, size, stream, start=0, count=-1) -> bool: replays a chunk; False once stopped by an OOM"},
@@ -350,7 +337,6 @@ static PyMethodDef Session_methods[] = {
     {"snapshot", (PyCFunction)Session_snapshot, METH_NOARGS, "snapshot() -> (segments, traces) as tuples"},
     {"allocator_settings", (PyCFunction)Session_allocator_settings, METH_NOARGS,
      "allocator_settings() -> the settings replayed under, as a snapshot's allocator_settings dict"},
-    {"check", (PyCFunction)Session_check, METH_NOARGS, "check(): raises AssertionError if an invariant is broken"},
     {NULL, NULL, 0, NULL},
 };
 
