@@ -49,7 +49,7 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   back, after which ``g`` may be captured again.
 * ``capture(capture_error_mode=...)`` (torch_npu's argument, also on ``capture_begin``): ``"global"`` (the
   default), ``"thread_local"`` or ``"relaxed"``, CANN's aclmdlRICaptureMode.  While the capture is underway,
-  the unsafe calls CANN lists that npualloc has, ``acl.rt.memcpy`` and ``acl.rt.memset``, return
+  the unsafe calls CANN lists that npualloc has, ``acl.rt.memcpy``, ``acl.rt.memcpy2d`` and ``acl.rt.memset``, return
   ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT on the capture's device: in every thread ("global"), in the thread that
   began the capture ("thread_local"), or never ("relaxed"); the capture goes on.  Another string raises
   RuntimeError "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, got ..." (torch_npu's

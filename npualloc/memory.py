@@ -280,27 +280,32 @@ def empty_virt_addr_cache():
         _M._empty_virt_addr_cache()
 
 
-def _stats_device(device):
+def _stats_device(device, depth=1):
     """The device whose statistics are read, or None before the runtime has started (no stats yet).
     With a pluggable allocator current, torch_npu's warning first, then the caching allocator's
-    figures: it served nothing."""
+    figures: it served nothing.  ``depth``: calls between the public function and this one, so that
+    the warning names the public function's caller."""
     if not is_initialized():
         return None
     device = _get_device_index(device, optional=True)
-    _unsupported_by_pluggable("getDeviceStats", stacklevel=4)  # the warning names the caller's caller
+    _unsupported_by_pluggable("getDeviceStats", stacklevel=3 + depth)
     return device
 
 
 def memory_stats(device=None):
     """torch_npu's flattened, sorted statistics (an OrderedDict of 123 ints): the keys of
     memory_stats_as_nested_dict() joined with dots, as torch_npu flattens them."""
-    device = _stats_device(device)
+    return _memory_stats(device, depth=2)
+
+
+def _memory_stats(device, depth):
+    device = _stats_device(device, depth)
     return collections.OrderedDict() if device is None else collections.OrderedDict(_M._flat_stats(device))
 
 
 def _stat(device, key):
     """memory_stats(device)[key] (0 before the runtime starts), reading that one value."""
-    device = _stats_device(device)
+    device = _stats_device(device, depth=2)
     return 0 if device is None else _M._stat(device, key)
 
 
@@ -801,7 +806,7 @@ def _create_metrics_to_display():
 def memory_summary(device=None, abbreviated=False):
     """torch_npu's human-readable table of the allocator statistics of ``device``."""
     device = _get_device_index(device, optional=True)
-    stats = memory_stats(device=device)
+    stats = _memory_stats(device, depth=2)
     metrics_to_display, lines = _create_metrics_to_display()
 
     for metric_key, metric_name, formatter in metrics_to_display:

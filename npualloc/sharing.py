@@ -76,7 +76,7 @@ def share(ptr):
 
     ``ptr`` is a pointer returned by ``caching_allocator_alloc``, or a Buffer returned by
     ``empty``, that has not been freed. Sharing the same block again returns an equal handle.
-    RuntimeError for anything else.
+    RuntimeError for an int that is no live block, TypeError for anything else.
     """
     if isinstance(ptr, Buffer):  # as record_stream takes one: empty() hands out Buffers, not ints
         ptr = ptr.ptr

@@ -138,6 +138,20 @@ def test_what_the_library_cannot_do_warns_as_torch_npu_does(swapped):
     npualloc.caching_allocator_delete(p)
 
 
+def test_the_warnings_name_the_callers_line(swapped):
+    # each public reader warns once, from the line that called it (stacklevel through the helpers)
+    p = npualloc.caching_allocator_alloc(2 * MiB)
+    readers = [npualloc.memory_stats, npualloc.memory_stats_as_nested_dict, npualloc.memory_allocated,
+               npualloc.max_memory_allocated, npualloc.memory_reserved, npualloc.max_memory_reserved,
+               npualloc.memory_summary, npualloc.reset_peak_memory_stats, npualloc.memory_snapshot]
+    for reader in readers:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            reader()
+        assert [w.filename for w in caught] == [__file__], reader.__name__
+    npualloc.caching_allocator_delete(p)
+
+
 def test_the_swap_is_refused_once_an_allocator_is_initialized(mem, plugin, monkeypatch):
     monkeypatch.setenv("TORCH_NPU_COMPACT_ERROR_OUTPUT", "1")
     allocator = npualloc.NPUPluggableAllocator(str(plugin), "counting_malloc", "counting_free")
