@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "npualloc_graph.h"
 #include "testutil.h"
 
 static int open_fds(void)
@@ -32,9 +33,35 @@ static bool documented(aclError rc)
     return rc == ACL_SUCCESS || rc == ACL_ERROR_RT_MEMORY_ALLOCATION || rc == ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
 }
 
+/* A graph launch maps the graph's memory behind its range: capture an allocation, a memset into it and
+ * its free, then launch.  Returns whether the launch failed (with a documented code). */
+static int graph_launch(void)
+{
+    aclrtStream s;
+    assert_int_equal(aclrtCreateStream(&s), ACL_SUCCESS);
+    npualloc_graph *g;
+    assert_int_equal(npualloc_graph_create(0, &g), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, NULL), ACL_SUCCESS);
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 3 * MiB_, (uint64_t)(uintptr_t)s, &p), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(p, 3 * MiB_, 0x5A, 3 * MiB_, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_end(g), ACL_SUCCESS);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    aclError rc = npualloc_graph_launch(e, s, 0);
+    assert_true(documented(rc));
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    return rc != ACL_SUCCESS;
+}
+
 /* A workload touching every path that allocates, maps or creates memory files: the caching
- * allocator (plain and expandable segments, a retry), aclrtMalloc, physical handles mapped
- * twice.  Returns how many calls failed (each with a documented code). */
+ * allocator (plain and expandable segments, pages kept by empty_virt_addr_cache and mapped again, a
+ * retry), aclrtMalloc, physical handles mapped twice, a graph launch.  Returns how many calls failed
+ * (each with a documented code). */
 static int workload(void)
 {
     int failures = 0;
@@ -54,7 +81,17 @@ static int workload(void)
         assert_true(documented(rc));
         failures += rc != ACL_SUCCESS;
     }
+    /* their pages kept, then mapped again */
+    for (int i = 12; i < 18; i++)
+        npualloc_cache_free(p[i]);
+    assert_int_equal(npualloc_cache_empty_virt_addr_cache(), ACL_SUCCESS);
+    for (int i = 12; i < 18; i++) {
+        aclError rc = npualloc_cache_malloc(0, sizes[i % 6], 0, &p[i]);
+        assert_true(documented(rc));
+        failures += rc != ACL_SUCCESS;
+    }
     assert_int_equal(npualloc_cache_set_settings("expandable_segments:False"), ACL_SUCCESS);
+    failures += graph_launch();
     /* the runtime directly */
     void *d = NULL;
     aclError rc = aclrtMalloc(&d, 5 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST);
