@@ -203,8 +203,9 @@ typedef struct cache_backend {
     /* For the checker (may be NULL): is [ptr, ptr + size) the device's memory? */
     bool (*segment_valid)(void *ctx, int32_t device, void *ptr, size_t size);
     /* Expandable segments (all NULL: not supported). Reserve address space; map a new page
-     * (ACL_ERROR_RT_MEMORY_ALLOCATION when out of memory); map a kept page again; unmap a page,
-     * freeing its memory unless `keep`; free a kept page. */
+     * (ACL_ERROR_RT_MEMORY_ALLOCATION when out of memory); map a kept page again (NULL where no
+     * page is ever kept: only empty_virt_addr_cache keeps them); unmap a page, freeing its memory
+     * unless `keep`; free a kept page. */
     aclError (*reserve)(void *ctx, int32_t device, size_t size, uintptr_t *base);
     void (*release)(void *ctx, int32_t device, uintptr_t base, size_t size);
     aclError (*map_page)(void *ctx, int32_t device, uintptr_t va, size_t size, bool huge1g, uint64_t *handle);

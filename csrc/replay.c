@@ -148,16 +148,6 @@ static aclError sim_map_page(void *ctx, int32_t device, uintptr_t va, size_t siz
     return ACL_SUCCESS;
 }
 
-static aclError sim_remap_page(void *ctx, int32_t device, uintptr_t va, size_t size, uint64_t handle)
-{
-    (void)ctx;
-    (void)device;
-    (void)va;
-    (void)size;
-    (void)handle; /* a kept page is still charged */
-    return ACL_SUCCESS;
-}
-
 static void sim_free_page(void *ctx, int32_t device, uint64_t handle)
 {
     (void)device;
@@ -196,7 +186,7 @@ const cache_backend replay_sim_backend = {
     .reserve = sim_reserve,
     .release = sim_release,
     .map_page = sim_map_page,
-    .remap_page = sim_remap_page,
+    /* no remap_page: a replay never keeps pages (only the runtime's empty_virt_addr_cache does) */
     .unmap_page = sim_unmap_page,
     .free_page = sim_free_page,
     .complete_frees = sim_complete_frees,
