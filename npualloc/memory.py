@@ -14,6 +14,7 @@ import collections
 import collections.abc
 import ctypes
 import inspect
+import operator
 import os
 import pickle
 import re
@@ -280,32 +281,27 @@ def empty_virt_addr_cache():
         _M._empty_virt_addr_cache()
 
 
-def _stats_device(device, depth=1):
+def _stats_device(device):
     """The device whose statistics are read, or None before the runtime has started (no stats yet).
     With a pluggable allocator current, torch_npu's warning first, then the caching allocator's
-    figures: it served nothing.  ``depth``: calls between the public function and this one, so that
-    the warning names the public function's caller."""
+    figures: it served nothing."""
     if not is_initialized():
         return None
     device = _get_device_index(device, optional=True)
-    _unsupported_by_pluggable("getDeviceStats", stacklevel=3 + depth)
+    _unsupported_by_pluggable("getDeviceStats")
     return device
 
 
 def memory_stats(device=None):
     """torch_npu's flattened, sorted statistics (an OrderedDict of 123 ints): the keys of
     memory_stats_as_nested_dict() joined with dots, as torch_npu flattens them."""
-    return _memory_stats(device, depth=2)
-
-
-def _memory_stats(device, depth):
-    device = _stats_device(device, depth)
+    device = _stats_device(device)
     return collections.OrderedDict() if device is None else collections.OrderedDict(_M._flat_stats(device))
 
 
 def _stat(device, key):
     """memory_stats(device)[key] (0 before the runtime starts), reading that one value."""
-    device = _stats_device(device, depth=2)
+    device = _stats_device(device)
     return 0 if device is None else _M._stat(device, key)
 
 
@@ -456,15 +452,21 @@ def _get_current_allocator():
     return _NPUAllocator(_current if _M._allocator_is_pluggable() else _NATIVE)
 
 
-def _unsupported_by_pluggable(what, stacklevel=3):
+def _unsupported_by_pluggable(what):
     """True (after torch_npu's warning) when a pluggable allocator is current: it keeps no stats,
-    snapshots or history.  The warning points at the public function's caller (stacklevel counts
-    this function as 1)."""
+    snapshots or history.  The warning points at the first caller outside the package, however many
+    of its functions lie between (Python 3.12's skip_file_prefixes, by hand)."""
     if not _M._allocator_is_pluggable():
         return False
+    frame, level = sys._getframe(1), 2  # level 1 is this function
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
     warnings.warn(f"NPUPluggableAllocator does not yet support {what}. "
-                  "If you need it, please file an issue describing your use case.", stacklevel=stacklevel)
+                  "If you need it, please file an issue describing your use case.", stacklevel=level)
     return True
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def record_stream(ptr, stream):
@@ -567,16 +569,14 @@ def _pybind_bool(fn, name, value):
     raise TypeError(f"{fn}(): argument '{name}' must be bool, not {type(value).__name__}")
 
 
-def _pybind_int(fn, name, value, bits=64, unsigned=False):
-    """An integer argument as pybind11 converts it to a C integer type: an int (a bool included) or an
+def _pybind_int(fn, name, value, unsigned=False):
+    """An integer argument as pybind11 converts it to a 64-bit C integer: an int (a bool included) or an
     object with ``__index__``, in the type's range; anything else, a float included, is a TypeError."""
     try:
-        n = value.__index__() if not isinstance(value, float) else None
-    except (AttributeError, TypeError):
-        n = None
-    low, high = (0, 1 << bits) if unsigned else (-(1 << (bits - 1)), 1 << (bits - 1))
-    if n is None:
-        raise TypeError(f"{fn}(): argument '{name}' must be int, not {type(value).__name__}")
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{fn}(): argument '{name}' must be int, not {type(value).__name__}") from None
+    low, high = (0, 1 << 64) if unsigned else (-(1 << 63), 1 << 63)
     if not low <= n < high:
         raise TypeError(f"{fn}(): argument '{name}' must be an int in [{low}, {high - 1}], got {n}")
     return n
@@ -737,11 +737,11 @@ def _snapshot(device=None, augment_with_fx_traces=False):
     and for a segment where it was allocated, or [] when not recorded.  As in torch, a segment whose first
     block has been split reports [] from then on, even after the merge back: the split hands out a new
     first block, and the stack stays with the old one, which the merge drops.  A trace entry carries
-    ``frames`` only when its
-    context was kept (context "alloc" or "all"), and always torch's ``compile_context`` ("N/A": no
-    compiled regions here) and ``user_metadata`` (see ``_set_memory_metadata``; "" for none).  Trace entries are oldest first; an "oom" entry
-    has ``device_free`` instead of ``addr``.  Frames lists may be shared between entries that
-    come from one stack, as in torch."""
+    ``frames`` only when its context was kept (context "alloc" or "all"), and always torch's
+    ``compile_context`` ("N/A": no compiled regions here) and ``user_metadata`` (see
+    ``_set_memory_metadata``; "" for none).  Trace entries are oldest first; an "oom" entry has
+    ``device_free`` instead of ``addr``.  Frames lists may be shared between entries that come from
+    one stack, as in torch."""
     _unsupported_by_pluggable("snapshot")  # then the caching allocator's: empty
     return _M._snapshot()
 
@@ -806,7 +806,7 @@ def _create_metrics_to_display():
 def memory_summary(device=None, abbreviated=False):
     """torch_npu's human-readable table of the allocator statistics of ``device``."""
     device = _get_device_index(device, optional=True)
-    stats = _memory_stats(device, depth=2)
+    stats = memory_stats(device=device)
     metrics_to_display, lines = _create_metrics_to_display()
 
     for metric_key, metric_name, formatter in metrics_to_display:
