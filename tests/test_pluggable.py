@@ -143,7 +143,8 @@ def test_the_warnings_name_the_callers_line(swapped):
     p = npualloc.caching_allocator_alloc(2 * MiB)
     readers = [npualloc.memory_stats, npualloc.memory_stats_as_nested_dict, npualloc.memory_allocated,
                npualloc.max_memory_allocated, npualloc.memory_reserved, npualloc.max_memory_reserved,
-               npualloc.memory_summary, npualloc.reset_peak_memory_stats, npualloc.memory_snapshot]
+               npualloc.memory_summary, npualloc.reset_peak_memory_stats, npualloc.memory_snapshot,
+               npualloc.memory._snapshot, npualloc.memory._record_memory_history]
     for reader in readers:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
