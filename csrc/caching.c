@@ -336,20 +336,28 @@ static void insert_events(device_cache *dc, cache_block *b)
         free_block(dc, b);
 }
 
-/* Forgets the streams recorded on `b` during a capture; with `drop_uses`, drops them from its uses as
- * well (torch's remove_graph_stream_uses). */
-static void forget_capture_uses(device_cache *dc, cache_block *b, bool drop_uses)
+/* Drops `stream` from the block's uses, with the event reserved for it. */
+static void drop_use(device_cache *dc, cache_block *b, uint64_t stream)
+{
+    for (uint32_t i = 0; i < b->use_count; i++) {
+        if (b->uses[i] == stream) {
+            b->uses[i] = b->uses[--b->use_count];
+            free(take_spare_event(dc));
+            return;
+        }
+    }
+}
+
+/* Forgets the streams recorded on `b` during a capture (all of them, or only `*stream`); with
+ * `drop_uses`, drops them from its uses as well (torch's remove_graph_stream_uses). */
+static void forget_capture_uses(device_cache *dc, cache_block *b, const uint64_t *stream, bool drop_uses)
 {
     for (size_t i = dc->capture_use_count; i-- > 0;) {
-        if (dc->capture_uses[i].block != b)
+        const capture_use *u = &dc->capture_uses[i];
+        if (u->block != b || (stream && u->stream != *stream))
             continue;
-        for (uint32_t j = 0; drop_uses && j < b->use_count; j++) {
-            if (b->uses[j] == dc->capture_uses[i].stream) {
-                b->uses[j] = b->uses[--b->use_count];
-                free(take_spare_event(dc)); /* the use's reserved event */
-                break;
-            }
-        }
+        if (drop_uses)
+            drop_use(dc, b, u->stream);
         dc->capture_uses[i] = dc->capture_uses[--dc->capture_use_count];
     }
 }
@@ -364,7 +372,7 @@ static void insert_deferred_events(device_cache *dc)
     for (size_t i = 0; i < n; i++) {
         cache_block *b = dc->deferred[i];
         if (unlikely(dc->capture_use_count))
-            forget_capture_uses(dc, b, true);
+            forget_capture_uses(dc, b, NULL, true);
         insert_events(dc, b);
     }
 }
@@ -1059,7 +1067,7 @@ void cache_free_locked(device_cache *dc, cache_block *b)
     }
     if (b->use_count > 0) {
         if (unlikely(dc->capture_use_count))
-            forget_capture_uses(dc, b, false);
+            forget_capture_uses(dc, b, NULL, false);
         insert_events(dc, b);
     } else if (b->event_count == 0) { /* non-zero: held by a sharing pin */
         complete_free(dc, b);
@@ -1105,25 +1113,13 @@ aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t s
     return ACL_SUCCESS;
 }
 
-
 /* torch_npu's eraseStream also cancels the block's events queued on `stream`; there are none
  * here: events are recorded only when a block is freed, and `b` is allocated (the caller found
  * it in allocated_blocks), so it has none until its next free. */
 void cache_erase_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
 {
-    for (uint32_t i = 0; i < b->use_count; i++) {
-        if (b->uses[i] == stream) {
-            b->uses[i] = b->uses[--b->use_count];
-            free(take_spare_event(dc)); /* the use's reserved event */
-            break;
-        }
-    }
-    for (size_t i = 0; i < dc->capture_use_count; i++) {
-        if (dc->capture_uses[i].block == b && dc->capture_uses[i].stream == stream) {
-            dc->capture_uses[i] = dc->capture_uses[--dc->capture_use_count];
-            break;
-        }
-    }
+    drop_use(dc, b, stream);
+    forget_capture_uses(dc, b, &stream, false);
 }
 
 /* ---- malloc ---- */

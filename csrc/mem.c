@@ -336,29 +336,25 @@ static aclError sync_call_start(void)
     return rc;
 }
 
-/* Is this a copy between host and device memory whose host side, the `span` bytes from it, is
- * pageable (not aclrtMallocHost memory)?  CANN's runtime makes such an "asynchronous" copy a
- * synchronous one, since the device cannot reach pageable pages later: it waits for the stream and
- * copies, so the call returns with the copy done (aclrtMemcpyAsync's and aclrtMemcpy2dAsync's
- * documentation). */
-static bool pageable_transfer(void *dst, size_t dst_span, const void *src, size_t src_span)
+/* Which sides of a copy lie outside device memory (the `span` bytes from each)? */
+static void host_sides(void *dst, size_t dst_span, const void *src, size_t src_span, bool *dst_host, bool *src_host)
 {
     int32_t dev;
     vmm_read_lock();
-    bool dst_host = vmm_classify_locked(dst, dst_span, &dev) == RANGE_HOST;
-    bool src_host = vmm_classify_locked(src, src_span, &dev) == RANGE_HOST;
+    *dst_host = vmm_classify_locked(dst, dst_span, &dev) == RANGE_HOST;
+    *src_host = vmm_classify_locked(src, src_span, &dev) == RANGE_HOST;
     vmm_read_unlock();
-    return dst_host != src_host && !(dst_host ? pinned(dst, dst_span) : pinned(src, src_span));
 }
 
-/* Are both sides of a copy of `count` bytes outside device memory? */
-static bool host_to_host(void *dst, const void *src, size_t count)
+/* Is this a copy between host and device memory (sides as host_sides gives them) whose host side, the
+ * `span` bytes from it, is pageable (not aclrtMallocHost memory)?  CANN's runtime makes such an
+ * "asynchronous" copy a synchronous one, since the device cannot reach pageable pages later: it waits for
+ * the stream and copies, so the call returns with the copy done (aclrtMemcpyAsync's and
+ * aclrtMemcpy2dAsync's documentation). */
+static bool pageable_transfer(bool dst_host, bool src_host, void *dst, size_t dst_span, const void *src,
+                              size_t src_span)
 {
-    int32_t dev;
-    vmm_read_lock();
-    bool both = vmm_classify_locked(dst, count, &dev) == RANGE_HOST && vmm_classify_locked(src, count, &dev) == RANGE_HOST;
-    vmm_read_unlock();
-    return both;
+    return dst_host != src_host && !(dst_host ? pinned(dst, dst_span) : pinned(src, src_span));
 }
 
 /* The start of the synchronous copy an asynchronous one of pageable memory becomes, in the order of
@@ -476,18 +472,19 @@ aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t cou
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
-    /* CANN's runtime, with the host attached to the device (aclrtGetRunMode's ACL_HOST), after checking
-     * the stream: no copy between two host buffers on a stream, pinned or not; then nothing to copy when
-     * the two are one. */
-    npu_stream *s;
-    if ((rc = stream_acquire(stream, &s)) != ACL_SUCCESS)
-        return rc;
-    stream_release(s);
-    if (host_to_host(dst, src, count))
-        return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
-    if (dst == src)
-        return ACL_SUCCESS;
-    if (pageable_transfer(dst, count, src, count)) { /* made now, after the stream's queued work */
+    bool dst_host, src_host;
+    host_sides(dst, count, src, count, &dst_host, &src_host);
+    if ((dst_host && src_host) || dst == src) {
+        /* CANN's runtime, after checking the stream, with the host attached to the device (aclrtGetRunMode's
+         * ACL_HOST): no copy between two host buffers on a stream, pinned or not; then nothing to copy when
+         * the two are one. */
+        npu_stream *s;
+        if ((rc = stream_acquire(stream, &s)) != ACL_SUCCESS)
+            return rc;
+        stream_release(s);
+        return dst_host && src_host ? ACL_ERROR_RT_FEATURE_NOT_SUPPORT : ACL_SUCCESS;
+    }
+    if (pageable_transfer(dst_host, src_host, dst, count, src, count)) { /* made now, after the stream's queued work */
         rc = pageable_copy_start(stream);
         return rc == ACL_SUCCESS ? copy_now(dst, src, count) : rc;
     }
@@ -638,7 +635,10 @@ aclError aclrtMemcpy2dAsync(void *dst, size_t dpitch, const void *src, size_t sp
         return rc;
     if ((rc = runtime_ensure_init()) != ACL_SUCCESS)
         return rc;
-    if (pageable_transfer(dst, (height - 1) * dpitch + width, src, (height - 1) * spitch + width)) {
+    size_t dst_span = (height - 1) * dpitch + width, src_span = (height - 1) * spitch + width;
+    bool dst_host, src_host;
+    host_sides(dst, dst_span, src, src_span, &dst_host, &src_host);
+    if (pageable_transfer(dst_host, src_host, dst, dst_span, src, src_span)) {
         if ((rc = pageable_copy_start(stream)) != ACL_SUCCESS) /* as aclrtMemcpyAsync's */
             return rc;
         return copy2d_checked(&c, true);
