@@ -168,7 +168,9 @@ aclError npualloc_graph_instantiate(npualloc_graph *g, npualloc_graph_exec **out
 aclError npualloc_graph_launch(npualloc_graph_exec *e, aclrtStream stream, int32_t device);
 /* Waits for the launches, unmaps the graph's memory and frees the executable graph.  From a
  * stream's task (a callback), which cannot wait for launches queued behind it, it returns at once
- * and a thread of its own waits and frees (the graph's single executable stays taken until then). */
+ * and a thread of its own waits and frees (the graph's single executable stays taken until then).
+ * As free(), not while another thread is still in npualloc_graph_launch(e): the Python face's
+ * GraphExec keeps that order for its users. */
 void npualloc_graph_exec_destroy(npualloc_graph_exec *e);
 /* The captured graph an executable graph was made from (NULL for NULL). */
 npualloc_graph *npualloc_graph_exec_graph(npualloc_graph_exec *e);
