@@ -100,10 +100,13 @@ pytest: ext
 
 # The C tests (release, ASan+UBSan, TSan, valgrind memcheck), the Python suite, the fuzzers for a few
 # seconds each (when clang is there), and the Python suite once more with the extension built with
-# ASan+UBSan.  The test binaries are built first, JOBS at once; the suites then run one after another.
+# ASan+UBSan.  The test binaries are built first, JOBS at once; the suites then run one after another,
+# each timed (CI's log shows where the minutes go).
 test: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) $(REL_TESTS) $(ASAN_TESTS) $(TSAN_TESTS) $(BUILD)/valgrind/libvgshim.so
-	@$(MAKE) --no-print-directory -j1 ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan
+	@for suite in ctest ctest-asan ctest-tsan valgrind pytest fuzz-ci pytest-asan; do \
+	  start=$$(date +%s); $(MAKE) --no-print-directory $$suite || exit 1; \
+	  echo "make test: $$suite passed in $$(( $$(date +%s) - start )) s"; done
 
 # TRACES=DIR replays the PyTorch snapshots in DIR too (default: ../shared/traces when it is there).
 demo: ext

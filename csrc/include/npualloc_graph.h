@@ -13,7 +13,10 @@
  *   - aclrtRecordEvent on a capturing stream records the capture point in the event (the event's
  *     real state is untouched); aclrtStreamWaitEvent on such an event makes the waiting stream
  *     depend on that point, and a stream that was not capturing joins the capture (as CUDA).
- *     Waiting for an event recorded outside the capture adds no dependency.
+ *     Waiting for an event recorded outside the capture adds no dependency.  The event's latest
+ *     record decides: a record in another capture moves its point there, a record outside every
+ *     capture erases it, and a capturing stream waiting for another capture's point fails with
+ *     ACL_ERROR_RT_FEATURE_NOT_SUPPORT (both captures stay valid).
  *   - other operations (synchronize, event query) behave as usual: they see only the work queued
  *     before the capture.
  * Every node depends on the previous nodes of its stream (the stream's frontier), so each stream's

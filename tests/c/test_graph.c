@@ -122,6 +122,36 @@ static void test_an_exabyte_on_a_capturing_stream_is_the_graphs_oom(void **state
     assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
 }
 
+/* The graph's range is the device's memory (4 GiB here): what the live allocations leave is all a new
+ * one may take, and a refusal leaves the capture usable. */
+static void test_graph_memory_is_the_devices_memory(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    void *p = (void *)0x1;
+    assert_int_equal(npualloc_cache_malloc(0, 5 * GiB_, sh(s), &p), ACL_ERROR_RT_DEVICE_OOM);
+    assert_non_null(strstr(npualloc_last_error(NULL), "graph memory of device 0 is exhausted"));
+    void *a = galloc_on(s, 3 * GiB_);
+    assert_int_equal(npualloc_cache_malloc(0, 2 * GiB_, sh(s), &p), ACL_ERROR_RT_DEVICE_OOM);
+    assert_int_equal(npualloc_cache_free(a), ACL_SUCCESS);
+    void *b = galloc_on(s, 2 * GiB_); /* a's free precedes it: a's range is free again */
+    assert_ptr_equal(b, a);
+    assert_int_equal(npualloc_cache_free(b), ACL_SUCCESS);
+    npualloc_stats st;
+    assert_int_equal(npualloc_cache_get_stats(0, &st), ACL_SUCCESS);
+    assert_int_equal(st.num_ooms, 0); /* the device's cache was not asked */
+    end(g);
+    npualloc_graph_plan plan;
+    assert_int_equal(npualloc_graph_get_plan(g, &plan), ACL_SUCCESS);
+    assert_int_equal(plan.alloc_count, 2);
+    assert_int_equal(plan.footprint, 3 * GiB_);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+}
+
 /* a -> (x on s1 | y on s2) -> z: x and y may run at once, z follows both frees. */
 static void test_diamond(void **state)
 {
@@ -169,6 +199,43 @@ static void test_diamond(void **state)
     assert_int_equal(aclrtSynchronizeStream(s1), ACL_SUCCESS);
     npualloc_graph_exec_destroy(e);
     npualloc_graph_destroy(g);
+}
+
+/* An event's capture point is its latest record's: a record in another capture moves it there, and
+ * a record outside every capture erases it. */
+static void test_an_events_latest_record_decides_its_capture(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s1 = new_stream(), s2 = new_stream(), s3 = new_stream(), plain = new_stream();
+    npualloc_graph *g1 = new_graph(0), *g2 = new_graph(0);
+    begin(g1, s1);
+    begin(g2, s2);
+    aclrtEvent e = new_event();
+    assert_int_equal(aclrtRecordEvent(e, s1), ACL_SUCCESS);
+    assert_int_equal(aclrtRecordEvent(e, s2), ACL_SUCCESS); /* now g2's */
+    assert_int_equal(aclrtStreamWaitEvent(s3, e), ACL_SUCCESS);  /* s3 joins g2, not g1 */
+    /* g1 cannot wait for a point of g2; the refusal leaves both captures as they were */
+    assert_int_equal(aclrtStreamWaitEvent(s1, e), ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_non_null(strstr(npualloc_graph_last_error(), "recorded in another capture"));
+    assert_int_equal(aclrtRecordEvent(e, plain), ACL_SUCCESS); /* erased from g2 */
+    /* the event is an outside one now: a capturing stream's wait adds nothing, a plain stream's
+     * wait is an ordinary wait and joins no capture */
+    assert_int_equal(aclrtStreamWaitEvent(s1, e), ACL_SUCCESS);
+    aclrtStream s4 = new_stream();
+    assert_int_equal(aclrtStreamWaitEvent(s4, e), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s4), ACL_SUCCESS);
+    fork_to(s3, s2); /* join s3 back */
+    end(g1);
+    end(g2);
+    npualloc_graph_plan p1, p2;
+    assert_int_equal(npualloc_graph_get_plan(g1, &p1), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_get_plan(g2, &p2), ACL_SUCCESS);
+    assert_int_equal(p1.stream_count, 1);
+    assert_int_equal(p2.stream_count, 2);
+    assert_int_equal(aclrtDestroyEvent(e), ACL_SUCCESS);
+    npualloc_graph_destroy(g1);
+    npualloc_graph_destroy(g2);
 }
 
 static void test_unjoined_stream_fails_the_capture(void **state)
@@ -1188,9 +1255,11 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_chain_reuses_freed_address, stop_runtime),
         cmocka_unit_test_teardown(test_an_exabyte_on_a_capturing_stream_is_the_graphs_oom, stop_runtime),
+        cmocka_unit_test_teardown(test_graph_memory_is_the_devices_memory, stop_runtime),
         cmocka_unit_test_teardown(test_diamond, stop_runtime),
         cmocka_unit_test_teardown(test_exec_destroyed_by_a_callback_finishes_its_queued_launches, stop_runtime),
         cmocka_unit_test_teardown(test_unjoined_stream_fails_the_capture, stop_runtime),
+        cmocka_unit_test_teardown(test_an_events_latest_record_decides_its_capture, stop_runtime),
         cmocka_unit_test_teardown(test_graphs_on_one_stream_alias, stop_runtime),
         cmocka_unit_test_teardown(test_checked_graph_reports_use_after_free, stop_runtime),
         cmocka_unit_test_teardown(test_checked_output_and_host_access_after_launch, stop_runtime),

@@ -703,6 +703,31 @@ static void test_ipc_key_range_cannot_be_unmapped_by_the_user(void **state)
 
 /* ---- caching-allocator shares ---- */
 
+/* A forked child of an opener starts with no share open, and its exit closes nothing of its
+ * parent's; the opener's shutdown then gives everything back without a close.  Sends the fork's
+ * status, its parent's counts before and after the shutdown (opens, sessions), then 3. */
+static int child_forks_then_shuts_down(int in, int out)
+{
+    (void)in;
+    pid_t pid = fork();
+    if (pid == 0) {
+        ipc_counts fc;
+        ipc_get_counts(&fc);
+        _exit(fc.opens || fc.sessions || fc.imports || fc.pins ? 1 : 0);
+    }
+    int status = -1;
+    if (pid < 0 || waitpid(pid, &status, 0) != pid)
+        return 10;
+    ipc_counts before, after;
+    ipc_get_counts(&before);
+    npualloc_shutdown();
+    ipc_get_counts(&after);
+    if (cput64(out, (uint64_t)status) || cput64(out, before.opens) || cput64(out, before.sessions) ||
+        cput64(out, after.opens + after.sessions + after.imports))
+        return 11;
+    return cput64(out, 3) ? 8 : 0;
+}
+
 static int child_open_share(int in, int out, void *arg)
 {
     (void)arg;
@@ -726,8 +751,11 @@ static int child_open_share(int in, int out, void *arg)
     memset(p, 'T', 4);
     if (cput64(out, 1))
         return 5;
-    if (get64(in) == 2) /* 2: die without closing */
+    uint64_t how = get64(in);
+    if (how == 2) /* 2: die without closing */
         raise(SIGKILL);
+    if (how == 3) /* 3: fork, then shut the runtime down without closing */
+        return child_forks_then_shuts_down(in, out);
     if (ipc_close_shared(p) || ipc_close_shared(again) || ipc_close_shared(p) != ACL_ERROR_INVALID_PARAM)
         return 6;
     ipc_counts ic;
@@ -737,7 +765,10 @@ static int child_open_share(int in, int out, void *arg)
     return cput64(out, 3) ? 8 : 0;
 }
 
-static void share_round(bool die)
+/* How the child of share_round lets its open go. */
+typedef enum { CLOSE_IT = 1, DIE = 2, FORK_THEN_SHUT_DOWN = 3 } share_end;
+
+static void share_round(share_end how)
 {
     void *p = NULL, *q = NULL;
     assert_int_equal(npualloc_cache_malloc(0, 3 * MiB_, 0, &p), ACL_SUCCESS);
@@ -766,10 +797,16 @@ static void share_round(bool die)
     ipc_counts ic;
     ipc_get_counts(&ic);
     assert_int_equal(ic.pins, 1);
-    put64(c.to_child, die ? 2 : 1);
-    if (!die)
+    put64(c.to_child, how);
+    if (how == FORK_THEN_SHUT_DOWN) {
+        assert_int_equal(get64(c.from_child), 0); /* the fork's exit status */
+        assert_int_equal(get64(c.from_child), 1); /* opens before the shutdown */
+        assert_int_equal(get64(c.from_child), 1); /* sessions before the shutdown */
+        assert_int_equal(get64(c.from_child), 0); /* opens, sessions and imports after it */
+    }
+    if (how != DIE)
         assert_int_equal(get64(c.from_child), 3);
-    assert_int_equal(finish(&c), die ? 128 + SIGKILL : 0);
+    assert_int_equal(finish(&c), how == DIE ? 128 + SIGKILL : 0);
     for (int i = 0; i < 200; i++) { /* the server sees the close (or the death) */
         ipc_get_counts(&ic);
         if (ic.pins == 0 && ic.shares == 0)
@@ -790,14 +827,21 @@ static void test_share_pins_block_until_close(void **state)
 {
     (void)state;
     setup_runtime();
-    share_round(false);
+    share_round(CLOSE_IT);
 }
 
 static void test_share_pin_released_when_opener_dies(void **state)
 {
     (void)state;
     setup_runtime();
-    share_round(true);
+    share_round(DIE);
+}
+
+static void test_share_pin_released_when_opener_shuts_down(void **state)
+{
+    (void)state;
+    setup_runtime();
+    share_round(FORK_THEN_SHUT_DOWN);
 }
 
 static void test_share_of_freed_block_cannot_be_opened(void **state)
@@ -1617,6 +1661,7 @@ int main(void)
         cmocka_unit_test_teardown(test_ipc_key_range_cannot_be_unmapped_by_the_user, stop_runtime),
         cmocka_unit_test_teardown(test_share_pins_block_until_close, stop_runtime),
         cmocka_unit_test_teardown(test_share_pin_released_when_opener_dies, stop_runtime),
+        cmocka_unit_test_teardown(test_share_pin_released_when_opener_shuts_down, stop_runtime),
         cmocka_unit_test_teardown(test_share_of_freed_block_cannot_be_opened, stop_runtime),
         cmocka_unit_test_teardown(test_a_late_grant_is_cancelled_and_the_connection_stays, stop_runtime),
         cmocka_unit_test_teardown(test_a_full_session_socket_loses_no_pin, stop_runtime),

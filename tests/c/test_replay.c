@@ -514,6 +514,17 @@ static void test_bad_settings_and_config_are_reported(void **state)
     npualloc_replay_destroy(r);
 }
 
+static void test_every_status_has_its_name(void **state)
+{
+    (void)state;
+    static const char *const names[] = {"OK",      "BAD_SETTINGS", "BAD_CONFIG", "UNAVAILABLE",
+                                        "STOPPED", "HOST_MEMORY",  "INVALID"};
+    for (int st = NPUALLOC_REPLAY_OK; st <= NPUALLOC_REPLAY_INVALID; st++)
+        assert_string_equal(npualloc_replay_status_name((npualloc_replay_status)st), names[st]);
+    assert_string_equal(npualloc_replay_status_name((npualloc_replay_status)(NPUALLOC_REPLAY_INVALID + 1)), "UNKNOWN");
+    assert_string_equal(npualloc_replay_status_name((npualloc_replay_status)-1), "UNKNOWN");
+}
+
 static void test_a_session_reports_its_own_settings(void **state)
 {
     (void)state;
@@ -836,6 +847,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_small_pool_exact_peaks),
+        cmocka_unit_test(test_every_status_has_its_name),
         cmocka_unit_test(test_large_segments_and_reuse),
         cmocka_unit_test(test_cuda_and_npu_rounding_differ),
         cmocka_unit_test(test_oom_continue_skips_the_allocation_and_its_free),
