@@ -165,6 +165,21 @@ aclError aclrtGetCurrentContext(aclrtContext *context)
     return ACL_SUCCESS;
 }
 
+aclError aclrtCtxGetCurrentDefaultStream(aclrtStream *stream)
+{
+    if (!stream)
+        return ACL_ERROR_INVALID_PARAM;
+    aclError rc = runtime_ensure_init();
+    if (rc != ACL_SUCCESS)
+        return rc;
+    int32_t dev;
+    uint64_t handle;
+    if ((rc = device_current_stream(&dev, &handle)) != ACL_SUCCESS)
+        return rc;
+    *stream = (aclrtStream)(uintptr_t)handle;
+    return ACL_SUCCESS;
+}
+
 aclError aclrtGetRunMode(aclrtRunMode *runMode)
 {
     if (!runMode)

@@ -208,12 +208,18 @@ def test_stream_0_is_the_bound_contexts_default_stream():
     assert ret == 0 and rt.get_device() == (1, 0)
     gate = held(0)  # the context's default stream
     assert rt.stream_query(0) == (acl.ACL_STREAM_STATUS_NOT_READY, 0)
+    own, ret = rt.ctx_get_current_default_stream()  # that stream, by a handle of its own
+    assert ret == 0 and own != 0
     assert rt.set_context(primary) == 0 and rt.get_device() == (0, 0)
+    assert rt.ctx_get_current_default_stream() == (0, 0)  # a default context's: stream 0
     assert rt.stream_query(0) == (acl.ACL_STREAM_STATUS_COMPLETE, 0)  # device 0's own default stream
+    assert rt.stream_query(own) == (acl.ACL_STREAM_STATUS_NOT_READY, 0)
     gate.set()
-    assert rt.set_context(context) == 0 and rt.synchronize_stream(0) == 0
+    assert rt.synchronize_stream(own) == 0
+    assert rt.set_context(context) == 0 and rt.ctx_get_current_default_stream() == (own, 0)
     assert rt.destroy_context(context) == 0
     assert rt.get_context() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)  # no fall back to a default context
+    assert rt.ctx_get_current_default_stream() == (0, acl.ACL_ERROR_RT_CONTEXT_NULL)
     assert rt.set_device(0) == 0 and rt.get_context() == (primary, 0)
 
 

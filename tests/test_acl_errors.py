@@ -27,6 +27,7 @@ SIGNATURES = {
     "destroy_context": ["context"],
     "set_context": ["context"],
     "get_context": [],
+    "ctx_get_current_default_stream": [],
     "get_run_mode": [],
     "synchronize_device": [],
     "synchronize_device_with_timeout": ["timeout"],

@@ -149,6 +149,7 @@ def assert_consistent(w, what):
 RT = {
     "set_device": ["dev"], "reset_device": ["dev"], "reset_device_force": ["dev"], "get_device": [],
     "create_context": ["dev"], "destroy_context": ["c"], "set_context": ["c"], "get_context": [], "get_run_mode": [],
+    "ctx_get_current_default_stream": [],
     "get_device_count": [], "synchronize_device": [], "device_can_access_peer": ["dev", "dev"], "device_enable_peer_access": ["dev", "n"],
     "device_disable_peer_access": ["dev"], "device_get_bare_tgid": [],
     "malloc": ["n", "n"], "malloc_align32": ["n", "n"], "malloc_cached": ["n", "n"], "free": ["p"],

@@ -275,6 +275,10 @@ aclError aclrtCreateContext(aclrtContext *context, int32_t deviceId);
 aclError aclrtDestroyContext(aclrtContext context);
 aclError aclrtSetCurrentContext(aclrtContext context);
 aclError aclrtGetCurrentContext(aclrtContext *context);
+/* The calling thread's context's default stream: an explicit context's own stream, or NULL for a device's
+ * default context (the handle that names the current device's default stream here; CANN gives that stream a
+ * handle of its own).  ACL_ERROR_RT_CONTEXT_NULL without a context. */
+aclError aclrtCtxGetCurrentDefaultStream(aclrtStream *stream);
 
 typedef enum aclrtRunMode { ACL_DEVICE = 0, ACL_HOST = 1 } aclrtRunMode;
 /* ACL_HOST: the program runs on the host (the only mode here). */

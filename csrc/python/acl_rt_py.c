@@ -129,6 +129,11 @@ RT_DOC0(get_context, "(context, ret)",
         "or the one create_context or set_context bound).");
 RT_OUTPUT(get_context, aclrtContext, aclrtGetCurrentContext, ret_handle)
 
+RT_DOC0(ctx_get_current_default_stream, "(stream, ret)",
+        "aclrtCtxGetCurrentDefaultStream: the default stream of the calling thread's context: an explicit\n"
+        "context's own stream, or 0 for a device's default context (0 names the current device's default stream).");
+RT_OUTPUT(ctx_get_current_default_stream, aclrtStream, aclrtCtxGetCurrentDefaultStream, ret_handle)
+
 RT_DOC0(get_run_mode, "(run_mode, ret)", "aclrtGetRunMode: ACL_HOST (1): the program runs on the host.");
 RT_OUTPUT(get_run_mode, aclrtRunMode, aclrtGetRunMode, ret_i64)
 
@@ -969,6 +974,7 @@ static PyMethodDef rt_methods[] = {
     RT_METHOD(destroy_context),
     RT_METHOD(set_context),
     RT_METHOD(get_context),
+    RT_METHOD(ctx_get_current_default_stream),
     RT_METHOD(get_run_mode),
     RT_METHOD(synchronize_device),
     RT_METHOD(synchronize_device_with_timeout),

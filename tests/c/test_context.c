@@ -1,7 +1,7 @@
 /* test_context.c - explicit contexts (aclrtCreateContext, aclrtDestroyContext, aclrtSetCurrentContext,
- * aclrtGetCurrentContext) next to the default context aclrtSetDevice binds, and aclrtGetRunMode: the codes
- * CANN's ACL layer and runtime give (docs/runtime.md), what a NULL stream means in each, and what a destroy,
- * a device reset and fork() leave. */
+ * aclrtGetCurrentContext, aclrtCtxGetCurrentDefaultStream) next to the default context aclrtSetDevice binds,
+ * and aclrtGetRunMode: the codes CANN's ACL layer and runtime give (docs/runtime.md), what a NULL stream means
+ * in each, and what a destroy, a device reset and fork() leave. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/wait.h>
@@ -86,6 +86,44 @@ static void test_a_null_stream_is_the_current_contexts_default_stream(void **sta
     assert_int_equal(null_stream_status(), ACL_STREAM_STATUS_COMPLETE);
     assert_int_equal(aclrtDestroyContext(a), ACL_SUCCESS);
     assert_int_equal(aclrtDestroyContext(b), ACL_SUCCESS);
+}
+
+static aclrtStream default_stream_of_context(void)
+{
+    aclrtStream s = (aclrtStream)1;
+    assert_int_equal(aclrtCtxGetCurrentDefaultStream(&s), ACL_SUCCESS);
+    return s;
+}
+
+/* aclrtCtxGetCurrentDefaultStream names the stream a NULL stream means: the explicit context's own stream,
+ * which works as a handle from any context, or NULL in a device's default context. */
+static void test_the_current_contexts_default_stream_is_what_a_null_stream_means(void **state)
+{
+    (void)state;
+    aclrtContext primary = current();
+    assert_null(default_stream_of_context());
+    aclrtContext a = created(0);
+    aclrtStream sa = default_stream_of_context();
+    assert_non_null(sa);
+    atomic_int gate;
+    hold_stream(sa, &gate);
+    assert_int_equal(null_stream_status(), ACL_STREAM_STATUS_NOT_READY); /* the same stream */
+    assert_int_equal(aclrtSetCurrentContext(primary), ACL_SUCCESS);
+    assert_null(default_stream_of_context());
+    aclrtStreamStatus st = ACL_STREAM_STATUS_RESERVED;
+    assert_int_equal(aclrtStreamQuery(sa, &st), ACL_SUCCESS);
+    assert_int_equal(st, ACL_STREAM_STATUS_NOT_READY);
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSynchronizeStream(sa), ACL_SUCCESS);
+    assert_int_equal(aclrtSetCurrentContext(a), ACL_SUCCESS);
+    assert_ptr_equal(default_stream_of_context(), sa);
+    assert_int_equal(aclrtCtxGetCurrentDefaultStream(NULL), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtDestroyContext(a), ACL_SUCCESS);
+    aclrtStream none = (aclrtStream)1;
+    assert_int_equal(aclrtCtxGetCurrentDefaultStream(&none), ACL_ERROR_RT_CONTEXT_NULL);
+    assert_ptr_equal(none, (aclrtStream)1); /* not written on failure */
+    assert_int_equal(aclrtStreamQuery(sa, &st), ACL_ERROR_INVALID_PARAM); /* destroyed with its context */
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
 }
 
 typedef struct bound_thread {
@@ -399,6 +437,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_a_new_context_is_bound_to_its_thread_with_its_device, setup, stop_runtime),
         cmocka_unit_test_setup_teardown(test_a_null_stream_is_the_current_contexts_default_stream, setup, stop_runtime),
+        cmocka_unit_test_setup_teardown(test_the_current_contexts_default_stream_is_what_a_null_stream_means, setup,
+                                        stop_runtime),
         cmocka_unit_test_setup_teardown(test_a_destroy_ends_the_context_and_its_streams_for_every_thread, setup,
                                         stop_runtime),
         cmocka_unit_test_setup_teardown(test_a_destroy_waits_for_the_work_queued_in_the_context, setup,
