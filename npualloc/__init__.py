@@ -52,8 +52,11 @@ def configure(device_count=None, device_memory=None, huge_memory=None, huge1g_me
             cfg[key] = value
         else:
             raise TypeError(f"configure() argument '{key}' must be int or str, not {type(value).__name__}")
-    _C.configure(cfg["device_count"], cfg["device_memory"], cfg["huge_memory"], cfg["huge1g_memory"],
-                 cfg["ddr_memory"])
+    # Beyond what C holds, a value is only too large: clamped, it gets the limit's own message (the C call would
+    # otherwise wrap a size at 2**64, or refuse a count with OverflowError).
+    count = max(min(cfg["device_count"], 2**31 - 1), -2**31)
+    sizes = [min(cfg[key], 2**64 - 1) for key in ("device_memory", "huge_memory", "huge1g_memory", "ddr_memory")]
+    _C.configure(count, *sizes)
 
 
 def _sleep(seconds, stream=None):

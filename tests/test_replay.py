@@ -855,6 +855,17 @@ def test_timeline_points_bound_the_timeline():
     assert 0 < len(replay.replay(small_trace(), timeline_points=4).timeline[0]) <= 4
 
 
+@pytest.mark.parametrize("points", [1, 2, 3, 5, 7])
+def test_an_odd_or_single_timeline_limit_holds(points):
+    """The samples merge in pairs, so a limit of 7 once gave 8 samples and a limit of 1 gave 2."""
+    trace = {"segments": [], "device_traces": [[
+        {"action": "alloc", "addr": (i + 1) << 24, "size": 4096 * (i + 1), "stream": 0} for i in range(15)]]}
+    events, allocated, reserved = replay.replay(trace, timeline_points=points).timeline
+    assert 0 < len(events) <= points and len(allocated) == len(reserved) == len(events)
+    assert events[0] == 0
+    assert max(allocated) == replay.replay(trace).peak_allocated  # the samples keep the peak
+
+
 def test_device_is_an_int():
     with pytest.raises(TypeError, match="device must be an int or None, not str"):
         replay.replay(small_trace(), device="0")

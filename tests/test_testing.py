@@ -108,6 +108,12 @@ def test_restart_with_bad_settings_raises_at_once(clean):
     (dict(device_memory="1GiB", huge1g_memory="2GiB"), "NPUALLOC_HUGE1G_MEMORY must not exceed NPUALLOC_DEVICE_MEMORY"),
     (dict(device_memory="4GiB", huge1g_memory="1536MiB"), "NPUALLOC_HUGE1G_MEMORY must be a whole number of GiB"),
     (dict(ddr_memory=(1 << 50) + 1), "NPUALLOC_DDR_MEMORY must be at most 1024 TiB"),
+    # beyond 64 bits: too large as well (they used to wrap round: 2**64 + 1 GiB made a 1 GiB device)
+    (dict(device_memory=(1 << 64) + (1 << 30)), "NPUALLOC_DEVICE_MEMORY must be at most 1024 TiB"),
+    (dict(device_memory=1 << 64), "NPUALLOC_DEVICE_MEMORY must be at most 1024 TiB"),
+    (dict(ddr_memory=(1 << 64) + (1 << 20)), "NPUALLOC_DDR_MEMORY must be at most 1024 TiB"),
+    (dict(device_count=(1 << 32) + 1), "NPUALLOC_DEVICE_COUNT must be from 1 to 64"),
+    (dict(device_count=-(1 << 40)), "NPUALLOC_DEVICE_COUNT must be from 1 to 64"),
 ])
 def test_restart_refuses_a_device_configuration_out_of_range(clean, kwargs, message):
     with pytest.raises(ValueError, match=message):
