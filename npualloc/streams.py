@@ -5,6 +5,7 @@ default stream).  Each thread has a current stream per device (kept in C, so tha
 ``caching_allocator_alloc`` reads it without Python work); ``stream(s)`` and ``set_stream(s)``
 change it, ``current_stream()`` reads it.
 """
+import operator
 import threading
 
 from . import _C
@@ -19,16 +20,28 @@ _tls = threading.local()
 
 
 def _device_index(device):
-    return _memory._get_device_index(device, optional=True)
+    """The index of ``device``: None and -1 are the current device, as torch_npu's stream calls take them."""
+    index = _memory._get_device_index(device, optional=True)
+    return _memory.current_device() if index == -1 else index
+
+
+def _checked_device_index(device):
+    """_device_index, refused out of range as torch_npu's getCurrentNPUStream refuses it (check_npu)."""
+    index = _device_index(device)
+    count = _memory.device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(f"Invalid device_index : {index}, valid device_index range is [0, {count})"
+                           + _memory._pta_error("VALUE"))
+    return index
 
 
 class Stream:
     """An NPU stream: ``Stream(device=None, priority=0)`` creates a new stream on ``device``
     (default: the current device).  It is destroyed (after its queued work) when collected."""
 
-    def __init__(self, device=None, priority=0, **kwargs):
+    def __init__(self, device=None, priority=0):
         dev = _device_index(device)
-        self.priority = priority
+        self.priority = operator.index(priority)  # torch_npu's stream constructor takes an int (TypeError else)
         self._device = dev
         self._gen = _M._generation()
         self._owned = False
@@ -116,9 +129,10 @@ class Event:
     """
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-        self.enable_timing = enable_timing
-        self.blocking = blocking
-        self.interprocess = interprocess
+        # torch_npu's event constructor takes these as C integers: another type is a TypeError
+        self.enable_timing = bool(operator.index(enable_timing))
+        self.blocking = bool(operator.index(blocking))
+        self.interprocess = bool(operator.index(interprocess))
         self._handle = 0
         self._gen = 0
         self._recorded = False  # the handle carries a record (which a restart or fork makes stale)
@@ -191,13 +205,14 @@ def _current_objects():
 
 
 def default_stream(device=None):
-    """The default stream of ``device`` (handle 0)."""
-    return Stream._wrap(0, _device_index(device))
+    """The default stream of ``device`` (handle 0; None or -1: the current device)."""
+    return Stream._wrap(0, _checked_device_index(device))
 
 
 def current_stream(device=None):
-    """The calling thread's current stream on ``device`` (default: the current device)."""
-    dev = _device_index(device)
+    """The calling thread's current stream on ``device`` (None or -1: the current device); a device out of
+    range is torch_npu's RuntimeError "Invalid device_index : N, valid device_index range is [0, COUNT)"."""
+    dev = _checked_device_index(device)
     handle = _M._get_current_stream(dev)
     obj = _current_objects().get(dev)
     if obj is not None and obj.npu_stream == handle and obj._gen == _M._generation():

@@ -35,6 +35,38 @@ def test_stream_basics(mem):
     assert npualloc.current_device() == 0
 
 
+def test_device_minus_one_is_the_current_device_and_an_index_out_of_range_is_refused(mem):
+    """torch_npu's stream calls read -1 as the current device (getCurrentNPUStream) and refuse an index out of
+    range (check_npu); these used to make a Stream of "device -1" (unusable) or of a device that does not
+    exist."""
+    npualloc.set_device(1)
+    assert npualloc.current_stream(-1) == npualloc.current_stream(1) == npualloc.default_stream(-1)
+    assert npualloc.default_stream(-1).device == 1
+    s = npualloc.Stream(device=-1)
+    assert s.device == 1 and s.query()
+    s.synchronize()
+    for call in (npualloc.current_stream, npualloc.default_stream):
+        for bad in (2, 99, -7):
+            with pytest.raises(RuntimeError, match=rf"^Invalid device_index : {bad}, valid device_index range "
+                                                   r"is \[0, 2\)$"):
+                call(bad)
+
+
+def test_stream_and_event_arguments_are_torch_npus(mem):
+    """A Stream takes a device and an int priority, an Event int-like flags: torch_npu's constructors refuse
+    other types and unknown keywords (they used to be accepted and ignored)."""
+    assert npualloc.Stream(priority=-1).priority == -1 and npualloc.Stream(0, True).priority == 1
+    for bad in ("x", 1.5, None):
+        with pytest.raises(TypeError):
+            npualloc.Stream(priority=bad)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        npualloc.Stream(bogus=1)
+    assert npualloc.Event(enable_timing=1).enable_timing is True
+    for flag in ("enable_timing", "blocking", "interprocess"):
+        with pytest.raises(TypeError):
+            npualloc.Event(**{flag: "x"})
+
+
 def test_stream_context_and_set_stream(mem):
     s = npualloc.Stream()
     s1 = npualloc.Stream(1)
