@@ -144,7 +144,7 @@ static size_t allocation_size(const alloc_settings *settings, size_t size, bool 
 
 npualloc_context *npualloc_context_create(const void *data, size_t len)
 {
-    if (len > UINT32_MAX)
+    if (len > UINT32_MAX || (len && !data))
         return NULL;
     npualloc_context *c = malloc(sizeof *c + len);
     if (!c)
@@ -170,7 +170,8 @@ void npualloc_context_release(npualloc_context *c)
 
 const void *npualloc_context_data(const npualloc_context *c, size_t *len)
 {
-    *len = c ? c->len : 0;
+    if (len)
+        *len = c ? c->len : 0;
     return c ? c->data : NULL;
 }
 

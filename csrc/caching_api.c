@@ -534,6 +534,8 @@ void npualloc_format_size(uint64_t size, char *buf, size_t len)
 
 int npualloc_format_oom(const npualloc_oom_info *o, char *buf, size_t len)
 {
+    if (!o || (!buf && len))
+        return -1;
     if (o->over_1eb)
         return snprintf(buf, len, "NPU out of memory. Tried to allocate more than 1EB memory.");
     char alloc[32], total[32], allocated[32], active[32], free_s[32], allowed[48], reserved[32];
@@ -561,7 +563,11 @@ int npualloc_format_oom(const npualloc_oom_info *o, char *buf, size_t len)
                     alloc, (int)o->device, total, allocated, active, free_s, allowed, reserved);
 }
 
-void npualloc_cache_last_oom(npualloc_oom_info *out) { *out = last_oom; }
+void npualloc_cache_last_oom(npualloc_oom_info *out)
+{
+    if (out)
+        *out = last_oom;
+}
 
 static aclError report_oom(const npualloc_oom_info *info)
 {

@@ -79,7 +79,7 @@ size_t mem_kind_page_size(mem_kind kind)
 
 int npualloc_parse_size(const char *text, uint64_t *out)
 {
-    if (!text)
+    if (!text || !out)
         return -1;
     const char *p = text;
     while (isspace((unsigned char)*p))

@@ -39,12 +39,11 @@ aclError npualloc_fault_set(npualloc_fault_kind kind, uint64_t nth)
 
 void npualloc_fault_counts(npualloc_fault_kind kind, uint64_t *seen, uint64_t *injected)
 {
-    if ((unsigned)kind >= NPUALLOC_FAULT_KINDS) {
-        *seen = *injected = 0;
-        return;
-    }
-    *seen = atomic_load(&faults[kind].seen);
-    *injected = atomic_load(&faults[kind].injected);
+    bool known = (unsigned)kind < NPUALLOC_FAULT_KINDS;
+    if (seen)
+        *seen = known ? atomic_load(&faults[kind].seen) : 0;
+    if (injected)
+        *injected = known ? atomic_load(&faults[kind].injected) : 0;
 }
 
 bool fault_arm_from_env(char *err, size_t errlen)

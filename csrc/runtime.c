@@ -109,6 +109,8 @@ aclError aclFinalize(void)
 
 void npualloc_vmm_counts_get(npualloc_vmm_counts *out)
 {
+    if (!out)
+        return;
     vmm_counts(&out->physical_handles, &out->reservations, &out->mappings);
     out->fds_kept = (size_t)host_fds_kept();
 }

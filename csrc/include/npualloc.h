@@ -3,7 +3,7 @@
  * (configuration, introspection, test hooks).  The aclrt* functions are in acl_rt.h.
  *
  * Every function that can fail returns an aclError (0 = success), ACL_ERROR_INVALID_PARAM for a NULL
- * pointer it needs.
+ * pointer it needs.  The others ignore a NULL output (they write nothing there).
  */
 #ifndef NPUALLOC_H
 #define NPUALLOC_H
@@ -28,7 +28,7 @@ typedef struct npualloc_config {
 } npualloc_config;
 
 /* Parses "123", "64GiB", "1.5G", "512 MiB": bytes or KiB/MiB/GiB/TiB (K/M/G/T are the same
- * binary units).  Returns 0, or -1 when the text is not a size. */
+ * binary units).  Returns 0, or -1 when the text is not a size (or text or out is NULL). */
 int npualloc_parse_size(const char *text, uint64_t *out);
 
 /* Reads the NPUALLOC_* variables over the defaults.  On a malformed value returns
@@ -140,14 +140,19 @@ typedef void (*npualloc_free_fn)(void *ptr, size_t size, int device, aclrtStream
  * alloc_fn, passing the size as asked and the stream as given; npualloc_cache_free frees such a
  * pointer with free_fn, told its size, device and stream (the caching allocator's pointers still
  * free as before).  record_stream and erase_stream do nothing to its pointers, as in torch_npu.
- * An allocation on a capturing stream stays a graph ALLOC node (npualloc_graph.h).
+ * An allocation on a capturing stream stays a graph ALLOC node (npualloc_graph.h).  The caching
+ * allocator's rules for sizes do not apply to alloc_fn's pointers: it is asked for every size (0 and
+ * 2^60 or more too), and a NULL it returns is the allocation's result (ACL_SUCCESS with *ptr NULL).
  * Refused with ACL_ERROR_REPEAT_INITIALIZE and torch_npu's "Can't swap an already initialized
  * allocator" once the allocator in use is initialized: the caching allocator after any device's
- * cache started, a pluggable one always.  Until npualloc_shutdown (or fork: the child starts with
+ * cache started (its first allocation, or a read of its statistics, fraction or a pool's use count),
+ * a pluggable one always.  Until npualloc_shutdown (or fork: the child starts with
  * the caching allocator). */
 aclError npualloc_allocator_change(npualloc_alloc_fn alloc_fn, npualloc_free_fn free_fn);
 /* True while a pluggable allocator is current. */
 bool npualloc_allocator_is_pluggable(void);
+/* torch_npu's out-of-memory message for `info` (what npualloc_last_error gives after the failure), as
+ * snprintf writes it: the length it needed, -1 for a NULL info (or a NULL buf with len > 0). */
 int npualloc_format_oom(const npualloc_oom_info *info, char *buf, size_t len);
 /* torch's format_size: "512 bytes", "1.50 KiB", "2.00 MiB", "3.25 GiB". */
 void npualloc_format_size(uint64_t size, char *buf, size_t len);
@@ -196,7 +201,8 @@ aclError npualloc_cache_block_info(void *ptr, int32_t *device, uint64_t *stream,
  * Python layer stores a call stack in it).  The allocator keeps contexts for blocks, segments
  * and trace entries; they are freed when nothing refers to them any more. */
 typedef struct npualloc_context npualloc_context;
-/* A new context holding a copy of data (reference count 1), or NULL when out of memory. */
+/* A new context holding a copy of data (reference count 1), or NULL when out of memory, for more than
+ * UINT32_MAX bytes, or for data NULL with len > 0. */
 npualloc_context *npualloc_context_create(const void *data, size_t len);
 void npualloc_context_retain(npualloc_context *ctx);
 void npualloc_context_release(npualloc_context *ctx);
@@ -351,8 +357,10 @@ aclError npualloc_cache_pool_set_use_on_oom(int32_t device, npualloc_mempool_id 
  * (ACL_ERROR_INVALID_PARAM); it keeps the setting for its life. */
 aclError npualloc_cache_pool_set_no_split(int32_t device, npualloc_mempool_id id);
 
+/* The `value` of npualloc_cache_pool_begin says which: the thread's (uint64_t)pthread_self() (another value
+ * routes nothing: no thread has it), or a stream handle as npualloc_cache_malloc takes it. */
 typedef enum npualloc_pool_filter {
-    NPUALLOC_POOL_FILTER_THREAD = 0, /* allocations by this OS thread (use_mem_pool) */
+    NPUALLOC_POOL_FILTER_THREAD = 0, /* allocations by this thread (use_mem_pool) */
     NPUALLOC_POOL_FILTER_STREAM = 1  /* allocations on this stream (a capture) */
 } npualloc_pool_filter;
 

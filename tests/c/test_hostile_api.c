@@ -621,6 +621,41 @@ static void test_npualloc_functions_reject_null_pointers(void **state)
     npualloc_snapshot_free(snap);
 }
 
+/* The functions that return no error code ignore a NULL output (each used to write through it), and those that
+ * return a value say "nothing" for NULL input. */
+static void test_npualloc_functions_without_an_error_code_ignore_null_outputs(void **state)
+{
+    (void)state;
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    uint64_t size = 7;
+    assert_int_equal(npualloc_parse_size("5", NULL), -1);
+    assert_int_equal(npualloc_parse_size(NULL, &size), -1);
+    assert_int_equal(npualloc_parse_size("5 KiB", &size), 0);
+    assert_int_equal(size, 5120);
+    npualloc_cache_last_oom(NULL);
+    npualloc_vmm_counts_get(NULL);
+    uint64_t seen = 99;
+    npualloc_fault_counts(NPUALLOC_FAULT_MAP, &seen, NULL);
+    npualloc_fault_counts(NPUALLOC_FAULT_MAP, NULL, &seen);
+    npualloc_fault_counts((npualloc_fault_kind)99, &seen, NULL);
+    assert_int_equal(seen, 0); /* an unknown kind: nothing seen */
+    char buf[16] = "untouched";
+    npualloc_oom_info oom = {.over_1eb = true};
+    assert_int_equal(npualloc_format_oom(NULL, buf, sizeof buf), -1);
+    assert_string_equal(buf, "untouched");
+    assert_int_equal(npualloc_format_oom(&oom, NULL, 8), -1);
+    const char *over = "NPU out of memory. Tried to allocate more than 1EB memory.";
+    assert_int_equal(npualloc_format_oom(&oom, NULL, 0), (int)strlen(over)); /* snprintf's count */
+    assert_null(npualloc_context_create(NULL, 5));
+    npualloc_context *ctx = npualloc_context_create(NULL, 0);
+    assert_non_null(ctx);
+    assert_non_null(npualloc_context_data(ctx, NULL));
+    size_t len = 99;
+    npualloc_context_data(ctx, &len);
+    assert_int_equal(len, 0);
+    npualloc_context_release(ctx);
+}
+
 /* A history level outside npualloc_record_context's values is refused, and changes nothing. */
 static void test_record_history_refuses_unknown_levels(void **state)
 {
@@ -1089,6 +1124,7 @@ int main(void)
         cmocka_unit_test_teardown(test_pinned_host_memory_together_cannot_exceed_the_machine, stop_runtime),
         cmocka_unit_test_teardown(test_pinned_host_memory_is_charged_in_whole_pages, stop_runtime),
         cmocka_unit_test_teardown(test_npualloc_functions_reject_null_pointers, stop_runtime),
+        cmocka_unit_test_teardown(test_npualloc_functions_without_an_error_code_ignore_null_outputs, stop_runtime),
         cmocka_unit_test_teardown(test_record_history_refuses_unknown_levels, stop_runtime),
         cmocka_unit_test_teardown(test_history_level_is_reset_with_the_caches, stop_runtime),
         cmocka_unit_test_teardown(test_history_level_is_read_while_another_thread_sets_it, stop_runtime),
