@@ -161,6 +161,12 @@ def test_open_shared_for_another_device(dev0, workers):  # noqa: F811
 def test_share_errors(dev0):
     with pytest.raises(RuntimeError, match="not a live block"):
         npualloc.share(0x1234)
+    # the address as it was given (NULL and -1 printed as "0x(nil)")
+    for bad in (0, -1, 1 << 70):
+        with pytest.raises(RuntimeError, match=rf"^share: {bad} is not a live block of the caching allocator$"):
+            npualloc.share(bad)
+        with pytest.raises(RuntimeError, match=rf"^close_shared: {bad} was not opened by open_shared$"):
+            npualloc.close_shared(bad)
     ptr = npualloc.caching_allocator_alloc(MiB, 0)
     with pytest.raises(RuntimeError, match="not a live block"):
         npualloc.share(ptr + 512)  # inside a block: not a block

@@ -226,3 +226,9 @@ def test_the_signatures_keywords_are_accepted(mem):
         assert b.nbytes == 100
     with pytest.raises(TypeError):
         npualloc.parse_size(text="1KiB")  # positional only, as the signature says
+
+
+def test_parse_size_refuses_what_follows_a_nul():
+    assert npualloc.parse_size("8 KiB") == 8192
+    with pytest.raises(ValueError, match=r"^'8\\x00 KiB' is not a size"):  # it read "8" and gave 8
+        npualloc.parse_size("8\x00 KiB")

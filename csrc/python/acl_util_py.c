@@ -84,7 +84,9 @@ static int check_range(const char *fn, void *ptr, Py_ssize_t size, bool *readonl
     vmm_read_unlock();
     if (cls != RANGE_INVALID)
         return 0;
-    PyErr_Format(PyExc_ValueError, "%s(): %zd bytes at %p are not mapped device memory", fn, size, ptr);
+    /* the address as the int the caller gave (%p prints NULL as "0x(nil)") */
+    PyErr_Format(PyExc_ValueError, "%s(): %zd bytes at %zu are not mapped device memory", fn, size,
+                 (size_t)(uintptr_t)ptr);
     return -1;
 }
 
@@ -118,8 +120,8 @@ static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssi
     if (rc != ACL_SUCCESS) {
         Py_DECREF(out);
         if (!raise_init_error(rc))
-            PyErr_Format(PyExc_ValueError, "%s(): cannot read %zd bytes at %p: not mapped readable memory (ret %d)",
-                         fn, size, ptr, rc);
+            PyErr_Format(PyExc_ValueError, "%s(): cannot read %zd bytes at %zu: not mapped readable memory (ret %d)",
+                         fn, size, (size_t)(uintptr_t)ptr, rc);
         return NULL;
     }
     return out;

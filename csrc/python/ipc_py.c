@@ -300,7 +300,7 @@ static PyObject *py_share(PyObject *self, PyObject *arg)
             return out;
     }
     if (rc == ACL_ERROR_INVALID_PARAM) {
-        PyErr_Format(PyExc_RuntimeError, "share: %p is not a live block of the caching allocator", (void *)ptr);
+        PyErr_Format(PyExc_RuntimeError, "share: %R is not a live block of the caching allocator", arg);
         return NULL;
     }
     return share_error("share", rc);
@@ -351,7 +351,7 @@ static PyObject *py_close_shared(PyObject *self, PyObject *arg)
     if (a == ARG_OK)
         CALL_NOGIL(rc = ipc_close_shared(ptr));
     if (rc != ACL_SUCCESS) {
-        PyErr_Format(PyExc_RuntimeError, "close_shared: %p was not opened by open_shared", (void *)ptr);
+        PyErr_Format(PyExc_RuntimeError, "close_shared: %R was not opened by open_shared", arg);
         return NULL;
     }
     Py_RETURN_NONE;

@@ -15,13 +15,14 @@ static PyObject *py_parse_size(PyObject *self, PyObject *arg)
         PyErr_Format(PyExc_TypeError, "parse_size() argument must be str, not %.80s", Py_TYPE(arg)->tp_name);
         return NULL;
     }
-    const char *text = PyUnicode_AsUTF8(arg);
+    Py_ssize_t n = 0;
+    const char *text = PyUnicode_AsUTF8AndSize(arg, &n);
     if (!text)
         return NULL;
     uint64_t bytes;
-    if (npualloc_parse_size(text, &bytes) != 0) {
+    if (strlen(text) != (size_t)n || npualloc_parse_size(text, &bytes) != 0) { /* "8\0junk" is no size either */
         PyErr_Format(PyExc_ValueError,
-                     "'%s' is not a size: use bytes or a number with KiB, MiB, GiB or TiB (or K, M, G, T)", text);
+                     "%R is not a size: use bytes or a number with KiB, MiB, GiB or TiB (or K, M, G, T)", arg);
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(bytes);
