@@ -521,6 +521,12 @@ def _extract_device(name, device, entries, segments):
     return ev
 
 
+def _not_a_snapshot(name, holder, obj):
+    kind = type(obj).__name__
+    return (f"{name}: not a memory snapshot: {holder} {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a dict with "
+            "'segments' and 'device_traces'")
+
+
 class Trace:
     """A snapshot prepared for replay: per device, the events as arrays (built once, replayed many times).
 
@@ -532,10 +538,11 @@ class Trace:
         if isinstance(snapshot, list) and all(isinstance(s, dict) for s in snapshot):
             raise TraceError(f"{name}: this is a list of segments (memory_snapshot()), not a full snapshot with "
                              "device_traces: record one with _record_memory_history() and _dump_snapshot()")
+        if isinstance(snapshot, (str, bytes, os.PathLike)):
+            raise TraceError(f"{name}: Trace() takes a loaded snapshot (a dict); Trace.load({snapshot!r}) reads "
+                             "a pickle file")
         if not isinstance(snapshot, dict):
-            kind = type(snapshot).__name__
-            raise TraceError(f"{name}: not a memory snapshot: the pickle holds {'an' if kind[0] in 'aeiou' else 'a'} "
-                             f"{kind}, not a dict with 'segments' and 'device_traces'")
+            raise TraceError(_not_a_snapshot(name, "it is", snapshot))
         traces = snapshot.get("device_traces")
         if traces is None:
             raise TraceError(f"{name}: not a memory snapshot: no 'device_traces' (keys: "
@@ -568,7 +575,12 @@ class Trace:
     def load(cls, path):
         """The Trace of the snapshot pickle at ``path`` (read by :func:`load_trace`: no global is loaded),
         named after the file; TraceError for a file that is not a snapshot with events to replay."""
-        return cls(load_trace(path), name=os.path.basename(os.fsdecode(path)))
+        name = os.path.basename(os.fsdecode(path))
+        snapshot = load_trace(path)
+        segments = isinstance(snapshot, list) and all(isinstance(s, dict) for s in snapshot)  # Trace() says what
+        if not isinstance(snapshot, dict) and not segments:
+            raise TraceError(_not_a_snapshot(name, "the pickle holds", snapshot))
+        return cls(snapshot, name=name)
 
     def device_events(self, device=None):
         """The events :func:`replay` runs for ``device`` (None: the trace's only device): parallel arrays
@@ -1017,7 +1029,8 @@ def _least_waste(rs):
 
 
 def least_waste(results):
-    """The result that wastes the least of one trace's results (a list or :class:`Comparison`), or None.
+    """The result that wastes the least of one trace's results on one device (a list, or a :class:`Comparison`
+    of one trace and device: :meth:`Comparison.least_waste` takes several), or None.
 
     Wasting least means reserving the least device memory at the peak: the requests are the same under
     every setting, so what a setting reserves beyond them is its waste.  Results with an OOM (or not

@@ -850,6 +850,15 @@ def test_timeline_points_are_checked(points, error):
         replay.compare(small_trace(), [""], timeline_points=points)
 
 
+def test_a_trace_made_from_a_path_says_to_load_it(tmp_path):
+    """Trace() takes a loaded snapshot; given a path it said "the pickle holds a str" without reading any."""
+    for path in (str(tmp_path / "t.pickle"), tmp_path / "t.pickle"):
+        with pytest.raises(replay.TraceError, match=r"Trace\(\) takes a loaded snapshot \(a dict\); Trace\.load\("):
+            replay.Trace(path)
+    with pytest.raises(replay.TraceError, match="not a memory snapshot: it is an int, not a dict"):
+        replay.Trace(5)
+
+
 def test_timeline_points_bound_the_timeline():
     assert len(replay.replay(small_trace(), timeline_points=0).timeline[0]) == 0
     assert 0 < len(replay.replay(small_trace(), timeline_points=4).timeline[0]) <= 4
