@@ -14,6 +14,7 @@ because an ``NPUALLOC_*`` variable is malformed raises ValueError.
 Each function's docstring gives its call form and the C function it calls (``help(acl.rt.malloc)``), after a
 text signature that ``inspect.signature`` reads.
 """
+import numbers as _numbers
 import types as _types
 import warnings as _warnings
 
@@ -250,7 +251,8 @@ _NPY_TYPES = {
 
 
 def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int, NumPy's integers included (acl.rt's arguments take those too), but not a bool."""
+    return isinstance(value, _numbers.Integral) and not isinstance(value, bool)
 
 
 def numpy_to_ptr(arr):
@@ -291,6 +293,7 @@ def ptr_to_numpy(ptr, shape, npy_type):
                         f"not {type(shape).__name__}")
     if not _is_int(npy_type):
         raise TypeError(f"acl.util.ptr_to_numpy() argument 'npy_type' must be int, not {type(npy_type).__name__}")
+    ptr, npy_type, shape = int(ptr), int(npy_type), [int(d) for d in shape]
     if any(d < 0 for d in shape):
         raise ValueError(f"acl.util.ptr_to_numpy(): negative dimension in shape {tuple(shape)}")
     if npy_type not in _NPY_TYPES:

@@ -556,6 +556,11 @@ def test_ptr_to_numpy_checks():
     assert acl.util.ptr_to_numpy(dev, [4], 5).shape == (4,)
     assert acl.util.ptr_to_numpy(dev, 4, 5).shape == (4,)
     assert acl.util.ptr_to_numpy(dev, (0,), 5).size == 0
+    # NumPy's integers are ints here, as in acl.rt's arguments (they were a TypeError); a bool is not
+    view = acl.util.ptr_to_numpy(np.uint64(dev), (np.int64(2), np.int32(2)), np.int8(5))
+    assert view.shape == (2, 2) and view.dtype == np.int32
+    with pytest.raises(TypeError, match="'shape'"):
+        acl.util.ptr_to_numpy(dev, (True,), 5)
     with pytest.raises(ValueError, match="npy_type"):
         acl.util.ptr_to_numpy(dev, (4,), 17)  # NPY_OBJECT
     with pytest.raises(ValueError, match="negative"):
