@@ -38,8 +38,8 @@ aclError npualloc_config_from_env(npualloc_config *out, char *err, size_t errlen
 /* Checks a configuration (message in err on failure). */
 aclError npualloc_config_check(const npualloc_config *cfg, char *err, size_t errlen);
 
-/* Sets the configuration used when the devices start.  ACL_ERROR_REPEAT_INITIALIZE once they
- * have started; ACL_ERROR_INVALID_PARAM (with a message) for an inconsistent configuration. */
+/* Sets the configuration used when the devices start.  ACL_ERROR_INVALID_PARAM (with a message) for an
+ * inconsistent configuration, checked first; else ACL_ERROR_REPEAT_INITIALIZE once they have started. */
 aclError npualloc_configure(const npualloc_config *cfg, char *err, size_t errlen);
 
 /* True once the devices have started. */
@@ -186,7 +186,8 @@ aclError npualloc_cache_reset_accumulated(int32_t device);
  * or more fail at once with "NPU out of memory. Tried to allocate more than 1EB memory." (no
  * counters, no observers), and with PYTORCH_NO_NPU_MEMORY_CACHING set (to a non-zero number) memory
  * comes straight from the device and goes back on free (after a device synchronize), bypassing the
- * cache and stats. */
+ * cache and stats; a device out of range is then aclrtMallocAlign32's ACL_ERROR_RT_INVALID_DEVICEID (the
+ * cache's ACL_ERROR_INVALID_PARAM otherwise), with torch_npu's "NPU error: aclrtMallocAlign32 ..." message. */
 aclError npualloc_allocate(int32_t device, size_t size, uint64_t stream, void **ptr);
 /* Frees memory from npualloc_allocate or npualloc_cache_malloc. */
 aclError npualloc_deallocate(void *ptr);
