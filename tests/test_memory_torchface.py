@@ -228,6 +228,18 @@ def test_the_signatures_keywords_are_accepted(mem):
         npualloc.parse_size(text="1KiB")  # positional only, as the signature says
 
 
+def test_a_device_or_pointer_beyond_the_c_types_gets_one_message(mem):
+    """Beyond 32 bits (a device) or 64 (a pointer) the same OverflowError; past 64 bits it was Python's own
+    "int too large to convert to C long"."""
+    free(alloc(1000))  # started: memory_stats() of a runtime not started is {} whatever the device
+    for device in (2**31, 2**63, -2**63 - 1, 2**70):
+        with pytest.raises(OverflowError, match=r"^memory_stats\(\): argument 'device' is out of range$"):
+            npualloc.memory_stats(device)
+    for ptr in (2**64, -2**64, 2**100):
+        with pytest.raises(OverflowError, match=r"^caching_allocator_delete\(\): argument 'mem_ptr' is out of range$"):
+            npualloc.caching_allocator_delete(ptr)
+
+
 def test_parse_size_refuses_what_follows_a_nul():
     assert npualloc.parse_size("8 KiB") == 8192
     with pytest.raises(ValueError, match=r"^'8\\x00 KiB' is not a size"):  # it read "8" and gave 8

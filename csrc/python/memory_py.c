@@ -322,9 +322,14 @@ static int as_u64(PyObject *o, const char *fn, const char *arg, uint64_t *out)
         if (!PyErr_ExceptionMatches(PyExc_OverflowError))
             return -1;
         PyErr_Clear();
-        long s = PyLong_AsLong(o);
+        int overflow = 0;
+        long s = PyLong_AsLongAndOverflow(o, &overflow);
         if (s == -1 && PyErr_Occurred())
             return -1;
+        if (overflow) {
+            PyErr_Format(PyExc_OverflowError, "%s(): argument '%s' is out of range", fn, arg);
+            return -1;
+        }
         v = (unsigned long)s;
     }
     *out = v;
@@ -337,10 +342,11 @@ static int as_i32(PyObject *o, const char *fn, const char *arg, int32_t *out)
         PyErr_Format(PyExc_TypeError, "%s(): argument '%s' must be int, not %.80s", fn, arg, Py_TYPE(o)->tp_name);
         return -1;
     }
-    long v = PyLong_AsLong(o);
+    int overflow = 0;
+    long v = PyLong_AsLongAndOverflow(o, &overflow);
     if (v == -1 && PyErr_Occurred())
         return -1;
-    if (v < INT32_MIN || v > INT32_MAX) {
+    if (overflow || v < INT32_MIN || v > INT32_MAX) { /* one message beyond 32 bits and beyond 64 */
         PyErr_Format(PyExc_OverflowError, "%s(): argument '%s' is out of range", fn, arg);
         return -1;
     }
