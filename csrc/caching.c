@@ -724,7 +724,7 @@ static bool pool_routed(const device_cache *dc, const private_pool *pp)
  * must not leave the route pointing at a freed pool. */
 static void release_freeable_pool(device_cache *dc, private_pool *pp, bool keep_pages)
 {
-    if (pp->use_count > 0 || pool_routed(dc, pp))
+    if (pp->use_count > 0 || pp->mallocs_underway > 0 || pool_routed(dc, pp))
         return;
     release_blocks(dc, &pp->large, keep_pages);
     release_blocks(dc, &pp->small, keep_pages);
@@ -1207,62 +1207,80 @@ bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t str
     return alloc_found_block(dc, &p, orig_size, out) == ACL_SUCCESS;
 }
 
-aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out,
-                             npualloc_oom_info *oom)
+/* cache_malloc_locked after get_free_block found nothing: the callbacks, a new segment, the releases and
+ * retries, the out-of-memory report. */
+static aclError malloc_on_miss(device_cache *dc, alloc_params *p, size_t orig_size, uint64_t stream, void **out,
+                               npualloc_oom_info *oom)
 {
-    alloc_params p;
-    begin_malloc(dc, orig_size, stream, &p);
-    bool found = get_free_block(dc, &p, false);
-    if (!found) {
-        p.alloc_size = allocation_size(dc->settings, p.size, p.pool->is_small);
-        /* A new block of the stream is about to be made: its index must be ready, so that putting
-         * the block in the pool later cannot fail.  A hit needs no check: the block found proves
-         * the stream's index exists. */
-        if (unlikely(block_pool_prepare(p.pool, stream) != 0)) {
-            cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
-            return ACL_ERROR_BAD_ALLOC;
-        }
-        found = trigger_free_memory_callbacks(dc) && get_free_block(dc, &p, false);
+    p->alloc_size = allocation_size(dc->settings, p->size, p->pool->is_small);
+    /* A new block of the stream is about to be made: its index must be ready, so that putting
+     * the block in the pool later cannot fail.  A hit needs no check: the block found proves
+     * the stream's index exists. */
+    if (unlikely(block_pool_prepare(p->pool, stream) != 0)) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the block index");
+        return ACL_ERROR_BAD_ALLOC;
     }
+    bool found = trigger_free_memory_callbacks(dc) && get_free_block(dc, p, false);
     if (!found) {
         if (dc->set_fraction && dc->settings->garbage_collection_threshold > 0.0)
             garbage_collect_cached_blocks(dc);
         if (dc->set_fraction && dc->settings->throw_on_npumalloc_oom &&
-            dc->total_allocated_memory + p.alloc_size > dc->allowed_memory_maximum) {
+            dc->total_allocated_memory + p->alloc_size > dc->allowed_memory_maximum) {
             /* throw_on_npumalloc_oom: reject before trying the device or the retry chain. */
             dc->stats.num_oom_rejections++;
-            fill_oom(dc, &p, orig_size, oom);
+            fill_oom(dc, p, orig_size, oom);
             oom->preemptive = true;
             return ACL_ERROR_RT_MEMORY_ALLOCATION;
         }
-        found = alloc_block(dc, &p, false);
+        found = alloc_block(dc, p, false);
         if (!found) {
             /* torch: before releasing anything, and only for a device out of memory (its fallback asks
              * for that status; another failure of the segment is no reason to lend a pool's block) */
-            int fallback = p.err == ACL_ERROR_RT_MEMORY_ALLOCATION ? try_oom_pools(dc, &p) : 0;
+            int fallback = p->err == ACL_ERROR_RT_MEMORY_ALLOCATION ? try_oom_pools(dc, p) : 0;
             if (fallback < 0)
                 return ACL_ERROR_INVALID_PARAM;
-            found = fallback > 0 || (release_available_cached_blocks(dc, &p) && alloc_block(dc, &p, false));
+            found = fallback > 0 || (release_available_cached_blocks(dc, p) && alloc_block(dc, p, false));
         }
     }
     if (!found && dc->route_count == 0) {
         /* Last resort: drain the device, return every cached segment, try once more. */
         synchronize_device_unlocked(dc);
-        found = release_cached_blocks(dc, false) && alloc_block(dc, &p, true);
+        found = release_cached_blocks(dc, false) && alloc_block(dc, p, true);
     }
     if (!found) {
-        if (p.err != ACL_ERROR_RT_MEMORY_ALLOCATION) {
+        if (p->err != ACL_ERROR_RT_MEMORY_ALLOCATION) {
             cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: allocating a %zu-byte segment on device %d failed "
-                            "with ACL error %d", p.alloc_size, dc->device, p.err);
-            return p.err;
+                            "with ACL error %d", p->alloc_size, dc->device, p->err);
+            return p->err;
         }
         dc->stats.num_ooms++;
-        fill_oom(dc, &p, orig_size, oom);
-        cache_history_record(dc, TRACE_OOM, oom->device_free, p.size, stream);
+        fill_oom(dc, p, orig_size, oom);
+        cache_history_record(dc, TRACE_OOM, oom->device_free, p->size, stream);
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
-    align_block_start(dc, &p);
-    return alloc_found_block(dc, &p, orig_size, out);
+    align_block_start(dc, p);
+    return alloc_found_block(dc, p, orig_size, out);
+}
+
+aclError cache_malloc_locked(device_cache *dc, size_t orig_size, uint64_t stream, void **out,
+                             npualloc_oom_info *oom)
+{
+    alloc_params p;
+    begin_malloc(dc, orig_size, stream, &p);
+    if (get_free_block(dc, &p, false)) {
+        align_block_start(dc, &p);
+        return alloc_found_block(dc, &p, orig_size, out);
+    }
+    /* A miss releases the lock on its way (the free-memory callbacks, the synchronizes before releasing
+     * cached memory), when another thread may end the pool's route and release it: torch holds its mutex
+     * throughout, so the allocation comes first and the pool stays until it is done. */
+    private_pool *pinned = p.pool->owner;
+    if (pinned)
+        pinned->mallocs_underway++;
+    aclError rc = malloc_on_miss(dc, &p, orig_size, stream, out, oom);
+    if (pinned)
+        pinned->mallocs_underway--;
+    return rc;
 }
 
 /* ---- private pools ---- */

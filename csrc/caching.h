@@ -154,6 +154,8 @@ struct private_pool {
     npualloc_mempool_id id;
     block_pool small, large;
     int use_count;      /* holders (MemPool objects, captures) */
+    int mallocs_underway; /* allocations into the pool that release the device lock on their way (a
+                           * cache miss): the pool outlives them, whatever happens meanwhile */
     size_t segments;    /* plain and expandable segments owned (torch's cudaMalloc_count, which
                          * torch_npu moves per expandable allocation and unmap, unbalanced) */
     /* torch's MemPool(allocator): the pool's segments come from these (plain segments, never

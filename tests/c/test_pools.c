@@ -239,6 +239,57 @@ static void test_a_routed_pool_outlives_an_over_released_count(void **state)
     check();
 }
 
+/* A free-memory callback run by the next cache miss (the allocator lock released) ends the route and gives
+ * back the pool's last reference, and empties the cache when asked to. */
+static npualloc_mempool_id ending_pool;
+static atomic_int end_the_route, and_empty;
+
+static bool end_route_and_release_pool(void)
+{
+    if (!atomic_exchange(&end_the_route, 0))
+        return false;
+    assert_int_equal(npualloc_cache_pool_end(0, ending_pool), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_release(0, ending_pool), ACL_SUCCESS);
+    if (atomic_load(&and_empty))
+        assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS);
+    return false;
+}
+
+/* An allocation into a private pool outlives the pool's route and last reference when they go while it has
+ * the lock released (a miss: callbacks, synchronizes): the pool was freed under it (ASan: use after free),
+ * by an empty_cache meanwhile or by the allocation's own last resort.  As torch, which holds its mutex
+ * throughout, the allocation comes first: it is the pool's, and the pool goes with the next release. */
+static void test_a_pool_released_while_an_allocation_into_it_waits_outlives_it(void **state)
+{
+    (void)state;
+    start_cache();
+    static atomic_bool registered;
+    if (!atomic_exchange(&registered, true)) /* callbacks stay for the process */
+        assert_int_equal(npualloc_cache_add_free_memory_callback(end_route_and_release_pool), ACL_SUCCESS);
+    for (int empty = 1; empty >= 0; empty--) {
+        ending_pool = npualloc_mempool_id_new(true);
+        assert_int_equal(npualloc_cache_pool_create(0, ending_pool), ACL_SUCCESS);
+        route_here(ending_pool);
+        atomic_store(&and_empty, empty);
+        atomic_store(&end_the_route, 1);
+        void *p = NULL;
+        if (empty) { /* an empty_cache while the miss has the lock released */
+            assert_int_equal(npualloc_cache_malloc(0, MiB_, 0, &p), ACL_SUCCESS);
+            assert_true(is_pool(pool_of(p), ending_pool));
+            check();
+            assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+        } else { /* more than the device: the miss ends in the last resort, which releases unused pools */
+            assert_int_equal(npualloc_cache_malloc(0, 5 * GiB_, 0, &p), ACL_ERROR_RT_MEMORY_ALLOCATION);
+            assert_null(p);
+        }
+        check();
+        assert_int_equal(npualloc_cache_pool_use_count(0, ending_pool), 0);
+        assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS); /* the pool goes now */
+        assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+        check();
+    }
+}
+
 static void test_frees_with_stream_uses_wait_for_the_capture_to_end(void **state)
 {
     (void)state;
@@ -546,6 +597,7 @@ int main(void)
         cmocka_unit_test_teardown(test_pool_memory_returns_only_when_released_and_free, stop_runtime),
         cmocka_unit_test_teardown(test_pool_empty_releases_that_pool_only_when_freeable, stop_runtime),
         cmocka_unit_test_teardown(test_a_routed_pool_outlives_an_over_released_count, stop_runtime),
+        cmocka_unit_test_teardown(test_a_pool_released_while_an_allocation_into_it_waits_outlives_it, stop_runtime),
         cmocka_unit_test_teardown(test_frees_with_stream_uses_wait_for_the_capture_to_end, stop_runtime),
         cmocka_unit_test_teardown(test_pool_empty_waits_for_streams_without_the_allocator_lock, stop_runtime),
         cmocka_unit_test_teardown(test_default_pool_id_is_not_a_private_pool, stop_runtime),
