@@ -23,6 +23,9 @@ typedef struct device {
      * 32 bits aclrtSetDevice minus aclrtResetDevice (0 after a forced reset), high 32 bits the
      * epoch, bumped when the last reference goes (every context on the device ends). */
     _Atomic uint64_t contexts;
+    /* aclrtSetDevice calls so far: the last reset waits again when one came during its wait (a
+     * reference taken and dropped meanwhile leaves `contexts` as it was, and its work queued). */
+    _Atomic uint64_t sets;
     /* 1 + the epoch in which access to peer i was enabled, 0 if it was not: a reset ends it
      * without touching these, so it cannot wipe an enable made in the next epoch. */
     _Atomic uint64_t peer_since[NPU_MAX_DEVICES];
@@ -339,6 +342,7 @@ aclError aclrtSetDevice(int32_t dev)
     do /* (the count saturates rather than carry into the epoch) */
         next = context_refs(w) == UINT32_MAX ? w : w + 1;
     while (!atomic_compare_exchange_weak(&d->contexts, &w, next));
+    atomic_fetch_add(&d->sets, 1);
     current_dev = dev;
     current_epoch = context_epoch(next);
     current_ctx = NULL; /* the thread moves to the device's default context, as in CANN */
@@ -370,11 +374,14 @@ aclError aclrtResetDevice(int32_t dev)
     if (!d)
         return rc;
     uint64_t w = atomic_load(&d->contexts);
+    uint64_t sets_waited = 0;
     bool waited = false;
     for (;;) {
         if (context_refs(w) == 0)
             return ACL_SUCCESS;
-        if (context_refs(w) == 1 && !waited) { /* the last reference: wait, then look again */
+        if (context_refs(w) == 1 && (!waited || atomic_load(&d->sets) != sets_waited)) {
+            /* the last reference: wait (again, after a set and reset meanwhile), then look again */
+            sets_waited = atomic_load(&d->sets);
             wait_for_queued_work(d);
             waited = true;
             w = atomic_load(&d->contexts);

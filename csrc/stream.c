@@ -2158,6 +2158,9 @@ void stream_atfork_child(void)
 {
     pthread_mutex_unlock(&table_lock);
     forks_since_start++;
+    /* Forked by a task (a callback calling fork): the child's thread returns into that stream's
+     * worker loop when the task ends, so the stream stays (it stops there, and the thread ends). */
+    npu_stream *forking_worker = tl_worker;
     tl_worker = NULL;
     reports_atfork_child();
 
@@ -2192,7 +2195,7 @@ void stream_atfork_child(void)
         atomic_store(&s->capture, NULL);      /* graph capture: the child has none */
         /* The only references that can still be released are the pins of the layers above;
          * the others belonged to objects and threads that are gone. */
-        unsigned pins = atomic_load(&s->pins);
+        unsigned pins = atomic_load(&s->pins) + (s == forking_worker);
         if (pins == 0) {
             stream_free(s);
             continue;

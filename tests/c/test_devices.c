@@ -1,6 +1,7 @@
 /* test_devices.c - configuration, the current device, peer access. */
 #include <pthread.h>
 #include <stdio.h>
+#include <unistd.h>
 
 #include "testutil.h"
 #include "va_space.h"
@@ -265,6 +266,62 @@ static void test_reset_device_ends_context_after_last_reference(void **state)
     assert_int_equal(aclrtMalloc(&p, 100, ACL_MEM_MALLOC_HUGE_FIRST), ACL_ERROR_RT_CONTEXT_NULL);
 }
 
+static void *reset_device_1(void *arg)
+{
+    (void)arg;
+    (void)aclrtResetDevice(1);
+    return NULL;
+}
+
+typedef struct set_queue_reset {
+    aclrtStream stream;
+    atomic_int *gate;
+} set_queue_reset;
+
+/* aclrtSetDevice(1), work held on a stream, aclrtResetDevice(1): a reference taken and dropped. */
+static void *set_queue_and_reset_device_1(void *arg)
+{
+    set_queue_reset *a = arg;
+    (void)aclrtSetDevice(1);
+    (void)aclrtLaunchCallback(cb_wait_gate, a->gate, ACL_CALLBACK_BLOCK, a->stream);
+    (void)aclrtResetDevice(1);
+    return NULL;
+}
+
+/* The last reset waits for the work queued on the device, also work queued by a reference taken and
+ * dropped while it waited (it left the reference count as it was, and the reset used to end the device's
+ * context after its first wait, that work still queued).  Whichever reset is last, the context ends only
+ * after both streams' work. */
+static void test_the_last_reset_waits_for_work_queued_while_it_waited(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0);
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS); /* device 1's only reference */
+    aclrtStream first = new_stream(), second = new_stream();
+    static atomic_int gate1, gate2;
+    hold_stream(first, &gate1);
+    atomic_store(&gate2, 0);
+    pthread_t last, other;
+    assert_int_equal(pthread_create(&last, NULL, reset_device_1, NULL), 0); /* waits for `first` */
+    usleep(100000);
+    set_queue_reset a = {second, &gate2};
+    assert_int_equal(pthread_create(&other, NULL, set_queue_and_reset_device_1, &a), 0);
+    usleep(100000);
+    atomic_store(&gate1, 1);
+    usleep(200000);
+    int32_t dev = -1;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS); /* `second` still holds work: not ended */
+    aclrtStreamStatus st = ACL_STREAM_STATUS_RESERVED;
+    assert_int_equal(aclrtStreamQuery(second, &st), ACL_SUCCESS);
+    assert_int_equal(st, ACL_STREAM_STATUS_NOT_READY);
+    atomic_store(&gate2, 1);
+    assert_int_equal(pthread_join(last, NULL), 0);
+    assert_int_equal(pthread_join(other, NULL), 0);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_RT_CONTEXT_NULL); /* ended, after the work */
+    assert_int_equal(aclrtStreamQuery(second, &st), ACL_SUCCESS);
+    assert_int_equal(st, ACL_STREAM_STATUS_COMPLETE);
+}
+
 static void *set_device_1_in_thread(void *arg)
 {
     *(aclError *)arg = aclrtSetDevice(1);
@@ -327,6 +384,7 @@ int main(void)
         cmocka_unit_test_teardown(test_current_device_is_per_thread_and_checked, stop_runtime),
         cmocka_unit_test_teardown(test_reset_device_ends_context_after_last_reference, stop_runtime),
         cmocka_unit_test_teardown(test_reset_device_force_drops_every_reference, stop_runtime),
+        cmocka_unit_test_teardown(test_the_last_reset_waits_for_work_queued_while_it_waited, stop_runtime),
         cmocka_unit_test_teardown(test_peer_access_rules, stop_runtime),
         cmocka_unit_test_teardown(test_shutdown_from_a_callback_is_refused_and_changes_nothing, stop_runtime),
     };
