@@ -330,48 +330,64 @@ static void stream_close_reports(npu_stream *s)
 /* Called before the calling thread blocks waiting for a stream.  If the thread is subscribed,
  * it cannot run callbacks while it waits, so every stream whose worker waits for one of its
  * BLOCK callbacks gets its pending callbacks back, and until report_wait_end() new BLOCK
- * callbacks run on their workers (NO_BLOCK ones still queue up for it).  Returns the
- * thread's report_thread (pinned) or NULL. */
+ * callbacks run on their workers (NO_BLOCK ones still queue up for it).  The report_threads so
+ * marked (pinned) are returned for report_wait_end. */
 static bool report_wait_may_matter(void)
 {
     return tl_running || atomic_load_explicit(&subscribed_streams, memory_order_relaxed) != 0;
 }
 
-static report_thread *report_wait_begin(void)
+typedef struct report_waiter {
+    report_thread *rt[2];
+} report_waiter;
+
+static void mark_waiting_locked(report_thread *rt)
 {
-    if (!report_wait_may_matter())
-        return NULL;
-    pthread_mutex_lock(&sub_lock);
-    /* Inside a callback the thread's own (even if retired meanwhile: workers may wait for the
-     * callback it is running), otherwise by id. */
-    report_thread *rt = tl_running ? tl_running->rt : report_thread_find_locked(self_tid());
-    if (rt) {
-        rt->users++;
-        rt->waiting++;
-        pthread_cond_broadcast(&report_done_cv); /* workers need not wait for its callbacks now */
-        for (;;) {
-            cb_report *r = rt->head;
-            while (r && !r->block)
-                r = r->next;
-            if (!r)
-                break;
-            reclaim_stream_locked(rt, r->stream);
-        }
+    rt->users++;
+    rt->waiting++;
+    pthread_cond_broadcast(&report_done_cv); /* workers need not wait for its callbacks now */
+    for (;;) {
+        cb_report *r = rt->head;
+        while (r && !r->block)
+            r = r->next;
+        if (!r)
+            break;
+        reclaim_stream_locked(rt, r->stream);
     }
-    pthread_mutex_unlock(&sub_lock);
-    return rt;
 }
 
-static void report_wait_end(report_thread *rt)
+static report_waiter report_wait_begin(void)
 {
-    if (!rt)
-        return;
+    report_waiter w = {{NULL, NULL}};
+    if (!report_wait_may_matter())
+        return w;
     pthread_mutex_lock(&sub_lock);
-    rt->waiting--;
-    bool gone = --rt->users == 0 && rt->dead;
+    /* Inside a callback the thread's own (even if retired meanwhile: workers may wait for the
+     * callback it is running), and the one it is subscribed by now if the callback subscribed
+     * it again (its BLOCK callbacks would wait for this thread too); otherwise by id. */
+    report_thread *running = tl_running ? tl_running->rt : NULL, *live = report_thread_find_locked(self_tid());
+    w.rt[0] = running ? running : live;
+    w.rt[1] = running && live != running ? live : NULL;
+    for (int i = 0; i < 2; i++)
+        if (w.rt[i])
+            mark_waiting_locked(w.rt[i]);
     pthread_mutex_unlock(&sub_lock);
-    if (gone)
-        report_thread_free(rt);
+    return w;
+}
+
+static void report_wait_end(report_waiter w)
+{
+    for (int i = 0; i < 2; i++) {
+        report_thread *rt = w.rt[i];
+        if (!rt)
+            continue;
+        pthread_mutex_lock(&sub_lock);
+        rt->waiting--;
+        bool gone = --rt->users == 0 && rt->dead;
+        pthread_mutex_unlock(&sub_lock);
+        if (gone)
+            report_thread_free(rt);
+    }
 }
 
 /* How many of s's running callbacks are the calling thread's own (they cannot be waited for). */
@@ -390,7 +406,7 @@ static void wait_running_locked(npu_stream *s)
     if (atomic_load(&s->cb_running) <= own_running(s))
         return;
     pthread_mutex_unlock(&sub_lock);
-    report_thread *me = report_wait_begin(); /* the running callback may wait for our stream */
+    report_waiter me = report_wait_begin(); /* the running callback may wait for our stream */
     pthread_mutex_lock(&sub_lock);
     while (atomic_load(&s->cb_running) > own_running(s))
         pthread_cond_wait(&report_done_cv, &sub_lock);
@@ -885,8 +901,9 @@ static bool wait_passed_locked(npu_stream *s, uint64_t position, const struct ti
 {
     if (atomic_load_explicit(&s->completed, memory_order_relaxed) >= position)
         return true;
-    report_thread *rt = NULL;
-    if (report_wait_may_matter()) {
+    report_waiter rt = {{NULL, NULL}};
+    bool marked = report_wait_may_matter();
+    if (marked) {
         pthread_mutex_unlock(&s->lock);
         rt = report_wait_begin();
         pthread_mutex_lock(&s->lock);
@@ -900,7 +917,7 @@ static bool wait_passed_locked(npu_stream *s, uint64_t position, const struct ti
             passed = atomic_load_explicit(&s->completed, memory_order_relaxed) >= position;
     }
     s->waiters--;
-    if (rt) {
+    if (marked) {
         pthread_mutex_unlock(&s->lock);
         report_wait_end(rt);
         pthread_mutex_lock(&s->lock);
@@ -1040,7 +1057,7 @@ static void stream_stop(npu_stream *s)
     pthread_cond_signal(&s->work_cv);
     pthread_mutex_unlock(&s->lock);
     if (started) {
-        report_thread *rt = report_wait_begin();
+        report_waiter rt = report_wait_begin();
         pthread_join(s->worker, NULL);
         report_wait_end(rt);
     }

@@ -1980,6 +1980,43 @@ static void test_a_child_forked_by_a_callback_returns_into_its_stream_unharmed(v
     assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
 }
 
+static aclrtStream resub_first, resub_second;
+static atomic_int resub_ran;
+static aclError resub_sync;
+
+/* A callback the subscribed thread runs: it moves its subscription to another stream (its first one
+ * retires, a new one is made) and waits for a BLOCK callback queued there. */
+static void cb_resubscribe_and_wait(void *arg)
+{
+    (void)arg;
+    (void)aclrtUnSubscribeReport(self_id(), resub_first);
+    (void)aclrtSubscribeReport(self_id(), resub_second);
+    (void)aclrtLaunchCallback(cb_set_flag, &resub_ran, ACL_CALLBACK_BLOCK, resub_second);
+    resub_sync = aclrtSynchronizeStreamWithTimeout(resub_second, 10000);
+}
+
+/* A subscribed thread waiting for a stream from inside a callback hands its BLOCK callbacks back to the
+ * workers: those of the subscription it has now too, made again while the callback ran.  Only the retired
+ * one was marked, so the BLOCK callback waited for the thread that waited for it (507046 here, a hang
+ * without the timeout). */
+static void test_a_callback_that_subscribes_its_thread_again_can_wait_for_that_stream(void **state)
+{
+    (void)state;
+    resub_first = new_stream();
+    resub_second = new_stream();
+    atomic_store(&resub_ran, 0);
+    resub_sync = -1;
+    assert_int_equal(aclrtSubscribeReport(self_id(), resub_first), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_resubscribe_and_wait, NULL, ACL_CALLBACK_NO_BLOCK, resub_first),
+                     ACL_SUCCESS);
+    assert_int_equal(aclrtProcessReport(20000), ACL_SUCCESS);
+    assert_int_equal(resub_sync, ACL_SUCCESS);
+    assert_int_equal(atomic_load(&resub_ran), 1); /* it ran on the worker */
+    assert_int_equal(aclrtUnSubscribeReport(self_id(), resub_second), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(resub_first), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(resub_second), ACL_SUCCESS);
+}
+
 /* Runs in the forked child: no subscription survives, new ones work. */
 static int fork_child_subscription_checks(void)
 {
@@ -2115,6 +2152,8 @@ int main(void)
                                         teardown),
         cmocka_unit_test_setup_teardown(test_a_child_forked_by_a_callback_returns_into_its_stream_unharmed, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(test_a_callback_that_subscribes_its_thread_again_can_wait_for_that_stream,
+                                        setup, teardown),
         cmocka_unit_test_setup_teardown(test_fork_child_has_no_subscriptions_and_parent_keeps_its_own, setup,
                                         teardown),
     };
