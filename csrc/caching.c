@@ -823,9 +823,18 @@ static void align_block_start_slow(device_cache *dc, alloc_params *p)
     size_t offset = align - b->ptr % align;
     if (offset + p->size > b->size)
         return;
+    /* What the allocation needs after the front is split off (a block for its own split, a pointer-map
+     * slot) is got first: failing after the split would leave the aligned block next to its free front,
+     * unmerged.  Out of host memory, the unaligned block is left to the allocation, which fails. */
+    if (ptr_map_reserve(&dc->allocated_blocks, 1) != 0)
+        return;
     cache_block *aligned = cache_block_new(dc);
     if (!aligned)
-        return; /* out of host memory: the unaligned block still serves the request */
+        return;
+    if (!dc->spare_blocks && !add_spare_blocks(dc)) {
+        cache_block_delete(dc, aligned);
+        return;
+    }
     if (!b->es) {
         /* A plain block (expandable segments switched on later) keeps its inactive-split stats
          * exact: the front stays free and split, the aligned part is now split too.  (torch_npu
