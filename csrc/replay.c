@@ -199,24 +199,22 @@ static int timeline_init(replay_timeline *t, uint32_t points)
     memset(t, 0, sizeof *t);
     if (points == 0)
         return 0;
-    t->limit = points;
-    t->cap = points < 2 ? 2 : points / 2 * 2; /* even: full buffers merge in pairs */
+    /* Full buffers merge in pairs: an even capacity at or below the limit, and the bucket being filled
+     * fits beside what a merge leaves.  One sample is one bucket that never fills. */
+    t->cap = points < 2 ? 1 : points / 2 * 2;
+    t->stride = points < 2 ? UINT64_MAX : 1;
     t->points = malloc(t->cap * sizeof *t->points);
-    t->stride = 1;
     return t->points ? 0 : -1;
-}
-
-/* One sample for two neighbouring ones: the first's event, the larger values. */
-static npualloc_replay_point point_merge(const npualloc_replay_point *a, const npualloc_replay_point *b)
-{
-    return (npualloc_replay_point){a->event, a->allocated > b->allocated ? a->allocated : b->allocated,
-                                   a->reserved > b->reserved ? a->reserved : b->reserved};
 }
 
 static void timeline_merge(replay_timeline *t)
 {
-    for (size_t i = 0; i < t->count / 2; i++)
-        t->points[i] = point_merge(&t->points[2 * i], &t->points[2 * i + 1]);
+    for (size_t i = 0; i < t->count / 2; i++) {
+        const npualloc_replay_point *a = &t->points[2 * i], *b = &t->points[2 * i + 1];
+        npualloc_replay_point m = {a->event, a->allocated > b->allocated ? a->allocated : b->allocated,
+                                   a->reserved > b->reserved ? a->reserved : b->reserved};
+        t->points[i] = m;
+    }
     t->count /= 2;
     t->stride *= 2;
 }
@@ -597,11 +595,6 @@ size_t npualloc_replay_timeline(npualloc_replay *r, npualloc_replay_point *out, 
     size_t n = t->count + (t->cur_events ? 1 : 0);
     for (size_t i = 0; i < n && i < cap; i++)
         out[i] = i < t->count ? t->points[i] : t->cur;
-    if (n > t->limit) { /* a limit of 1 (n is at most the even cap, 2, otherwise) */
-        if (cap)
-            out[0] = point_merge(&out[0], cap > 1 ? &out[1] : (t->count > 1 ? &t->points[1] : &t->cur));
-        n = 1;
-    }
     cache_lock_release(&r->dc.lock);
     return n;
 }

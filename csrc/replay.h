@@ -42,11 +42,10 @@ typedef struct sim_device {
 } sim_device;
 
 /* Timeline: buckets of `stride` events holding the largest values seen; when the buffer is full
- * neighbouring buckets merge and the stride doubles, so any run fits in `cap` samples (the even number
- * at or below `limit`, the samples asked for; 2 for a limit of 1, whose two merge when read). */
+ * neighbouring buckets merge and the stride doubles, so any run fits in `cap` samples. */
 typedef struct replay_timeline {
     npualloc_replay_point *points;
-    size_t count, cap, limit;
+    size_t count, cap;
     uint64_t stride;
     npualloc_replay_point cur; /* the bucket being filled */
     uint64_t cur_events;       /* events in it */
