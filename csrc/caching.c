@@ -67,9 +67,12 @@ static bool add_spare_blocks(device_cache *dc)
 }
 
 /* ALWAYS_INLINE (an external function still): every split takes one. */
+/* Is a block struct ready for cache_block_new (made now if none is)? */
+static inline bool spare_block_ready(device_cache *dc) { return likely(dc->spare_blocks) || add_spare_blocks(dc); }
+
 ALWAYS_INLINE cache_block *cache_block_new(device_cache *dc)
 {
-    if (unlikely(!dc->spare_blocks) && !add_spare_blocks(dc))
+    if (!spare_block_ready(dc))
         return NULL;
     cache_block *b = dc->spare_blocks;
     dc->spare_blocks = b->free_link;
@@ -826,12 +829,10 @@ static void align_block_start_slow(device_cache *dc, alloc_params *p)
     /* What the allocation needs after the front is split off (a block for its own split, a pointer-map
      * slot) is got first: failing after the split would leave the aligned block next to its free front,
      * unmerged.  Out of host memory, the unaligned block is left to the allocation, which fails. */
-    if (ptr_map_reserve(&dc->allocated_blocks, 1) != 0)
-        return;
-    cache_block *aligned = cache_block_new(dc);
+    cache_block *aligned = ptr_map_reserve(&dc->allocated_blocks, 1) == 0 ? cache_block_new(dc) : NULL;
     if (!aligned)
         return;
-    if (!dc->spare_blocks && !add_spare_blocks(dc)) {
+    if (!spare_block_ready(dc)) {
         cache_block_delete(dc, aligned);
         return;
     }
