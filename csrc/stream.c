@@ -338,7 +338,7 @@ static bool report_wait_may_matter(void)
 }
 
 typedef struct report_waiter {
-    report_thread *rt[2];
+    report_thread *rt[2]; /* rt[1] only beside rt[0]: rt[0] is NULL when nothing was marked */
 } report_waiter;
 
 static void mark_waiting_locked(report_thread *rt)
@@ -377,17 +377,18 @@ static report_waiter report_wait_begin(void)
 
 static void report_wait_end(report_waiter w)
 {
-    for (int i = 0; i < 2; i++) {
-        report_thread *rt = w.rt[i];
-        if (!rt)
-            continue;
-        pthread_mutex_lock(&sub_lock);
-        rt->waiting--;
-        bool gone = --rt->users == 0 && rt->dead;
-        pthread_mutex_unlock(&sub_lock);
-        if (gone)
-            report_thread_free(rt);
+    if (!w.rt[0])
+        return;
+    bool gone[2] = {false, false};
+    pthread_mutex_lock(&sub_lock);
+    for (int i = 0; i < 2 && w.rt[i]; i++) {
+        w.rt[i]->waiting--;
+        gone[i] = --w.rt[i]->users == 0 && w.rt[i]->dead;
     }
+    pthread_mutex_unlock(&sub_lock);
+    for (int i = 0; i < 2; i++)
+        if (gone[i])
+            report_thread_free(w.rt[i]);
 }
 
 /* How many of s's running callbacks are the calling thread's own (they cannot be waited for). */
@@ -902,8 +903,7 @@ static bool wait_passed_locked(npu_stream *s, uint64_t position, const struct ti
     if (atomic_load_explicit(&s->completed, memory_order_relaxed) >= position)
         return true;
     report_waiter rt = {{NULL, NULL}};
-    bool marked = report_wait_may_matter();
-    if (marked) {
+    if (report_wait_may_matter()) {
         pthread_mutex_unlock(&s->lock);
         rt = report_wait_begin();
         pthread_mutex_lock(&s->lock);
@@ -917,7 +917,7 @@ static bool wait_passed_locked(npu_stream *s, uint64_t position, const struct ti
             passed = atomic_load_explicit(&s->completed, memory_order_relaxed) >= position;
     }
     s->waiters--;
-    if (marked) {
+    if (rt.rt[0]) {
         pthread_mutex_unlock(&s->lock);
         report_wait_end(rt);
         pthread_mutex_lock(&s->lock);
