@@ -521,6 +521,11 @@ def _extract_device(name, device, entries, segments):
     return ev
 
 
+def _is_segment_list(obj):
+    """memory_snapshot()'s list of segments, which is not a snapshot with events (Trace() says so)."""
+    return isinstance(obj, list) and all(isinstance(s, dict) for s in obj)
+
+
 def _not_a_snapshot(name, holder, obj):
     kind = type(obj).__name__
     return (f"{name}: not a memory snapshot: {holder} {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a dict with "
@@ -535,7 +540,7 @@ class Trace:
 
     def __init__(self, snapshot, name="<snapshot>"):
         self.name = name
-        if isinstance(snapshot, list) and all(isinstance(s, dict) for s in snapshot):
+        if _is_segment_list(snapshot):
             raise TraceError(f"{name}: this is a list of segments (memory_snapshot()), not a full snapshot with "
                              "device_traces: record one with _record_memory_history() and _dump_snapshot()")
         if isinstance(snapshot, (str, bytes, os.PathLike)):
@@ -577,8 +582,7 @@ class Trace:
         named after the file; TraceError for a file that is not a snapshot with events to replay."""
         name = os.path.basename(os.fsdecode(path))
         snapshot = load_trace(path)
-        segments = isinstance(snapshot, list) and all(isinstance(s, dict) for s in snapshot)  # Trace() says what
-        if not isinstance(snapshot, dict) and not segments:
+        if not isinstance(snapshot, dict) and not _is_segment_list(snapshot):
             raise TraceError(_not_a_snapshot(name, "the pickle holds", snapshot))
         return cls(snapshot, name=name)
 
