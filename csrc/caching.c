@@ -744,9 +744,11 @@ static void release_freeable_pool(device_cache *dc, private_pool *pp, bool keep_
  * release_cached_blocks does (torch_npu's asserts that none is): its frees wait for the capture to end. */
 static bool release_cached_blocks(device_cache *dc, bool keep_pages)
 {
+    if (dc->route_count == 0)
+        synchronize_and_free_events(dc);
+    /* Asked again: the waits release the lock, and a capture may have begun meanwhile. */
     const bool all = dc->route_count == 0;
     if (all) {
-        synchronize_and_free_events(dc);
         release_blocks(dc, &dc->large, keep_pages);
         release_blocks(dc, &dc->small, keep_pages);
     }

@@ -347,6 +347,47 @@ static void test_pool_empty_waits_for_streams_without_the_allocator_lock(void **
     aclrtDestroyStream(side);
 }
 
+static npualloc_mempool_id begun_in_callback;
+static void begin_capture_in_callback(void *stream)
+{
+    assert_int_equal(npualloc_cache_pool_begin(0, begun_in_callback, NPUALLOC_POOL_FILTER_STREAM,
+                                               (uint64_t)(uintptr_t)stream), ACL_SUCCESS);
+}
+
+/* empty_cache leaves the default pools alone while a capture is underway, and it decides so after
+ * waiting for the recorded streams, which releases the lock: a capture may begin meanwhile (torch holds
+ * its lock throughout, so none can).  The recorded stream is another device's, which the device's own
+ * synchronize before that wait does not drain. */
+static void test_empty_cache_keeps_default_pools_for_a_capture_begun_during_its_synchronize(void **state)
+{
+    (void)state;
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(2, 4 * GiB_, 4 * GiB_, 0, 0);
+    aclrtStream side, cap;
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateStream(&side), ACL_SUCCESS);
+    assert_int_equal(aclrtSetDevice(0), ACL_SUCCESS);
+    assert_int_equal(aclrtCreateStream(&cap), ACL_SUCCESS);
+    npualloc_cache_free(alloc(4 * MiB_)); /* a whole cached large segment */
+    void *used_on_side = alloc(1000);
+    const int64_t reserved = stats().reserved_bytes[NPUALLOC_STAT_ALL].current;
+    begun_in_callback = npualloc_mempool_id_new(false);
+    /* The delay makes the capture begin while empty_cache waits for the side stream. */
+    assert_int_equal(npualloc_sleep_async(side, 0.2), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(begin_capture_in_callback, cap, ACL_CALLBACK_BLOCK, side), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_stream(used_on_side, (uint64_t)(uintptr_t)side), ACL_SUCCESS);
+    npualloc_cache_free(used_on_side); /* its free waits for the callback */
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS);
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, reserved);
+    check();
+    assert_int_equal(npualloc_cache_pool_end(0, begun_in_callback), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_empty(), ACL_SUCCESS); /* the capture over: everything goes */
+    assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_ALL].current, 0);
+    aclrtDestroyStream(side);
+    aclrtDestroyStream(cap);
+}
+
 static void test_default_pool_id_is_not_a_private_pool(void **state)
 {
     (void)state;
@@ -596,6 +637,8 @@ int main(void)
         cmocka_unit_test_teardown(test_one_recording_per_pool_and_streams_joining_it, stop_runtime),
         cmocka_unit_test_teardown(test_pool_memory_returns_only_when_released_and_free, stop_runtime),
         cmocka_unit_test_teardown(test_pool_empty_releases_that_pool_only_when_freeable, stop_runtime),
+        cmocka_unit_test_teardown(test_empty_cache_keeps_default_pools_for_a_capture_begun_during_its_synchronize,
+                                  stop_runtime),
         cmocka_unit_test_teardown(test_a_routed_pool_outlives_an_over_released_count, stop_runtime),
         cmocka_unit_test_teardown(test_a_pool_released_while_an_allocation_into_it_waits_outlives_it, stop_runtime),
         cmocka_unit_test_teardown(test_frees_with_stream_uses_wait_for_the_capture_to_end, stop_runtime),
