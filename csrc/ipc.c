@@ -567,7 +567,7 @@ static bool whitelisted(const export_entry *e, const client *c)
 
 static aclError add_pids(export_entry *e, const int32_t *pids, size_t n)
 {
-    if (e->pid_count + n > MAX_PIDS_PER_EXPORT)
+    if (n > MAX_PIDS_PER_EXPORT - e->pid_count) /* not pid_count + n, which a huge n wraps */
         return ACL_ERROR_RT_PARAM_INVALID;
     if (!ARRAY_RESERVE(e->pids, e->pid_cap, e->pid_count + n, 8))
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -1171,6 +1171,48 @@ static aclError check_listener(int fd, int32_t pid)
     return uid_allowed(cr.uid) ? ACL_SUCCESS : ACL_ERROR_RT_DRV_INTERNAL_ERROR;
 }
 
+static void set_socket_timeouts(int fd, uint64_t us)
+{
+    struct timeval tv = {(time_t)(us / 1000000u), (suseconds_t)(us % 1000000u)};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+/* A signal interrupts a blocking call on a socket with timeouts (EINTR, even under SA_RESTART), and
+ * a retry would wait the whole NPUALLOC_IPC_TIMEOUT_MS again: a periodic signal (a profiler's
+ * timer) kept an import waiting for ever.  Retries get only what is left of the call's time. */
+typedef struct call_budget {
+    int fd;
+    uint64_t deadline;
+    bool shortened; /* the socket's timeouts are set to what was left */
+} call_budget;
+
+static call_budget budget_start(int fd)
+{
+    return (call_budget){fd, host_now_ns() + (uint64_t)timeout_ms() * 1000000u, false};
+}
+
+/* After EINTR: true to retry (the timeouts cut to the time left); false with errno EAGAIN when the
+ * time is up, the error of a timeout. */
+static bool budget_retry(call_budget *b)
+{
+    uint64_t now = host_now_ns();
+    if (now >= b->deadline) {
+        errno = EAGAIN;
+        return false;
+    }
+    set_socket_timeouts(b->fd, (b->deadline - now + 999) / 1000);
+    b->shortened = true;
+    return true;
+}
+
+/* The socket's next call gets the whole timeout again. */
+static void budget_end(call_budget *b)
+{
+    if (b->shortened)
+        set_socket_timeouts(b->fd, (uint64_t)timeout_ms() * 1000u);
+}
+
 /* Connects to the server a key or share names and checks that it is that process, of an
  * accepted user; requests on the connection then wait up to NPUALLOC_IPC_TIMEOUT_MS. */
 static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
@@ -1178,18 +1220,17 @@ static aclError connect_exporter(int32_t pid, uint32_t secret, int *out)
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0) /* out of descriptors passes: try again, as for a value whose search had none */
         return errno == EMFILE || errno == ENFILE ? ACL_ERROR_RT_IPC_ERROR : ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
-    int ms = timeout_ms();
-    struct timeval tv = {ms / 1000, (ms % 1000) * 1000};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    set_socket_timeouts(fd, (uint64_t)timeout_ms() * 1000u);
     struct sockaddr_un a;
     socklen_t alen = make_addr(pid, secret, &a);
+    call_budget budget = budget_start(fd);
     int rc;
     do
         rc = connect(fd, (struct sockaddr *)&a, alen);
-    while (rc != 0 && errno == EINTR);
+    while (rc != 0 && errno == EINTR && budget_retry(&budget));
+    int err = rc != 0 ? errno : 0;
+    budget_end(&budget);
     if (rc != 0) {
-        int err = errno;
         close(fd);
         /* nobody listens there: the exporter exited, never exported, or the key is forged */
         return err == EAGAIN || err == ETIMEDOUT ? ACL_ERROR_RT_IPC_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
@@ -1222,11 +1263,14 @@ static int send_request(int sock, uint16_t op, uint32_t id, uint64_t value, cons
     rq.value = value;
     if (token)
         memcpy(rq.token, token, 16);
+    call_budget budget = budget_start(sock);
     ssize_t n;
     do
         n = send(sock, &rq, sizeof rq, MSG_NOSIGNAL | flags);
-    while (n < 0 && errno == EINTR);
-    return n == (ssize_t)sizeof rq ? 0 : n < 0 ? errno : EPROTO;
+    while (n < 0 && errno == EINTR && budget_retry(&budget));
+    int err = n == (ssize_t)sizeof rq ? 0 : n < 0 ? errno : EPROTO;
+    budget_end(&budget);
+    return err;
 }
 
 /* Receives a reply (and a descriptor, if one comes).  ACL_ERROR_RT_INVALID_HANDLE when the
@@ -1241,11 +1285,13 @@ static aclError recv_reply(int sock, int flags, ipc_reply *rp, int *fd, bool *wa
         struct cmsghdr align;
     } u;
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+    call_budget budget = budget_start(sock);
     ssize_t n;
     do
         n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
-    while (n < 0 && errno == EINTR);
+    while (n < 0 && errno == EINTR && budget_retry(&budget));
     int err = n < 0 ? errno : 0;
+    budget_end(&budget);
     if (err == ECONNRESET) {
         /* The exporter closed with our request unread (one that could not serve answers before
          * reading): the kernel reports the reset first, then the answer still queued. */
@@ -1860,6 +1906,8 @@ aclError aclrtMemSetPidToShareableHandle(uint64_t shareableHandle, int32_t *pid,
         ipc_reply rp;
         int fd = -1;
         rc = ask_servers(IPC_OP_PROBE, shareableHandle, &rp, &fd);
+        if (fd >= 0) /* a probe's answer carries none; a peer that sends one anyway must not cost us it */
+            close(fd);
         return rc == ACL_SUCCESS ? ACL_ERROR_RT_DRV_INTERNAL_ERROR : ACL_ERROR_RT_INVALID_HANDLE;
     }
     return set_pids(find_value_of, &shareableHandle, true, pid, pidNum);
@@ -2381,8 +2429,7 @@ static void unmap_open(void *base, size_t count, size_t page, const uint64_t *ha
 
 /* Leaves accessible only the host pages of [base, base + total) that cover the block at
  * [offset, offset + size): the rest of the segment or pages, other blocks of the owner, turns
- * back into reserved, inaccessible memory.  (The vmm still counts the whole handles mapped,
- * and unmapping them later covers the range again.) */
+ * back into reserved, inaccessible memory (vmm_confine_private). */
 static aclError confine_to_block(void *base, size_t total, uint64_t offset, uint64_t size)
 {
     long ps = sysconf(_SC_PAGESIZE);
@@ -2390,10 +2437,7 @@ static aclError confine_to_block(void *base, size_t total, uint64_t offset, uint
     uint64_t lo = offset / hp * hp, hi = (offset + size + hp - 1) / hp * hp;
     if (hi > total)
         hi = total;
-    if ((lo > 0 && host_unmap(base, (size_t)lo) != 0) ||
-        (hi < total && host_unmap((char *)base + hi, (size_t)(total - hi)) != 0))
-        return ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
-    return ACL_SUCCESS;
+    return vmm_confine_private(base, (size_t)lo, (size_t)hi);
 }
 
 /* The open of a handle for a device in this process, or NULL (ipc.lock held). */

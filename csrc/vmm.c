@@ -42,6 +42,9 @@ typedef struct region {
     vmm_owner owner;            /* who may free malloc memory */
     bool runtime_owned;         /* reserved by the runtime for itself (vmm_reserve_private) */
     char *write_view;           /* read-only malloc memory: the writable view of its pages, else NULL */
+    /* A private range confined to part of its mappings (vmm_confine_private): only [visible_lo,
+     * visible_hi) has host pages behind it; both 0 when all of it does. */
+    uintptr_t visible_lo, visible_hi;
 } region;
 
 typedef struct mapping {
@@ -593,6 +596,24 @@ aclError aclrtUnmapMem(void *virPtr)
 
 aclError vmm_unmap_private(void *va) { return unmap_at((uintptr_t)va, true); }
 
+aclError vmm_confine_private(void *base, size_t lo, size_t hi)
+{
+    uintptr_t at = (uintptr_t)base;
+    aclError rc = ACL_SUCCESS;
+    pthread_rwlock_wrlock(&vmm.lock);
+    region *r = region_starting_at(at);
+    if (!r || !r->runtime_owned || r->visible_hi || lo >= hi || hi > r->size)
+        rc = ACL_ERROR_RT_PARAM_INVALID;
+    else if ((lo > 0 && host_unmap(base, lo) != 0) || (hi < r->size && host_unmap((char *)base + hi, r->size - hi) != 0))
+        rc = ACL_ERROR_RT_RESOURCE_ALLOC_FAIL;
+    if (rc == ACL_SUCCESS) {
+        r->visible_lo = at + lo;
+        r->visible_hi = at + hi;
+    }
+    pthread_rwlock_unlock(&vmm.lock);
+    return rc;
+}
+
 /* ---- aclrtMalloc memory ---- */
 
 aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, bool readonly,
@@ -844,7 +865,7 @@ range_class vmm_classify_locked(const void *p, size_t n, int32_t *device)
     region *r = region_containing(start);
     if (!r) /* host memory, unless it touches device address space */
         return va_overlaps(start, n) ? RANGE_INVALID : RANGE_HOST;
-    if (last - r->base >= r->size)
+    if (last - r->base >= r->size || (r->visible_hi && (start < r->visible_lo || last >= r->visible_hi)))
         return RANGE_INVALID;
     /* Walk the mappings covering [start, last]: they must be contiguous. */
     mapping *m = mapping_containing(start);

@@ -60,6 +60,11 @@ aclError vmm_reserve_private(int32_t device, size_t size, void **out);
 /* aclrtMapMem, aclrtUnmapMem and aclrtReleaseMemAddress for private ranges (and only for them). */
 aclError vmm_map_private(void *va, size_t size, aclrtDrvMemHandle handle);
 aclError vmm_unmap_private(void *va);
+/* Leaves host pages behind only [base + lo, base + hi) of a private range whose mappings are all
+ * made (lo and hi multiples of the host page size): the rest turns back into reserved,
+ * inaccessible memory, and the runtime's copies and sets refuse it (107000) instead of faulting
+ * there.  The mappings still count whole; unmapping them later covers the range again. */
+aclError vmm_confine_private(void *base, size_t lo, size_t hi);
 aclError vmm_release_private(void *base);
 /* Shrinks a reservation with nothing mapped to its first `size` bytes (a multiple of
  * VMM_GRANULARITY) and gives the rest back, in one step: no other thread can take the range

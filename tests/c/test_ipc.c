@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <fcntl.h>
 #include <sys/resource.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1633,6 +1635,195 @@ static void test_concurrent_exports_are_distinct(void **state)
             assert_int_equal(aclrtFreePhysical(jobs[i].handles[k]), ACL_SUCCESS);
 }
 
+/* Child: opens a share of a 64 KiB block that starts its 2 MiB segment, then asks the runtime to set
+ * and copy inside the block and 1 MiB further, a part of the segment the open left without pages. */
+static int child_sets_the_hidden_part_of_a_share(int in, int out, void *arg)
+{
+    (void)arg;
+    uint8_t desc[512];
+    uint64_t len = get64(in);
+    if (len > sizeof desc || read(in, desc, len) != (ssize_t)len)
+        return 1;
+    void *p = NULL;
+    if (ipc_open_shared(desc, len, -1, &p) != ACL_SUCCESS)
+        return 2;
+    char host[16];
+    static char across[16 * 1024];
+    if (aclrtMemset(p, 16, 'x', 16) != ACL_SUCCESS || aclrtMemcpy(host, 16, p, 16, ACL_MEMCPY_DEVICE_TO_HOST))
+        return 3;
+    if (aclrtMemset((char *)p + MiB_, 16, 0, 16) != ACL_ERROR_RT_PARAM_INVALID ||
+        aclrtMemcpy(host, 16, (char *)p + MiB_, 16, ACL_MEMCPY_DEVICE_TO_HOST) != ACL_ERROR_RT_PARAM_INVALID ||
+        aclrtMemcpy((char *)p + 60 * KiB_, sizeof across, across, sizeof across, ACL_MEMCPY_HOST_TO_DEVICE) !=
+            ACL_ERROR_RT_PARAM_INVALID) /* from inside the block to past its end */
+        return 4;
+    return cput64(out, 1) || ipc_close_shared(p) ? 5 : 0;
+}
+
+/* An open share leaves pages behind its block only: the runtime's sets and copies elsewhere in its
+ * range are refused (107000), as on any address without memory, instead of faulting there. */
+static void test_the_runtime_refuses_the_hidden_part_of_an_open_share(void **state)
+{
+    (void)state;
+    setup_runtime();
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 64 * KiB_, 0, &p), ACL_SUCCESS);
+    uint8_t desc[512];
+    size_t len = 0;
+    assert_int_equal(ipc_share(p, desc, sizeof desc, &len), ACL_SUCCESS);
+    child c = spawn(child_sets_the_hidden_part_of_a_share, NULL);
+    put64(c.to_child, len);
+    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    uint64_t reported = get64(c.from_child);
+    assert_int_equal(finish(&c), 0); /* 128 + SIGSEGV when the set reached the missing pages */
+    assert_int_equal(reported, 1);
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+}
+
+/* Child: exports a key anyone may import, then waits to be told to go. */
+static int child_export_key_and_wait(int in, int out, void *arg)
+{
+    (void)arg;
+    void *mem = NULL;
+    char key[IPC_KEY_LEN] = {0};
+    if (aclrtSetDevice(0) || aclrtMalloc(&mem, MiB_, ACL_MEM_MALLOC_HUGE_FIRST) ||
+        aclrtIpcMemGetExportKey(mem, MiB_, key, sizeof key, ACL_RT_IPC_MEM_EXPORT_FLAG_DISABLE_PID_VALIDATION))
+        return 1;
+    if (write(out, key, sizeof key) != (ssize_t)sizeof key)
+        return 2;
+    (void)get64(in);
+    return 0;
+}
+
+static void on_tick(int sig) { (void)sig; }
+
+/* Child: imports the key with a 300 ms timeout while an interval timer interrupts it every 50 ms;
+ * reports the code and the milliseconds it took. */
+static int child_import_key_under_a_timer(int in, int out, void *arg)
+{
+    (void)arg;
+    char key[IPC_KEY_LEN];
+    if (read(in, key, sizeof key) != (ssize_t)sizeof key)
+        return 1;
+    setenv("NPUALLOC_IPC_TIMEOUT_MS", "300", 1);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_tick;
+    sa.sa_flags = SA_RESTART; /* calls with a socket timeout fail with EINTR all the same */
+    sigaction(SIGALRM, &sa, NULL);
+    struct itimerval tick = {{0, 50000}, {0, 50000}}, off = {{0, 0}, {0, 0}};
+    setitimer(ITIMER_REAL, &tick, NULL);
+    uint64_t t0 = host_now_ns();
+    void *p = NULL;
+    aclError rc = aclrtIpcMemImportByKey(&p, key, 0);
+    uint64_t ms = (host_now_ns() - t0) / 1000000;
+    setitimer(ITIMER_REAL, &off, NULL);
+    return cput64(out, (uint64_t)rc) || cput64(out, ms) ? 2 : 0;
+}
+
+/* NPUALLOC_IPC_TIMEOUT_MS bounds a wait for a stopped exporter even when signals keep interrupting
+ * it (a profiler's timer): each interrupted wait used to start the whole timeout again. */
+static void test_a_periodic_signal_does_not_defeat_the_import_timeout(void **state)
+{
+    (void)state;
+    setup_runtime();
+    child e = spawn(child_export_key_and_wait, NULL);
+    char key[IPC_KEY_LEN];
+    assert_true(read(e.from_child, key, sizeof key) == (ssize_t)sizeof key);
+    kill(e.pid, SIGSTOP);
+    child i = spawn(child_import_key_under_a_timer, NULL);
+    assert_true(write(i.to_child, key, sizeof key) == (ssize_t)sizeof key);
+    struct pollfd answer = {i.from_child, POLLIN, 0};
+    bool answered = poll(&answer, 1, getenv("NPUALLOC_VALGRIND") ? 60000 : 10000) == 1;
+    uint64_t rc = answered ? get64(i.from_child) : UINT64_MAX, ms = answered ? get64(i.from_child) : 0;
+    if (!answered)
+        kill(i.pid, SIGKILL);
+    int st = finish(&i);
+    kill(e.pid, SIGCONT);
+    put64(e.to_child, 1);
+    assert_int_equal(finish(&e), 0);
+    print_message("import under a 50 ms timer: %s, code %lld after %llu ms\n", answered ? "answered" : "no answer",
+                  (long long)rc, (unsigned long long)ms);
+    assert_true(answered);
+    assert_int_equal(st, 0);
+    assert_int_equal(rc, ACL_ERROR_RT_IPC_ERROR);
+}
+
+/* Child: a server of the same user, named as an exporter of this child's pid, that answers every
+ * request with success and a descriptor attached.  Reports 1 once listening; serves until told to go. */
+static int child_server_that_sends_descriptors(int in, int out, void *arg)
+{
+    (void)arg;
+    int l = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof a);
+    a.sun_family = AF_UNIX;
+    int n = ipc_server_name((int32_t)getpid(), 0x123, a.sun_path + 1, sizeof a.sun_path - 1);
+    if (l < 0 || bind(l, (struct sockaddr *)&a, (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)) ||
+        listen(l, 16) || cput64(out, 1))
+        return 1;
+    for (;;) {
+        struct pollfd p[2] = {{l, POLLIN, 0}, {in, POLLIN, 0}};
+        if (poll(p, 2, -1) < 0)
+            return 2;
+        if (p[1].revents)
+            return 0;
+        int c = accept(l, NULL, NULL);
+        ipc_request rq;
+        if (c < 0 || recv(c, &rq, sizeof rq, 0) != (ssize_t)sizeof rq)
+            return 3;
+        ipc_reply rp = {.magic = IPC_MAGIC, .version = IPC_VERSION, .op = rq.op, .id = rq.id, .status = 0};
+        int extra = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        union {
+            char buf[CMSG_SPACE(sizeof(int))];
+            struct cmsghdr align;
+        } u;
+        memset(&u, 0, sizeof u);
+        struct iovec iov = {&rp, sizeof rp};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &extra, sizeof extra);
+        (void)sendmsg(c, &msg, MSG_NOSIGNAL);
+        close(extra);
+        close(c);
+    }
+}
+
+/* aclrtMemSetPidToShareableHandle of another process's value asks the servers whose it is; a
+ * descriptor a server sends with its answer is closed, not kept. */
+static void test_a_descriptor_sent_with_a_probes_answer_is_closed(void **state)
+{
+    (void)state;
+    setup_runtime();
+    child srv = spawn(child_server_that_sends_descriptors, NULL);
+    assert_int_equal(get64(srv.from_child), 1);
+    int32_t pid = (int32_t)getpid();
+    int before = open_fds();
+    for (int i = 0; i < 10; i++) /* values this process never exported */
+        assert_int_equal(aclrtMemSetPidToShareableHandle(0x0000004512345678ull + (uint64_t)i, &pid, 1),
+                         ACL_ERROR_RT_DRV_INTERNAL_ERROR);
+    assert_int_equal(open_fds(), before);
+    put64(srv.to_child, 1);
+    assert_int_equal(finish(&srv), 0);
+}
+
+/* A pid count so large that the whitelist's size plus it wraps round is refused as any count past
+ * the limit is; the check had wrapped, and the pids were written past the array's end. */
+static void test_a_pid_count_cannot_wrap_the_whitelist_limit(void **state)
+{
+    (void)state;
+    setup_runtime();
+    aclrtDrvMemHandle h = phys_on(0, G2);
+    uint64_t v = 0;
+    int32_t pid = (int32_t)getpid();
+    assert_int_equal(aclrtMemExportToShareableHandle(h, 0, ACL_RT_VMM_EXPORT_FLAG_DEFAULT, &v), ACL_SUCCESS);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(v, &pid, 1), ACL_SUCCESS);
+    assert_int_equal(aclrtMemSetPidToShareableHandle(v, &pid, SIZE_MAX), ACL_ERROR_RT_PARAM_INVALID);
+    assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
+}
+
 static void test_shutdown_releases_everything(void **state)
 {
     (void)state;
@@ -1679,6 +1870,10 @@ int main(void)
 #endif
         cmocka_unit_test_teardown(test_a_listener_that_never_answers_does_not_stall_the_search, stop_runtime),
         cmocka_unit_test_teardown(test_concurrent_exports_are_distinct, stop_runtime),
+        cmocka_unit_test_teardown(test_the_runtime_refuses_the_hidden_part_of_an_open_share, stop_runtime),
+        cmocka_unit_test_teardown(test_a_periodic_signal_does_not_defeat_the_import_timeout, stop_runtime),
+        cmocka_unit_test_teardown(test_a_descriptor_sent_with_a_probes_answer_is_closed, stop_runtime),
+        cmocka_unit_test_teardown(test_a_pid_count_cannot_wrap_the_whitelist_limit, stop_runtime),
         cmocka_unit_test_teardown(test_shutdown_releases_everything, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
