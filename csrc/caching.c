@@ -1087,18 +1087,9 @@ void cache_free_locked(device_cache *dc, cache_block *b)
     }
 }
 
-aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
+/* Adds `stream` to the block's uses, with its free's event reserved; fails only for host memory. */
+static aclError add_use(device_cache *dc, cache_block *b, uint64_t stream)
 {
-    if (unlikely(dc->route_count > 0)) { /* marked as recorded during a capture (capture_use) */
-        bool known = false;
-        for (size_t i = 0; i < dc->capture_use_count && !known; i++)
-            known = dc->capture_uses[i].block == b && dc->capture_uses[i].stream == stream;
-        if (!known) {
-            if (!ARRAY_RESERVE(dc->capture_uses, dc->capture_use_capacity, dc->capture_use_count + 1, 4))
-                return ACL_ERROR_BAD_ALLOC;
-            dc->capture_uses[dc->capture_use_count++] = (capture_use){b, stream};
-        }
-    }
     /* torch_npu records even the block's own stream (no early return). */
     for (uint32_t i = 0; i < b->use_count; i++)
         if (b->uses[i] == stream)
@@ -1124,6 +1115,27 @@ aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t s
     dc->spare_event_count++;
     b->uses[b->use_count++] = stream;
     return ACL_SUCCESS;
+}
+
+aclError cache_record_stream_locked(device_cache *dc, cache_block *b, uint64_t stream)
+{
+    bool mark = false;
+    if (unlikely(dc->route_count > 0)) { /* marked as recorded during a capture (capture_use) */
+        bool known = false;
+        for (size_t i = 0; i < dc->capture_use_count && !known; i++)
+            known = dc->capture_uses[i].block == b && dc->capture_uses[i].stream == stream;
+        if (!known) {
+            if (!ARRAY_RESERVE(dc->capture_uses, dc->capture_use_capacity, dc->capture_use_count + 1, 4))
+                return ACL_ERROR_BAD_ALLOC;
+            mark = true;
+        }
+    }
+    aclError rc = add_use(dc, b, stream);
+    /* Marked only once the use is recorded: the mark of a failed record outlived its block, and took
+     * from the next block in the same struct a use recorded before a capture. */
+    if (rc == ACL_SUCCESS && mark)
+        dc->capture_uses[dc->capture_use_count++] = (capture_use){b, stream};
+    return rc;
 }
 
 /* torch_npu's eraseStream also cancels the block's events queued on `stream`; there are none
