@@ -41,7 +41,6 @@ import math
 import operator
 import os
 import pickle
-import pickletools
 import stat
 import struct
 import sys
@@ -114,13 +113,11 @@ def _memory_limit():
         return 1 << 62
 
 
-_PICKLE_OPCODES = frozenset(op.code.encode("latin-1")[0] for op in pickletools.opcodes)
-
-
 def _read_bounded(f, name):
     """The bytes of an open file, refusing at once a file larger than _memory_limit() (which reading whole
-    would exhaust the machine's memory) and a stream that does not start like a pickle (/dev/zero would be
-    read forever); a stream (a pipe, a device) is read in chunks up to the same limit."""
+    would exhaust the machine's memory).  A stream (a pipe, a device) is read in chunks up to the same limit,
+    its opcodes checked as they come: one that goes wrong is refused there (/dev/zero, or a pickle's start
+    followed by it, would otherwise be read to the limit), and reading ends at the pickle's STOP."""
     limit = _memory_limit()
     st = os.fstat(f.fileno())
     too_large = f"{name}: too large to load ({{}}; the limit is half of this machine's memory, {format_size(limit)})"
@@ -128,17 +125,26 @@ def _read_bounded(f, name):
         if st.st_size > limit:
             raise TraceError(too_large.format(format_size(st.st_size)))
         return f.read()
-    chunks, total = [], 0
+    data, resume, check_at = bytearray(), 0, 0
     while True:
         chunk = f.read(1 << 20)
         if not chunk:
-            return b"".join(chunks)
-        if not chunks and chunk[0] not in _PICKLE_OPCODES:
-            raise TraceError(f"{name}: not a readable pickle (unknown opcode at byte 0){_looks_like(chunk)}")
-        total += len(chunk)
-        if total > limit:
+            return bytes(data)  # cut off before STOP: check_pickle says where
+        data += chunk
+        if len(data) > limit:
             raise TraceError(too_large.format(f"more than {format_size(limit)}"))
-        chunks.append(chunk)
+        if len(data) < check_at:
+            continue
+        try:
+            resumed, stopped = _C.replay.check_pickle_prefix(data, resume)
+        except ValueError as e:
+            raise TraceError(f"{name}: not a readable pickle ({e}){_looks_like(data)}") from None
+        if stopped:
+            return bytes(data[:resumed])
+        # An opcode still cut off after a whole chunk (a long string or line) is looked at again only once
+        # the data has doubled: a line is searched from its start each time.
+        check_at = 2 * len(data) if resumed == resume else 0
+        resume = resumed
 
 
 def _looks_like(head):
@@ -153,7 +159,7 @@ def load_trace(path):
     """Reads a snapshot pickle with an unpickler that refuses every global; returns the snapshot (a dict).
 
     Raises :class:`TraceError` for a missing, unreadable or damaged file, a file larger than half of the
-    machine's memory, a stream (a pipe, a device) that does not start like a pickle, and
+    machine's memory, a stream (a pipe, a device) as soon as its opcodes go wrong, and
     :class:`UnsafeTraceError` for a pickle that refers to any class or function (nothing in it is executed).
     """
     name = os.fsdecode(path) or "''"  # a str in every message, for a bytes path too; an empty one shown
@@ -215,7 +221,9 @@ class RecordedRun:
 
     ``final_reserved`` is the total of the final segments; ``initial_reserved`` is that minus the
     reservations made during the trace (segment_alloc / segment_map) plus those given back (segment_free /
-    segment_unmap); ``peak_reserved`` is the largest total along the way.  ``segment_allocs`` /
+    segment_unmap); ``peak_reserved`` is the largest total along the way.  When the segments hold less than
+    the trace shows (a snapshot without 'segments'), the start is the least that keeps every total along the
+    trace at zero or more, and ``final_reserved`` follows from it.  ``segment_allocs`` /
     ``segment_frees`` count the device allocations and frees (segment_alloc and segment_map / segment_free and
     segment_unmap entries), as the allocator's num_device_alloc / num_device_free and the replay's
     ``device_allocs`` / ``device_frees`` do, but only those made while recording: ``initial_segments`` is the
@@ -344,6 +352,7 @@ def _extract_device(name, device, entries, segments):
     completions = any(type(e) is dict and e.get("action") == "free_completed" for e in entries)
     awaiting = {}  # address -> (its free's index in actions, requested bytes) until free_completed
     freed_last = set()  # addresses whose last event in the trace is a free_requested (pending if still active)
+    freed_in_trace = set()  # addresses freed in the trace and not allocated again since
     # Segments given back by an allocation (its retry, GC) are followed by that allocation's segment_alloc /
     # segment_map or oom; given back with nothing of the kind before the next alloc or free request, they were given
     # back by empty_cache(), which the trace does not record as such: replayed as an EMPTY_CACHE there.
@@ -385,6 +394,7 @@ def _extract_device(name, device, entries, segments):
             if act == "alloc":
                 actions.append(_C.replay.ALLOC)
                 freed_last.discard(addr)
+                freed_in_trace.discard(addr)
                 live[addr] = True
                 requested[addr] = size
                 live_requested += size
@@ -392,11 +402,14 @@ def _extract_device(name, device, entries, segments):
                     peak_requested_trace = live_requested
             elif act == "free_requested":
                 freed_last.add(addr)
-                if live.pop(addr, None) is None:
+                if live.pop(addr, None) is not None:
+                    freed = requested.pop(addr, 0)
+                elif addr in freed_in_trace:
+                    freed = 0  # freed again, nothing allocated there since: the replay counts an unknown free
+                else:
                     pre.append((addr, size, stream))  # freed in the trace, never allocated in it
                     freed = size
-                else:
-                    freed = requested.pop(addr, 0)
+                freed_in_trace.add(addr)
                 if completions:
                     awaiting[addr] = (len(actions), freed)
                 else:
@@ -498,7 +511,14 @@ def _extract_device(name, device, entries, segments):
     ev.reconstructed_bytes = pre_bytes
     ev.streams = sorted(set(ev.stream))
     # The recorded run's reservations along the trace (event indices of the replay, prefix included).
-    initial = final_reserved - sum(d for _, d in reserve_deltas)
+    # What the segments say was reserved at the start, but never so little that the trace's own reservations
+    # would take the count below zero: a snapshot without 'segments' tells nothing of the end.
+    lowest = total = 0
+    for _, d in reserve_deltas:
+        total += d
+        lowest = min(lowest, total)
+    initial = max(final_reserved - total, -lowest)
+    final_reserved = initial + total
     cur = peak = initial
     tl_events, tl_reserved = [0], [initial]
     for at, d in reserve_deltas:
@@ -519,6 +539,27 @@ def _extract_device(name, device, entries, segments):
                               peak_requested=pre_bytes + peak_requested_trace if actions or pre_all else 0,
                               ooms=ooms, settings=None, timeline=(tl_events, tl_reserved))
     return ev
+
+
+_SETTINGS_DEPTH = 32  # torch's allocator_settings is a dict of numbers, strings and a list or two
+
+
+def _nests_deeper(value, limit):
+    """Does plain data hold containers more than `limit` levels deep (a structure that holds itself always
+    does)?  Walked without recursion."""
+    todo = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, dict):
+            items = v.values()
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            items = v
+        else:
+            continue
+        if depth > limit:
+            return True
+        todo.extend((x, depth + 1) for x in items)
+    return False
 
 
 def _is_segment_list(obj):
@@ -559,6 +600,9 @@ class Trace:
         if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
             raise TraceError(f"{name}: malformed snapshot: 'segments' must be a list of dicts")
         settings = snapshot.get("allocator_settings")
+        if _nests_deeper(settings, _SETTINGS_DEPTH):  # to_dict() and json.dump recurse once per level
+            raise TraceError(f"{name}: malformed snapshot: 'allocator_settings' nests more than {_SETTINGS_DEPTH} "
+                             "levels deep (or holds itself)")
         self.allocator_settings = settings if isinstance(settings, dict) else {}
         by_device = {}
         for s in segments:

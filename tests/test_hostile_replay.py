@@ -238,3 +238,23 @@ def test_trace_rejects_non_snapshots_with_trace_error():
         replay.Trace.load("/nonexistent/x.pickle")
     with pytest.raises(replay.TraceError):
         replay.Trace.load(tempfile.gettempdir())
+
+
+def test_settings_that_nest_too_deep_or_hold_themselves_are_trace_errors():
+    # to_dict() and json.dump recurse once per level: such settings broke them (RecursionError) after loading
+    def trace(settings):
+        return replay.Trace({"device_traces": [[{"action": "alloc", "addr": 1, "size": 1}]],
+                             "allocator_settings": settings})
+
+    loop = []
+    loop.append(loop)
+    deep = 1
+    for _ in range(40):
+        deep = [deep]
+    for settings in ({"x": loop}, {"x": deep}):
+        with pytest.raises(replay.TraceError, match="'allocator_settings' nests more than 32 levels deep"):
+            trace(settings)
+    fine = 1
+    for _ in range(31):  # with the dict itself, 32 levels
+        fine = [fine]
+    assert json.dumps(replay.replay(trace({"x": fine})).to_dict())

@@ -378,6 +378,37 @@ def test_memory_alive_before_recording_is_reconstructed():
     assert rec.timeline[1][0] == 42 * MiB and rec.timeline[1][-1] == 22 * MiB
 
 
+
+def test_a_second_free_of_an_address_is_not_reconstructed_again():
+    # 0xA000: freed twice, allocated before recording; 0xB000: allocated and freed in the trace, then freed again.
+    # Each second free was taken for one more allocation alive before recording (two at 0xA000, a duplicate).
+    ev = free(0xA000, 10 * MiB) + free(0xA000, 10 * MiB) + alloc(0xB000, 1000) + free(0xB000, 1000)
+    ev += free(0xB000, 1000)
+    r = replay.replay(snapshot(ev), rounding="cuda")
+    assert r.reconstructed_count == 1 and r.reconstructed_from_frees == (1, 10 * MiB)
+    assert r.duplicate_allocs == 0
+    assert r.unknown_frees == 2  # the two second frees, of addresses with nothing allocated
+    assert r.peak_requested == r.recorded.peak_requested == 10 * MiB
+
+
+def test_the_recorded_run_of_a_snapshot_without_segments_never_goes_below_zero():
+    # Without 'segments' the end is unknown: the start was taken as the end (0) less the trace's reservations,
+    # -20 MiB, and the peak as 0, below the 10 MiB the trace itself requested.
+    ev = [entry("segment_alloc", 0x7F0000000000, 20 * MiB)] + alloc(0x7F0000000000, 10 * MiB)
+    ev += free(0x7F0000000000, 10 * MiB)
+    snap = snapshot(ev)
+    del snap["segments"]
+    rec = replay.replay(snap, rounding="cuda").recorded
+    assert rec.initial_reserved == 0
+    assert rec.peak_reserved == rec.final_reserved == 20 * MiB
+    assert rec.timeline[1] == [0, 20 * MiB, 20 * MiB]
+    # a segment freed in the trace was there from the start
+    ev = free(0x7F0000000000, 10 * MiB) + [entry("segment_free", 0x7F0000000000, 20 * MiB)]
+    snap = snapshot(ev)
+    del snap["segments"]
+    rec = replay.replay(snap, rounding="cuda").recorded
+    assert (rec.initial_reserved, rec.peak_reserved, rec.final_reserved) == (20 * MiB, 20 * MiB, 0)
+
 def test_the_recorded_runs_device_allocations_include_the_segments_held_before_recording():
     # one 16 MiB segment held before recording (its block freed in the trace), one allocated in the trace
     ev = [entry("segment_alloc", 0x9000000, 16 * MiB)] + alloc(0x9000000, 16 * MiB) + free(0x7000, 16 * MiB)

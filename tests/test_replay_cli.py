@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,12 +31,23 @@ def cli(*args, cwd=None, timeout=120, input=None, limit_memory=False):
     """Runs the CLI; limit_memory caps its address space at 2 GiB (a runaway read fails instead of
     taking the machine's memory), except under AddressSanitizer (make pytest-asan), whose shadow
     memory needs terabytes of address space: there a runaway read would still fail the test, later."""
+    return subprocess.run([sys.executable, "-m", "npualloc", *map(str, args)], cwd=cwd, env=_cli_env(),
+                          capture_output=True, text=input is None, timeout=timeout, input=input,
+                          preexec_fn=_limit_address_space if limit_memory and not UNDER_ASAN else None)
+
+
+def cli_reading(producer, *args, timeout=60):
+    """Runs the CLI with its standard input fed by the shell command `producer`, memory limited as cli()'s."""
+    command = f"{producer} | {shlex.quote(sys.executable)} -m npualloc {' '.join(shlex.quote(str(a)) for a in args)}"
+    return subprocess.run(command, shell=True, env=_cli_env(), capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=None if UNDER_ASAN else _limit_address_space)
+
+
+def _cli_env():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NPUALLOC_", "PYTORCH_"))}
     env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
     env["MPLBACKEND"] = "Agg"
-    return subprocess.run([sys.executable, "-m", "npualloc", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=input is None, timeout=timeout, input=input,
-                          preexec_fn=_limit_address_space if limit_memory and not UNDER_ASAN else None)
+    return env
 
 
 def assert_one_line_error(p, *needles, status, command="replay"):
@@ -238,6 +250,30 @@ def test_an_endless_stream_is_refused_at_its_first_byte():
     # /dev/zero was read until memory ran out
     assert_run_error(cli("replay", "/dev/zero", limit_memory=True, timeout=60), "/dev/zero",
                           "not a readable pickle (unknown opcode at byte 0)")
+
+
+def test_a_stream_that_goes_wrong_after_its_first_bytes_is_refused_there():
+    # a pickle's PROTO, then /dev/zero: was read to half the machine's memory before the opcodes were checked
+    assert_run_error(cli_reading("(printf '\\200\\004'; exec cat /dev/zero)", "replay", "/dev/stdin"), "/dev/stdin",
+                     "not a readable pickle (unknown opcode at byte 2)")
+
+
+def test_a_stream_is_read_up_to_its_pickles_stop(tiny_trace):
+    # what follows the pickle on the stream (here an endless one) is not read: the unpickler would ignore it
+    p = cli_reading(f"(cat {shlex.quote(str(tiny_trace))}; exec cat /dev/zero)", "replay", "/dev/stdin")
+    assert p.returncode == 0, p.stderr[-400:]
+    assert "least waste: " in p.stdout
+
+
+def test_settings_nested_too_deep_are_one_line_error(tmp_path):
+    # allocator_settings 5000 lists deep (built with opcodes, without recursion): to_dict() and json.dump
+    # recursed once per level, and --json died with a RecursionError traceback
+    path = tmp_path / "deep.pickle"
+    traces = pickle.dumps([[{"action": "alloc", "addr": 4096, "size": 100, "stream": 0}]], protocol=2)[2:-1]
+    path.write_bytes(b"\x80\x04}(\x8c\x0ddevice_traces" + traces + b"\x8c\x12allocator_settings}\x8c\x01x"
+                     + b"]" * 5000 + b"a" * 4999 + b"su.")
+    assert_run_error(cli("replay", path, "--json", tmp_path / "out.json"), "deep.pickle",
+                     "'allocator_settings' nests more than 32 levels deep")
 
 
 def test_a_trace_from_a_pipe_replays(tiny_trace):

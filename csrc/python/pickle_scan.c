@@ -9,11 +9,13 @@
  * without building any object, and refuses: an unknown opcode, an argument running past the end,
  * a counted length larger than the bytes left, and a memo index larger than the file (a pickle
  * cannot store more objects than it has bytes).  It runs at memory speed: the unpickler itself
- * still decides what the data means.
+ * still decides what the data means.  `check_pickle_prefix(data, start)` checks a stream as it is
+ * read, so that one that goes wrong early is refused before the rest is read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -100,11 +102,15 @@ static size_t line_end(const unsigned char *d, size_t n, size_t at)
     return nl ? (size_t)(nl - d) + 1 : 0;
 }
 
-/* NULL when the opcodes are within bounds, else what is wrong (at *where). */
-static const char *scan(const unsigned char *d, size_t n, size_t *where)
+/* NULL when the opcodes from `at` on are within bounds, else what is wrong (at *where).  `prefix`: the
+ * data may go on (a stream still being read), so an opcode cut off by its end is no error: the scan
+ * stops before it, with *where there, and checks memo indices only against the whole data later.
+ * *stopped tells that the scan reached STOP (*where just past it). */
+static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix, size_t *where, bool *stopped)
 {
-    size_t at = 0;
-    while (at < n) {
+    const char *cut_off = NULL; /* what an opcode cut off by the end of the data is */
+    *stopped = false;
+    while (at < n && !cut_off) {
         *where = at;
         unsigned char op = d[at++];
         opcode_format f = formats[op];
@@ -113,30 +119,40 @@ static const char *scan(const unsigned char *d, size_t n, size_t *where)
         case ARG_BAD:
             return "unknown opcode";
         case ARG_NONE:
-            if (op == '.')
-                return NULL; /* STOP: the unpickler reads nothing after it */
+            if (op == '.') { /* STOP: the unpickler reads nothing after it */
+                *where = at;
+                *stopped = true;
+                return NULL;
+            }
             break;
         case ARG_FIXED:
-            if (n - at < f.width)
-                return "truncated argument";
+            if (n - at < f.width) {
+                cut_off = "truncated argument";
+                break;
+            }
             value = little_endian(d + at, f.width);
             at += f.width;
             if (op == 0x95 && value > n - at)
-                return "frame longer than the data";
+                cut_off = "frame longer than the data";
             break;
         case ARG_COUNTED:
-            if (n - at < f.width)
-                return "truncated length";
+            if (n - at < f.width) {
+                cut_off = "truncated length";
+                break;
+            }
             value = little_endian(d + at, f.width);
             at += f.width;
             if (value > n - at)
-                return "length beyond the end of the data";
-            at += (size_t)value;
+                cut_off = "length beyond the end of the data";
+            else
+                at += (size_t)value;
             break;
         case ARG_LINE: {
             size_t end = line_end(d, n, at);
-            if (!end)
-                return "unterminated line";
+            if (!end) {
+                cut_off = "unterminated line";
+                break;
+            }
             if (f.memo) {
                 char digits[24];
                 size_t len = end - 1 - at;
@@ -156,33 +172,66 @@ static const char *scan(const unsigned char *d, size_t n, size_t *where)
         case ARG_TWO_LINES: {
             size_t end = line_end(d, n, at);
             if (!end || !(end = line_end(d, n, end)))
-                return "unterminated line";
-            at = end;
+                cut_off = "unterminated line";
+            else
+                at = end;
             break;
         }
         }
-        if (f.memo && value > n)
+        if (!cut_off && !prefix && f.memo && value > n)
             return "memo index larger than the data";
     }
-    *where = n;
-    return "no STOP opcode";
+    if (!cut_off)
+        *where = n;
+    return prefix ? NULL : cut_off ? cut_off : "no STOP opcode";
 }
 
-PyObject *pickle_check(PyObject *self, PyObject *arg)
+static void formats_ready(void)
 {
-    (void)self;
     static int ready;
     if (!ready) { /* under the GIL */
         formats_init();
         ready = 1;
     }
+}
+
+PyObject *pickle_check(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    formats_ready();
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0)
         return NULL;
     size_t where = 0;
-    const char *why = scan(view.buf, (size_t)view.len, &where);
+    bool stopped;
+    const char *why = scan(view.buf, (size_t)view.len, 0, false, &where, &stopped);
     PyBuffer_Release(&view);
     if (why)
         return PyErr_Format(PyExc_ValueError, "%s at byte %zu", why, where);
     Py_RETURN_NONE;
+}
+
+PyObject *pickle_check_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    Py_ssize_t start;
+    if (nargs != 2 || !PyIndex_Check(args[1]))
+        return PyErr_Format(PyExc_TypeError, "check_pickle_prefix(data, start) takes a buffer and an int");
+    if ((start = PyNumber_AsSsize_t(args[1], PyExc_OverflowError)) == -1 && PyErr_Occurred())
+        return NULL;
+    formats_ready();
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0)
+        return NULL;
+    if (start < 0 || start > view.len) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "start %zd is outside the data (%zd bytes)", start, view.len);
+    }
+    size_t where = (size_t)start;
+    bool stopped;
+    const char *why = scan(view.buf, (size_t)view.len, (size_t)start, true, &where, &stopped);
+    PyBuffer_Release(&view);
+    if (why)
+        return PyErr_Format(PyExc_ValueError, "%s at byte %zu", why, where);
+    return Py_BuildValue("(nO)", (Py_ssize_t)where, stopped ? Py_True : Py_False);
 }
