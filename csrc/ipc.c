@@ -2141,6 +2141,7 @@ aclError aclrtIpcMemClose(const char *key)
         e = find_key_of(&k);
     if (e && e->user) {
         e->user = false;
+        e->pid_count = 0; /* a share record may keep the export: a key exported again lists nobody yet */
         export_maybe_remove(e);
     } else {
         rc = ACL_ERROR_RT_INVALID_HANDLE;

@@ -1824,6 +1824,31 @@ static void test_a_pid_count_cannot_wrap_the_whitelist_limit(void **state)
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
 }
 
+/* A key closed by its exporter and exported again starts with no pids: the export outlived the close (a
+ * share record of the block kept it), and the new key admitted the pids the closed one had listed. */
+static void test_a_key_exported_again_after_its_close_lists_no_pids(void **state)
+{
+    (void)state;
+    setup_runtime();
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 64 * KiB_, 0, &p), ACL_SUCCESS); /* it starts its segment */
+    uint8_t desc[512];
+    size_t len = 0;
+    assert_int_equal(ipc_share(p, desc, sizeof desc, &len), ACL_SUCCESS);
+    char key[IPC_KEY_LEN] = {0};
+    assert_int_equal(aclrtIpcMemGetExportKey(p, 64 * KiB_, key, sizeof key, 0), ACL_SUCCESS);
+    child c = spawn(child_key_import, NULL);
+    int32_t pid = (int32_t)get64(c.from_child);
+    assert_int_equal(aclrtIpcMemSetImportPid(key, &pid, 1), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemClose(key), ACL_SUCCESS);
+    assert_int_equal(aclrtIpcMemGetExportKey(p, 64 * KiB_, key, sizeof key, 0), ACL_SUCCESS);
+    assert_true(write(c.to_child, key, sizeof key) == (ssize_t)sizeof key);
+    assert_int_equal(get64(c.from_child), ACL_ERROR_RT_DRV_INTERNAL_ERROR); /* not on the new key's list */
+    assert_int_equal(finish(&c), 0);
+    assert_int_equal(aclrtIpcMemClose(key), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+}
+
 static void test_shutdown_releases_everything(void **state)
 {
     (void)state;
@@ -1874,6 +1899,7 @@ int main(void)
         cmocka_unit_test_teardown(test_a_periodic_signal_does_not_defeat_the_import_timeout, stop_runtime),
         cmocka_unit_test_teardown(test_a_descriptor_sent_with_a_probes_answer_is_closed, stop_runtime),
         cmocka_unit_test_teardown(test_a_pid_count_cannot_wrap_the_whitelist_limit, stop_runtime),
+        cmocka_unit_test_teardown(test_a_key_exported_again_after_its_close_lists_no_pids, stop_runtime),
         cmocka_unit_test_teardown(test_shutdown_releases_everything, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
