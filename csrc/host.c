@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -134,10 +135,10 @@ int host_memfile_create(size_t size, host_memfile *out)
 
 int host_memfile_adopt(int fd, size_t size, host_memfile *out)
 {
-    off_t end = lseek(fd, 0, SEEK_END);
-    if (end < 0)
+    struct stat st; /* not lseek: the descriptor shares its file offset with the exporter's */
+    if (fstat(fd, &st) != 0)
         return errno;
-    if ((size_t)end < size || size == 0 || size % host_page_size() != 0)
+    if (st.st_size < 0 || (size_t)st.st_size < size || size == 0 || size % host_page_size() != 0)
         return EINVAL;
     void *home = NULL;
     int err = map_home(fd, size, &home);
