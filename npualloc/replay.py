@@ -330,8 +330,6 @@ def _time_us(entry):
 
 
 _RESERVE_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
-_KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
-                  "segment_unmap", "snapshot", "oom", "annotate", "user_defined", "free"}
 
 
 def _extract_device(name, device, entries, segments):
