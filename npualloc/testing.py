@@ -53,7 +53,8 @@ def restart(alloc_conf="", *, no_caching=False, device_count=None, device_memory
     ``NPUALLOC_*`` environment or the defaults.  The settings are parsed at once: a malformed
     ``alloc_conf`` raises here (``ValueError`` or ``RuntimeError``, with torch_npu's message) and leaves
     the runtime stopped, its variables cleared.  As ``aclFinalize``, it is for a moment when no other thread
-    uses the runtime; from a stream's callback it raises ``RuntimeError`` and changes nothing.
+    uses the runtime; from a stream's callback it raises ``RuntimeError`` and changes nothing, and while a
+    view of a ``Buffer``'s memory is exported (a ``memoryview``, a NumPy array) ``BufferError``.
     """
     if not isinstance(alloc_conf, str):
         raise TypeError(f"restart() argument 'alloc_conf' must be str, not {type(alloc_conf).__name__}")

@@ -13,7 +13,7 @@ import pytest
 
 import npualloc
 from npualloc import acl
-from conftest import held
+from conftest import held, run_python
 
 rt = acl.rt
 pytestmark = pytest.mark.usefixtures("dev0")
@@ -297,6 +297,29 @@ def test_callback_cannot_wait_for_its_own_stream():
     assert rt.synchronize_stream(s) == 0
     assert got == [acl.ACL_ERROR_RT_FEATURE_NOT_SUPPORT] * 2
     assert rt.destroy_stream(s) == 0
+
+
+def test_callbacks_running_at_exit_finish_before_the_interpreter_does():
+    # A callback that gives up the GIL (sleep, I/O) when the interpreter began to finalize was ended by CPython
+    # on its stream's worker, mid-task: the stream never passed it, and a finalizer's synchronize hung the exit.
+    # Now exit waits for it (atexit), and a callback queued behind it is dropped.
+    p = run_python("""
+import os, time
+from npualloc import acl
+rt = acl.rt
+rt.set_device(0)
+s, _ = rt.create_stream()
+class SynchronizesAtTeardown:
+    def __del__(self, sync=rt.synchronize_stream, s=s, write=os.write):   # sys.stdout may be gone by then
+        write(1, f"synchronized at teardown: {sync(s)}\\n".encode())
+holder = SynchronizesAtTeardown()
+rt.launch_callback(lambda _: (time.sleep(0.5), print("callback done", flush=True)), None, 0, s)
+rt.launch_callback(print, "queued callback ran", 0, s)   # (a builtin: a dropped callback's objects are leaked)
+time.sleep(0.1)   # the first callback is running, its GIL given up
+""", timeout=60)
+    assert p.returncode == 0, p.stderr[-800:]
+    assert p.stdout.splitlines()[0] == "callback done"
+    assert "synchronized at teardown: 0" in p.stdout.splitlines()
 
 
 def test_launch_callback_errors():

@@ -88,6 +88,39 @@ def test_buffer_lifetimes(mem):
     assert npualloc.memory_allocated() == 0
 
 
+def test_the_runtime_is_not_shut_down_under_a_view_of_a_buffer():
+    # shutdown() unmapped the memory under a live memoryview, and writing through it killed the process (SIGSEGV)
+    p = run_python("""
+import numpy as np
+import npualloc
+from npualloc import _C
+b = npualloc.empty(4096)
+view = memoryview(b)
+array = np.frombuffer(b, dtype=np.uint8)
+view[0] = 1
+for holder in ("view", "array"):
+    try:
+        _C.shutdown()
+    except BufferError as e:
+        print(e)
+    if holder == "view":
+        view.release()
+    else:
+        del array
+_C.shutdown()          # nothing holds the memory now
+try:
+    memoryview(b)
+except BufferError as e:
+    print(e)
+""")
+    assert p.returncode == 0, p.stderr[-800:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == ("npualloc: 2 exported view(s) of npualloc.Buffer memory still exist: release them "
+                        "(memoryview.release(), or drop the arrays) before shutting the runtime down")
+    assert lines[1].startswith("npualloc: 1 exported view(s)")
+    assert lines[2] == "npualloc.Buffer: the runtime that owned the memory was shut down"
+
+
 def test_buffer_device_stream_and_record_stream(mem):
     s = npualloc.Stream(1)
     b = npualloc.empty(4096, device="npu:1", stream=s)

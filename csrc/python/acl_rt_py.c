@@ -7,6 +7,7 @@
  * out of range returns an ACL error code.
  * Every call that may block or make system calls releases the GIL.
  */
+#include <pthread.h>
 #include <string.h>
 
 #include "acl_rt.h"
@@ -725,13 +726,69 @@ static bool interpreter_finalizing(void)
 #endif
 }
 
+/* Python callbacks run on npualloc's own threads (a stream's worker) and on threads in process_report.
+ * Once the interpreter finalizes, CPython ends a thread other than the main one where it takes the GIL: a
+ * worker ended inside a callback never passes that task, and whatever waits for the stream then (a
+ * finalizer's synchronize) waits for ever.  So callbacks end before that: an atexit hook, which runs
+ * before finalizing, closes this gate and waits, without the GIL, for the callbacks inside; those that
+ * come later are dropped, their objects leaked (Python can no longer release them). */
+static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_emptied = PTHREAD_COND_INITIALIZER;
+static size_t gate_inside;                 /* callbacks running, all threads */
+static bool gate_closed;
+static _Thread_local size_t gate_own_depth; /* of them, this thread's (a callback inside a callback) */
+
+static bool gate_enter(void)
+{
+    pthread_mutex_lock(&gate_lock);
+    bool open = !gate_closed && !interpreter_finalizing();
+    if (open) {
+        gate_inside++;
+        gate_own_depth++;
+    }
+    pthread_mutex_unlock(&gate_lock);
+    return open;
+}
+
+static void gate_leave(void)
+{
+    pthread_mutex_lock(&gate_lock);
+    gate_own_depth--;
+    if (--gate_inside == 0 || gate_closed)
+        pthread_cond_broadcast(&gate_emptied);
+    pthread_mutex_unlock(&gate_lock);
+}
+
+/* The atexit hook: closes the gate, then waits for the callbacks inside but the calling thread's own. */
+static PyObject *close_python_callbacks(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&gate_lock);
+    gate_closed = true;
+    while (gate_inside > gate_own_depth)
+        pthread_cond_wait(&gate_emptied, &gate_lock);
+    pthread_mutex_unlock(&gate_lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* fork(): in the child only the forking thread's callbacks are inside. */
+static void gate_before_fork(void) { pthread_mutex_lock(&gate_lock); }
+static void gate_after_fork_parent(void) { pthread_mutex_unlock(&gate_lock); }
+static void gate_after_fork_child(void)
+{
+    gate_inside = gate_own_depth;
+    pthread_mutex_unlock(&gate_lock);
+}
+
 /* Runs on whichever thread runs the stream's callbacks (its worker): takes the GIL, calls
- * fn(user_data) and reports an exception as unraisable.  Once the interpreter is shutting
- * down the callback is dropped (and its objects leaked): Python can no longer run it. */
+ * fn(user_data) and reports an exception as unraisable. */
 static void py_callback_trampoline(void *arg)
 {
     py_callback *c = arg;
-    if (interpreter_finalizing())
+    if (!gate_enter())
         return;
     PyGILState_STATE g = PyGILState_Ensure();
     PyObject *r = PyObject_CallOneArg(c->fn, c->user_data);
@@ -742,6 +799,7 @@ static void py_callback_trampoline(void *arg)
     Py_DECREF(c->fn);
     Py_DECREF(c->user_data);
     PyGILState_Release(g);
+    gate_leave();
     PyMem_RawFree(c);
 }
 
@@ -751,7 +809,7 @@ static void py_callback_trampoline(void *arg)
 static void py_callback_call(void *arg)
 {
     py_callback *c = arg;
-    if (interpreter_finalizing())
+    if (!gate_enter())
         return;
     PyGILState_STATE g = PyGILState_Ensure();
     PyObject *r = PyObject_CallOneArg(c->fn, c->user_data);
@@ -760,17 +818,19 @@ static void py_callback_call(void *arg)
     else
         PyErr_WriteUnraisable(c->fn);
     PyGILState_Release(g);
+    gate_leave();
 }
 
 static void py_callback_free(void *arg)
 {
     py_callback *c = arg;
-    if (interpreter_finalizing())
-        return; /* (its objects are leaked, as py_callback_trampoline does) */
+    if (!gate_enter())
+        return; /* (its objects are leaked, as a dropped callback's are) */
     PyGILState_STATE g = PyGILState_Ensure();
     Py_DECREF(c->fn);
     Py_DECREF(c->user_data);
     PyGILState_Release(g);
+    gate_leave();
     PyMem_RawFree(c);
 }
 
@@ -1032,4 +1092,28 @@ static struct PyModuleDef rt_def = {
     NULL, NULL, NULL, NULL,
 };
 
-PyObject *acl_rt_module_create(void) { return PyModule_Create(&rt_def); }
+static PyMethodDef close_callbacks_def = {
+    "_close_python_callbacks", close_python_callbacks, METH_NOARGS,
+    "Registered with atexit: waits for the Python callbacks running and drops those to come."};
+
+PyObject *acl_rt_module_create(void)
+{
+    static bool fork_handlers; /* the module is made once per process, under the GIL */
+    if (!fork_handlers) {
+        if (pthread_atfork(gate_before_fork, gate_after_fork_parent, gate_after_fork_child) != 0)
+            return PyErr_NoMemory();
+        fork_handlers = true;
+    }
+    PyObject *m = PyModule_Create(&rt_def);
+    PyObject *atexit = m ? PyImport_ImportModule("atexit") : NULL;
+    PyObject *hook = atexit ? PyCFunction_New(&close_callbacks_def, NULL) : NULL;
+    PyObject *r = hook ? PyObject_CallMethod(atexit, "register", "O", hook) : NULL;
+    Py_XDECREF(hook);
+    Py_XDECREF(atexit);
+    if (!r) {
+        Py_XDECREF(m);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return m;
+}

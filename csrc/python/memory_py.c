@@ -13,10 +13,11 @@
  * destruction) releases the GIL: a stream task may be a Python callback that needs it.
  *
  * Restarts: npualloc._C.shutdown() releases every stream, event and block, and the next
- * runtime hands out the same handle and pointer values again.  This face wraps
- * `npualloc._C.shutdown` to bump a generation number; streams, events, buffers and current
- * stream entries remember the generation they were made in and are not touched once it is
- * over (a stale Buffer is never freed, so it cannot free a block of the new runtime).
+ * runtime hands out the same handle and pointer values again.  Streams, events, buffers and
+ * current stream entries remember the runtime's generation (npualloc_runtime_generation) they
+ * were made in and are not touched once it is over (a stale Buffer is never freed, so it cannot
+ * free a block of the new runtime).  The runtime is not shut down while a view of a Buffer's
+ * memory is exported (memory_py_buffer_views).
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -887,6 +888,12 @@ typedef struct {
 
 static PyTypeObject Buffer_Type;
 
+/* Views of Buffer memory exported and not released yet, all Buffers together (the GIL guards it): the
+ * runtime is not shut down under one, which would unmap the memory a memoryview still reads. */
+static Py_ssize_t buffer_views;
+
+Py_ssize_t memory_py_buffer_views(void) { return buffer_views; }
+
 /* Gives the memory back (GIL released: an uncached free synchronizes the device). */
 static int buffer_release(BufferObject *b)
 {
@@ -953,6 +960,7 @@ static int Buffer_getbuffer(BufferObject *b, Py_buffer *view, int flags)
     if (PyBuffer_FillInfo(view, (PyObject *)b, (void *)(uintptr_t)b->ptr, (Py_ssize_t)b->nbytes, 0, flags) < 0)
         return -1;
     b->exports++;
+    buffer_views++;
     return 0;
 }
 
@@ -960,6 +968,7 @@ static void Buffer_releasebuffer(BufferObject *b, Py_buffer *view)
 {
     (void)view;
     b->exports--;
+    buffer_views--;
 }
 
 static PyBufferProcs Buffer_as_buffer = {(getbufferproc)Buffer_getbuffer, (releasebufferproc)Buffer_releasebuffer};

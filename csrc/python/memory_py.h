@@ -11,10 +11,12 @@
 
 #include "npualloc.h"
 
-/* Creates the submodule and adds it to `module` as `memory`; also wraps `module.shutdown` so
- * the face notices a restart of the runtime (its streams, events and buffers go stale).
- * Returns 0, or -1 with an exception set. */
+/* Creates the submodule and adds it to `module` as `memory`.  Returns 0, or -1 with an exception set. */
 int memory_py_attach(PyObject *module);
+
+/* Views of npualloc.Buffer memory exported (a memoryview, a NumPy array) and not released yet: while
+ * any is, shutdown() refuses (the GIL held). */
+Py_ssize_t memory_py_buffer_views(void);
 
 /* Raises the failure of an npualloc_cache_* call by npualloc_last_error's kind, with torch_npu's error
  * suffix where the allocator recorded one (npualloc_last_error_suffix); always NULL.  Shared with the

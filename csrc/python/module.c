@@ -112,6 +112,14 @@ static PyObject *py_shutdown(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
+    Py_ssize_t views = memory_py_buffer_views();
+    if (views > 0) { /* as Buffer.free(): the memory would go from under them */
+        PyErr_Format(PyExc_BufferError,
+                     "npualloc: %zd exported view(s) of npualloc.Buffer memory still exist: release them "
+                     "(memoryview.release(), or drop the arrays) before shutting the runtime down",
+                     views);
+        return NULL;
+    }
     aclError rc;
     Py_BEGIN_ALLOW_THREADS
     rc = npualloc_shutdown();
