@@ -35,8 +35,8 @@ def configure(device_count=None, device_memory=None, huge_memory=None, huge1g_me
         "huge1g_memory": huge1g_memory,
         "ddr_memory": ddr_memory,
     }
-    if device_memory is not None and huge_memory is None and "NPUALLOC_HUGE_MEMORY" not in __import__("os").environ:
-        given["huge_memory"] = device_memory  # huge pages default to all of the HBM
+    if device_memory is not None and huge_memory is None and not __import__("os").environ.get("NPUALLOC_HUGE_MEMORY"):
+        given["huge_memory"] = device_memory  # huge pages default to all of the HBM (an empty variable is unset)
     for key, value in given.items():
         if value is None:
             continue

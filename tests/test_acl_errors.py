@@ -416,6 +416,15 @@ def test_valid_environment_configures_the_devices():
     assert proc.stdout.strip() == f"(3, 0) 0 ({3 << 29}, {3 << 29}, 0)"
 
 
+def test_configure_takes_an_empty_huge_memory_variable_as_unset():
+    # as the runtime does: huge pages then default to all of configure()'s device memory (an empty variable
+    # kept the 64 GiB default, and the 1 GiB device was refused as smaller than its huge pages)
+    code = 'import npualloc; npualloc.configure(device_memory="1GiB"); print(npualloc._C.config()["huge_memory"])'
+    proc = run_python(code, env={"NPUALLOC_HUGE_MEMORY": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(1 << 30)
+
+
 def test_readme_example_runs_as_written():
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
