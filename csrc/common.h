@@ -32,6 +32,8 @@ static inline int env_whole_number(const char *name, long min, long max, long *o
     const char *text = getenv(name);
     if (!text || !*text)
         return 0;
+    if (!(*text >= '0' && *text <= '9') && !(*text == '-' && min < 0))
+        return -1; /* strtol would also take leading spaces and a '+' */
     char *end;
     errno = 0;
     long v = strtol(text, &end, 10);

@@ -1,6 +1,7 @@
 /* fault.c - see fault.h. */
 #include "fault.h"
 
+#include <errno.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,9 +64,11 @@ bool fault_arm_from_env(char *err, size_t errlen)
                 break;
             }
         }
-        char *end;
-        unsigned long long v = kind >= 0 ? strtoull(p, &end, 10) : 0;
-        if (kind < 0 || end == p || (*end && *end != ',')) {
+        char *end = (char *)p;
+        errno = 0;
+        /* digits only: strtoull would also take spaces, a sign, and "-1" as the largest count */
+        unsigned long long v = kind >= 0 && *p >= '0' && *p <= '9' ? strtoull(p, &end, 10) : 0;
+        if (kind < 0 || end == p || errno || (*end && *end != ',')) {
             snprintf(err, errlen,
                      "NPUALLOC_FAULT='%s' is malformed: use kind:N[,kind:N] with kinds device_alloc, map, memfile, reserve",
                      text);

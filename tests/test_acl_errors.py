@@ -395,7 +395,8 @@ for name, call in calls:
 
 
 @pytest.mark.parametrize("var,value", [("NPUALLOC_DEVICE_MEMORY", "lots"), ("NPUALLOC_DEVICE_MEMORY", "12 parsecs"),
-                                       ("NPUALLOC_DEVICE_COUNT", "0"), ("NPUALLOC_DDR_MEMORY", "-1"),
+                                       ("NPUALLOC_DEVICE_COUNT", "0"), ("NPUALLOC_DEVICE_COUNT", " 4"),
+                                       ("NPUALLOC_DEVICE_COUNT", "+4"), ("NPUALLOC_DDR_MEMORY", "-1"),
                                        ("NPUALLOC_VA_SPACE", "huge"), ("NPUALLOC_FD_BUDGET", "many"),
                                        ("NPUALLOC_IPC_TIMEOUT_MS", "1s")])
 def test_malformed_environment_raises_value_error(var, value):

@@ -43,8 +43,9 @@ for n in range(5):
 assert npualloc.faults.counts("device_alloc")[1] == 1 and npualloc.memory_stats()["num_alloc_retries"] == 1
 """, env={"NPUALLOC_FAULT": "device_alloc:3,map:5"})
     assert armed.returncode == 0, armed.stderr
-    bad = run_python("import npualloc; npualloc.caching_allocator_alloc(1)", env={"NPUALLOC_FAULT": "device_alloc"})
-    assert "NPUALLOC_FAULT='device_alloc' is malformed" in bad.stderr, bad.stderr
+    for malformed in ("device_alloc", "map:-1", "map: 5", "map:+5", "map:99999999999999999999"):
+        bad = run_python("import npualloc; npualloc.caching_allocator_alloc(1)", env={"NPUALLOC_FAULT": malformed})
+        assert f"NPUALLOC_FAULT='{malformed}' is malformed" in bad.stderr, bad.stderr
     inject = run_python("""
 import npualloc
 from npualloc import acl
