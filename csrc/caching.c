@@ -263,6 +263,7 @@ static inline void owner_segments(block_pool *pool, int delta)
 static void synchronize_device_unlocked(device_cache *dc)
 {
     npualloc_context *ctx = dc->current_ctx;
+    dc->current_ctx = NULL; /* the caller's stack is not another thread's while the lock is free */
     cache_lock_release(&dc->lock);
     dc->backend->synchronize(dc->backend_ctx, dc->device);
     cache_lock_acquire(&dc->lock);
@@ -274,6 +275,7 @@ static void synchronize_device_unlocked(device_cache *dc)
 static void wait_position_unlocked(device_cache *dc, npu_stream *s, uint64_t position)
 {
     npualloc_context *ctx = dc->current_ctx;
+    dc->current_ctx = NULL; /* the caller's stack is not another thread's while the lock is free */
     cache_lock_release(&dc->lock);
     stream_wait_position(s, position);
     cache_lock_acquire(&dc->lock);
@@ -516,6 +518,7 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
     if (!dc->backend->free_memory)
         return false;
     npualloc_context *ctx = dc->current_ctx;
+    dc->current_ctx = NULL; /* the caller's stack is not another thread's while the lock is free */
     cache_lock_release(&dc->lock);
     bool freed = dc->backend->free_memory(dc->backend_ctx);
     cache_lock_acquire(&dc->lock);
@@ -1589,13 +1592,14 @@ static void collect_heads(device_cache *dc, head_list *heads)
     dedupe_heads(heads); /* a pending block has one queue entry per stream that used it */
 }
 
-void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx)
+bool cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx)
 {
     head_list heads = {0};
     collect_heads(dc, &heads);
-    for (size_t i = 0; i < heads.count; i++)
+    for (size_t i = 0; i < heads.count && !heads.failed; i++)
         fn(heads.items[i], ctx);
     free(heads.items);
+    return !heads.failed;
 }
 
 /* Frees the device's metadata; `return_memory` also gives every segment back to the runtime
@@ -1804,21 +1808,27 @@ static void count_owned_segment(cache_block *head, void *ctx)
     c->segments += !head->es && head->pool->owner == c->pool;
 }
 
-/* The plain segments and expandable segments a private pool owns (what its count must say). */
-static size_t pool_owned_segments(device_cache *dc, const private_pool *pp)
+/* The plain segments and expandable segments a private pool owns (what its count must say); false when
+ * out of host memory to count them. */
+static bool pool_owned_segments(device_cache *dc, const private_pool *pp, size_t *owned)
 {
     owned_count c = {pp, 0};
-    cache_each_segment(dc, count_owned_segment, &c);
+    if (!cache_each_segment(dc, count_owned_segment, &c))
+        return false;
     for (const expandable_segment *es = dc->expandable_segments; es; es = es->next)
         c.segments += es->pool->owner == pp;
-    return c.segments;
+    *owned = c.segments;
+    return true;
 }
 
 aclError cache_check_locked(device_cache *dc, char *why, size_t len)
 {
     check_state state = {.dc = dc, .device = dc->device, .why = why, .len = len};
     check_state *st = &state;
-    cache_each_segment(dc, check_segment, st);
+    if (!cache_each_segment(dc, check_segment, st)) {
+        snprintf(why, len, "out of host memory for the check");
+        return ACL_ERROR_BAD_ALLOC;
+    }
     static const char *names[] = {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
                                   "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes"};
     npualloc_stats stats;
@@ -1858,7 +1868,11 @@ aclError cache_check_locked(device_cache *dc, char *why, size_t len)
         indexes_sound = indexes_sound && block_pool_check(&pp->large) && block_pool_check(&pp->small);
     CHECK(indexes_sound, "a pool's free-block index is inconsistent (block_pool_check)");
     for (const private_pool *pp = dc->private_pools; pp && !st->failed; pp = pp->next) {
-        size_t owned = pool_owned_segments(dc, pp);
+        size_t owned = 0;
+        if (!pool_owned_segments(dc, pp, &owned)) {
+            snprintf(why, len, "out of host memory for the check");
+            return ACL_ERROR_BAD_ALLOC;
+        }
         CHECK(pp->segments == owned, "private pool (%llu, %llu) counts %zu segments but owns %zu",
               (unsigned long long)pp->id.first, (unsigned long long)pp->id.second, pp->segments, owned);
     }

@@ -430,8 +430,9 @@ static inline void cache_context_drop(npualloc_context *c)
     if (c)
         npualloc_context_release(c);
 }
-/* Calls fn on every block of every segment (segments in address order, blocks in order). */
-void cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx);
+/* Calls fn on the first block of every segment, in address order; false (fn called for none) when out of
+ * host memory to collect them. */
+bool cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ctx), void *ctx);
 aclError cache_check_locked(device_cache *dc, char *why, size_t len);
 
 /* ---- sharing pin (npualloc.share; the hook is set by ipc_share.c) ----

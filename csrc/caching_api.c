@@ -23,6 +23,7 @@ alloc_settings cache_settings;
 
 /* Guards the start of the caches (settings from the environment) and settings changes. */
 static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t history_lock = PTHREAD_MUTEX_INITIALIZER; /* record_history calls; taken before api_lock */
 static bool settings_loaded;
 static conf_result settings_error; /* status != CONF_OK: the environment is malformed */
 static char settings_text[1024];
@@ -1186,20 +1187,26 @@ aclError npualloc_cache_record_history_opts(bool enabled, npualloc_record_contex
         (opts->skip_actions & ~(NPUALLOC_TRACE_SKIP(TRACE_ACTION_COUNT) - 1u)) != 0)
         return ACL_ERROR_INVALID_PARAM;
     npualloc_record_context level = enabled ? when : NPUALLOC_RECORD_NEVER;
-    atomic_store(&record_level, level);
     if (enabled && max_entries == 0)
         max_entries = 1;
+    /* One call at a time, so that every device records as the last call said; the level reported is set
+     * once every device took it (a call that fails on the way changes none of it). */
+    pthread_mutex_lock(&history_lock);
     int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
     for (int d = 0; d < count; d++) {
         device_cache *dc = cache_acquire(d);
-        if (!dc)
+        if (!dc) {
+            pthread_mutex_unlock(&history_lock);
             return ACL_ERROR_INVALID_PARAM;
+        }
         history_keep_newest(dc, enabled && !opts->clear_history ? max_entries : 0);
         dc->record_context = level;
         dc->history_skip = opts->skip_actions;
         dc->history_max = enabled ? max_entries : 0; /* at least 1 when enabled */
         cache_lock_release(&dc->lock);
     }
+    atomic_store(&record_level, level);
+    pthread_mutex_unlock(&history_lock);
     return ACL_SUCCESS;
 }
 
@@ -1263,6 +1270,7 @@ void caching_shutdown(void)
 
 void caching_atfork_prepare(void)
 {
+    pthread_mutex_lock(&history_lock);
     pthread_mutex_lock(&api_lock);
     if (caches_ready)
         for (int d = 0; d < NPU_MAX_DEVICES; d++)
@@ -1287,6 +1295,7 @@ void caching_atfork_parent(void)
         for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
             cache_lock_release(&caches[d].lock);
     pthread_mutex_unlock(&api_lock);
+    pthread_mutex_unlock(&history_lock);
 }
 
 void caching_atfork_child(void)

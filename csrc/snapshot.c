@@ -111,7 +111,8 @@ bool snapshot_add_device(snapshot_builder *sb, device_cache *dc)
         return false;
     }
     segment_walk w = {sb, dc};
-    cache_each_segment(dc, add_segment, &w);
+    if (!cache_each_segment(dc, add_segment, &w))
+        sb->failed = true;
     return !sb->failed;
 }
 

@@ -406,7 +406,7 @@ aclError npualloc_cache_add_free_memory_callback(npualloc_free_memory_callback f
  * never overlap, free neighbours are merged, the pools hold exactly the free blocks, and the
  * stats equal what the blocks imply.  Returns ACL_SUCCESS or ACL_ERROR_INTERNAL_ERROR with the
  * first violation in `why` (len bytes; why may be NULL only with len 0, else
- * ACL_ERROR_INVALID_PARAM). */
+ * ACL_ERROR_INVALID_PARAM); ACL_ERROR_BAD_ALLOC when out of host memory to check. */
 aclError npualloc_cache_check(int32_t device, char *why, size_t len);
 
 /* ---- fault injection (tests) ---- */

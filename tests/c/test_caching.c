@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <time.h>
 
 #include "caching.h"
 #include "host.h"
@@ -1108,6 +1109,111 @@ static void test_history_keeps_contexts_by_level(void **state)
     npualloc_context_release(freed_at);
 }
 
+static npualloc_context *waiting_stack;
+
+static void *empty_cache_with_a_stack(void *arg)
+{
+    (void)arg;
+    assert_int_equal(npualloc_cache_empty_ctx(waiting_stack), ACL_SUCCESS); /* waits for the device, unlocked */
+    return NULL;
+}
+
+/* A call waiting with the device's lock released (here empty_cache's synchronize) kept its stack as the
+ * device's current one, and entries other threads recorded meanwhile took it: a snapshot's entry, which
+ * torch records with no stack, carried the waiting call's. */
+static void test_a_waiting_calls_stack_goes_to_no_other_threads_entries(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    waiting_stack = npualloc_context_create("train.py:7 empty_cache", 23);
+    assert_int_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALL, 100), ACL_SUCCESS);
+    aclrtStream s = new_stream();
+    atomic_int gate;
+    hold_stream(s, &gate);
+    pthread_t waiter;
+    assert_int_equal(pthread_create(&waiter, NULL, empty_cache_with_a_stack, NULL), 0);
+    struct timespec pause = {0, 200 * 1000 * 1000};
+    nanosleep(&pause, NULL); /* the empty_cache waits for the held stream */
+    npualloc_snapshot *snap;
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS); /* records its entry, with no stack */
+    npualloc_snapshot_free(snap);
+    atomic_store(&gate, 1);
+    assert_int_equal(pthread_join(waiter, NULL), 0);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    size_t snapshots = 0;
+    for (size_t i = 0; i < snap->trace_count; i++) {
+        if (snap->traces[i].action == NPUALLOC_TRACE_SNAPSHOT) {
+            snapshots++;
+            assert_null(snap->traces[i].frames);
+        }
+    }
+    npualloc_snapshot_free(snap);
+    assert_int_equal(snapshots, 2); /* the one taken during the wait, and this one */
+    npualloc_context_release(waiting_stack);
+}
+
+/* A record_history that fails (the settings are malformed, so no device can start) leaves the level it
+ * reports alone: it said ALL while no device recorded. */
+static void test_a_failed_record_history_changes_no_level(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "max_split_size_mb:10");
+    assert_int_not_equal(npualloc_cache_record_history(true, NPUALLOC_RECORD_ALL, 100), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_record_context(), NPUALLOC_RECORD_NEVER);
+}
+
+static atomic_int toggles_go;
+
+static void *toggle_history(void *on)
+{
+    while (!atomic_load(&toggles_go))
+        ;
+    assert_int_equal(npualloc_cache_record_history(on != NULL, on ? NPUALLOC_RECORD_ALL : NPUALLOC_RECORD_NEVER, 100),
+                     ACL_SUCCESS);
+    return NULL;
+}
+
+/* Two record_history calls at once (one on, one off) leave every device as one of them said, and the
+ * level reported is that one's: devices were left mixed, and the level could be the other call's. */
+static void test_concurrent_record_history_calls_leave_one_state(void **state)
+{
+    (void)state;
+    enum { DEVICES = 4 };
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    start_runtime(DEVICES, GiB_, GiB_, 0, 0);
+    const int rounds = getenv("NPUALLOC_VALGRIND") ? 30 : 300;
+    for (int round = 0; round < rounds; round++) {
+        assert_int_equal(npualloc_cache_record_history(false, NPUALLOC_RECORD_NEVER, 0), ACL_SUCCESS);
+        atomic_store(&toggles_go, 0);
+        pthread_t on, off;
+        assert_int_equal(pthread_create(&on, NULL, toggle_history, (void *)1), 0);
+        assert_int_equal(pthread_create(&off, NULL, toggle_history, NULL), 0);
+        atomic_store(&toggles_go, 1);
+        assert_int_equal(pthread_join(on, NULL), 0);
+        assert_int_equal(pthread_join(off, NULL), 0);
+        size_t recorded[DEVICES] = {0};
+        for (int d = 0; d < DEVICES; d++) {
+            void *p = NULL;
+            assert_int_equal(npualloc_cache_malloc(d, 1000, 0, &p), ACL_SUCCESS);
+            assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+        }
+        npualloc_snapshot *snap;
+        assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+        for (size_t i = 0; i < snap->trace_count; i++)
+            recorded[snap->traces[i].device] += snap->traces[i].action == NPUALLOC_TRACE_ALLOC;
+        npualloc_snapshot_free(snap);
+        for (int d = 1; d < DEVICES; d++)
+            if ((recorded[d] > 0) != (recorded[0] > 0))
+                fail_msg("round %d: device 0 records: %d, device %d: %d", round, recorded[0] > 0, d, recorded[d] > 0);
+        if ((recorded[0] > 0) != (npualloc_cache_record_context() != NPUALLOC_RECORD_NEVER))
+            fail_msg("round %d: the devices record: %d, but the level is %d", round, recorded[0] > 0,
+                     (int)npualloc_cache_record_context());
+    }
+    assert_int_equal(npualloc_cache_record_history(false, NPUALLOC_RECORD_NEVER, 0), ACL_SUCCESS);
+}
+
 static void test_settings_change_at_run_time(void **state)
 {
     (void)state;
@@ -1335,6 +1441,9 @@ int main(void)
         cmocka_unit_test_teardown(test_cached_only_allocation_serves_hits_and_leaves_misses, stop_cache),
         cmocka_unit_test_teardown(test_acl_free_refuses_the_allocators_segments, stop_cache),
         cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
+        cmocka_unit_test_teardown(test_a_waiting_calls_stack_goes_to_no_other_threads_entries, stop_cache),
+        cmocka_unit_test_teardown(test_a_failed_record_history_changes_no_level, stop_cache),
+        cmocka_unit_test_teardown(test_concurrent_record_history_calls_leave_one_state, stop_cache),
         cmocka_unit_test_teardown(test_random_operations_keep_every_invariant, stop_cache),
         cmocka_unit_test_teardown(test_eight_threads_never_share_a_live_block, stop_cache),
     };

@@ -122,12 +122,45 @@ static void test_a_failed_record_stream_during_a_capture_leaves_no_mark(void **s
 #endif
 }
 
+/* A snapshot that ran out of host memory while collecting the segments reported success without them. */
+static void test_a_snapshot_out_of_host_memory_fails_instead_of_leaving_segments_out(void **state)
+{
+    (void)state;
+#if !defined(INTERPOSED)
+    skip();
+#else
+    if (getenv("NPUALLOC_VALGRIND"))
+        skip();
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(1, GiB_, GiB_, 0, 0);
+    void *p = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 1000, 0, &p), ACL_SUCCESS);
+    npualloc_snapshot *snap = NULL;
+    atomic_store(&refuse_realloc, true);
+    aclError rc = npualloc_cache_snapshot(&snap);
+    char why[128] = "";
+    aclError checked = npualloc_cache_check(0, why, sizeof why);
+    atomic_store(&refuse_realloc, false);
+    assert_int_equal(rc, ACL_ERROR_BAD_ALLOC);
+    assert_null(snap);
+    assert_int_equal(checked, ACL_ERROR_BAD_ALLOC); /* not a broken invariant */
+    assert_string_equal(why, "out of host memory for the check");
+    assert_int_equal(npualloc_cache_snapshot(&snap), ACL_SUCCESS);
+    assert_int_equal(snap->segment_count, 1);
+    npualloc_snapshot_free(snap);
+    assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
+#endif
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_teardown(test_no_host_memory_after_aligning_a_block_leaves_no_unmerged_neighbours,
                                   stop_runtime),
         cmocka_unit_test_teardown(test_a_failed_record_stream_during_a_capture_leaves_no_mark, stop_runtime),
+        cmocka_unit_test_teardown(test_a_snapshot_out_of_host_memory_fails_instead_of_leaving_segments_out,
+                                  stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
