@@ -836,7 +836,7 @@ static PyObject *m_caching_allocator_alloc(PyObject *self, PyObject *const *args
     if (rc != ACL_SUCCESS)
         return raise_alloc_failure(rc);
     if (drain_warnings() < 0) {
-        (void)npualloc_cache_free(p);
+        LOCKING_CALL((void)npualloc_cache_free(p)); /* as every free: never wait for the lock holding the GIL */
         return NULL;
     }
     return PyLong_FromVoidPtr(p);
