@@ -4,6 +4,8 @@ import ctypes
 import gc
 import mmap
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -13,7 +15,7 @@ import pytest
 
 import npualloc
 from npualloc import acl
-from conftest import held, run_python
+from conftest import ROOT, held, run_python
 
 rt = acl.rt
 pytestmark = pytest.mark.usefixtures("dev0")
@@ -304,7 +306,7 @@ def test_callbacks_running_at_exit_finish_before_the_interpreter_does():
     # on its stream's worker, mid-task: the stream never passed it, and a finalizer's synchronize hung the exit.
     # Now exit waits for it (atexit), and a callback queued behind it is dropped.
     p = run_python("""
-import os, time
+import os, threading, time
 from npualloc import acl
 rt = acl.rt
 rt.set_device(0)
@@ -313,13 +315,54 @@ class SynchronizesAtTeardown:
     def __del__(self, sync=rt.synchronize_stream, s=s, write=os.write):   # sys.stdout may be gone by then
         write(1, f"synchronized at teardown: {sync(s)}\\n".encode())
 holder = SynchronizesAtTeardown()
-rt.launch_callback(lambda _: (time.sleep(0.5), print("callback done", flush=True)), None, 0, s)
+started = threading.Event()
+rt.launch_callback(lambda _: (started.set(), time.sleep(0.5), print("callback done", flush=True)), None, 0, s)
 rt.launch_callback(print, "queued callback ran", 0, s)   # (a builtin: a dropped callback's objects are leaked)
-time.sleep(0.1)   # the first callback is running, its GIL given up
+started.wait()   # the first callback is running; it gives up the GIL as the script ends
 """, timeout=60)
     assert p.returncode == 0, p.stderr[-800:]
     assert p.stdout.splitlines()[0] == "callback done"
     assert "synchronized at teardown: 0" in p.stdout.splitlines()
+
+
+STUCK_CALLBACK = """
+import sys, threading
+from npualloc import acl
+rt = acl.rt
+rt.set_device(0)
+s, _ = rt.create_stream()
+started, never = threading.Event(), threading.Event()
+rt.launch_callback(lambda _: (started.set(), never.wait()), None, 0, s)   # waits for the main thread for ever
+started.wait()
+print("main done", flush=True)
+"""
+
+
+def test_exit_leaves_a_callback_that_never_ends_after_a_while():
+    # the exiting main thread will never set what the callback waits for: exit waits 5 s, then says so
+    p = run_python(STUCK_CALLBACK, timeout=60)
+    assert p.returncode == 0, p.stderr[-800:]
+    assert p.stdout == "main done\n"
+    assert p.stderr == ("npualloc: 1 Python stream callback(s) still running 5 s into exit are left to the "
+                        "interpreter, which ends them where they stand\n")
+
+
+def test_ctrl_c_ends_the_wait_for_callbacks_at_exit():
+    p = subprocess.Popen([sys.executable, "-c", STUCK_CALLBACK], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    try:
+        assert p.stdout.readline() == "main done\n"
+        for _ in range(12):  # until it exits (one that comes before the wait only ends the script sooner)
+            time.sleep(0.3)
+            p.send_signal(signal.SIGINT)
+            if p.poll() is not None:
+                break
+        _, err = p.communicate(timeout=1)  # well before the 5 s the wait would take
+    finally:
+        p.kill()
+    assert "KeyboardInterrupt" in err, err
+    assert "still running 5 s into exit" not in err
 
 
 def test_launch_callback_errors():

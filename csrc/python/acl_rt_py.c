@@ -9,6 +9,7 @@
  */
 #include <pthread.h>
 #include <string.h>
+#include <time.h>
 
 #include "acl_rt.h"
 #include "binding.h"
@@ -759,18 +760,53 @@ static void gate_leave(void)
     pthread_mutex_unlock(&gate_lock);
 }
 
-/* The atexit hook: closes the gate, then waits for the callbacks inside but the calling thread's own. */
+/* How long exit waits for the callbacks still running before it leaves them to CPython, which ends them
+ * where they stand: one may wait for what the exiting main thread would have done. */
+#define EXIT_WAIT_SLICES 50 /* of 100 ms */
+
+/* Whether callbacks other than the calling thread's own are inside after waiting up to 100 ms for them
+ * (gate_lock held). */
+static bool gate_still_busy_after_a_slice(void)
+{
+    if (gate_inside > gate_own_depth) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
+        until.tv_nsec += 100 * 1000 * 1000;
+        if (until.tv_nsec >= 1000 * 1000 * 1000) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000 * 1000 * 1000;
+        }
+        (void)pthread_cond_timedwait(&gate_emptied, &gate_lock, &until);
+    }
+    return gate_inside > gate_own_depth;
+}
+
+/* The atexit hook: closes the gate, then waits (without the GIL, Ctrl-C ending the wait) for the callbacks
+ * inside but the calling thread's own, up to EXIT_WAIT_SLICES; says so on stderr if some are left. */
 static PyObject *close_python_callbacks(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&gate_lock);
     gate_closed = true;
-    while (gate_inside > gate_own_depth)
-        pthread_cond_wait(&gate_emptied, &gate_lock);
     pthread_mutex_unlock(&gate_lock);
-    Py_END_ALLOW_THREADS
+    size_t left = 0;
+    for (int slice = 0; slice < EXIT_WAIT_SLICES; slice++) {
+        bool busy;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&gate_lock);
+        busy = gate_still_busy_after_a_slice();
+        left = gate_inside - gate_own_depth;
+        pthread_mutex_unlock(&gate_lock);
+        Py_END_ALLOW_THREADS
+        if (!busy)
+            Py_RETURN_NONE;
+        if (PyErr_CheckSignals() < 0)
+            return NULL; /* (atexit reports it and goes on) */
+    }
+    PySys_WriteStderr("npualloc: %zu Python stream callback(s) still running %d s into exit are left to the "
+                      "interpreter, which ends them where they stand\n",
+                      left, EXIT_WAIT_SLICES / 10);
     Py_RETURN_NONE;
 }
 
