@@ -23,7 +23,9 @@ The ``npualloc_runtime`` fixture restarts the runtime before the test (allocator
 test checks every device's allocator invariants (a broken invariant fails the test), forgets OOM observers,
 restores the environment variables it changed and releases everything.
 """
+import gc
 import os
+import sys
 
 from . import _C, configure, memory
 
@@ -71,6 +73,20 @@ def restart(alloc_conf="", *, no_caching=False, device_count=None, device_memory
         raise
 
 
+def _shutdown_at_teardown():
+    """``_C.shutdown()`` after a test.  A failed test's exception stays in ``sys.last_traceback`` (for
+    post-mortem debugging) with the test's locals, a ``memoryview`` of a ``Buffer`` among them, under which
+    shutdown() refuses to unmap the memory: that exception is dropped and the shutdown tried again once."""
+    try:
+        _C.shutdown()
+    except BufferError:
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
+        gc.collect()
+        _C.shutdown()
+
+
 def check_invariants():
     """Checks the caching allocator's invariants on every device of a running runtime (blocks tile their
     segments, free blocks are indexed, stats match the blocks, ...).  Raises ``AssertionError`` naming
@@ -99,5 +115,7 @@ if pytest is not None:
             check_invariants()
         finally:
             memory._clear_out_of_memory_observers()
-            _C.shutdown()
-            _set_alloc_vars(saved)
+            try:
+                _shutdown_at_teardown()
+            finally:
+                _set_alloc_vars(saved)

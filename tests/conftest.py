@@ -14,6 +14,7 @@ import pytest
 
 import npualloc
 from npualloc import _C, acl
+from npualloc.testing import _shutdown_at_teardown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,7 +64,7 @@ def restart():
         return cfg
 
     yield _restart
-    _C.shutdown()
+    _shutdown_at_teardown()
 
 
 @pytest.fixture

@@ -187,3 +187,32 @@ def test_the_pytest_fixture(tmp_path):
     assert "5 passed, 1 error" in out, out + proc.stderr
     assert "ERROR at teardown of test_a_broken_invariant_fails_the_test" in out
     assert "segment 0x1000: blocks do not tile it" in out
+
+
+def test_the_fixture_after_a_failed_test_that_held_a_view(tmp_path):
+    # The failed test's locals (a memoryview of a Buffer) stay alive in sys.last_traceback through teardown, and
+    # shutdown() refuses to unmap memory under a view: the fixture's teardown failed, the next test's setup too,
+    # and the environment was left with the failed test's settings.
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["npualloc.testing"]\n')
+    (tmp_path / "test_views.py").write_text(textwrap.dedent("""
+        import os
+        import npualloc
+
+        def test_a_fails_holding_a_view(npualloc_runtime):
+            npualloc_runtime("expandable_segments:True")
+            view = memoryview(npualloc.empty(4096))
+            assert view[0] == 99
+
+        def test_b_has_a_fresh_runtime(npualloc_runtime):
+            assert os.environ.get("PYTORCH_NPU_ALLOC_CONF", "") == ""
+            assert npualloc.memory_allocated() == 0
+
+        def test_c_the_environment_is_back():
+            assert "PYTORCH_NPU_ALLOC_CONF" not in os.environ
+    """))
+    env = {k: v for k, v in os.environ.items() if k not in ALLOC_VARS and not k.startswith("NPUALLOC_")}
+    env.update(PYTHONPATH=str(ROOT), NPUALLOC_DEVICE_COUNT="1", NPUALLOC_DEVICE_MEMORY="1GiB")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 2 passed" in proc.stdout, proc.stdout + proc.stderr
+    assert "assert 0 == 99" in proc.stdout
