@@ -1190,7 +1190,7 @@ aclError npualloc_cache_record_history_opts(bool enabled, npualloc_record_contex
     if (enabled && max_entries == 0)
         max_entries = 1;
     /* One call at a time, so that every device records as the last call said; the level reported is set
-     * once every device took it (a call that fails on the way changes none of it). */
+     * only once every device took the call's settings (a call that fails on the way leaves it alone). */
     pthread_mutex_lock(&history_lock);
     int count = runtime_ensure_init() == ACL_SUCCESS ? device_count() : 0;
     for (int d = 0; d < count; d++) {

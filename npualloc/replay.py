@@ -127,7 +127,7 @@ def _read_bounded(f, name):
         return f.read()
     data, resume, check_at = bytearray(), 0, 0
     while True:
-        chunk = f.read(1 << 20)
+        chunk = f.read1(1 << 20)  # what has come (read() would wait for a whole chunk, or the writer's end)
         if not chunk:
             return bytes(data)  # cut off before STOP: check_pickle says where
         data += chunk
@@ -136,7 +136,7 @@ def _read_bounded(f, name):
         if len(data) < check_at:
             continue
         try:
-            resumed, stopped = _C.replay.check_pickle_prefix(data, resume)
+            resumed, stopped = _C.replay.check_pickle_prefix(data, resume, limit)
         except ValueError as e:
             raise TraceError(f"{name}: not a readable pickle ({e}){_looks_like(data)}") from None
         if stopped:
@@ -540,23 +540,39 @@ def _extract_device(name, device, entries, segments):
 
 
 _SETTINGS_DEPTH = 32  # torch's allocator_settings is a dict of numbers, strings and a list or two
+_SETTINGS_ITEMS = 100_000
+_CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
-def _nests_deeper(value, limit):
-    """Does plain data hold containers more than `limit` levels deep (a structure that holds itself always
-    does)?  Walked without recursion."""
-    todo = [(value, 1)]
+def _settings_too_big(value):
+    """Would _json_ready's copy of plain data (dict keys included) be deeper than _SETTINGS_DEPTH levels or
+    hold more than _SETTINGS_ITEMS items (an object met along several paths is copied once per path), or
+    does the data hold itself?  Each container is measured once, without recursion."""
+    if not isinstance(value, _CONTAINERS):
+        return False
+    shape = {}  # id -> (levels, items) of a container measured
+    on_path = set()
+    todo = [(value, False)]
     while todo:
-        v, depth = todo.pop()
-        if isinstance(v, dict):
-            items = v.values()
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            items = v
-        else:
+        v, measured = todo.pop()
+        parts = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+        if measured:
+            levels, items = 1, 1
+            for x in parts:
+                x_levels, x_items = shape[id(x)] if isinstance(x, _CONTAINERS) else (0, 1)
+                levels, items = max(levels, x_levels + 1), items + x_items
+            if levels > _SETTINGS_DEPTH or items > _SETTINGS_ITEMS:
+                return True
+            shape[id(v)] = (levels, items)
+            on_path.discard(id(v))
             continue
-        if depth > limit:
-            return True
-        todo.extend((x, depth + 1) for x in items)
+        if id(v) in shape:
+            continue
+        if id(v) in on_path or len(on_path) >= _SETTINGS_DEPTH:
+            return True  # it holds itself, or is too deep already
+        on_path.add(id(v))
+        todo.append((v, True))
+        todo.extend((x, False) for x in parts if isinstance(x, _CONTAINERS) and id(x) not in shape)
     return False
 
 
@@ -598,9 +614,9 @@ class Trace:
         if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
             raise TraceError(f"{name}: malformed snapshot: 'segments' must be a list of dicts")
         settings = snapshot.get("allocator_settings")
-        if _nests_deeper(settings, _SETTINGS_DEPTH):  # to_dict() and json.dump recurse once per level
+        if _settings_too_big(settings):  # to_dict() and json.dump recurse once per level, and copy every path
             raise TraceError(f"{name}: malformed snapshot: 'allocator_settings' nests more than {_SETTINGS_DEPTH} "
-                             "levels deep (or holds itself)")
+                             f"levels deep, holds more than {_SETTINGS_ITEMS} items, or holds itself")
         self.allocator_settings = settings if isinstance(settings, dict) else {}
         by_device = {}
         for s in segments:

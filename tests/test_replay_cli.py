@@ -258,6 +258,47 @@ def test_a_stream_that_goes_wrong_after_its_first_bytes_is_refused_there():
                      "not a readable pickle (unknown opcode at byte 2)")
 
 
+@pytest.mark.parametrize("start, message", [
+    ("\\200\\004\\216\\377\\377\\377\\377\\377\\377\\377\\177", "length beyond the memory limit at byte 2"),
+    ("\\200\\004\\225\\377\\377\\377\\377\\377\\377\\377\\177", "frame beyond the memory limit at byte 2"),
+    ("\\200\\002I", "NUL byte in a line at byte 2"),
+])
+def test_a_stream_whose_opcode_waits_for_more_than_it_may_hold_is_refused_there(start, message):
+    # a length or frame of 2**63 bytes, or a number line that never ends, was read until memory ran out
+    assert_run_error(cli_reading(f"(printf '{start}'; exec cat /dev/zero)", "replay", "/dev/stdin"), "/dev/stdin",
+                     f"not a readable pickle ({message})")
+
+
+def test_a_stream_is_read_without_waiting_for_its_writer_to_end(tiny_trace):
+    # the pickle came whole, then the writer kept the stream open: the read waited for a whole MiB, or the end
+    p = subprocess.Popen([sys.executable, "-m", "npualloc", "replay", "/dev/stdin"], env=_cli_env(),
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=False)
+    try:
+        p.stdin.write(tiny_trace.read_bytes())
+        p.stdin.flush()
+        status = p.wait(timeout=120)  # the stream stays open all the while
+    finally:
+        p.stdin.close()
+        if p.poll() is None:
+            p.kill()
+        out, err = p.stdout.read(), p.stderr.read()  # (its output is a few lines: no pipe filled meanwhile)
+        p.wait()
+    assert status == 0, err[-400:]
+    assert b"least waste: " in out
+
+
+def test_settings_that_copy_out_to_too_many_items_are_one_line_error(tmp_path):
+    # 432 bytes: one list referred to 4 times at each of 30 levels (4**30 paths); checking the depth walked every
+    # path, and to_dict() would copy every one
+    nested = []
+    for _ in range(30):
+        nested = [nested] * 4
+    path = tmp_path / "shared.pickle"
+    path.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 4096, "size": 100}]],
+                                   "allocator_settings": {"x": nested}}))
+    assert_run_error(cli("replay", path), "shared.pickle", "holds more than 100000 items")
+
+
 def test_a_stream_is_read_up_to_its_pickles_stop(tiny_trace):
     # what follows the pickle on the stream (here an endless one) is not read: the unpickler would ignore it
     p = cli_reading(f"(cat {shlex.quote(str(tiny_trace))}; exec cat /dev/zero)", "replay", "/dev/stdin")

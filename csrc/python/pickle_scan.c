@@ -9,8 +9,8 @@
  * without building any object, and refuses: an unknown opcode, an argument running past the end,
  * a counted length larger than the bytes left, and a memo index larger than the file (a pickle
  * cannot store more objects than it has bytes).  It runs at memory speed: the unpickler itself
- * still decides what the data means.  `check_pickle_prefix(data, start)` checks a stream as it is
- * read, so that one that goes wrong early is refused before the rest is read.
+ * still decides what the data means.  `check_pickle_prefix(data, start, limit)` checks a stream as
+ * it is read, so that one that goes wrong early is refused before the rest is read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -95,19 +95,29 @@ static uint64_t little_endian(const unsigned char *p, int width)
     return v;
 }
 
-/* The offset just past the line starting at `at`, or 0 when the data ends first. */
+/* The offset just past the line starting at `at`, 0 when the data ends first, or SIZE_MAX when the line
+ * holds a NUL byte: no line argument of any protocol does (protocol 0 escapes it in strings), and a
+ * stream of zeros after a line opcode would otherwise be read to the limit. */
 static size_t line_end(const unsigned char *d, size_t n, size_t at)
 {
     const unsigned char *nl = memchr(d + at, '\n', n - at);
-    return nl ? (size_t)(nl - d) + 1 : 0;
+    size_t end = nl ? (size_t)(nl - d) : n;
+    if (memchr(d + at, '\0', end - at))
+        return SIZE_MAX;
+    return nl ? end + 1 : 0;
 }
 
 /* NULL when the opcodes from `at` on are within bounds, else what is wrong (at *where).  `prefix`: the
- * data may go on (a stream still being read), so an opcode cut off by its end is no error: the scan
- * stops before it, with *where there, and checks memo indices only against the whole data later.
- * *stopped tells that the scan reached STOP (*where just past it). */
-static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix, size_t *where, bool *stopped)
+ * data may go on (a stream still being read) up to `limit` bytes in all, so an opcode cut off by its
+ * end is no error: the scan stops before it, with *where there, and checks memo indices only against
+ * the whole data later; a length or frame reaching past `limit` is an error at once.  Without `prefix`
+ * the limit is the data's end.  *stopped tells that the scan reached STOP (*where just past it). */
+static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix, size_t limit, size_t *where,
+                        bool *stopped)
 {
+    if (!prefix || limit < n)
+        limit = n;
+    const char *past_limit = prefix ? "length beyond the memory limit" : "length beyond the end of the data";
     const char *cut_off = NULL; /* what an opcode cut off by the end of the data is */
     *stopped = false;
     while (at < n && !cut_off) {
@@ -132,6 +142,8 @@ static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix
             }
             value = little_endian(d + at, f.width);
             at += f.width;
+            if (op == 0x95 && value > limit - at)
+                return prefix ? "frame beyond the memory limit" : "frame longer than the data";
             if (op == 0x95 && value > n - at)
                 cut_off = "frame longer than the data";
             break;
@@ -142,6 +154,8 @@ static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix
             }
             value = little_endian(d + at, f.width);
             at += f.width;
+            if (value > limit - at)
+                return past_limit;
             if (value > n - at)
                 cut_off = "length beyond the end of the data";
             else
@@ -149,6 +163,8 @@ static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix
             break;
         case ARG_LINE: {
             size_t end = line_end(d, n, at);
+            if (end == SIZE_MAX)
+                return "NUL byte in a line";
             if (!end) {
                 cut_off = "unterminated line";
                 break;
@@ -171,7 +187,11 @@ static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix
         }
         case ARG_TWO_LINES: {
             size_t end = line_end(d, n, at);
-            if (!end || !(end = line_end(d, n, end)))
+            if (end && end != SIZE_MAX)
+                end = line_end(d, n, end);
+            if (end == SIZE_MAX)
+                return "NUL byte in a line";
+            if (!end)
                 cut_off = "unterminated line";
             else
                 at = end;
@@ -204,7 +224,7 @@ PyObject *pickle_check(PyObject *self, PyObject *arg)
         return NULL;
     size_t where = 0;
     bool stopped;
-    const char *why = scan(view.buf, (size_t)view.len, 0, false, &where, &stopped);
+    const char *why = scan(view.buf, (size_t)view.len, 0, false, 0, &where, &stopped);
     PyBuffer_Release(&view);
     if (why)
         return PyErr_Format(PyExc_ValueError, "%s at byte %zu", why, where);
@@ -214,10 +234,12 @@ PyObject *pickle_check(PyObject *self, PyObject *arg)
 PyObject *pickle_check_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    Py_ssize_t start;
-    if (nargs != 2 || !PyIndex_Check(args[1]))
-        return PyErr_Format(PyExc_TypeError, "check_pickle_prefix(data, start) takes a buffer and an int");
-    if ((start = PyNumber_AsSsize_t(args[1], PyExc_OverflowError)) == -1 && PyErr_Occurred())
+    Py_ssize_t start, limit;
+    if (nargs != 3 || !PyIndex_Check(args[1]) || !PyIndex_Check(args[2]))
+        return PyErr_Format(PyExc_TypeError, "check_pickle_prefix(data, start, limit) takes a buffer and two ints");
+    if (((start = PyNumber_AsSsize_t(args[1], PyExc_OverflowError)) == -1 ||
+         (limit = PyNumber_AsSsize_t(args[2], PyExc_OverflowError)) == -1) &&
+        PyErr_Occurred())
         return NULL;
     formats_ready();
     Py_buffer view;
@@ -229,7 +251,8 @@ PyObject *pickle_check_prefix(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     size_t where = (size_t)start;
     bool stopped;
-    const char *why = scan(view.buf, (size_t)view.len, (size_t)start, true, &where, &stopped);
+    const char *why = scan(view.buf, (size_t)view.len, (size_t)start, true, limit < 0 ? 0 : (size_t)limit, &where,
+                           &stopped);
     PyBuffer_Release(&view);
     if (why)
         return PyErr_Format(PyExc_ValueError, "%s at byte %zu", why, where);

@@ -355,8 +355,8 @@ static PyMethodDef replay_functions[] = {
     {"check_pickle", pickle_check, METH_O,
      "check_pickle(data): ValueError unless every opcode of the pickle stays within the data."},
     {"check_pickle_prefix", (PyCFunction)(void (*)(void))pickle_check_prefix, METH_FASTCALL,
-     "check_pickle_prefix(data, start) -> (resume, stopped): the part read so far of a stream, checked from start; "
-     "ValueError for an opcode that is wrong whatever follows."},
+     "check_pickle_prefix(data, start, limit) -> (resume, stopped): the part read so far of a stream of at most "
+     "limit bytes, checked from start; ValueError for an opcode that is wrong whatever follows."},
     {NULL, NULL, 0, NULL},
 };
 

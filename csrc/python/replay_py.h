@@ -14,9 +14,10 @@ int replay_py_attach(PyObject *module);
 /* replay.check_pickle(data): None when the pickle's opcodes stay within the data, else
  * ValueError (pickle_scan.c). */
 PyObject *pickle_check(PyObject *self, PyObject *arg);
-/* replay.check_pickle_prefix(data, start): the data read so far of a stream, checked from `start` (a
- * previous call's resume point): (resume, stopped), where resume is the start of the first opcode the
- * data cuts off (or just past STOP, stopped True); ValueError for an opcode that is wrong whatever follows. */
+/* replay.check_pickle_prefix(data, start, limit): the data read so far of a stream of at most `limit`
+ * bytes, checked from `start` (a previous call's resume point): (resume, stopped), where resume is the
+ * start of the first opcode the data cuts off (or just past STOP, stopped True); ValueError for an
+ * opcode that is wrong whatever follows (a length past the limit included). */
 PyObject *pickle_check_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif
