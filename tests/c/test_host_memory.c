@@ -9,10 +9,10 @@
 
 #include "testutil.h"
 
-#if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
-#define INTERPOSED 1
 static atomic_bool refuse_aligned, refuse_realloc;
 
+#if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
+#define INTERPOSED 1
 void *__libc_memalign(size_t align, size_t size);
 void *__libc_realloc(void *ptr, size_t size);
 
@@ -22,6 +22,25 @@ void *aligned_alloc(size_t align, size_t size)
 }
 
 void *realloc(void *ptr, size_t size) { return atomic_load(&refuse_realloc) ? NULL : __libc_realloc(ptr, size); }
+#endif
+
+/* Every test begins here: skipped where the allocator cannot be interposed (or valgrind replaced it). */
+static void skip_unless_interposed(void)
+{
+#if !defined(INTERPOSED)
+    skip();
+#endif
+    if (getenv("NPUALLOC_VALGRIND"))
+        skip();
+}
+
+/* One device, the allocator's default settings. */
+static void start_with_defaults(void)
+{
+    unsetenv("PYTORCH_NPU_ALLOC_CONF");
+    unsetenv("PYTORCH_ALLOC_CONF");
+    start_runtime(1, GiB_, GiB_, 0, 0);
+}
 
 static void check(void)
 {
@@ -29,7 +48,6 @@ static void check(void)
     if (npualloc_cache_check(0, why, sizeof why) != ACL_SUCCESS)
         fail_msg("invariant broken: %s", why);
 }
-#endif
 
 /* With expandable segments a large block starts on a 16 KiB boundary (torch_npu's base_addr_aligned_kb):
  * the unaligned front goes back to the pool as a block of its own.  When the allocation then found no host
@@ -39,11 +57,7 @@ static void check(void)
 static void test_no_host_memory_after_aligning_a_block_leaves_no_unmerged_neighbours(void **state)
 {
     (void)state;
-#if !defined(INTERPOSED)
-    skip();
-#else
-    if (getenv("NPUALLOC_VALGRIND"))
-        skip();
+    skip_unless_interposed();
     setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True", 1);
     for (int taken = 0; taken < 4; taken++) {
         start_runtime(1, 4 * GiB_, 4 * GiB_, 0, 0);
@@ -65,7 +79,6 @@ static void test_no_host_memory_after_aligning_a_block_leaves_no_unmerged_neighb
         stop_runtime(NULL);
     }
     unsetenv("PYTORCH_NPU_ALLOC_CONF");
-#endif
 }
 
 /* A record_stream during a capture (here another thread's use_mem_pool) that ran out of host memory left
@@ -75,14 +88,8 @@ static void test_no_host_memory_after_aligning_a_block_leaves_no_unmerged_neighb
 static void test_a_failed_record_stream_during_a_capture_leaves_no_mark(void **state)
 {
     (void)state;
-#if !defined(INTERPOSED)
-    skip();
-#else
-    if (getenv("NPUALLOC_VALGRIND"))
-        skip();
-    unsetenv("PYTORCH_NPU_ALLOC_CONF");
-    unsetenv("PYTORCH_ALLOC_CONF");
-    start_runtime(1, GiB_, GiB_, 0, 0);
+    skip_unless_interposed();
+    start_with_defaults();
     aclrtStream s = new_stream();
     const uint64_t sid = (uint64_t)(uintptr_t)s;
     const npualloc_mempool_id first = npualloc_mempool_id_new(true), second = npualloc_mempool_id_new(true);
@@ -119,21 +126,14 @@ static void test_a_failed_record_stream_during_a_capture_leaves_no_mark(void **s
     check();
     assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
     assert_false(reused_while_in_use);
-#endif
 }
 
 /* A snapshot that ran out of host memory while collecting the segments reported success without them. */
 static void test_a_snapshot_out_of_host_memory_fails_instead_of_leaving_segments_out(void **state)
 {
     (void)state;
-#if !defined(INTERPOSED)
-    skip();
-#else
-    if (getenv("NPUALLOC_VALGRIND"))
-        skip();
-    unsetenv("PYTORCH_NPU_ALLOC_CONF");
-    unsetenv("PYTORCH_ALLOC_CONF");
-    start_runtime(1, GiB_, GiB_, 0, 0);
+    skip_unless_interposed();
+    start_with_defaults();
     void *p = NULL;
     assert_int_equal(npualloc_cache_malloc(0, 1000, 0, &p), ACL_SUCCESS);
     npualloc_snapshot *snap = NULL;
@@ -150,7 +150,6 @@ static void test_a_snapshot_out_of_host_memory_fails_instead_of_leaving_segments
     assert_int_equal(snap->segment_count, 1);
     npualloc_snapshot_free(snap);
     assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
-#endif
 }
 
 int main(void)

@@ -120,6 +120,23 @@ static uint64_t get64(int fd)
 /* in a child: same, without cmocka */
 static int cput64(int fd, uint64_t v) { return write(fd, &v, sizeof v) == sizeof v ? 0 : 1; }
 
+/* A share descriptor through a child's pipe: its length, then its bytes. */
+static void send_desc(const child *c, const void *desc, size_t len)
+{
+    put64(c->to_child, len);
+    assert_true(write(c->to_child, desc, len) == (ssize_t)len);
+}
+
+/* In the child: opens the descriptor send_desc sent; -1 when none came whole, else ipc_open_shared's code. */
+static int open_sent_share(int in, void **p)
+{
+    uint8_t desc[4096];
+    uint64_t len = get64(in);
+    if (len > sizeof desc || read(in, desc, len) != (ssize_t)len)
+        return -1;
+    return (int)ipc_open_shared(desc, len, -1, p);
+}
+
 /* Child: exports 'X' memory with DISABLE_PID_VALIDATION, sends the value, waits, exits. */
 static int child_export(int in, int out, void *arg)
 {
@@ -788,8 +805,7 @@ static void share_round(share_end how)
     void *own = NULL;
     assert_int_equal(ipc_open_shared(desc, len, -1, &own), ACL_ERROR_RT_DRV_INTERNAL_ERROR);
     child c = spawn(child_open_share, NULL);
-    put64(c.to_child, len);
-    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    send_desc(&c, desc, len);
     assert_int_equal(get64(c.from_child), ACL_SUCCESS);
     assert_int_equal(get64(c.from_child), 1);
     assert_memory_equal(p, "TTTTS", 5);
@@ -865,8 +881,7 @@ static void test_share_of_freed_block_cannot_be_opened(void **state)
     ipc_get_counts(&ic);
     assert_int_equal(ic.shares, 0); /* nobody had it open: the share is gone with the block */
     child c = spawn(child_open_share, NULL);
-    put64(c.to_child, len);
-    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    send_desc(&c, desc, len);
     assert_int_equal(get64(c.from_child), ACL_ERROR_RT_INVALID_HANDLE);
     assert_int_equal(finish(&c), 0);
     /* garbage is not a descriptor */
@@ -896,10 +911,8 @@ static void share_blocks(shared_blocks *s, int n)
 
 static void send_descs(const child *c, const shared_blocks *s, int n)
 {
-    for (int i = 0; i < n; i++) {
-        put64(c->to_child, s->len[i]);
-        assert_true(write(c->to_child, s->desc[i], s->len[i]) == (ssize_t)s->len[i]);
-    }
+    for (int i = 0; i < n; i++)
+        send_desc(c, s->desc[i], s->len[i]);
 }
 
 /* In the child: false when a descriptor does not come whole. */
@@ -1095,13 +1108,10 @@ static void test_a_full_session_socket_loses_no_pin(void **state)
 static int child_open_and_check(int in, int out, void *arg)
 {
     (void)arg;
-    uint8_t desc[4096];
-    uint64_t len = get64(in);
-    if (len > sizeof desc || read(in, desc, len) != (ssize_t)len)
-        return 1;
     void *p = NULL;
-    if (ipc_open_shared(desc, len, -1, &p) != ACL_SUCCESS)
-        return 2;
+    int opened = open_sent_share(in, &p);
+    if (opened != ACL_SUCCESS)
+        return opened < 0 ? 1 : 2;
     uint64_t size = get64(in);
     if (cput64(out, 1))
         return 3;
@@ -1133,8 +1143,7 @@ static void test_expandable_pages_of_a_pinned_block_stay_mapped(void **state)
     assert_int_equal(ipc_share(p, desc, sizeof desc, &len), ACL_SUCCESS);
     assert_int_equal(len, 80 + 3 * 8); /* one shareable value per page */
     child c = spawn(child_open_and_check, NULL);
-    put64(c.to_child, len);
-    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    send_desc(&c, desc, len);
     put64(c.to_child, size);
     assert_int_equal(get64(c.from_child), 1);
     int64_t reserved = reserved_bytes();
@@ -1640,13 +1649,10 @@ static void test_concurrent_exports_are_distinct(void **state)
 static int child_sets_the_hidden_part_of_a_share(int in, int out, void *arg)
 {
     (void)arg;
-    uint8_t desc[512];
-    uint64_t len = get64(in);
-    if (len > sizeof desc || read(in, desc, len) != (ssize_t)len)
-        return 1;
     void *p = NULL;
-    if (ipc_open_shared(desc, len, -1, &p) != ACL_SUCCESS)
-        return 2;
+    int opened = open_sent_share(in, &p);
+    if (opened != ACL_SUCCESS)
+        return opened < 0 ? 1 : 2;
     char host[16];
     static char across[16 * 1024];
     if (aclrtMemset(p, 16, 'x', 16) != ACL_SUCCESS || aclrtMemcpy(host, 16, p, 16, ACL_MEMCPY_DEVICE_TO_HOST))
@@ -1671,8 +1677,7 @@ static void test_the_runtime_refuses_the_hidden_part_of_an_open_share(void **sta
     size_t len = 0;
     assert_int_equal(ipc_share(p, desc, sizeof desc, &len), ACL_SUCCESS);
     child c = spawn(child_sets_the_hidden_part_of_a_share, NULL);
-    put64(c.to_child, len);
-    assert_true(write(c.to_child, desc, len) == (ssize_t)len);
+    send_desc(&c, desc, len);
     uint64_t reported = get64(c.from_child);
     assert_int_equal(finish(&c), 0); /* 128 + SIGSEGV when the set reached the missing pages */
     assert_int_equal(reported, 1);
