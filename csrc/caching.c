@@ -258,28 +258,39 @@ static inline void owner_segments(block_pool *pool, int delta)
 
 /* ---- waits ---- */
 
+/* A window in a call that holds the lock: the lock goes for a wait and comes back.  The caller's stack
+ * (current_ctx) is set aside meanwhile: entries other threads record while the lock is free are not the
+ * caller's, and another call may set its own. */
+static npualloc_context *lock_window_open(device_cache *dc)
+{
+    npualloc_context *ctx = dc->current_ctx;
+    dc->current_ctx = NULL;
+    cache_lock_release(&dc->lock);
+    return ctx;
+}
+
+static void lock_window_close(device_cache *dc, npualloc_context *ctx)
+{
+    cache_lock_acquire(&dc->lock);
+    dc->current_ctx = ctx;
+}
+
 /* Synchronizes every stream of the device with the allocator lock released (torch_npu's
  * npuSynchronizeDevice: a stream task may need the lock, e.g. a callback freeing memory). */
 static void synchronize_device_unlocked(device_cache *dc)
 {
-    npualloc_context *ctx = dc->current_ctx;
-    dc->current_ctx = NULL; /* the caller's stack is not another thread's while the lock is free */
-    cache_lock_release(&dc->lock);
+    npualloc_context *ctx = lock_window_open(dc);
     dc->backend->synchronize(dc->backend_ctx, dc->device);
-    cache_lock_acquire(&dc->lock);
-    dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
+    lock_window_close(dc, ctx);
 }
 
 /* Waits for a position of a stream the caller pinned with the allocator lock released, for the
  * same reason. */
 static void wait_position_unlocked(device_cache *dc, npu_stream *s, uint64_t position)
 {
-    npualloc_context *ctx = dc->current_ctx;
-    dc->current_ctx = NULL; /* the caller's stack is not another thread's while the lock is free */
-    cache_lock_release(&dc->lock);
+    npualloc_context *ctx = lock_window_open(dc);
     stream_wait_position(s, position);
-    cache_lock_acquire(&dc->lock);
-    dc->current_ctx = ctx;
+    lock_window_close(dc, ctx);
 }
 
 /* ---- events ---- */
@@ -517,12 +528,9 @@ static bool trigger_free_memory_callbacks(device_cache *dc)
 {
     if (!dc->backend->free_memory)
         return false;
-    npualloc_context *ctx = dc->current_ctx;
-    dc->current_ctx = NULL; /* the caller's stack is not another thread's while the lock is free */
-    cache_lock_release(&dc->lock);
+    npualloc_context *ctx = lock_window_open(dc);
     bool freed = dc->backend->free_memory(dc->backend_ctx);
-    cache_lock_acquire(&dc->lock);
-    dc->current_ctx = ctx; /* another call may have held the lock meanwhile */
+    lock_window_close(dc, ctx);
     return freed;
 }
 
