@@ -755,7 +755,8 @@ static void gate_leave(void)
 {
     pthread_mutex_lock(&gate_lock);
     gate_own_depth--;
-    if (--gate_inside == 0 || gate_closed)
+    gate_inside--;
+    if (gate_closed) /* only then is anybody waiting */
         pthread_cond_broadcast(&gate_emptied);
     pthread_mutex_unlock(&gate_lock);
 }
@@ -819,56 +820,39 @@ static void gate_after_fork_child(void)
     pthread_mutex_unlock(&gate_lock);
 }
 
-/* Runs on whichever thread runs the stream's callbacks (its worker): takes the GIL, calls
- * fn(user_data) and reports an exception as unraisable. */
-static void py_callback_trampoline(void *arg)
+/* Through the gate and with the GIL: calls fn(user_data) when `call` (an exception is reported as
+ * unraisable), and drops the callback when `drop`.  Behind a closed gate nothing runs, and a dropped
+ * callback's objects are leaked: Python can no longer release them. */
+static void py_callback_run(py_callback *c, bool call, bool drop)
 {
-    py_callback *c = arg;
     if (!gate_enter())
         return;
     PyGILState_STATE g = PyGILState_Ensure();
-    PyObject *r = PyObject_CallOneArg(c->fn, c->user_data);
-    if (r)
-        Py_DECREF(r);
-    else
-        PyErr_WriteUnraisable(c->fn);
-    Py_DECREF(c->fn);
-    Py_DECREF(c->user_data);
+    if (call) {
+        PyObject *r = PyObject_CallOneArg(c->fn, c->user_data);
+        if (r)
+            Py_DECREF(r);
+        else
+            PyErr_WriteUnraisable(c->fn);
+    }
+    if (drop) {
+        Py_DECREF(c->fn);
+        Py_DECREF(c->user_data);
+    }
     PyGILState_Release(g);
     gate_leave();
-    PyMem_RawFree(c);
+    if (drop)
+        PyMem_RawFree(c);
 }
+
+/* Runs on whichever thread runs the stream's callbacks (its worker, or the thread in process_report). */
+static void py_callback_trampoline(void *arg) { py_callback_run(arg, true, true); }
 
 /* graph capture (csrc/graph.c): a callback queued on a capturing stream becomes a host node that
  * runs at every launch of the graph, so running it must not free it: npualloc_launch_host_func
  * calls py_callback_free once (right after the single run, or when the graph goes). */
-static void py_callback_call(void *arg)
-{
-    py_callback *c = arg;
-    if (!gate_enter())
-        return;
-    PyGILState_STATE g = PyGILState_Ensure();
-    PyObject *r = PyObject_CallOneArg(c->fn, c->user_data);
-    if (r)
-        Py_DECREF(r);
-    else
-        PyErr_WriteUnraisable(c->fn);
-    PyGILState_Release(g);
-    gate_leave();
-}
-
-static void py_callback_free(void *arg)
-{
-    py_callback *c = arg;
-    if (!gate_enter())
-        return; /* (its objects are leaked, as a dropped callback's are) */
-    PyGILState_STATE g = PyGILState_Ensure();
-    Py_DECREF(c->fn);
-    Py_DECREF(c->user_data);
-    PyGILState_Release(g);
-    gate_leave();
-    PyMem_RawFree(c);
-}
+static void py_callback_call(void *arg) { py_callback_run(arg, true, false); }
+static void py_callback_free(void *arg) { py_callback_run(arg, false, true); }
 
 RT_DOC(launch_callback, "fn, user_data, block_type, stream", "ret",
        "aclrtLaunchCallback: fn(user_data) runs when stream reaches it (user_data: any object, pyACL's\n"
