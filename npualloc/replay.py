@@ -337,7 +337,7 @@ def _extract_device(name, device, entries, segments):
     actions = bytearray()
     addrs, sizes, streams = [], [], []
     trace_index, times = array("Q"), array("q")  # per replayed trace event: where it is in device_traces
-    live = {}  # address -> True for allocations made in the trace and still alive
+    alive = {}  # address -> True while an allocation made in the trace lives there, False once freed in the trace
     pre = []  # (address, size, stream) alive before recording began
     reserve_deltas = []  # (replay event index without prefix, delta)
     seg_allocs = seg_frees = ooms = 0
@@ -350,7 +350,6 @@ def _extract_device(name, device, entries, segments):
     completions = any(type(e) is dict and e.get("action") == "free_completed" for e in entries)
     awaiting = {}  # address -> (its free's index in actions, requested bytes) until free_completed
     freed_last = set()  # addresses whose last event in the trace is a free_requested (pending if still active)
-    freed_in_trace = set()  # addresses freed in the trace and not allocated again since
     # Segments given back by an allocation (its retry, GC) are followed by that allocation's segment_alloc /
     # segment_map or oom; given back with nothing of the kind before the next alloc or free request, they were given
     # back by empty_cache(), which the trace does not record as such: replayed as an EMPTY_CACHE there.
@@ -392,22 +391,22 @@ def _extract_device(name, device, entries, segments):
             if act == "alloc":
                 actions.append(_C.replay.ALLOC)
                 freed_last.discard(addr)
-                freed_in_trace.discard(addr)
-                live[addr] = True
+                alive[addr] = True
                 requested[addr] = size
                 live_requested += size
                 if live_requested > peak_requested_trace:
                     peak_requested_trace = live_requested
             elif act == "free_requested":
                 freed_last.add(addr)
-                if live.pop(addr, None) is not None:
+                state = alive.get(addr)
+                if state:
                     freed = requested.pop(addr, 0)
-                elif addr in freed_in_trace:
+                elif state is False:
                     freed = 0  # freed again, nothing allocated there since: the replay counts an unknown free
                 else:
                     pre.append((addr, size, stream))  # freed in the trace, never allocated in it
                     freed = size
-                freed_in_trace.add(addr)
+                alive[addr] = False
                 if completions:
                     awaiting[addr] = (len(actions), freed)
                 else:
@@ -481,7 +480,7 @@ def _extract_device(name, device, entries, segments):
             if state not in ("active_allocated", "active_pending_free", "active_awaiting_free"):
                 continue
             addr = _u64_field(b, "address", name, f"{where}.blocks[{bi}]")
-            if addr in live or addr in freed_last:  # allocated, or freed and pending, in the trace
+            if alive.get(addr) or addr in freed_last:  # allocated, or freed and pending, in the trace
                 continue
             # the bytes the allocation asked for; snapshots without it (or with 0) give the block's size
             size_key = "requested_size" if b.get("requested_size") else "size"
