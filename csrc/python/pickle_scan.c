@@ -107,17 +107,14 @@ static size_t line_end(const unsigned char *d, size_t n, size_t at)
     return nl ? end + 1 : 0;
 }
 
-/* NULL when the opcodes from `at` on are within bounds, else what is wrong (at *where).  `prefix`: the
- * data may go on (a stream still being read) up to `limit` bytes in all, so an opcode cut off by its
- * end is no error: the scan stops before it, with *where there, and checks memo indices only against
- * the whole data later; a length or frame reaching past `limit` is an error at once.  Without `prefix`
- * the limit is the data's end.  *stopped tells that the scan reached STOP (*where just past it). */
-static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix, size_t limit, size_t *where,
-                        bool *stopped)
+/* NULL when the opcodes from `at` on are within bounds, else what is wrong (at *where).  The pickle may
+ * take `limit` bytes in all (at least n): while that is more than the data holds (a stream still being
+ * read), an opcode cut off by the data's end is no error: the scan stops before it, with *where there,
+ * and memo indices are checked against the whole data later.  A length or frame reaching past `limit`
+ * is an error at once.  *stopped tells that the scan reached STOP (*where just past it). */
+static const char *scan(const unsigned char *d, size_t n, size_t at, size_t limit, size_t *where, bool *stopped)
 {
-    if (!prefix || limit < n)
-        limit = n;
-    const char *past_limit = prefix ? "length beyond the memory limit" : "length beyond the end of the data";
+    const bool more_may_come = limit > n;
     const char *cut_off = NULL; /* what an opcode cut off by the end of the data is */
     *stopped = false;
     while (at < n && !cut_off) {
@@ -143,7 +140,7 @@ static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix
             value = little_endian(d + at, f.width);
             at += f.width;
             if (op == 0x95 && value > limit - at)
-                return prefix ? "frame beyond the memory limit" : "frame longer than the data";
+                return more_may_come ? "frame beyond the memory limit" : "frame longer than the data";
             if (op == 0x95 && value > n - at)
                 cut_off = "frame longer than the data";
             break;
@@ -155,7 +152,7 @@ static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix
             value = little_endian(d + at, f.width);
             at += f.width;
             if (value > limit - at)
-                return past_limit;
+                return more_may_come ? "length beyond the memory limit" : "length beyond the end of the data";
             if (value > n - at)
                 cut_off = "length beyond the end of the data";
             else
@@ -198,12 +195,12 @@ static const char *scan(const unsigned char *d, size_t n, size_t at, bool prefix
             break;
         }
         }
-        if (!cut_off && !prefix && f.memo && value > n)
+        if (!cut_off && !more_may_come && f.memo && value > n)
             return "memo index larger than the data";
     }
     if (!cut_off)
         *where = n;
-    return prefix ? NULL : cut_off ? cut_off : "no STOP opcode";
+    return more_may_come ? NULL : cut_off ? cut_off : "no STOP opcode";
 }
 
 static void formats_ready(void)
@@ -224,7 +221,7 @@ PyObject *pickle_check(PyObject *self, PyObject *arg)
         return NULL;
     size_t where = 0;
     bool stopped;
-    const char *why = scan(view.buf, (size_t)view.len, 0, false, 0, &where, &stopped);
+    const char *why = scan(view.buf, (size_t)view.len, 0, (size_t)view.len, &where, &stopped);
     PyBuffer_Release(&view);
     if (why)
         return PyErr_Format(PyExc_ValueError, "%s at byte %zu", why, where);
@@ -251,8 +248,8 @@ PyObject *pickle_check_prefix(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     size_t where = (size_t)start;
     bool stopped;
-    const char *why = scan(view.buf, (size_t)view.len, (size_t)start, true, limit < 0 ? 0 : (size_t)limit, &where,
-                           &stopped);
+    size_t most = limit > view.len ? (size_t)limit : (size_t)view.len;
+    const char *why = scan(view.buf, (size_t)view.len, (size_t)start, most, &where, &stopped);
     PyBuffer_Release(&view);
     if (why)
         return PyErr_Format(PyExc_ValueError, "%s at byte %zu", why, where);
