@@ -1183,34 +1183,32 @@ static void set_socket_timeouts(int fd, uint64_t us)
  * timer) kept an import waiting for ever.  Retries get only what is left of the call's time. */
 typedef struct call_budget {
     int fd;
-    uint64_t deadline;
-    bool shortened; /* the socket's timeouts are set to what was left */
+    uint64_t started;
+    uint64_t timeout_us; /* read at the first retry; 0 until then */
 } call_budget;
 
-static call_budget budget_start(int fd)
-{
-    return (call_budget){fd, host_now_ns() + (uint64_t)timeout_ms() * 1000000u, false};
-}
+static call_budget budget_start(int fd) { return (call_budget){fd, host_now_ns(), 0}; }
 
 /* After EINTR: true to retry (the timeouts cut to the time left); false with errno EAGAIN when the
  * time is up, the error of a timeout. */
 static bool budget_retry(call_budget *b)
 {
-    uint64_t now = host_now_ns();
-    if (now >= b->deadline) {
+    if (!b->timeout_us)
+        b->timeout_us = (uint64_t)timeout_ms() * 1000u;
+    uint64_t spent_us = (host_now_ns() - b->started) / 1000u;
+    if (spent_us >= b->timeout_us) {
         errno = EAGAIN;
         return false;
     }
-    set_socket_timeouts(b->fd, (b->deadline - now + 999) / 1000);
-    b->shortened = true;
+    set_socket_timeouts(b->fd, b->timeout_us - spent_us);
     return true;
 }
 
-/* The socket's next call gets the whole timeout again. */
-static void budget_end(call_budget *b)
+/* The socket's next call gets the whole timeout again, if a retry cut it. */
+static void budget_end(const call_budget *b)
 {
-    if (b->shortened)
-        set_socket_timeouts(b->fd, (uint64_t)timeout_ms() * 1000u);
+    if (b->timeout_us)
+        set_socket_timeouts(b->fd, b->timeout_us);
 }
 
 /* Connects to the server a key or share names and checks that it is that process, of an
