@@ -400,6 +400,43 @@ def test_settings_warnings_before_an_error_are_given(mem):
             alloc(1)
 
 
+def test_a_warning_hook_calling_the_allocator_does_not_change_the_error(mem):
+    """The warnings come first and may run any Python (a showwarning hook); the error raised after them
+    is still the failed call's own, not one the hook's calls left behind."""
+    mem(alloc_conf="segment_size_mb:5")
+    hook_errors = []
+
+    def hook(*args, **kwargs):
+        try:
+            free(0x1234)                         # fails: the thread's last error is now this one
+        except RuntimeError as e:
+            hook_errors.append(str(e))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        with pytest.raises(RuntimeError, match=r"^CachingAllocator option segment_size_mb error, must be \[20, 512\]"):
+            alloc(1)
+    assert len(hook_errors) == 1 and "invalid device pointer" in hook_errors[0]
+
+
+def test_an_oom_observer_sees_the_failed_call_after_a_warning_hook_failed_too(mem):
+    """The out-of-memory details the observers get are read before the warnings' Python runs."""
+    mem(alloc_conf="segment_size_mb:20")         # deprecated: warns at the first allocation
+    observed = []
+    npualloc.memory._attach_out_of_memory_observer(lambda *args: observed.append(args))
+
+    def hook(*args, **kwargs):
+        with pytest.raises(npualloc.OutOfMemoryError):
+            alloc(GiB + 1)                       # an OOM of another size
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = hook
+        with pytest.raises(npualloc.OutOfMemoryError) as err:
+            alloc(2 * GiB)
+    assert "Tried to allocate 2.00 GiB" in str(err.value)
+    assert observed == [(0, GiB + 2 * MiB, GiB, GiB), (0, 2 * GiB + 2 * MiB, GiB, GiB)]
+
+
 def test_failed_run_time_settings_keep_what_came_before(mem):
     """torch_npu parses a run-time text straight into its settings: what it set before its error stays
     (c10's pass having reset max_split_size, garbage_collection_threshold and roundup_power2_divisions)."""

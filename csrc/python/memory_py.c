@@ -218,19 +218,32 @@ static PyObject *raise_free_error(aclError rc)
 static int drain_warnings(void);
 
 /* An allocation failed: out of memory calls the OOM observers, then raises OutOfMemoryError.
- * Warnings the failed call gave come first, as torch's TORCH_WARN does before its exception. */
+ * Warnings the failed call gave come first, as torch's TORCH_WARN does before its exception.  A
+ * warning may run any Python (a showwarning hook that calls the allocator overwrites the thread's
+ * last error and last OOM), so the failure is read in full before any warning is given. */
 static PyObject *raise_alloc_failure(aclError rc)
 {
     npualloc_error_kind kind;
     const char *m = npualloc_last_error(&kind);
     char msg[1024];
     snprintf(msg, sizeof msg, "%s", m ? m : "");
-    if (drain_warnings() < 0)
-        return NULL;
-    if (rc != ACL_ERROR_RT_MEMORY_ALLOCATION || kind != NPUALLOC_ERR_OOM)
-        return raise_cache_error(rc);
     npualloc_oom_info info;
     npualloc_cache_last_oom(&info);
+    if (rc != ACL_ERROR_RT_MEMORY_ALLOCATION || kind != NPUALLOC_ERR_OOM) {
+        PyObject *type, *value, *tb;
+        raise_cache_error(rc);
+        PyErr_Fetch(&type, &value, &tb);
+        if (drain_warnings() < 0) {
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return NULL;
+        }
+        PyErr_Restore(type, value, tb);
+        return NULL;
+    }
+    if (drain_warnings() < 0)
+        return NULL;
     if (!info.over_1eb && !info.preemptive && oom_observers && PyList_GET_SIZE(oom_observers) > 0) {
         /* Observers may allocate (and so overwrite the thread's last error): msg is a copy. */
         PyObject *observers = PyList_GetSlice(oom_observers, 0, PY_SSIZE_T_MAX);
