@@ -393,20 +393,31 @@ aclError aclrtResetDevice(int32_t dev)
     }
 }
 
-/* Drops every aclrtSetDevice reference at once, however many there were. */
+/* Drops every aclrtSetDevice reference at once, however many there were, after the device's queued
+ * work, as aclrtResetDevice's last reference does: work queued by a thread that set the device while
+ * it waited is waited for too. */
 aclError aclrtResetDeviceForce(int32_t dev)
 {
     aclError rc;
     device *d = reset_target(dev, &rc);
     if (!d)
         return rc;
-    if (context_refs(atomic_load(&d->contexts)) == 0)
-        return ACL_SUCCESS;
-    wait_for_queued_work(d);
     uint64_t w = atomic_load(&d->contexts);
-    while (context_refs(w) > 0 && !atomic_compare_exchange_weak(&d->contexts, &w, contexts_ended(w))) {
+    uint64_t sets_waited = 0;
+    bool waited = false;
+    for (;;) {
+        if (context_refs(w) == 0)
+            return ACL_SUCCESS;
+        if (!waited || atomic_load(&d->sets) != sets_waited) {
+            sets_waited = atomic_load(&d->sets);
+            wait_for_queued_work(d);
+            waited = true;
+            w = atomic_load(&d->contexts);
+            continue;
+        }
+        if (atomic_compare_exchange_weak(&d->contexts, &w, contexts_ended(w)))
+            return ACL_SUCCESS;
     }
-    return ACL_SUCCESS;
 }
 
 /* The bound explicit context's device and default stream, read as a seqlock reader reads: its slot may be

@@ -354,6 +354,58 @@ static void test_reset_device_force_drops_every_reference(void **state)
     assert_int_equal(aclrtResetDeviceForce(-1), ACL_ERROR_RT_INVALID_DEVICEID);
 }
 
+typedef struct forced_reset {
+    int32_t device;
+    atomic_bool done;
+} forced_reset;
+
+static void *force_reset_in_thread(void *arg)
+{
+    forced_reset *f = arg;
+    (void)aclrtResetDeviceForce(f->device);
+    atomic_store(&f->done, true);
+    return NULL;
+}
+
+static void *set_device_1_and_queue(void *arg)
+{
+    set_queue_reset *a = arg;
+    (void)aclrtSetDevice(1);
+    (void)aclrtLaunchCallback(cb_wait_gate, a->gate, ACL_CALLBACK_BLOCK, a->stream);
+    return NULL;
+}
+
+/* aclrtResetDeviceForce waits as the last aclrtResetDevice does: also for work queued by a thread that
+ * set the device while it waited (it used to end the context after its first wait, that work queued). */
+static void test_reset_device_force_waits_for_work_queued_while_it_waited(void **state)
+{
+    (void)state;
+    start_runtime(2, GiB_, GiB_, 0, 0);
+    assert_int_equal(aclrtSetDevice(1), ACL_SUCCESS);
+    aclrtStream first = new_stream(), second = new_stream();
+    static atomic_int gate1, gate2;
+    hold_stream(first, &gate1);
+    atomic_store(&gate2, 0);
+    forced_reset f = {.device = 1};
+    pthread_t force, other;
+    assert_int_equal(pthread_create(&force, NULL, force_reset_in_thread, &f), 0); /* waits for `first` */
+    usleep(100000);
+    set_queue_reset a = {second, &gate2};
+    assert_int_equal(pthread_create(&other, NULL, set_device_1_and_queue, &a), 0);
+    assert_int_equal(pthread_join(other, NULL), 0); /* a reference taken and work queued on `second` */
+    atomic_store(&gate1, 1);
+    usleep(200000);
+    assert_false(atomic_load(&f.done)); /* `second` still holds work */
+    int32_t dev = -1;
+    assert_int_equal(aclrtGetDevice(&dev), ACL_SUCCESS);
+    atomic_store(&gate2, 1);
+    assert_int_equal(pthread_join(force, NULL), 0);
+    assert_int_equal(aclrtGetDevice(&dev), ACL_ERROR_RT_CONTEXT_NULL); /* ended, after the work */
+    aclrtStreamStatus st = ACL_STREAM_STATUS_RESERVED;
+    assert_int_equal(aclrtStreamQuery(second, &st), ACL_SUCCESS);
+    assert_int_equal(st, ACL_STREAM_STATUS_COMPLETE);
+}
+
 static void test_peer_access_rules(void **state)
 {
     (void)state;
@@ -384,6 +436,7 @@ int main(void)
         cmocka_unit_test_teardown(test_current_device_is_per_thread_and_checked, stop_runtime),
         cmocka_unit_test_teardown(test_reset_device_ends_context_after_last_reference, stop_runtime),
         cmocka_unit_test_teardown(test_reset_device_force_drops_every_reference, stop_runtime),
+        cmocka_unit_test_teardown(test_reset_device_force_waits_for_work_queued_while_it_waited, stop_runtime),
         cmocka_unit_test_teardown(test_the_last_reset_waits_for_work_queued_while_it_waited, stop_runtime),
         cmocka_unit_test_teardown(test_peer_access_rules, stop_runtime),
         cmocka_unit_test_teardown(test_shutdown_from_a_callback_is_refused_and_changes_nothing, stop_runtime),
