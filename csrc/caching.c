@@ -1611,23 +1611,27 @@ bool cache_each_segment(device_cache *dc, void (*fn)(cache_block *head, void *ct
 }
 
 /* Frees the device's metadata; `return_memory` also gives every segment back to the runtime
- * (false after fork, where the memory is not in the process). */
+ * (false after fork, where the memory is not in the process).  Asks for no memory, so that shutdown
+ * out of host memory still gives every segment back (a pool's free function is told of each). */
 static void release_everything(device_cache *dc, bool return_memory)
 {
-    /* Every segment goes back to the runtime; the block structs live in chunks. */
-    head_list heads = {0};
-    collect_heads(dc, &heads);
-    for (size_t i = 0; i < heads.count; i++) {
-        if (return_memory && !heads.items[i]->es)
-            segment_give_back(dc, heads.items[i]->pool, heads.items[i]->stream, (void *)heads.items[i]->ptr,
-                              segment_size(heads.items[i]));
-        for (cache_block *b = heads.items[i]; b; b = b->next) {
-            free(b->uses);
-            npualloc_context_release(b->ctx);
-            npualloc_context_release(b->segment_ctx);
+    /* Every block struct lives in a chunk: a live one has a pool, a spare one is marked as having
+     * none, and each segment is met once, at its first block. */
+    for (cache_block *b = dc->spare_blocks; b; b = b->free_link)
+        b->pool = NULL;
+    for (size_t c = 0; c < dc->chunk_count; c++) {
+        for (cache_block *head = dc->chunks[c]; head < dc->chunks[c] + BLOCKS_PER_CHUNK; head++) {
+            if (!head->pool || head->prev)
+                continue;
+            if (return_memory && !head->es)
+                segment_give_back(dc, head->pool, head->stream, (void *)head->ptr, segment_size(head));
+            for (cache_block *b = head; b; b = b->next) {
+                free(b->uses);
+                npualloc_context_release(b->ctx);
+                npualloc_context_release(b->segment_ctx);
+            }
         }
     }
-    free(heads.items);
     expandable_release_all(dc, return_memory);
     /* Pending frees are dropped (their streams are being torn down anyway). */
     for (size_t i = 0; i < dc->queue_count; i++) {

@@ -263,7 +263,7 @@ typedef struct device_cache {
     size_t cached_page_count, cached_page_capacity;
     cache_block *pinned;       /* freed blocks still open in another process (sharing pin) */
     cache_block *spare_blocks; /* recycled block structs: no heap call on a cache hit */
-    void **chunks;             /* block struct chunks, freed at shutdown */
+    cache_block **chunks;      /* block struct chunks, freed at shutdown */
     size_t chunk_count, chunk_capacity;
     /* memory history */
     npualloc_context *current_ctx; /* the context of the API call holding the lock */

@@ -5,6 +5,7 @@
  * and realloc, which a block's list of streams comes from, and makes them fail on demand.  Not under
  * ASan or TSan, whose own allocator it would replace, nor under valgrind, which replaces the allocator
  * itself: the tests skip there. */
+#include <pthread.h>
 #include <stdatomic.h>
 
 #include "testutil.h"
@@ -152,6 +153,59 @@ static void test_a_snapshot_out_of_host_memory_fails_instead_of_leaving_segments
     assert_int_equal(npualloc_cache_free(p), ACL_SUCCESS);
 }
 
+static atomic_int pool_segments_given, pool_segments_taken;
+
+static void *counted_segment_alloc(size_t size, int device, aclrtStream stream)
+{
+    (void)device;
+    (void)stream;
+    void *p = NULL;
+    if (aclrtMalloc(&p, size, ACL_MEM_MALLOC_HUGE_FIRST) != ACL_SUCCESS)
+        return NULL;
+    atomic_fetch_add(&pool_segments_taken, 1);
+    return p;
+}
+
+static void counted_segment_free(void *ptr, size_t size, int device, aclrtStream stream)
+{
+    (void)size;
+    (void)device;
+    (void)stream;
+    atomic_fetch_add(&pool_segments_given, 1);
+    (void)aclrtFree(ptr);
+}
+
+/* Shutdown gives every segment back without asking for host memory: it used to collect the segments
+ * into a list first, and with no memory for the list it gave none back, so a pool's free function was
+ * never told of its segments. */
+static void test_shutdown_out_of_host_memory_still_gives_every_segment_back(void **state)
+{
+    (void)state;
+    skip_unless_interposed();
+    start_with_defaults();
+    atomic_store(&pool_segments_given, 0);
+    atomic_store(&pool_segments_taken, 0);
+    const npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create_with_allocator(0, id, counted_segment_alloc, counted_segment_free),
+                     ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_begin(0, id, NPUALLOC_POOL_FILTER_THREAD, (uint64_t)pthread_self()),
+                     ACL_SUCCESS);
+    void *p[3] = {NULL};
+    for (int i = 0; i < 3; i++) /* three large segments, one kept allocated */
+        assert_int_equal(npualloc_cache_malloc(0, (size_t)(i + 2) * 10 * MiB_, 0, &p[i]), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(p[0]), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(p[1]), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_pool_end(0, id), ACL_SUCCESS);
+    assert_int_equal(atomic_load(&pool_segments_taken), 3);
+    atomic_store(&refuse_realloc, true);
+    atomic_store(&refuse_aligned, true);
+    aclError rc = npualloc_shutdown();
+    atomic_store(&refuse_realloc, false);
+    atomic_store(&refuse_aligned, false);
+    assert_int_equal(rc, ACL_SUCCESS);
+    assert_int_equal(atomic_load(&pool_segments_given), 3);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -160,6 +214,7 @@ int main(void)
         cmocka_unit_test_teardown(test_a_failed_record_stream_during_a_capture_leaves_no_mark, stop_runtime),
         cmocka_unit_test_teardown(test_a_snapshot_out_of_host_memory_fails_instead_of_leaving_segments_out,
                                   stop_runtime),
+        cmocka_unit_test_teardown(test_shutdown_out_of_host_memory_still_gives_every_segment_back, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
