@@ -53,6 +53,7 @@ bool fault_arm_from_env(char *err, size_t errlen)
     if (!text || !*text)
         return true;
     uint64_t nth[NPUALLOC_FAULT_KINDS] = {0};
+    bool armed[NPUALLOC_FAULT_KINDS] = {false};
     const char *p = text;
     while (*p) {
         int kind = -1;
@@ -68,13 +69,16 @@ bool fault_arm_from_env(char *err, size_t errlen)
         errno = 0;
         /* digits only: strtoull would also take spaces, a sign, and "-1" as the largest count */
         unsigned long long v = kind >= 0 && *p >= '0' && *p <= '9' ? strtoull(p, &end, 10) : 0;
-        if (kind < 0 || end == p || errno || (*end && *end != ',')) {
+        /* a kind named twice is refused: which of its counts was meant? */
+        if (kind < 0 || end == p || errno || (*end && *end != ',') || (*end == ',' && !end[1]) ||
+            armed[kind]) {
             snprintf(err, errlen,
                      "NPUALLOC_FAULT='%s' is malformed: use kind:N[,kind:N] with kinds device_alloc, map, memfile, reserve",
                      text);
             return false;
         }
         nth[kind] = v;
+        armed[kind] = true;
         p = *end ? end + 1 : end;
     }
     for (int k = 0; k < NPUALLOC_FAULT_KINDS; k++)

@@ -216,9 +216,16 @@ static void test_environment_arms_faults(void **state)
     aclrtFree(a);
     aclrtFree(b);
     npualloc_shutdown();
-    setenv("NPUALLOC_FAULT", "disk:3", 1);
-    assert_int_equal(aclrtSetDevice(0), ACL_ERROR_UNINITIALIZE);
-    assert_non_null(strstr(npualloc_init_error(), "NPUALLOC_FAULT='disk:3' is malformed"));
+    /* an unknown kind, an empty item (a trailing comma too), a kind named twice (which count?) */
+    static const char *const malformed[] = {"disk:3", "map:1,", ",map:1", "map:1,,map:2", "map:1,map:0", "map:"};
+    for (size_t i = 0; i < sizeof malformed / sizeof *malformed; i++) {
+        setenv("NPUALLOC_FAULT", malformed[i], 1);
+        assert_int_equal(aclrtSetDevice(0), ACL_ERROR_UNINITIALIZE);
+        char want[64];
+        snprintf(want, sizeof want, "NPUALLOC_FAULT='%s' is malformed", malformed[i]);
+        assert_non_null(strstr(npualloc_init_error(), want));
+        npualloc_shutdown();
+    }
     unsetenv("NPUALLOC_FAULT");
     assert_int_equal(npualloc_fault_set(7, 1), ACL_ERROR_INVALID_PARAM);
 }
