@@ -26,7 +26,7 @@ static pthread_mutex_t api_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t history_lock = PTHREAD_MUTEX_INITIALIZER; /* record_history calls; taken before api_lock */
 static bool settings_loaded;
 static conf_result settings_error; /* status != CONF_OK: the environment is malformed */
-static char settings_text[1024];
+static char *settings_text; /* the whole text in effect, however long (torch keeps a std::string) */
 static device_cache caches[NPU_MAX_DEVICES];
 static bool caches_ready; /* the device mutexes are initialised */
 /* torch builds every device's allocator at once, on first use, and each keeps in its stats the
@@ -304,7 +304,17 @@ static void load_settings(void)
     const char *used = NULL;
     /* the outcome stays in settings_error (lock_settings reports it) */
     (void)alloc_conf_from_env(NULL, &cache_settings, expandable_probe, NULL, &settings_error, &used);
-    snprintf(settings_text, sizeof settings_text, "%s", used ? used : "");
+    char *text = strdup(used ? used : "");
+    if (!text) { /* not loaded: the next call tries again */
+        settings_error.status = CONF_RUNTIME_ERROR;
+        settings_error.error_subsystem = CONF_SUB_NONE;
+        settings_error.error_code = CONF_ERR_NONE;
+        snprintf(settings_error.message, sizeof settings_error.message,
+                 "npualloc: out of host memory for the allocator settings");
+        return;
+    }
+    free(settings_text);
+    settings_text = text;
     /* torch_npu warns as its parser goes: what came before an error is given too, once */
     forward_warnings(&settings_error);
     settings_loaded = true;
@@ -463,12 +473,16 @@ aclError npualloc_cache_get_settings(npualloc_allocator_settings *out)
     return ACL_SUCCESS;
 }
 
-const char *npualloc_cache_settings_text(void)
+size_t npualloc_cache_settings_text(char *buf, size_t len)
 {
     pthread_mutex_lock(&api_lock);
     load_settings();
+    const char *text = settings_text ? settings_text : ""; /* "" only when host memory ran out */
+    size_t n = strlen(text);
+    if (len > 0)
+        snprintf(buf, len, "%s", text);
     pthread_mutex_unlock(&api_lock);
-    return settings_text;
+    return n;
 }
 
 aclError npualloc_cache_set_settings(const char *text)
@@ -485,8 +499,15 @@ aclError npualloc_cache_set_settings(const char *text)
     for (int d = 0; d < device_count(); d++)
         if (__atomic_load_n(&caches[d].started, __ATOMIC_ACQUIRE))
             (void)stream_wait_device(d);
-    if (!lock_settings())
+    char *copy = strdup(text); /* the text in effect if it parses: got first, so nothing fails after */
+    if (!copy) {
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "npualloc: out of host memory for the allocator settings");
+        return ACL_ERROR_BAD_ALLOC;
+    }
+    if (!lock_settings()) {
+        free(copy);
         return ACL_ERROR_INVALID_PARAM;
+    }
     alloc_settings next = cache_settings;
     next.per_process_memory_fraction_set = false; /* set again only by a text that names the key */
     conf_result r;
@@ -507,8 +528,12 @@ aclError npualloc_cache_set_settings(const char *text)
         next.per_process_memory_fraction = cache_settings.per_process_memory_fraction;
     }
     cache_settings = next;
-    if (st == CONF_OK)
-        snprintf(settings_text, sizeof settings_text, "%s", text);
+    if (st == CONF_OK) {
+        free(settings_text);
+        settings_text = copy;
+    } else {
+        free(copy);
+    }
     for (int d = NPU_MAX_DEVICES - 1; d >= 0; d--)
         cache_lock_release(&caches[d].lock);
     pthread_mutex_unlock(&api_lock);
@@ -1260,6 +1285,8 @@ void caching_shutdown(void)
     ptr_map_free(&uncached_blocks);
     pthread_mutex_unlock(&uncached_lock);
     settings_loaded = false;
+    free(settings_text);
+    settings_text = NULL;
     any_cache_started = false;
     atomic_store(&record_level, NPUALLOC_RECORD_NEVER);
     memset(&settings_error, 0, sizeof settings_error);

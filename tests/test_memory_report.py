@@ -247,6 +247,18 @@ def test_settings_text_without_the_fraction_leaves_fractions_alone(mem):
     assert [npualloc.get_per_process_memory_fraction(d) for d in (0, 1)] == [0.25, 0.25]
 
 
+def test_a_long_settings_text_is_reported_whole(mem):
+    """torch keeps the whole text (a std::string); npualloc cut it to 1023 bytes."""
+    text = "max_split_size_mb:" + "0" * 1100 + "40"
+    mem(alloc_conf=text)
+    free(alloc(1))
+    settings = memory._snapshot()["allocator_settings"]
+    assert settings["PYTORCH_NPU_ALLOC_CONF"] == text and settings["max_split_size"] == 40 * MiB
+    longer = "max_split_size_mb:" + "0" * 5000 + "30"
+    memory._set_allocator_settings(longer)
+    assert memory._snapshot()["allocator_settings"]["PYTORCH_NPU_ALLOC_CONF"] == longer
+
+
 def test_max_split_size_stat_is_the_value_when_the_first_cache_started(mem):
     mem(alloc_conf="max_split_size_mb:64")
     free(alloc(1, device=0))

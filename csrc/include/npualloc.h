@@ -382,8 +382,10 @@ aclError npualloc_cache_pool_empty(int32_t device, npualloc_mempool_id id);
 
 /* torch_npu.npu.memory._set_allocator_settings(text). */
 aclError npualloc_cache_set_settings(const char *text);
-/* The settings text in effect (what PYTORCH_NPU_ALLOC_CONF or the last change said). */
-const char *npualloc_cache_settings_text(void);
+/* The settings text in effect (what PYTORCH_NPU_ALLOC_CONF or the last change said), copied into buf
+ * as snprintf copies (cut to len - 1 bytes, NUL-terminated when len > 0); returns its whole length, so
+ * a result >= len means buf was too small.  A copy, because another thread may change the settings. */
+size_t npualloc_cache_settings_text(char *buf, size_t len);
 
 /* torch's FreeMemoryCallback registry (FreeNPUMemoryCallbacksRegistry): callbacks that can give
  * memory back to the allocator, e.g. by dropping tensors an extension still holds.

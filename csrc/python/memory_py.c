@@ -1592,6 +1592,26 @@ PyObject *allocator_settings_dict(const npualloc_allocator_settings *s, const ch
         s->multi_stream_lazy_reclaim ? Py_True : Py_False, "roundup_power2_divisions", divs);
 }
 
+/* The settings text in effect, whole: another thread may change it between a sizing and a copy. */
+static PyObject *settings_text_str(void)
+{
+    char small[256];
+    size_t n = npualloc_cache_settings_text(small, sizeof small);
+    if (n < sizeof small)
+        return PyUnicode_FromStringAndSize(small, (Py_ssize_t)n);
+    for (;;) {
+        char *buf = PyMem_Malloc(n + 1);
+        if (!buf)
+            return PyErr_NoMemory();
+        size_t got = npualloc_cache_settings_text(buf, n + 1);
+        PyObject *text = got <= n ? PyUnicode_FromStringAndSize(buf, (Py_ssize_t)got) : NULL;
+        PyMem_Free(buf);
+        if (got <= n)
+            return text;
+        n = got;
+    }
+}
+
 /* The settings in effect, read under a device lock (settings change with every device lock held). */
 static PyObject *settings_dict(void)
 {
@@ -1600,7 +1620,13 @@ static PyObject *settings_dict(void)
     LOCKING_CALL(rc = npualloc_cache_get_settings(&s));
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
-    return allocator_settings_dict(&s, npualloc_cache_settings_text());
+    PyObject *text = settings_text_str();
+    if (!text)
+        return NULL;
+    const char *utf8 = PyUnicode_AsUTF8(text);
+    PyObject *dict = utf8 ? allocator_settings_dict(&s, utf8) : NULL;
+    Py_DECREF(text);
+    return dict;
 }
 
 /* _snapshot() -> {"segments", "device_traces", "allocator_settings", "external_annotations"}. */
@@ -1777,8 +1803,7 @@ static PyObject *m_settings_text(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    const char *t = npualloc_cache_settings_text();
-    return PyUnicode_FromString(t ? t : "");
+    return settings_text_str();
 }
 
 static PyObject *m_check(PyObject *self, PyObject *arg)

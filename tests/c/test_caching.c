@@ -1214,6 +1214,37 @@ static void test_concurrent_record_history_calls_leave_one_state(void **state)
     assert_int_equal(npualloc_cache_record_history(false, NPUALLOC_RECORD_NEVER, 0), ACL_SUCCESS);
 }
 
+static const char *const alternating_texts[2] = {"max_split_size_mb:40", "max_split_size_mb:0000000000000030"};
+
+static void *set_settings_alternately(void *arg)
+{
+    atomic_bool *stop = arg;
+    for (int i = 0; !atomic_load(stop); i++)
+        (void)npualloc_cache_set_settings(alternating_texts[i & 1]);
+    return NULL;
+}
+
+/* The text is copied under the lock: a reader never sees one text half written over another (it got a
+ * pointer to a buffer that a concurrent change rewrote; TSan named the race). */
+static void test_settings_text_read_while_another_thread_changes_it(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    alloc(1);
+    assert_int_equal(npualloc_cache_set_settings(alternating_texts[1]), ACL_SUCCESS);
+    atomic_bool stop = false;
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, set_settings_alternately, &stop), 0);
+    for (int i = 0; i < 2000; i++) {
+        char text[64];
+        (void)npualloc_cache_settings_text(text, sizeof text);
+        if (strcmp(text, alternating_texts[0]) != 0 && strcmp(text, alternating_texts[1]) != 0)
+            fail_msg("a torn settings text: '%s'", text);
+    }
+    atomic_store(&stop, true);
+    assert_int_equal(pthread_join(t, NULL), 0);
+}
+
 static void test_settings_change_at_run_time(void **state)
 {
     (void)state;
@@ -1221,7 +1252,25 @@ static void test_settings_change_at_run_time(void **state)
     alloc(1);
     assert_int_equal(npualloc_cache_set_settings("max_split_size_mb:40"), ACL_SUCCESS);
     assert_int_equal(cache_settings.max_split_size, 40 * MiB_);
-    assert_string_equal(npualloc_cache_settings_text(), "max_split_size_mb:40");
+    char text[64];
+    assert_int_equal(npualloc_cache_settings_text(text, sizeof text), strlen("max_split_size_mb:40"));
+    assert_string_equal(text, "max_split_size_mb:40");
+    assert_int_equal(npualloc_cache_settings_text(text, 5), strlen("max_split_size_mb:40")); /* cut, as snprintf */
+    assert_string_equal(text, "max_");
+    assert_int_equal(npualloc_cache_settings_text(NULL, 0), strlen("max_split_size_mb:40"));
+    /* a long text is kept whole (it was cut to 1023 bytes) */
+    char long_text[3000] = "max_split_size_mb:";
+    size_t zeros = sizeof long_text - strlen(long_text) - 3;
+    memset(long_text + strlen(long_text), '0', zeros);
+    strcat(long_text, "40");
+    assert_int_equal(npualloc_cache_set_settings(long_text), ACL_SUCCESS);
+    assert_int_equal(cache_settings.max_split_size, 40 * MiB_);
+    char *back = malloc(sizeof long_text);
+    assert_non_null(back);
+    assert_int_equal(npualloc_cache_settings_text(back, sizeof long_text), strlen(long_text));
+    assert_string_equal(back, long_text);
+    free(back);
+    assert_int_equal(npualloc_cache_set_settings("max_split_size_mb:40"), ACL_SUCCESS);
     assert_int_equal(npualloc_cache_set_settings("page_size:1g"), ACL_ERROR_INVALID_PARAM);
     npualloc_error_kind kind;
     assert_string_equal(npualloc_last_error(&kind),
@@ -1438,6 +1487,7 @@ int main(void)
         cmocka_unit_test_teardown(test_user_metadata_goes_with_the_entries_recorded_after_it, stop_cache),
         cmocka_unit_test_teardown(test_history_keeps_contexts_by_level, stop_cache),
         cmocka_unit_test_teardown(test_settings_change_at_run_time, stop_cache),
+        cmocka_unit_test_teardown(test_settings_text_read_while_another_thread_changes_it, stop_cache),
         cmocka_unit_test_teardown(test_cached_only_allocation_serves_hits_and_leaves_misses, stop_cache),
         cmocka_unit_test_teardown(test_acl_free_refuses_the_allocators_segments, stop_cache),
         cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
