@@ -643,8 +643,11 @@ static void op_settings(ops_state *st, bool raw)
                        before.multi_stream_lazy_reclaim == after.multi_stream_lazy_reclaim,
                    "a rejected settings text changed a start-up key");
     }
-    const char *now = npualloc_cache_settings_text();
-    FUZZ_CHECK(now != NULL && fuzz_terminated(now, 1024), "settings text");
+    char now[1024];
+    size_t len = npualloc_cache_settings_text(now, sizeof now);
+    FUZZ_CHECK(fuzz_terminated(now, sizeof now) && (len >= sizeof now || strlen(now) == len), "settings text");
+    if (rc == ACL_SUCCESS) /* the text in effect is the one just set, whole */
+        FUZZ_CHECK(len == strlen(text) && strncmp(now, text, sizeof now - 1) == 0, "the settings text in effect");
 }
 
 static void op_pool(ops_state *st)
