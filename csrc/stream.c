@@ -80,6 +80,7 @@ struct npu_stream {
     uint64_t handle;             /* 0 for a default stream */
     const device_context *owner; /* the explicit context it was made in (its destroy takes it), or NULL, */
     uint32_t owner_generation;   /* at this generation of its slot */
+    bool context_default;        /* the owner's default stream: only the owner's destroy ends it */
 
     pthread_mutex_t lock;      /* guards the fields down to `worker` */
     pthread_cond_t work_cv;    /* the worker waits here for a task or for `stopping` */
@@ -1070,7 +1071,7 @@ static void stream_stop(npu_stream *s)
 /* A new stream of `dev` made in `owner` at `generation` (owner NULL: the default context); with start_worker its
  * worker runs before it is handed out. */
 static aclError stream_make(int32_t dev, const device_context *owner, uint32_t generation, bool start_worker,
-                            aclrtStream *stream)
+                            bool context_default, aclrtStream *stream)
 {
     aclError rc = ACL_SUCCESS;
     npu_stream *s = stream_new(dev);
@@ -1078,6 +1079,7 @@ static aclError stream_make(int32_t dev, const device_context *owner, uint32_t g
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     s->owner = owner;
     s->owner_generation = generation;
+    s->context_default = context_default;
     if (start_worker) {
         pthread_mutex_lock(&s->lock);
         rc = ensure_worker_locked(s);
@@ -1116,12 +1118,12 @@ static aclError stream_create(aclrtStream *stream, bool start_worker)
         return rc;
     uint32_t generation;
     const device_context *owner = device_bound_context(&generation);
-    return stream_make(dev, owner, generation, start_worker, stream);
+    return stream_make(dev, owner, generation, start_worker, false, stream);
 }
 
 aclError stream_create_owned(const device_context *owner, uint32_t generation, aclrtStream *stream)
 {
-    return stream_make(atomic_load(&owner->device), owner, generation, false, stream);
+    return stream_make(atomic_load(&owner->device), owner, generation, false, true, stream);
 }
 
 aclError aclrtCreateStream(aclrtStream *stream)
@@ -1152,7 +1154,8 @@ aclError aclrtCreateStreamWithConfig(aclrtStream *stream, uint32_t priority, uin
     return stream_create(stream, flag & ACL_STREAM_FAST_LAUNCH);
 }
 
-aclError aclrtDestroyStream(aclrtStream stream)
+/* Destroys a listed stream; a context's default stream only when `owner_sweep` (its context's destroy). */
+static aclError stream_destroy(aclrtStream stream, bool owner_sweep)
 {
     if (!stream)
         return ACL_ERROR_INVALID_PARAM; /* the default stream is never destroyed */
@@ -1161,7 +1164,9 @@ aclError aclrtDestroyStream(aclrtStream stream)
         return rc;
     pthread_mutex_lock(&table_lock);
     npu_stream *s = handle_table_get(&stream_table, handle_value(stream));
-    if (!s) {
+    if (!s || (s->context_default && !owner_sweep)) {
+        /* CANN destroys only the streams its create calls made: a context's default stream (the handle
+         * aclrtCtxGetCurrentDefaultStream gives) lives as long as the context */
         rc = ACL_ERROR_INVALID_PARAM;
     } else if (stream_waits_for_self(s)) {
         rc = ERR_SELF_WAIT; /* it would wait for the task that is calling */
@@ -1177,6 +1182,8 @@ aclError aclrtDestroyStream(aclrtStream stream)
     stream_put(s); /* events and waiting tasks may keep the (finished) stream a little longer */
     return ACL_SUCCESS;
 }
+
+aclError aclrtDestroyStream(aclrtStream stream) { return stream_destroy(stream, false); }
 
 void stream_destroy_owned(const device_context *owner, uint32_t generation)
 {
@@ -1194,7 +1201,7 @@ void stream_destroy_owned(const device_context *owner, uint32_t generation)
         pthread_mutex_unlock(&table_lock);
         progress = false;
         for (size_t i = 0; i < n; i++) {
-            aclError rc = aclrtDestroyStream((aclrtStream)(uintptr_t)found[i]);
+            aclError rc = stream_destroy((aclrtStream)(uintptr_t)found[i], true);
             progress |= rc == ACL_SUCCESS || rc == ACL_ERROR_INVALID_PARAM; /* (destroyed by another thread) */
         }
     }

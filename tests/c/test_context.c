@@ -118,6 +118,11 @@ static void test_the_current_contexts_default_stream_is_what_a_null_stream_means
     assert_int_equal(aclrtSetCurrentContext(a), ACL_SUCCESS);
     assert_ptr_equal(default_stream_of_context(), sa);
     assert_int_equal(aclrtCtxGetCurrentDefaultStream(NULL), ACL_ERROR_INVALID_PARAM);
+    /* aclrtDestroyStream destroys only created streams: the context's own one lives with the context (it
+     * was destroyed, and every NULL-stream call of the live context then returned 107002) */
+    assert_int_equal(aclrtDestroyStream(sa), ACL_ERROR_INVALID_PARAM);
+    assert_int_equal(aclrtSynchronizeStream(NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamQuery(sa, &st), ACL_SUCCESS);
     assert_int_equal(aclrtDestroyContext(a), ACL_SUCCESS);
     aclrtStream none = (aclrtStream)1;
     assert_int_equal(aclrtCtxGetCurrentDefaultStream(&none), ACL_ERROR_RT_CONTEXT_NULL);
