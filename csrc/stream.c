@@ -157,20 +157,28 @@ static unsigned forks_since_start;
 
 /* The stream whose worker is the calling thread, NULL on other threads. */
 static _Thread_local npu_stream *tl_worker;
-/* The stream whose BLOCK callback the calling thread runs inside aclrtProcessReport (its
- * worker waits for it, so the thread stands in for the worker), NULL otherwise. */
-static _Thread_local npu_stream *tl_block_cb;
-
-/* The callbacks the calling thread is running inside aclrtProcessReport (innermost first). */
+/* The callbacks the calling thread is running inside aclrtProcessReport (innermost first): a callback
+ * may process reports too, so several may be running at once, one inside another. */
 typedef struct run_frame {
     npu_stream *stream;
     report_thread *rt; /* the calling thread's, maybe retired meanwhile */
+    bool block;        /* a BLOCK callback: its stream's worker waits for it */
     struct run_frame *up;
 } run_frame;
 static _Thread_local run_frame *tl_running;
 
+/* Does the calling thread run a BLOCK callback of s (s NULL: of any stream of `device`), at any depth?
+ * Then it stands in for that stream's worker, which waits for it. */
+static bool runs_block_callback(const npu_stream *s, int32_t device)
+{
+    for (const run_frame *f = tl_running; f; f = f->up)
+        if (f->block && (s ? f->stream == s : f->stream->device == device))
+            return true;
+    return false;
+}
+
 /* True when waiting for s from this thread would wait for the caller itself. */
-bool stream_waits_for_self(const npu_stream *s) { return s && (tl_worker == s || tl_block_cb == s); }
+bool stream_waits_for_self(const npu_stream *s) { return s && (tl_worker == s || runs_block_callback(s, -1)); }
 
 /* ------------------------------------------------------------------------------------------
  * Subscription state (the functions are further down, with the callback API)
@@ -1010,7 +1018,7 @@ static aclError device_drain(int32_t device, bool take_errors, const struct time
 {
     if (!device_valid(device))
         return ACL_ERROR_RT_INVALID_DEVICEID;
-    if ((tl_worker && tl_worker->device == device) || (tl_block_cb && tl_block_cb->device == device))
+    if ((tl_worker && tl_worker->device == device) || runs_block_callback(NULL, device))
         return ERR_SELF_WAIT;
     device_stream *list;
     size_t n;
@@ -1506,13 +1514,9 @@ aclError aclrtProcessReport(int32_t timeout)
         atomic_fetch_add_explicit(&s->pins, 1, memory_order_relaxed); /* released below */
         stream_retain(s);
         pthread_mutex_unlock(&sub_lock);
-        run_frame frame = {.stream = s, .rt = rt, .up = tl_running};
+        run_frame frame = {.stream = s, .rt = rt, .block = r->block, .up = tl_running};
         tl_running = &frame;
-        npu_stream *outer = tl_block_cb;
-        if (r->block)
-            tl_block_cb = s;
         r->fn(r->user_data);
-        tl_block_cb = outer;
         tl_running = frame.up;
         pthread_mutex_lock(&sub_lock);
         for (cb_report **pp = &s->running; *pp; pp = &(*pp)->run_next) {
@@ -1557,7 +1561,7 @@ static aclError run_sleep(void *arg)
     return ACL_SUCCESS;
 }
 
-bool npualloc_in_stream_task(void) { return tl_worker || tl_block_cb || tl_running; }
+bool npualloc_in_stream_task(void) { return tl_worker || tl_running; }
 
 aclError npualloc_sleep_async(aclrtStream stream, double seconds)
 {
@@ -2155,7 +2159,6 @@ static void reports_atfork_child(void)
 {
     pthread_mutex_unlock(&sub_lock);
     pthread_cond_init(&report_done_cv, NULL);
-    tl_block_cb = NULL;
     tl_running = NULL;
     for (report_thread *rt = report_threads, *next; rt; rt = next) {
         next = rt->next;

@@ -1602,6 +1602,54 @@ static void test_block_callback_on_subscribed_thread_cannot_wait_for_its_stream(
     assert_int_equal(aclrtDestroyStream(r.other), ACL_SUCCESS);
 }
 
+/* BLOCK callbacks nested by an aclrtProcessReport inside a callback: the inner one (of `inner`) runs on the
+ * thread that also runs the outer one (of `outer`), so it stands in for both workers. */
+typedef struct nested_block {
+    aclrtStream outer, inner;
+    aclError launch, process, sync_outer_timed, destroy_outer, sync_device;
+} nested_block;
+
+static void cb_nested_inner(void *user_data)
+{
+    nested_block *r = user_data;
+    r->sync_outer_timed = aclrtSynchronizeStreamWithTimeout(r->outer, 500);
+    if (r->sync_outer_timed != ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+        return; /* the calls below would wait for ever for the outer callback */
+    r->destroy_outer = aclrtDestroyStream(r->outer);
+    r->sync_device = aclrtSynchronizeDevice();
+}
+
+static void cb_nested_outer(void *user_data)
+{
+    nested_block *r = user_data;
+    r->launch = aclrtLaunchCallback(cb_nested_inner, r, ACL_CALLBACK_BLOCK, r->inner);
+    r->process = aclrtProcessReport(2000); /* runs the inner callback here */
+}
+
+/* The outer stream's worker waits for the outer callback, which this thread runs: a wait for that stream
+ * from the inner callback is refused as a wait for itself.  Only the innermost BLOCK callback counted, so the
+ * timed synchronize timed out (507046), and a destroy or an untimed synchronize waited for ever. */
+static void test_a_nested_block_callback_still_stands_in_for_the_outer_stream(void **state)
+{
+    (void)state;
+    nested_block r = {.outer = new_stream(), .inner = new_stream()};
+    const uint64_t me = self_id();
+    assert_int_equal(aclrtSubscribeReport(me, r.outer), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, r.inner), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_nested_outer, &r, ACL_CALLBACK_BLOCK, r.outer), ACL_SUCCESS);
+    assert_int_equal(aclrtProcessReport(2000), ACL_SUCCESS);
+    assert_int_equal(r.launch, ACL_SUCCESS);
+    assert_int_equal(r.process, ACL_SUCCESS);
+    assert_int_equal(r.sync_outer_timed, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(r.destroy_outer, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(r.sync_device, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal(aclrtSynchronizeStream(r.outer), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, r.outer), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, r.inner), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(r.outer), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(r.inner), ACL_SUCCESS);
+}
+
 /* A NO_BLOCK callback that logs its start, sleeps, logs its end. */
 typedef struct slow_cb {
     int start, end;
@@ -2142,6 +2190,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_process_report_waiting_forever_returns_when_last_subscription_ends, setup, teardown),
         cmocka_unit_test_setup_teardown(test_subscribed_thread_blocking_in_synchronize_gets_block_callbacks_run_elsewhere, setup, teardown),
         cmocka_unit_test_setup_teardown(test_block_callback_on_subscribed_thread_cannot_wait_for_its_stream, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_a_nested_block_callback_still_stands_in_for_the_outer_stream, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unsubscribe_waits_for_a_running_callback_and_order_is_kept, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_stream, setup,
