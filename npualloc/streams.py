@@ -79,8 +79,10 @@ class Stream:
         return _M._stream_query(self.npu_stream, self._device)
 
     def wait_event(self, event):
-        """Work queued on this stream from now on waits for ``event``."""
-        _M._stream_wait_event(self.npu_stream, self._device, event._ensure())
+        """Work queued on this stream from now on waits for ``event`` (nothing to wait for when it was never
+        recorded, as torch_npu's ``block``)."""
+        if event.npu_event:
+            _M._stream_wait_event(self.npu_stream, self._device, event._ensure())
 
     def wait_stream(self, stream):
         """Work queued on this stream from now on waits for the work queued so far on ``stream``."""
@@ -136,6 +138,7 @@ class Event:
         self._handle = 0
         self._gen = 0
         self._recorded = False  # the handle carries a record (which a restart or fork makes stale)
+        self._device = None     # the device of the stream it was first recorded on (torch_npu's device_index_)
 
     def _ensure(self, renew=False):
         """The handle, created on first use.  A stale one is replaced when it carries no record, or with
@@ -150,16 +153,22 @@ class Event:
 
     @property
     def npu_event(self):
-        """The aclrt event handle (an int); 0 until the event is first recorded, waited for or timed, since it
-        is created then, as torch creates its events lazily."""
+        """The aclrt event handle (an int); 0 until the event is first recorded, since it is created then, as
+        torch creates its events lazily."""
         return self._handle
 
     def record(self, stream=None):
-        """Records the event on ``stream`` (default: the current stream)."""
+        """Records the event on ``stream`` (default: the current stream).  The event belongs to the device of
+        the stream it was first recorded on: a stream of another device is torch_npu's RuntimeError."""
         if stream is None:
             stream = current_stream()
+        fresh = not self._handle or self._gen != _M._generation()  # a new handle: the stream's device is its
+        if not fresh and self._device is not None and self._device != stream.device:
+            raise RuntimeError(f"Event device {self._device} does not match recording stream's device "
+                               f"{stream.device}." + _memory._pta_error("PARAM"))
         _M._event_record(stream.npu_stream, stream.device, self._ensure(renew=True))
         self._recorded = True
+        self._device = stream.device
 
     def wait(self, stream=None):
         """Makes ``stream`` (default: the current stream) wait for the event."""
@@ -179,11 +188,17 @@ class Event:
             _M._event_synchronize(self._handle)
 
     def elapsed_time(self, end_event):
-        """Milliseconds between this event and ``end_event`` (both recorded, both with timing)."""
+        """Milliseconds between this event and ``end_event`` (both recorded, both with timing).  Waits for
+        both first, as torch_npu does."""
         if not (self.enable_timing and end_event.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'."
                                + _memory._pta_error("PARAM"))
-        return _M._event_elapsed(self._ensure(), end_event._ensure())
+        if not (self._recorded and end_event._recorded):
+            raise RuntimeError("Both events must be recorded before calculating elapsed time."
+                               + _memory._pta_error("INTERNAL"))
+        _M._event_synchronize(self._handle)
+        _M._event_synchronize(end_event._handle)
+        return _M._event_elapsed(self._handle, end_event._handle)
 
     def __repr__(self):
         return f"<npualloc.Event {self._handle:#x}>" if self._handle else "<npualloc.Event uninitialized>"

@@ -175,6 +175,46 @@ def test_events(mem):
         f.synchronize()
 
 
+def test_elapsed_time_waits_for_both_events_and_needs_both_recorded(mem, monkeypatch):
+    """torch_npu's NPUEvent::elapsed_time: both events created (recorded), else its RuntimeError; then it
+    synchronizes both before it measures (npualloc raised 507004 for events still to complete, and 507000 for
+    events never recorded, after creating handles for them)."""
+    monkeypatch.setenv("TORCH_NPU_COMPACT_ERROR_OUTPUT", "1")
+    s = npualloc.Stream()
+    start, end = npualloc.Event(enable_timing=True), npualloc.Event(enable_timing=True)
+    with pytest.raises(RuntimeError) as err:
+        start.elapsed_time(end)
+    assert str(err.value) == "Both events must be recorded before calculating elapsed time."
+    assert start.npu_event == 0 and end.npu_event == 0       # nothing created on the way
+    start.record(s)
+    with pytest.raises(RuntimeError, match=r"^Both events must be recorded"):
+        start.elapsed_time(end)
+    npualloc._sleep(0.1, s.npu_stream)
+    end.record(s)
+    assert not end.query()
+    assert 95 <= start.elapsed_time(end) < 2000                # waited for `end`
+    assert end.query()
+
+
+def test_an_event_belongs_to_the_device_of_its_first_record(mem, monkeypatch):
+    monkeypatch.setenv("TORCH_NPU_COMPACT_ERROR_OUTPUT", "1")
+    e = npualloc.Event()
+    e.record(npualloc.Stream(0))
+    with pytest.raises(RuntimeError) as err:
+        e.record(npualloc.Stream(1))
+    assert str(err.value) == "Event device 0 does not match recording stream's device 1."
+    e.record(npualloc.Stream(0))                               # its own device's streams still record it
+    e.synchronize()
+
+
+def test_waiting_for_an_event_never_recorded_does_nothing(mem):
+    """torch_npu's block() does nothing for an event not created yet (npualloc created one and queued a wait)."""
+    s, e = npualloc.Stream(), npualloc.Event()
+    s.wait_event(e)
+    e.wait(s)
+    assert e.npu_event == 0 and s.query()
+
+
 def test_stale_objects_after_a_restart_are_left_alone(mem):
     s = npualloc.Stream()
     e = s.record_event()
