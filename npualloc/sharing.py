@@ -10,8 +10,10 @@ While any other process has the block open, the owner's allocator does not reuse
 waiting for stream events) until the last opener closed it, or died.  A block freed by its owner
 can no longer be opened.  Details: docs/sharing.md.
 """
+import re
+
 from . import _C
-from .memory import Buffer
+from .memory import Buffer, _parse_device
 
 _I = _C.ipc
 
@@ -55,19 +57,25 @@ class SharedBlock:
 
 
 def _device_index(device):
+    """open_shared's device: None (the owner's), an int, 'npu:N' or an npu device object; a negative index
+    is passed on, for the runtime to refuse as a device that does not exist."""
     if device is None:
         return None
+    if isinstance(device, bool):
+        raise TypeError("device must be None, an int or 'npu:N', not bool")
+    if isinstance(device, int):
+        return device
     if isinstance(device, str):
-        name = device.strip()
-        if name.startswith("npu:"):
-            name = name[4:]
-        try:
-            return int(name)
-        except ValueError:
-            raise ValueError(f"Invalid device string: {device!r}") from None
-    index = getattr(device, "index", device)
-    if isinstance(index, bool) or not isinstance(index, int):
+        m = re.fullmatch(r"npu:(-?[0-9]+)", device)
+        if not m:
+            raise ValueError(f"Invalid device string: {device!r}")
+        return int(m.group(1))
+    parsed = _parse_device(device)
+    if parsed is None:
         raise TypeError(f"device must be None, an int or 'npu:N', not {type(device).__name__}")
+    kind, index = parsed
+    if kind != "npu" or not isinstance(index, int):
+        raise ValueError(f"Expected a npu device with an index, but got: {device}")
     return index
 
 

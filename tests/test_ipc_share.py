@@ -181,6 +181,23 @@ def test_share_errors(dev0):
         npualloc.SharedBlock(b"NPUS" + b"\0" * 76)
     with pytest.raises(TypeError):
         npualloc.open_shared(12)
+    # the device is checked first: only None, an int, 'npu:N' or an npu device object (a CPU or CUDA device,
+    # or a string int() would read, opened the block on NPU 0)
+    for bad in ("npu:+0", " 0 ", "0", "npu", "cpu:0", "npu:0 "):
+        with pytest.raises(ValueError):
+            npualloc.open_shared(handle, device=bad)
+    for bad in (True, 1.0, object()):
+        with pytest.raises(TypeError):
+            npualloc.open_shared(handle, device=bad)
+
+    class Device:  # what torch.device offers
+        def __init__(self, type, index):
+            self.type, self.index = type, index
+    for bad in (Device("cpu", 0), Device("cuda", 0), Device("npu", None)):
+        with pytest.raises(ValueError):
+            npualloc.open_shared(handle, device=bad)
+    with pytest.raises(RuntimeError, match="not permitted"):
+        npualloc.open_shared(handle, device=Device("npu", 0))  # accepted: the owner itself is refused
     with pytest.raises(RuntimeError, match="was not opened"):
         npualloc.close_shared(ptr)
     assert pickle.loads(pickle.dumps(handle)) == handle
