@@ -255,13 +255,17 @@ def _groups(comparison):
     return out
 
 
-def _write_json(path, payload):
-    text = json.dumps(payload, indent=1)  # whole before the file is opened: no half-written file on an error
+def _write_bytes(path, data):
+    """Writes an output file made whole beforehand (no half-made file on an error); RunError if it cannot."""
     try:
-        with open(path, "w") as f:
-            f.write(text)
+        with open(path, "wb") as f:
+            f.write(data)
     except OSError as e:
         raise RunError(f"{path}: cannot write ({e.strerror or e})") from None
+
+
+def _write_json(path, payload):
+    _write_bytes(path, json.dumps(payload, indent=1).encode())
 
 
 def _device_index(text):
@@ -422,8 +426,7 @@ def cmd_demo(args):
     snap = workload.transformer_trace(args.size, seed=args.seed, record_from_step=0)
     info = snap["npualloc_workload"]
     trace_path = out / "transformer-trace.pickle"
-    with open(trace_path, "wb") as f:
-        pickle.dump(snap, f, protocol=4)
+    _write_bytes(trace_path, pickle.dumps(snap, protocol=4))
     print(f"Workload model: transformer training loop ({info['layers']} layers, hidden {info['hidden']}, "
           f"batch {info['batch']}, sequence lengths {'/'.join(map(str, info['seq_choices']))}, {info['steps']} steps, "
           f"seed {args.seed}; gradient buckets on a second stream), recorded from step {info['record_from_step']}: "

@@ -549,6 +549,15 @@ def test_demo_checks_its_options_before_it_runs(tmp_path):
     assert not out.exists()
 
 
+def test_demo_that_cannot_write_its_trace_says_so_on_one_line(tmp_path):
+    """The generated trace's file is an output like results.json: a failure to write it is a one-line RunError
+    (it was a traceback)."""
+    out = tmp_path / "out"
+    (out / "transformer-trace.pickle").mkdir(parents=True)
+    p = cli("demo", "--size", "tiny", "--out", out, "--no-traces", cwd=tmp_path)
+    assert_run_error(p, f"{out / 'transformer-trace.pickle'}: cannot write (Is a directory)", command="demo")
+
+
 def test_demos_default_row_replays_its_recorded_run(tmp_path):
     p = cli("demo", "--size", "tiny", "--out", tmp_path, "--no-traces", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
