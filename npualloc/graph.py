@@ -81,6 +81,9 @@ __all__ = ["Graph", "GraphExec", "GraphMemoryError", "set_graph_mem_access", "ge
 
 
 def _device_mask(devices):
+    # a string is one device, not a list of them (its characters were read as devices)
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise TypeError(f"access must be a list of devices, not {type(devices).__name__}")
     mask = 0
     for d in devices:
         idx = _memory._get_device_index(d)

@@ -524,6 +524,19 @@ def test_access_descriptors_are_frozen_at_capture(mem):
     free(dev1)
 
 
+def test_access_is_a_list_of_devices(mem):
+    """A string or a single int is refused as a list (the string's characters were read as devices)."""
+    s = npualloc.Stream()
+    for bad in ("npu:1", b"1", 1):
+        with pytest.raises(TypeError, match="access must be a list of devices"):
+            npualloc.set_graph_mem_access(0, bad)
+        with pytest.raises(TypeError, match="access must be a list of devices"):
+            npualloc.Graph().capture_begin(s, access=bad)
+    assert not npualloc.is_current_stream_capturing()
+    npualloc.set_graph_mem_access(0, ("npu:1",))  # any iterable of devices
+    assert npualloc.get_graph_mem_access(0) == [0, 1]
+
+
 def test_access_setting_changed_mid_capture_applies_per_allocation(mem):
     """Without capture(access=), each allocation takes the setting in effect when it is captured: changing
     set_graph_mem_access between two allocations of one capture gives them different descriptors."""
