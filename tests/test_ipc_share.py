@@ -350,8 +350,12 @@ def test_an_open_after_its_owner_exited_fails_on_the_connection_left_open(dev0, 
 
 
 def stopped(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    """Every thread of the process is stopped: SIGSTOP stops the others only once the thread that took it
+    runs, and meanwhile a server thread still answers (/proc/PID/stat shows the main thread alone)."""
+    def state(task):
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    return all(state(task) == "T" for task in os.listdir(f"/proc/{pid}/task"))
 
 
 def test_a_late_reply_answers_nothing_and_leaves_no_pin(dev0, workers, monkeypatch):  # noqa: F811

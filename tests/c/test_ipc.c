@@ -109,6 +109,17 @@ static int finish(child *c)
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+/* Stops a child and returns once all its threads are stopped: kill() returns when SIGSTOP is queued, one
+ * thread takes it and stops the others only when it next runs, and on a loaded machine the child's server
+ * thread answered a request meanwhile. */
+static void stop_child(pid_t pid)
+{
+    assert_int_equal(kill(pid, SIGSTOP), 0);
+    int st = 0;
+    assert_int_equal(waitpid(pid, &st, WUNTRACED), pid);
+    assert_true(WIFSTOPPED(st));
+}
+
 static void put64(int fd, uint64_t v) { assert_true(write(fd, &v, sizeof v) == sizeof v); }
 
 static uint64_t get64(int fd)
@@ -1551,7 +1562,7 @@ static void test_a_listener_that_never_answers_does_not_stall_the_search(void **
     double took = 0;
     assert_int_equal(import_timed(v_stopped, &h, &took), ACL_SUCCESS); /* now a known server */
     assert_int_equal(aclrtFreePhysical(h), ACL_SUCCESS);
-    assert_int_equal(kill(stopped.pid, SIGSTOP), 0);
+    stop_child(stopped.pid);
     child live = spawn(child_export, NULL);
     uint64_t v = get64(live.from_child);
 
@@ -1734,7 +1745,7 @@ static void test_a_periodic_signal_does_not_defeat_the_import_timeout(void **sta
     child e = spawn(child_export_key_and_wait, NULL);
     char key[IPC_KEY_LEN];
     assert_true(read(e.from_child, key, sizeof key) == (ssize_t)sizeof key);
-    kill(e.pid, SIGSTOP);
+    stop_child(e.pid);
     child i = spawn(child_import_key_under_a_timer, NULL);
     assert_true(write(i.to_child, key, sizeof key) == (ssize_t)sizeof key);
     struct pollfd answer = {i.from_child, POLLIN, 0};
