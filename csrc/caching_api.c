@@ -228,6 +228,11 @@ static void npu_release(void *ctx, int32_t device, uintptr_t base, size_t size)
 static aclError npu_map_page(void *ctx, int32_t device, uintptr_t va, size_t size, bool huge1g, uint64_t *handle)
 {
     (void)ctx;
+    /* torch_npu asks aclrtMallocPhysical for each page, which refuses a size off the granularity (a large
+     * segment size of 11 MiB, say): every page fails, as there, instead of the first only (at an address
+     * the next page's mapping then found misaligned) */
+    if (size % (huge1g ? VMM_GRANULARITY_1G : VMM_GRANULARITY) != 0)
+        return ACL_ERROR_RT_PARAM_INVALID;
     aclrtDrvMemHandle h;
     aclError rc = vmm_physical_create(device, huge1g ? MEM_HUGE1G : MEM_HUGE, size, &h);
     if (rc != ACL_SUCCESS)

@@ -141,6 +141,10 @@ static aclError sim_map_page(void *ctx, int32_t device, uintptr_t va, size_t siz
     (void)va;
     sim_device *s = ctx;
     bool pool;
+    /* the device's physical granularity (2 MiB, 1 GiB for 1 GiB pages): a page off it is refused, as the
+     * runtime's pages are (caching_api.c), as aclrtMallocPhysical refuses it */
+    if (size % (huge1g ? K_EXTRA_LARGE_BUFFER : K_SMALL_BUFFER) != 0)
+        return ACL_ERROR_RT_PARAM_INVALID;
     if (size % K_MIN_BLOCK_SIZE != 0 || size / K_MIN_BLOCK_SIZE >= ((uint64_t)1 << 31) ||
         !sim_charge(s, size, huge1g, &pool))
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
@@ -243,8 +247,10 @@ static inline void timeline_sample(replay_timeline *t, uint64_t event, uint64_t 
 
 /* ---- sessions ---- */
 
-static const char *const status_names[] = {"OK",        "BAD_SETTINGS", "BAD_CONFIG", "UNAVAILABLE",
-                                           "STOPPED",   "HOST_MEMORY",  "INVALID"};
+static const char *const status_names[] = {"OK",          "BAD_SETTINGS", "BAD_CONFIG",  "UNAVAILABLE",
+                                           "STOPPED",     "HOST_MEMORY",  "INVALID",     "DEVICE_ERROR"};
+
+const char *npualloc_replay_error(const npualloc_replay *r) { return r ? r->device_error : ""; }
 
 const char *npualloc_replay_status_name(npualloc_replay_status st)
 {
@@ -510,7 +516,13 @@ npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_r
             } else {
                 ptr_map_remove(&r->live, addr);
                 r->halted = true;
-                st = NPUALLOC_REPLAY_HOST_MEMORY;
+                if (rc == ACL_ERROR_BAD_ALLOC) {
+                    st = NPUALLOC_REPLAY_HOST_MEMORY;
+                } else { /* the device refused it (a page off its granularity, say): the setting cannot run */
+                    const char *why = npualloc_last_error(NULL);
+                    snprintf(r->device_error, sizeof r->device_error, "%s", why && *why ? why : "device error");
+                    st = NPUALLOC_REPLAY_DEVICE_ERROR;
+                }
                 break;
             }
         } else if (ev->action[i] == NPUALLOC_REPLAY_FREE_COMPLETED) {

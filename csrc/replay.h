@@ -66,6 +66,7 @@ struct npualloc_replay {
     size_t oom_cap;
     int warning_count;
     char warnings[ALLOC_CONF_MAX_WARNINGS][ALLOC_CONF_MSG_LEN];
+    char device_error[ALLOC_CONF_MSG_LEN]; /* NPUALLOC_REPLAY_DEVICE_ERROR's message */
 };
 
 #define REPLAY_SKIPPED ((void *)(uintptr_t)1)

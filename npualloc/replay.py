@@ -755,7 +755,10 @@ class ReplayResult:
     Peaks are bytes over the whole replay (the reconstructed memory included).  ``fragmentation`` is
     1 - peak_active / peak_reserved, as GMLake defines it.  ``oom_events`` describes the first 64 of the
     ``ooms`` allocations that failed.  ``available`` is False (and ``error`` says why)
-    when the configuration cannot run in this build, e.g. expandable segments before they exist.
+    when the configuration cannot run in this build, e.g. expandable segments before they exist, or on the
+    device: one whose allocations the device refuses for another reason than memory (expandable segments
+    with large-pool pages off the 2 MiB physical granularity, such as ``large_segment_size_mb:11``, which
+    aclrtMallocPhysical refuses; torch_npu raises then).
     """
 
     def __init__(self, trace_name, device, setting, rounding, device_memory, huge1g_memory, on_oom, recorded,
@@ -894,7 +897,12 @@ def _run(events, trace_name, setting, rounding, device_memory, on_oom, timeline_
         return res
     n = len(events)
     for start in range(0, n, CHUNK):
-        going = session.feed(events.action, events.addr, events.size, events.stream, start, CHUNK)
+        try:
+            going = session.feed(events.action, events.addr, events.size, events.stream, start, CHUNK)
+        except _C.replay.DeviceError as e:
+            res.available = False
+            res.error = f"the device refused an allocation: {e}"
+            return res
         if progress is not None:
             progress(min(start + CHUNK, n), n)
         if not going:

@@ -956,6 +956,18 @@ def test_an_unavailable_setting_is_marked_not_crashed(monkeypatch):
     assert table[1].to_dict()["available"] is False
 
 
+def test_a_setting_the_device_refuses_is_marked_not_crashed():
+    """Expandable pages of 11 MiB are off the 2 MiB physical granularity: the device refuses them, as
+    aclrtMallocPhysical does (the replay raised MemoryError, as if the host were out of memory)."""
+    table = replay.compare(small_trace(), ["", "expandable_segments:True,large_segment_size_mb:11",
+                                           "expandable_segments:True,large_segment_size_mb:12"],
+                           device_memory="1GiB")
+    assert table[0].available and table[2].available and not table[1].available
+    assert table[1].error.startswith("the device refused an allocation: ") and "ACL error 107000" in table[1].error
+    assert "not available" in table.format()
+    assert table.least_waste()[("<snapshot>", 0)] is table[2]   # the refused setting is not ranked
+
+
 def test_expandable_segments_replay_when_available():
     try:
         r = replay.replay(workload.transformer_trace("tiny"), conf="expandable_segments:True")

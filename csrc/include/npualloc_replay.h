@@ -37,6 +37,8 @@ typedef enum npualloc_replay_status {
     NPUALLOC_REPLAY_STOPPED,       /* an allocation ran out of memory and the session stops on OOM */
     NPUALLOC_REPLAY_HOST_MEMORY,   /* out of host memory (for the session's bookkeeping) */
     NPUALLOC_REPLAY_INVALID,       /* a NULL session, configuration or output */
+    NPUALLOC_REPLAY_DEVICE_ERROR,  /* the device refused an allocation for another reason than memory (a
+                                      setting that cannot run there; npualloc_replay_error says which) */
 } npualloc_replay_status;
 
 /* NULL arguments: the functions that return a status return NPUALLOC_REPLAY_INVALID for a NULL
@@ -106,9 +108,12 @@ npualloc_replay_status npualloc_replay_create(const npualloc_replay_config *cfg,
 void npualloc_replay_destroy(npualloc_replay *r);
 
 /* Replays a chunk.  NPUALLOC_REPLAY_STOPPED once an OOM stopped the session (the events after
- * it are not replayed; later calls replay nothing).  NPUALLOC_REPLAY_HOST_MEMORY leaves the
- * session stopped too. */
+ * it are not replayed; later calls replay nothing).  NPUALLOC_REPLAY_HOST_MEMORY and
+ * NPUALLOC_REPLAY_DEVICE_ERROR leave the session stopped too. */
 npualloc_replay_status npualloc_replay_feed(npualloc_replay *r, const npualloc_replay_events *ev);
+/* After NPUALLOC_REPLAY_DEVICE_ERROR: the allocator's message for it (its ACL error included); "" before
+ * any (and for a NULL session). */
+const char *npualloc_replay_error(const npualloc_replay *r);
 
 typedef struct npualloc_replay_result {
     uint64_t events;           /* events replayed (up to the stop, if any) */

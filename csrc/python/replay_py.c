@@ -28,6 +28,7 @@ typedef struct {
 } SessionObject;
 
 static PyObject *Unavailable; /* NotImplementedError subclass: a setting this build lacks */
+static PyObject *DeviceError; /* RuntimeError subclass: the device refused an allocation (not for memory) */
 
 static int Session_init(SessionObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -149,6 +150,8 @@ static PyObject *Session_feed(SessionObject *self, PyObject *args)
         ret = PyBool_FromLong(st == NPUALLOC_REPLAY_OK);
     } else if (st == NPUALLOC_REPLAY_HOST_MEMORY) {
         PyErr_NoMemory();
+    } else if (st == NPUALLOC_REPLAY_DEVICE_ERROR) {
+        PyErr_SetString(DeviceError, npualloc_replay_error(self->r));
     } else {
         PyErr_Format(PyExc_RuntimeError, "feed(): %s", npualloc_replay_status_name(st));
     }
@@ -378,6 +381,13 @@ int replay_py_attach(PyObject *module)
     if (!Unavailable || PyModule_AddObject(m, "Unavailable", Unavailable) != 0)
         goto fail;
     Py_INCREF(Unavailable); /* the module's reference went to AddObject; keep ours */
+    DeviceError = PyErr_NewExceptionWithDoc("npualloc._C.replay.DeviceError",
+                                            "The simulated device refused an allocation for another reason than "
+                                            "memory: the setting cannot run there.",
+                                            PyExc_RuntimeError, NULL);
+    if (!DeviceError || PyModule_AddObject(m, "DeviceError", DeviceError) != 0)
+        goto fail;
+    Py_INCREF(DeviceError);
     Py_INCREF(&SessionType);
     if (PyModule_AddObject(m, "Session", (PyObject *)&SessionType) != 0) {
         Py_DECREF(&SessionType);

@@ -828,6 +828,28 @@ static void test_segment_sizes_set_the_large_page(void **state)
     }
 }
 
+/* A large-pool page off the 2 MiB physical granularity (11 MiB) is refused as aclrtMallocPhysical refuses it:
+ * every large allocation fails with its error at the first page (the first page used to map, and the second
+ * failed at an address off the granularity), and the small pool's 2 MiB pages still serve. */
+static void test_large_pages_off_the_granularity_are_refused_at_the_first(void **state)
+{
+    (void)state;
+    static const char *const confs[] = {"expandable_segments:True,large_segment_size_mb:11",
+                                        "expandable_segments:True,segment_size_mb:21"};
+    for (size_t i = 0; i < ARRAY_LEN_(confs); i++) {
+        start_cache(GiB_, 0, confs[i]);
+        void *p = NULL;
+        assert_int_equal(npualloc_cache_malloc(0, 2 * MiB_, 0, &p), ACL_ERROR_RT_PARAM_INVALID);
+        assert_int_equal(npualloc_cache_malloc(0, 30 * MiB_, 0, &p), ACL_ERROR_RT_PARAM_INVALID);
+        npualloc_error_kind kind;
+        assert_non_null(strstr(npualloc_last_error(&kind), "failed with ACL error 107000"));
+        assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_LARGE_POOL].current, 0);
+        alloc(MiB_ / 2);
+        assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_SMALL_POOL].current, 2 * MiB_);
+        check();
+    }
+}
+
 static void test_page_size_1g_overrides_segment_sizes(void **state)
 {
     (void)state;
@@ -890,6 +912,7 @@ int main(void)
         cmocka_unit_test_teardown(test_reserved_range_is_nine_eighths_of_the_device, stop_cache),
         cmocka_unit_test_teardown(test_segment_sizes_set_the_large_page, stop_cache),
         cmocka_unit_test_teardown(test_page_size_1g_overrides_segment_sizes, stop_cache),
+        cmocka_unit_test_teardown(test_large_pages_off_the_granularity_are_refused_at_the_first, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_waits_for_stream_work_before_unmapping, stop_cache),
         cmocka_unit_test_teardown(test_private_pool_counts_its_expandable_segments, stop_cache),
         cmocka_unit_test_teardown(test_empty_cache_releases_segments_with_nothing_mapped, stop_cache),

@@ -205,6 +205,26 @@ static void test_oom_stop_ends_the_run(void **state)
     npualloc_replay_destroy(r);
 }
 
+/* A setting whose allocations the device refuses for another reason than memory (expandable pages of 11 MiB,
+ * off the 2 MiB granularity) stops the session with the allocator's message (it was reported as the host out
+ * of memory, and the lab's replay raised MemoryError). */
+static void test_a_device_refusal_stops_the_run_with_its_message(void **state)
+{
+    (void)state;
+    static const ev list[] = {{A, 0x1000, 1000, 0}, {A, 0x2000, 30 * MiB_, 0}, {F, 0x1000, 0, 0}};
+    npualloc_replay *r = session("expandable_segments:True,large_segment_size_mb:11", GiB_, NPUALLOC_REPLAY_PAD_NPU,
+                                 false);
+    assert_string_equal(npualloc_replay_error(r), "");
+    npualloc_replay_result res = run(r, list, N(list), NPUALLOC_REPLAY_DEVICE_ERROR);
+    assert_int_equal(res.allocs, 1); /* the small one: 2 MiB pages */
+    assert_int_equal(res.ooms, 0);
+    assert_non_null(strstr(npualloc_replay_error(r), "failed with ACL error 107000"));
+    res = run(r, list + 2, 1, NPUALLOC_REPLAY_STOPPED); /* later chunks replay nothing */
+    assert_int_equal(res.frees, 0);
+    npualloc_replay_destroy(r);
+    assert_string_equal(npualloc_replay_error(NULL), "");
+}
+
 static void test_unknown_frees_and_ignored_events_are_counted(void **state)
 {
     (void)state;
@@ -518,10 +538,11 @@ static void test_every_status_has_its_name(void **state)
 {
     (void)state;
     static const char *const names[] = {"OK",      "BAD_SETTINGS", "BAD_CONFIG", "UNAVAILABLE",
-                                        "STOPPED", "HOST_MEMORY",  "INVALID"};
-    for (int st = NPUALLOC_REPLAY_OK; st <= NPUALLOC_REPLAY_INVALID; st++)
+                                        "STOPPED", "HOST_MEMORY",  "INVALID",    "DEVICE_ERROR"};
+    for (int st = NPUALLOC_REPLAY_OK; st <= NPUALLOC_REPLAY_DEVICE_ERROR; st++)
         assert_string_equal(npualloc_replay_status_name((npualloc_replay_status)st), names[st]);
-    assert_string_equal(npualloc_replay_status_name((npualloc_replay_status)(NPUALLOC_REPLAY_INVALID + 1)), "UNKNOWN");
+    assert_string_equal(npualloc_replay_status_name((npualloc_replay_status)(NPUALLOC_REPLAY_DEVICE_ERROR + 1)),
+                        "UNKNOWN");
     assert_string_equal(npualloc_replay_status_name((npualloc_replay_status)-1), "UNKNOWN");
 }
 
@@ -853,6 +874,7 @@ int main(void)
         cmocka_unit_test(test_oom_continue_skips_the_allocation_and_its_free),
         cmocka_unit_test(test_oom_stop_ends_the_run),
         cmocka_unit_test(test_unknown_frees_and_ignored_events_are_counted),
+        cmocka_unit_test(test_a_device_refusal_stops_the_run_with_its_message),
         cmocka_unit_test(test_duplicate_alloc_frees_the_earlier_block),
         cmocka_unit_test(test_a_requested_free_waits_for_its_completion),
         cmocka_unit_test(test_a_requested_free_completes_when_the_allocator_drains),
