@@ -41,7 +41,10 @@ _Atomic unsigned graph_live_ranges;
 #define CHUNK_MAX ((size_t)64 << 20)
 #define LB_ALL_SEEDS_LIMIT 512 /* allocations up to which every allocation seeds a clique */
 
-enum { G_EMPTY, G_CAPTURING, G_CAPTURED, G_BROKEN };
+/* G_ENDING: capture_end has finalised the plan and is trimming the address range (outside graph_lock: a vmm
+ * call); the graph becomes G_CAPTURED (instantiable) only once the range is trimmed, since an executable
+ * graph's launch maps pages into the range and a range with mappings cannot shrink. */
+enum { G_EMPTY, G_CAPTURING, G_ENDING, G_CAPTURED, G_BROKEN };
 
 /* ------------------------------------------------------------------------------------------
  * Structures
@@ -886,7 +889,9 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     for (size_t i = 0; i < g->nevents; i++)
         frontier_free(&g->events[i].f);
     g->nevents = 0;
-    g->state = rc == ACL_SUCCESS ? G_CAPTURED : G_BROKEN;
+    /* Not G_CAPTURED yet: instantiate refuses the graph until the range is trimmed (below). */
+    bool ending = rc == ACL_SUCCESS;
+    g->state = ending ? G_ENDING : G_BROKEN;
     size_t ns = g->nstreams;
     npu_stream **pins = malloc(ns * sizeof *pins);
     bool *routed = malloc(ns * sizeof *routed);
@@ -917,7 +922,8 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     }
     free(pins);
     free(routed);
-    /* Trim the address range to what the plan maps (nothing is mapped yet). */
+    /* Trim the address range to what the plan maps (nothing is mapped yet: the graph is G_ENDING, so
+     * no executable graph of it exists). */
     if (rc == ACL_SUCCESS && !g->pool_mode) {
         size_t want = g->mapped ? (size_t)g->mapped : VMM_GRANULARITY;
         if (want < g->reserved) {
@@ -925,14 +931,18 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
             if (vmm_reserve_shrink((void *)g->base, want) != ACL_SUCCESS) {
                 (void)vmm_release_private((void *)g->base);
                 reg_remove(g);
-                pthread_mutex_lock(&graph_lock);
-                g->state = G_BROKEN;
-                g->base = 0;
-                pthread_mutex_unlock(&graph_lock);
                 set_err("capture_end: the graph's address range could not be kept");
                 rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
             }
         }
+    }
+    /* Published last: from here on the graph may be instantiated and launched. */
+    if (ending) {
+        pthread_mutex_lock(&graph_lock);
+        if (rc != ACL_SUCCESS)
+            g->base = 0;
+        g->state = rc == ACL_SUCCESS ? G_CAPTURED : G_BROKEN;
+        pthread_mutex_unlock(&graph_lock);
     }
     return rc;
 }
@@ -1862,6 +1872,8 @@ aclError npualloc_graph_instantiate(npualloc_graph *g, npualloc_graph_exec **out
     pthread_mutex_unlock(&viol_lock);
     if (g->state != G_CAPTURED) {
         set_err("instantiate: the graph %s", g->state == G_CAPTURING ? "is still being captured"
+                                             : g->state == G_ENDING  ? "is still being captured (capture_end has "
+                                                                       "not returned)"
                                              : g->state == G_EMPTY   ? "was never captured"
                                                                      : "is broken (its capture failed)");
         rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;

@@ -5,6 +5,7 @@
 
 #include "host.h"
 #include "npualloc_graph.h"
+#include "vmm.h"
 
 static void start(void)
 {
@@ -1235,6 +1236,73 @@ static void test_a_thread_that_reuses_an_exited_capturers_id_is_another_thread(v
         skip(); /* the C library gave the new threads other ids: the case was not met */
 }
 
+typedef struct ending_capture {
+    npualloc_graph *g;
+    atomic_int phase; /* 1: in npualloc_graph_capture_end, 2: it returned */
+    aclError rc;
+} ending_capture;
+
+static void *end_capture_phased(void *arg)
+{
+    ending_capture *c = arg;
+    atomic_store(&c->phase, 1);
+    c->rc = npualloc_graph_capture_end(c->g);
+    atomic_store(&c->phase, 2);
+    return NULL;
+}
+
+/* A graph is instantiable only once capture_end trimmed its address range: an executable graph's launch
+ * maps pages into the range, and a range with mappings cannot shrink, so a launch from another thread
+ * while capture_end was between finalising the plan and trimming made capture_end fail with "the graph's
+ * address range could not be kept" (207001) and break the graph.  Here this thread holds the vmm read
+ * lock, so capture_end (in another thread) waits in the trim, and keeps trying to instantiate the graph
+ * meanwhile: none may succeed before capture_end returned. */
+static void test_a_graph_is_instantiable_only_once_capture_end_trimmed_its_range(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    npualloc_graph *g = new_graph(0);
+    npualloc_capture_params p = {.mode = ACL_MODEL_RI_CAPTURE_MODE_RELAXED}; /* ended in another thread */
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, &p), ACL_SUCCESS);
+    void *a = galloc_on(s, 4096);
+    assert_int_equal(npualloc_cache_free(a), ACL_SUCCESS);
+    ending_capture c = {.g = g};
+    npualloc_graph_exec *e = NULL;
+    aclError irc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+    int phase_at_instantiate = -1;
+    pthread_t th;
+    vmm_read_lock(); /* the trim (vmm_reserve_shrink) waits for it */
+    if (pthread_create(&th, NULL, end_capture_phased, &c) != 0) {
+        vmm_read_unlock();
+        fail_msg("pthread_create failed");
+    }
+    const struct timespec ms = {0, 1000000};
+    for (int i = 0; i < 200 && irc != ACL_SUCCESS; i++) { /* ~200 ms: capture_end reaches the trim */
+        irc = npualloc_graph_instantiate(g, &e);
+        if (irc == ACL_SUCCESS)
+            phase_at_instantiate = atomic_load(&c.phase);
+        else
+            nanosleep(&ms, NULL);
+    }
+    vmm_read_unlock();
+    assert_int_equal(pthread_join(th, NULL), 0);
+    if (irc == ACL_SUCCESS)
+        fail_msg("instantiate succeeded while capture_end had not returned (phase %d; it then returned %d)",
+                 phase_at_instantiate, c.rc);
+    if (c.rc != ACL_SUCCESS)
+        fail_msg("capture_end: %d %s", c.rc, npualloc_graph_last_error());
+    /* Ended: the graph is captured, its range trimmed to what the plan maps, and it runs. */
+    npualloc_graph_plan plan;
+    assert_int_equal(npualloc_graph_get_plan(g, &plan), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1266,6 +1334,7 @@ int main(void)
         cmocka_unit_test_teardown(test_global_pool_capture_does_not_block_the_caching_allocator, stop_runtime),
         cmocka_unit_test_teardown(test_capture_ends_in_its_thread_unless_relaxed, stop_runtime),
         cmocka_unit_test_teardown(test_a_thread_that_reuses_an_exited_capturers_id_is_another_thread, stop_runtime),
+        cmocka_unit_test_teardown(test_a_graph_is_instantiable_only_once_capture_end_trimmed_its_range, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
