@@ -152,7 +152,9 @@ class Graph:
                             # mapped until the cycle collector ran
         self._capture_pool = None  # the pool capture_begin routed to (None: planned memory)
         self._capturing = False    # between capture_begin and capture_end
-        self._exec_lock = threading.Lock()  # one executable at a time: threads launching first make one
+        # one executable at a time: threads launching first make one.  It also guards _g, _exec, _owned and
+        # _captured against reset() and capture_end() in another thread, so launch() sees them together.
+        self._exec_lock = threading.Lock()
         self._captured = False     # capture_end succeeded: pool() answers
         self._resets = 0           # reset() calls: an executable of an earlier capture has no plan here
 
@@ -189,7 +191,8 @@ class Graph:
             self._g.capture_end()
         finally:
             self._capturing = False  # a capture_end that fails ends the capture broken
-        self._captured = True
+        with self._exec_lock:
+            self._captured = True
 
     def pool(self):
         """The id of the private pool a successful ``capture(pool=...)`` allocated from (torch's
@@ -231,16 +234,20 @@ class Graph:
         """Launches on ``stream`` (default: the current stream) the executable graph instantiate() returned if
         it is still alive, else one the graph instantiates on first use and keeps.  RuntimeError (torch_npu's
         words) before a successful capture."""
-        if not self._captured:
-            raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
-        exe = self._exec() if self._exec is not None else None
-        if exe is not None and not exe.destroyed:
+        # Read together under the lock: a reset() and a new capture in another thread meanwhile must not
+        # make this launch instantiate the graph of that later capture (maybe not yet captured).
+        with self._exec_lock:
+            if not self._captured:
+                raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
+            exe = self._exec() if self._exec is not None else None
+            if exe is None or exe.destroyed:
+                exe = None
+                if self._owned is None or self._owned.destroyed:
+                    self._owned = self._g.instantiate()
+                owned = self._owned
+        if exe is not None:
             exe.launch(stream)
             return
-        with self._exec_lock:
-            if self._owned is None or self._owned.destroyed:
-                self._owned = self._g.instantiate()
-            owned = self._owned
         s = _as_stream(stream)
         owned.launch(s.npu_stream, s.device)
 
@@ -256,15 +263,19 @@ class Graph:
         fails and leaves the stream capturing; npualloc keeps the capture whole instead."""
         if self._capturing:
             return
-        exe = self._exec() if self._exec is not None else None
-        for e in (exe, self._owned):
+        new = _G.Graph(self.checked)
+        with self._exec_lock:  # launch() in another thread sees the old capture or the new graph, never a mix
+            exe = self._exec() if self._exec is not None else None
+            owned, old = self._owned, self._g
+            self._exec = self._owned = None
+            self._g = new
+            self._capture_pool = None
+            self._captured = False
+            self._resets += 1
+        for e in (exe, owned):  # (outside the lock: destroy waits for their launches)
             if e is not None:
                 e.destroy()
-        self._exec = self._owned = None
-        self._g = _G.Graph(self.checked)  # the old graph goes now: its executables no longer hold it
-        self._capture_pool = None
-        self._captured = False
-        self._resets += 1
+        del old  # the old graph goes now: its executables no longer hold it
 
     # ---- introspection ----
     def nodes(self):

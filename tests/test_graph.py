@@ -4,6 +4,7 @@ import ctypes
 import gc
 import json
 import re
+import sys
 import textwrap
 import threading
 import time
@@ -233,6 +234,51 @@ def test_threads_launching_a_graph_first_share_one_executable(mem):
         s.synchronize()
         assert errors == []
         g.reset()
+
+
+def test_recapture_while_another_thread_replays(mem):
+    # One thread captures, instantiates and resets the graph over and over while another replays it.
+    # launch() read _captured, _exec and _g at different times, so it could instantiate the graph of the
+    # next capture: not captured yet ("was never captured", "is still being captured"), or one in
+    # capture_end, whose trim of the graph's address range the launch's mapping then made fail
+    # (capture_end: "the graph's address range could not be kept", 207001, and the graph broken).
+    # Refusals that stay: a replay between two captures, and an executable still being destroyed or
+    # destroyed under the launch (instantiate()'s result is dropped at once).
+    expected = ("Called NPUGraph::replay without a preceding successful capture.",
+                "instantiate: the graph already has an executable graph", "the executable graph was destroyed")
+    s, s2 = npualloc.Stream(), npualloc.Stream()
+    g = npualloc.Graph()
+    stop, wrong, done = threading.Event(), [], [0]
+
+    def replay():
+        while not stop.is_set():
+            try:
+                g.launch(s)
+            except RuntimeError as e:
+                if not any(m in str(e) for m in expected):
+                    wrong.append(str(e))
+            except BaseException as e:  # noqa: BLE001 (the thread reports whatever went wrong)
+                wrong.append(repr(e))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    t = threading.Thread(target=replay)
+    t.start()
+    try:
+        deadline = time.monotonic() + 3
+        while done[0] < 20000 and time.monotonic() < deadline and not wrong:
+            with g.capture(stream=s2):
+                free(alloc(512))
+            g.instantiate()
+            g.reset()
+            done[0] += 1
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+        s.synchronize()
+    assert wrong == [], (done[0], wrong[:3])
+    assert done[0] >= 100
 
 
 def test_diamond_reuses_after_the_join_only(mem):
