@@ -163,7 +163,9 @@ aclError npualloc_graph_capture_end(npualloc_graph *g);
 /* *capturing: is the stream in capture mode?  *graph (may be NULL): the graph (borrowed). */
 aclError npualloc_stream_capture_status(aclrtStream stream, int32_t device, bool *capturing, npualloc_graph **graph);
 
-/* Finalises the plan and creates the executable graph (one at a time per graph). */
+/* Finalises the plan and creates the executable graph (one at a time per graph).  Fails with
+ * ACL_ERROR_RT_FEATURE_NOT_SUPPORT unless the graph's capture ended well, and until
+ * npualloc_graph_capture_end (in another thread) has returned: it still trims the graph's range. */
 aclError npualloc_graph_instantiate(npualloc_graph *g, npualloc_graph_exec **out);
 /* Queues the graph on a stream of its device (NULL: `device`'s default stream).  Moving to another
  * stream waits for the launches on the stream it was on; from a task of that stream, with a launch
