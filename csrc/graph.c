@@ -760,7 +760,11 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
         g->state = G_CAPTURING; /* claimed: a concurrent begin on the same graph fails */
     pthread_mutex_unlock(&graph_lock);
     if (!empty) {
-        set_err("a graph is captured once: this one is %s", g->state == G_CAPTURING ? "being captured" : "captured");
+        set_err("a graph is captured once: this one is %s",
+                g->state == G_CAPTURING ? "being captured"
+                : g->state == G_ENDING  ? "ending its capture"
+                : g->state == G_BROKEN  ? "broken (its capture failed: reset() it, or make a new one)"
+                                        : "captured");
         return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     }
     npu_stream *s;

@@ -356,9 +356,17 @@ def test_unjoined_stream_fails_the_capture(mem):
     assert not npualloc.streams.current_stream() == s1
     with pytest.raises(RuntimeError, match="broken"):
         g.instantiate()
+    # capturing again says why it cannot (it said the graph was captured) and how to go on
+    with pytest.raises(RuntimeError, match=r"this one is broken \(its capture failed: reset\(\) it"):
+        g.capture_begin(s1)
     # s2 left capture mode: it runs work again
     assert npualloc._sleep(0, s2.npu_stream) == 0
     s2.synchronize()
+    g.reset()
+    with g.capture(stream=s1):
+        free(alloc(100))
+    g.launch(s1)
+    s1.synchronize()
 
 
 def test_nodes_of_every_kind_and_relaunch(mem):
