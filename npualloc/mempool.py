@@ -48,6 +48,7 @@ per-pool counters inside the allocator).
 """
 import collections
 import contextlib
+import threading
 
 from . import _C
 from . import memory as _memory
@@ -100,6 +101,7 @@ class MemPool:
             raise TypeError("MemPool(allocator=...) takes an NPUPluggableAllocator or its allocator(), not "
                             f"{type(allocator).__name__}")
         self._alive = False
+        self._release_lock = threading.Lock()  # release() drops the pool's reference once, whoever calls it
         self._allocator = allocator
         self._device = _memory.current_device()
         self._gen = _M._generation()
@@ -152,10 +154,14 @@ class MemPool:
     def release(self):
         """What collection does (torch's ~MemPool): setUseOnOOM(False), releasePool, then
         emptyCache(self.id)."""
-        if not self._live():
-            self._alive = False
+        lock = getattr(self, "_release_lock", None)
+        if lock is None:  # (an __init__ that raised before making it: nothing was created)
             return
-        self._alive = False
+        with lock:
+            live = self._live()
+            self._alive = False
+        if not live:
+            return
         _G.pool_clear_use_on_oom(self._device, *self._id)
         _G.pool_release(self._device, *self._id)
         _G.pool_empty(self._device, *self._id)

@@ -2,6 +2,7 @@
 (torch's semantics, reference section 3.14)."""
 import gc
 import threading
+import time
 
 import pytest
 
@@ -197,6 +198,32 @@ def test_a_released_pool_keeps_live_blocks_until_freed(mem):
     assert npualloc.memory_snapshot(mempool_id=pid) != []  # freeable, but only empty_cache returns it
     npualloc.empty_cache()
     assert npualloc.memory_snapshot(mempool_id=pid) == []
+
+
+def test_two_threads_releasing_a_pool_drop_one_reference(mem, monkeypatch):
+    """release() checks and clears its flag under a lock: two threads passing the check together dropped the
+    pool's reference twice, the second one another holder's (here a use_mem_pool context's).  A slow
+    generation check widens the window between the check and the clearing so that both threads are in it."""
+    pool = npualloc.MemPool()
+    dev, pid = pool.device, pool.id
+    real = npualloc.mempool._M._generation
+
+    def slow_generation():
+        time.sleep(0.05)
+        return real()
+    with npualloc.use_mem_pool(pool):
+        assert pool.use_count() == 2
+        monkeypatch.setattr(npualloc.mempool._M, "_generation", slow_generation)
+        threads = [threading.Thread(target=pool.release) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        monkeypatch.setattr(npualloc.mempool._M, "_generation", real)
+        assert npualloc._C.graph.pool_use_count(dev, *pid) == 1  # the context's reference is left
+        x = alloc(1000)
+    assert pool_of(x) == pid
+    free(x)
 
 
 def test_pool_stats_and_summary(mem):
