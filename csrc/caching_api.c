@@ -234,7 +234,7 @@ static aclError npu_map_page(void *ctx, int32_t device, uintptr_t va, size_t siz
     if (size % (huge1g ? VMM_GRANULARITY_1G : VMM_GRANULARITY) != 0)
         return ACL_ERROR_RT_PARAM_INVALID;
     aclrtDrvMemHandle h;
-    aclError rc = vmm_physical_create(device, huge1g ? MEM_HUGE1G : MEM_HUGE, size, &h);
+    aclError rc = vmm_physical_create(device, (vmm_kind_choice){{huge1g ? MEM_HUGE1G : MEM_HUGE}, 1}, size, &h);
     if (rc != ACL_SUCCESS)
         return rc;
     if ((rc = vmm_map_private((void *)va, size, h)) != ACL_SUCCESS) {

@@ -609,8 +609,6 @@ static size_t available(const device *d, mem_kind kind)
 
 aclError device_charge(int32_t dev, mem_kind kind, size_t bytes)
 {
-    if (fault_fires(NPUALLOC_FAULT_DEVICE_ALLOC))
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     device *d = &devices[dev];
     aclError rc = ACL_SUCCESS;
     pthread_mutex_lock(&usage_lock);

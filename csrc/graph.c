@@ -1724,10 +1724,7 @@ static void finalize(npualloc_graph *g)
 
 static aclError physical_chunk(int32_t device, size_t size, aclrtDrvMemHandle *out)
 {
-    aclError rc = vmm_physical_create(device, MEM_HUGE, size, out);
-    if (rc == ACL_ERROR_RT_MEMORY_ALLOCATION)
-        rc = vmm_physical_create(device, MEM_NORMAL, size, out);
-    return rc;
+    return vmm_physical_create(device, (vmm_kind_choice){{MEM_HUGE, MEM_NORMAL}, 2}, size, out);
 }
 
 /* bind_lock held. */

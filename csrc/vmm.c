@@ -309,13 +309,17 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrt
         return ACL_ERROR_RT_INVALID_DEVICEID;
     if (prop->reserve != 0 || size % pc.granularity != 0) /* CANN's driver checks both */
         return ACL_ERROR_RT_PARAM_INVALID;
-    return vmm_physical_create(device, pc.kind, size, handle);
+    return vmm_physical_create(device, (vmm_kind_choice){{pc.kind}, 1}, size, handle);
 }
 
-aclError vmm_physical_create(int32_t device, mem_kind kind, size_t size, aclrtDrvMemHandle *out)
+aclError vmm_physical_create(int32_t device, vmm_kind_choice choice, size_t size, aclrtDrvMemHandle *out)
 {
-    phys_handle *h;
-    aclError rc = handle_create(device, kind, size, size, &h);
+    if (device >= 0 && fault_fires(NPUALLOC_FAULT_DEVICE_ALLOC)) /* the allocation fails, fallback included */
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    phys_handle *h = NULL;
+    aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    for (int i = 0; i < choice.count && rc == ACL_ERROR_RT_MEMORY_ALLOCATION; i++)
+        rc = handle_create(device, choice.kinds[i], size, size, &h);
     if (rc != ACL_SUCCESS)
         return rc;
     pthread_rwlock_wrlock(&vmm.lock);
@@ -619,6 +623,10 @@ aclError vmm_confine_private(void *base, size_t lo, size_t hi)
 aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, bool readonly,
                     void **out)
 {
+    /* An injected device-allocation fault fails the allocation, not one page kind of it: HUGE_FIRST's
+     * fallback to normal pages would otherwise absorb it. */
+    if (device >= 0 && fault_fires(NPUALLOC_FAULT_DEVICE_ALLOC))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     phys_handle *h = NULL;
     aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
     for (int i = 0; i < choice.count && rc == ACL_ERROR_RT_MEMORY_ALLOCATION; i++) {

@@ -70,9 +70,9 @@ aclError vmm_release_private(void *base);
  * VMM_GRANULARITY) and gives the rest back, in one step: no other thread can take the range
  * in between, as it could between a release and a new reservation. */
 aclError vmm_reserve_shrink(void *base, size_t size);
-/* A physical handle of `kind` charged to `device` (aclrtMallocPhysical without the property
- * checks); it is a normal handle users could name. */
-aclError vmm_physical_create(int32_t device, mem_kind kind, size_t size, aclrtDrvMemHandle *out);
+/* A physical handle charged to `device` (aclrtMallocPhysical without the property checks), of the first
+ * kind in `choice` the device has room for; it is a normal handle users could name. */
+aclError vmm_physical_create(int32_t device, vmm_kind_choice choice, size_t size, aclrtDrvMemHandle *out);
 
 typedef enum range_class { RANGE_HOST, RANGE_DEVICE, RANGE_INVALID } range_class;
 

@@ -61,6 +61,26 @@ def test_sweep_every_operation_of_a_kind(mem, kind):
     assert npualloc.caching_allocator_alloc(4 * MiB)  # still usable
 
 
+def test_a_device_allocation_fault_fails_the_allocation_not_one_page_kind(mem):
+    """An injected device_alloc fault fails the whole allocation: HUGE_FIRST's fallback to normal pages
+    absorbed it (the huge-page charge failed, the normal one passed), so no caller ever saw it."""
+    acl.rt.set_device(0)
+    with faults.inject("device_alloc", 1):
+        ptr, ret = acl.rt.malloc(4 * MiB, acl.ACL_MEM_MALLOC_HUGE_FIRST)
+    assert ret == acl.ACL_ERROR_RT_MEMORY_ALLOCATION
+    prop = {"handleType": 0, "allocationType": 0, "memAttr": acl.ACL_HBM_MEM_HUGE,
+            "location": {"type": 1, "id": 0}, "reserve": 0}
+    with faults.inject("device_alloc", 1):
+        assert acl.rt.malloc_physical(2 * MiB, prop, 0)[1] == acl.ACL_ERROR_RT_MEMORY_ALLOCATION
+    # the caching allocator frees its cache and tries again, as torch does: a single fault is absorbed
+    # there, and shows as a retry
+    with faults.inject("device_alloc", 1):
+        p = npualloc.caching_allocator_alloc(10 * MiB)
+    st = npualloc.memory_stats()
+    assert st["num_alloc_retries"] == 1 and st["num_ooms"] == 0
+    npualloc.caching_allocator_delete(p)
+
+
 def test_bad_kind_and_nth_are_rejected():
     with pytest.raises(ValueError, match="unknown fault kind 'disk'"):
         faults.arm("disk", 1)

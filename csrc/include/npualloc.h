@@ -413,7 +413,9 @@ aclError npualloc_cache_check(int32_t device, char *why, size_t len);
 
 /* ---- fault injection (tests) ---- */
 typedef enum npualloc_fault_kind {
-    NPUALLOC_FAULT_DEVICE_ALLOC = 0, /* charging device capacity: fails as out of memory (207001) */
+    NPUALLOC_FAULT_DEVICE_ALLOC = 0, /* a device allocation (aclrtMalloc, aclrtMallocPhysical, a caching
+                                        segment or expandable page), page-kind fallbacks included: fails as out
+                                        of memory (207001) */
     NPUALLOC_FAULT_MAP = 1,          /* mapping memory into a range: fails as ENOMEM (207005) */
     NPUALLOC_FAULT_MEMFILE = 2,      /* creating a memory file: fails as EMFILE (207005) */
     NPUALLOC_FAULT_RESERVE = 3,      /* reserving an address range: fails as a runtime without virtual
