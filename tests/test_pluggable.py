@@ -291,3 +291,50 @@ def test_a_capture_still_records_graph_nodes(swapped):
     p = npualloc.caching_allocator_alloc(1000)  # outside the capture: the library
     assert calls.alloc_calls == allocs + 1
     npualloc.caching_allocator_delete(p)
+
+
+def test_a_python_pool_allocator_releasing_while_another_thread_frees_does_not_deadlock():
+    """A pool whose allocator is Python code (ctypes callbacks) needs the GIL under the device's allocator
+    lock.  MemPool.release() emptied the pool with the GIL released but uncounted, so another thread's free
+    kept the GIL while it waited for that lock, and the pool's free function waited for the GIL for ever."""
+    code = """
+import ctypes, faulthandler, threading, time
+import npualloc as n
+from npualloc import acl
+n.configure(device_count=1, device_memory="1GiB")
+faulthandler.dump_traceback_later(50, exit=True)
+ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+@ALLOC
+def palloc(size, dev, stream):
+    p, r = acl.rt.malloc(size, 0)
+    return p if r == 0 else None
+
+@FREE
+def pfree(ptr, size, dev, stream):
+    time.sleep(0.001)   # widens the window: the free function runs under the allocator lock
+    acl.rt.free(ptr)
+
+addrs = (ctypes.cast(palloc, ctypes.c_void_p).value, ctypes.cast(pfree, ctypes.c_void_p).value)
+stop = threading.Event()
+
+def hammer():
+    while not stop.is_set():
+        n.caching_allocator_delete(n.caching_allocator_alloc(4096))
+
+t = threading.Thread(target=hammer)
+t.start()
+for i in range(100):
+    pool = n.MemPool(allocator=addrs)
+    with n.use_mem_pool(pool):
+        ps = [n.caching_allocator_alloc(1 << 20) for _ in range(3)]
+    for p in ps:
+        n.caching_allocator_delete(p)
+    pool.release()
+stop.set()
+t.join()
+print("done")
+"""
+    proc = run_python(code, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-3000:]

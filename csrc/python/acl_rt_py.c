@@ -33,7 +33,7 @@ static PyObject *call_on_handle(const char *fn, PyObject *const *args, Py_ssize_
     if (conv_rc == ARG_OUT_OF_RANGE)
         handle = BAD_HANDLE;
     aclError rc;
-    CALL_NOGIL(rc = call(handle));
+    WAITING_CALL(rc = call(handle));
     return ret_or_init_error(rc);
 }
 
@@ -73,7 +73,7 @@ static PyObject *do_reset(const char *fn, aclError (*reset)(int32_t), PyObject *
     int32_t dev = 0;
     RT_ARG_OR(arg_i32, 0, "device_id", dev, BAD_DEVICE);
     aclError rc;
-    CALL_NOGIL(rc = reset(dev));
+    WAITING_CALL(rc = reset(dev));
     return ret_or_init_error(rc);
 }
 
@@ -147,7 +147,7 @@ static PyObject *rt_synchronize_device(PyObject *self, PyObject *const *args, Py
     RT_BEGIN("synchronize_device", 0);
     (void)args;
     aclError rc;
-    CALL_NOGIL(rc = aclrtSynchronizeDevice());
+    WAITING_CALL(rc = aclrtSynchronizeDevice());
     return ret_or_init_error(rc);
 }
 
@@ -162,7 +162,7 @@ static PyObject *rt_synchronize_device_with_timeout(PyObject *self, PyObject *co
     int32_t timeout = 0;
     RT_ARG_OR(arg_i32, 0, "timeout", timeout, INT32_MIN);
     aclError rc;
-    CALL_NOGIL(rc = aclrtSynchronizeDeviceWithTimeout(timeout));
+    WAITING_CALL(rc = aclrtSynchronizeDeviceWithTimeout(timeout));
     return ret_or_init_error(rc);
 }
 
@@ -230,7 +230,7 @@ static PyObject *do_malloc(const char *fn, malloc_fn alloc, PyObject *const *arg
         return ret_u64(0, ACL_ERROR_INVALID_PARAM);
     void *p = NULL;
     aclError rc;
-    CALL_NOGIL(rc = alloc(&p, (size_t)size, (aclrtMemMallocPolicy)policy));
+    WAITING_CALL(rc = alloc(&p, (size_t)size, (aclrtMemMallocPolicy)policy));
     return ret_handle(p, rc);
 }
 
@@ -268,7 +268,7 @@ static PyObject *rt_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (bad)
         return ret_or_init_error(ACL_ERROR_RT_MEMORY_FREE);
     aclError rc;
-    CALL_NOGIL(rc = aclrtFree(p));
+    WAITING_CALL(rc = aclrtFree(p));
     return ret_or_init_error(rc);
 }
 
@@ -284,7 +284,7 @@ static PyObject *rt_malloc_host(PyObject *self, PyObject *const *args, Py_ssize_
         return ret_u64(0, ACL_ERROR_INVALID_PARAM);
     void *p = NULL;
     aclError rc;
-    CALL_NOGIL(rc = aclrtMallocHost(&p, (size_t)size));
+    WAITING_CALL(rc = aclrtMallocHost(&p, (size_t)size));
     return ret_handle(p, rc);
 }
 
@@ -308,7 +308,7 @@ static PyObject *rt_memset(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (bad)
         return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
     aclError rc;
-    CALL_NOGIL(rc = aclrtMemset(p, (size_t)max_count, value, (size_t)count));
+    WAITING_CALL(rc = aclrtMemset(p, (size_t)max_count, value, (size_t)count));
     return ret_or_init_error(rc);
 }
 
@@ -330,7 +330,7 @@ static PyObject *rt_memcpy(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (bad)
         return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
     aclError rc;
-    CALL_NOGIL(rc = aclrtMemcpy(dst, (size_t)dest_max, src, (size_t)count, (aclrtMemcpyKind)kind));
+    WAITING_CALL(rc = aclrtMemcpy(dst, (size_t)dest_max, src, (size_t)count, (aclrtMemcpyKind)kind));
     return ret_or_init_error(rc);
 }
 
@@ -357,10 +357,10 @@ static PyObject *memcpy2d(const char *fn, PyObject *const *args, Py_ssize_t narg
         return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
     aclError rc;
     if (async)
-        CALL_NOGIL(rc = aclrtMemcpy2dAsync(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
+        WAITING_CALL(rc = aclrtMemcpy2dAsync(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
                                            (aclrtMemcpyKind)kind, stream));
     else
-        CALL_NOGIL(rc = aclrtMemcpy2d(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
+        WAITING_CALL(rc = aclrtMemcpy2d(dst, (size_t)dpitch, src, (size_t)spitch, (size_t)width, (size_t)height,
                                       (aclrtMemcpyKind)kind));
     return ret_or_init_error(rc);
 }
@@ -540,7 +540,7 @@ static PyObject *rt_malloc_physical(PyObject *self, PyObject *const *args, Py_ss
         return ret_u64(0, ACL_ERROR_INVALID_PARAM);
     aclrtDrvMemHandle handle = NULL;
     aclError rc;
-    CALL_NOGIL(rc = aclrtMallocPhysical(&handle, (size_t)size, &prop, flags));
+    WAITING_CALL(rc = aclrtMallocPhysical(&handle, (size_t)size, &prop, flags));
     return ret_handle(handle, rc);
 }
 
@@ -566,7 +566,7 @@ static PyObject *rt_reserve_mem_address(PyObject *self, PyObject *const *args, P
         return ret_u64(0, ACL_ERROR_INVALID_PARAM);
     void *p = NULL;
     aclError rc;
-    CALL_NOGIL(rc = aclrtReserveMemAddress(&p, (size_t)size, (size_t)alignment, expect, flags));
+    WAITING_CALL(rc = aclrtReserveMemAddress(&p, (size_t)size, (size_t)alignment, expect, flags));
     return ret_handle(p, rc);
 }
 
@@ -588,7 +588,7 @@ static PyObject *rt_map_mem(PyObject *self, PyObject *const *args, Py_ssize_t na
     RT_ARG_OR(arg_ptr, 3, "handle", handle, BAD_HANDLE);
     RT_ARG_OR(arg_u64, 4, "flags", flags, 1);
     aclError rc;
-    CALL_NOGIL(rc = aclrtMapMem(p, (size_t)size, (size_t)offset, handle, flags));
+    WAITING_CALL(rc = aclrtMapMem(p, (size_t)size, (size_t)offset, handle, flags));
     return ret_or_init_error(rc);
 }
 
@@ -637,7 +637,7 @@ static PyObject *call_with_timeout(const char *fn, PyObject *const *args, const 
     RT_ARG_OR(arg_ptr, 0, argname, handle, BAD_HANDLE);
     RT_ARG_OR(arg_i32, 1, "timeout", timeout, INT32_MIN);
     aclError rc;
-    CALL_NOGIL(rc = call(handle, timeout));
+    WAITING_CALL(rc = call(handle, timeout));
     return ret_or_init_error(rc);
 }
 
@@ -687,7 +687,7 @@ static PyObject *rt_memcpy_async(PyObject *self, PyObject *const *args, Py_ssize
     if (bad)
         return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
     aclError rc;
-    CALL_NOGIL(rc = aclrtMemcpyAsync(dst, (size_t)dest_max, src, (size_t)count, (aclrtMemcpyKind)kind, stream));
+    WAITING_CALL(rc = aclrtMemcpyAsync(dst, (size_t)dest_max, src, (size_t)count, (aclrtMemcpyKind)kind, stream));
     return ret_or_init_error(rc);
 }
 
@@ -708,7 +708,7 @@ static PyObject *rt_memset_async(PyObject *self, PyObject *const *args, Py_ssize
     if (bad)
         return ret_or_init_error(ACL_ERROR_INVALID_PARAM);
     aclError rc;
-    CALL_NOGIL(rc = aclrtMemsetAsync(p, (size_t)max_count, value, (size_t)count, stream));
+    WAITING_CALL(rc = aclrtMemsetAsync(p, (size_t)max_count, value, (size_t)count, stream));
     return ret_or_init_error(rc);
 }
 
@@ -895,7 +895,7 @@ static PyObject *subscription(PyObject *const *args, const char *fn, bool subscr
     RT_ARG_OR(arg_u64, 0, "thread_id", thread_id, UINT64_MAX);
     RT_ARG_OR(arg_ptr, 1, "stream", stream, BAD_HANDLE);
     aclError rc;
-    CALL_NOGIL(rc = subscribe ? aclrtSubscribeReport(thread_id, stream) : aclrtUnSubscribeReport(thread_id, stream));
+    WAITING_CALL(rc = subscribe ? aclrtSubscribeReport(thread_id, stream) : aclrtUnSubscribeReport(thread_id, stream));
     return ret_or_init_error(rc);
 }
 
@@ -925,7 +925,7 @@ static PyObject *rt_process_report(PyObject *self, PyObject *const *args, Py_ssi
     int32_t timeout = 0;
     RT_ARG_OR(arg_i32, 0, "timeout", timeout, 0); /* 0 is an invalid timeout: the C code says so */
     aclError rc;
-    CALL_NOGIL(rc = aclrtProcessReport(timeout)); /* callbacks take the GIL themselves */
+    WAITING_CALL(rc = aclrtProcessReport(timeout)); /* callbacks take the GIL themselves */
     return ret_or_init_error(rc);
 }
 

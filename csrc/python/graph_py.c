@@ -31,12 +31,6 @@
 #include "npualloc_graph.h"
 #include "pyarg.h"
 
-#define NOGIL(stmt)                                                                                                \
-    do {                                                                                                           \
-        Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
-        Py_END_ALLOW_THREADS                                                                                       \
-    } while (0)
-
 static PyObject *GraphMemoryError;
 
 /* The allocator's own message alone, as torch raises it (use_mem_pool and MemPool surface these
@@ -125,7 +119,7 @@ static PyObject *pool_call(PyObject *const *args, Py_ssize_t nargs, const char *
         return NULL;
     uint64_t tid = (uint64_t)pthread_self(); /* the caller's thread, taken before the GIL goes */
     aclError rc = ACL_SUCCESS;
-    NOGIL(switch (op) {
+    WAITING_CALL(switch (op) {
         case POOL_CREATE: rc = npualloc_cache_pool_create(dev, id); break;
         case POOL_RELEASE: rc = npualloc_cache_pool_release(dev, id); break;
         case POOL_BEGIN_THREAD: rc = npualloc_cache_pool_begin(dev, id, NPUALLOC_POOL_FILTER_THREAD, tid); break;
@@ -176,7 +170,7 @@ static PyObject *g_pool_create_with_allocator(PyObject *self, PyObject *const *a
     npualloc_alloc_fn alloc_fn = (npualloc_alloc_fn)(uintptr_t)alloc_addr;
     npualloc_free_fn free_fn = (npualloc_free_fn)(uintptr_t)free_addr;
     aclError rc;
-    NOGIL(rc = npualloc_cache_pool_create_with_allocator(dev, id, alloc_fn, free_fn));
+    WAITING_CALL(rc = npualloc_cache_pool_create_with_allocator(dev, id, alloc_fn, free_fn));
     if (rc != ACL_SUCCESS)
         return cache_error(rc, fn);
     Py_RETURN_NONE;
@@ -192,7 +186,7 @@ static PyObject *g_pool_use_count(PyObject *self, PyObject *const *args, Py_ssiz
     if (parse_id(args, "pool_use_count", &dev, &id) < 0)
         return NULL;
     int n;
-    NOGIL(n = npualloc_cache_pool_use_count(dev, id));
+    WAITING_CALL(n = npualloc_cache_pool_use_count(dev, id));
     return PyLong_FromLong(n);
 }
 
@@ -308,7 +302,7 @@ static void Graph_dealloc(GraphObject *self)
     npualloc_graph *g = self->g;
     self->g = NULL;
     if (g)
-        NOGIL(npualloc_graph_destroy(g)); /* host-node data may take the GIL to go */
+        WAITING_CALL(npualloc_graph_destroy(g)); /* host-node data may take the GIL to go */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -367,7 +361,7 @@ static PyObject *Graph_capture_begin(GraphObject *self, PyObject *const *args, P
     p.mode = (aclmdlRICaptureMode)(mode <= ACL_MODEL_RI_CAPTURE_MODE_RELAXED ? mode
                                                                             : ACL_MODEL_RI_CAPTURE_MODE_RELAXED + 1);
     aclError rc;
-    NOGIL(rc = npualloc_graph_capture_begin(g, stream, dev, &p));
+    WAITING_CALL(rc = npualloc_graph_capture_begin(g, stream, dev, &p));
     if (rc != ACL_SUCCESS)
         return graph_error(rc, "capture_begin");
     Py_RETURN_NONE;
@@ -380,7 +374,7 @@ static PyObject *Graph_capture_end(GraphObject *self, PyObject *unused)
     if (!g)
         return NULL;
     aclError rc;
-    NOGIL(rc = npualloc_graph_capture_end(g));
+    WAITING_CALL(rc = npualloc_graph_capture_end(g));
     if (rc != ACL_SUCCESS)
         return graph_error(rc, "capture_end");
     Py_RETURN_NONE;
@@ -420,7 +414,7 @@ static PyObject *Graph_instantiate(GraphObject *self, PyObject *unused)
         return NULL;
     npualloc_graph_exec *e;
     aclError rc;
-    NOGIL(rc = npualloc_graph_instantiate(g, &e));
+    WAITING_CALL(rc = npualloc_graph_instantiate(g, &e));
     if (rc == ACL_ERROR_RT_PARAM_INVALID && npualloc_graph_violation_count(g) > 0) {
         PyObject *v = violations_list(g);
         if (!v)
@@ -434,7 +428,7 @@ static PyObject *Graph_instantiate(GraphObject *self, PyObject *unused)
         return graph_error(rc, "instantiate");
     ExecObject *x = PyObject_New(ExecObject, &Exec_Type);
     if (!x) {
-        NOGIL(npualloc_graph_exec_destroy(e));
+        WAITING_CALL(npualloc_graph_exec_destroy(e));
         return NULL;
     }
     x->e = e;
@@ -618,7 +612,7 @@ static void exec_release(ExecObject *self)
     if (e && self->launching > 0)
         self->doomed = e;
     else if (e)
-        NOGIL(npualloc_graph_exec_destroy(e)); /* waits for its launches */
+        WAITING_CALL(npualloc_graph_exec_destroy(e)); /* waits for its launches */
 }
 
 static void Exec_dealloc(ExecObject *self)
@@ -643,11 +637,11 @@ static PyObject *Exec_launch(ExecObject *self, PyObject *const *args, Py_ssize_t
     }
     aclError rc;
     self->launching++;
-    NOGIL(rc = npualloc_graph_launch(e, stream, dev));
+    WAITING_CALL(rc = npualloc_graph_launch(e, stream, dev));
     if (--self->launching == 0 && self->doomed) {
         npualloc_graph_exec *doomed = self->doomed;
         self->doomed = NULL;
-        NOGIL(npualloc_graph_exec_destroy(doomed)); /* destroyed meanwhile: after this launch */
+        WAITING_CALL(npualloc_graph_exec_destroy(doomed)); /* destroyed meanwhile: after this launch */
     }
     if (rc != ACL_SUCCESS)
         return graph_error(rc, "launch");

@@ -92,7 +92,7 @@ static PyObject *rt_mem_export_to_shareable_handle(PyObject *self, PyObject *con
     RT_ARG_OR(arg_u64, 2, "flags", flags, UINT64_MAX);
     uint64_t value = 0;
     aclError rc;
-    CALL_NOGIL(rc = aclrtMemExportToShareableHandle(handle, (aclrtMemHandleType)type, flags, &value));
+    WAITING_CALL(rc = aclrtMemExportToShareableHandle(handle, (aclrtMemHandleType)type, flags, &value));
     return ret_u64(value, rc);
 }
 
@@ -114,7 +114,7 @@ static PyObject *rt_mem_set_pid_to_shareable_handle(PyObject *self, PyObject *co
     if (bad)
         rc = ACL_ERROR_INVALID_PARAM;
     else
-        CALL_NOGIL(rc = aclrtMemSetPidToShareableHandle(value, pids, n));
+        WAITING_CALL(rc = aclrtMemSetPidToShareableHandle(value, pids, n));
     PyMem_Free(pids);
     return ret_or_init_error(rc);
 }
@@ -132,7 +132,7 @@ static PyObject *rt_mem_import_from_shareable_handle(PyObject *self, PyObject *c
     RT_ARG_OR(arg_i32, 1, "device_id", dev, -1);
     aclrtDrvMemHandle h = NULL;
     aclError rc;
-    CALL_NOGIL(rc = aclrtMemImportFromShareableHandle(value, dev, &h));
+    WAITING_CALL(rc = aclrtMemImportFromShareableHandle(value, dev, &h));
     return ret_handle(h, rc);
 }
 
@@ -157,7 +157,7 @@ static PyObject *rt_ipc_mem_get_export_key(PyObject *self, PyObject *const *args
     }
     char key[1024] = "";
     aclError rc;
-    CALL_NOGIL(rc = aclrtIpcMemGetExportKey(ptr, (size_t)size, key, (size_t)len, flags));
+    WAITING_CALL(rc = aclrtIpcMemGetExportKey(ptr, (size_t)size, key, (size_t)len, flags));
     if (raise_init_error(rc))
         return NULL;
     return Py_BuildValue("(si)", rc == ACL_SUCCESS ? key : "", rc);
@@ -181,7 +181,7 @@ static PyObject *rt_ipc_mem_set_import_pid(PyObject *self, PyObject *const *args
     if (bad)
         rc = ACL_ERROR_INVALID_PARAM;
     else
-        CALL_NOGIL(rc = aclrtIpcMemSetImportPid(key, pids, n));
+        WAITING_CALL(rc = aclrtIpcMemSetImportPid(key, pids, n));
     PyMem_Free(pids);
     return ret_or_init_error(rc);
 }
@@ -199,7 +199,7 @@ static PyObject *rt_ipc_mem_import_by_key(PyObject *self, PyObject *const *args,
     RT_ARG_OR(arg_u64, 1, "flags", flags, UINT64_MAX);
     void *p = NULL;
     aclError rc;
-    CALL_NOGIL(rc = aclrtIpcMemImportByKey(&p, key, flags));
+    WAITING_CALL(rc = aclrtIpcMemImportByKey(&p, key, flags));
     return ret_handle(p, rc);
 }
 
@@ -212,7 +212,7 @@ static PyObject *rt_ipc_mem_close(PyObject *self, PyObject *const *args, Py_ssiz
     if (!key)
         return NULL;
     aclError rc;
-    CALL_NOGIL(rc = aclrtIpcMemClose(key));
+    WAITING_CALL(rc = aclrtIpcMemClose(key));
     return ret_or_init_error(rc);
 }
 
@@ -285,7 +285,7 @@ static PyObject *py_share(PyObject *self, PyObject *arg)
     if (a == ARG_OUT_OF_RANGE)
         rc = ACL_ERROR_INVALID_PARAM;
     else
-        CALL_NOGIL(rc = ipc_share(ptr, buf, sizeof buf, &len));
+        WAITING_CALL(rc = ipc_share(ptr, buf, sizeof buf, &len));
     if (rc == ACL_SUCCESS)
         return PyBytes_FromStringAndSize(buf, (Py_ssize_t)len);
     if (rc == ACL_ERROR_INVALID_PARAM && len > sizeof buf) { /* a block over many pages */
@@ -293,7 +293,7 @@ static PyObject *py_share(PyObject *self, PyObject *arg)
         if (!big)
             return PyErr_NoMemory();
         size_t len2 = 0;
-        CALL_NOGIL(rc = ipc_share(ptr, big, len, &len2));
+        WAITING_CALL(rc = ipc_share(ptr, big, len, &len2));
         PyObject *out = rc == ACL_SUCCESS ? PyBytes_FromStringAndSize(big, (Py_ssize_t)len2) : NULL;
         PyMem_Free(big);
         if (rc == ACL_SUCCESS)
@@ -328,7 +328,7 @@ static PyObject *py_open_shared(PyObject *self, PyObject *const *args, Py_ssize_
     if (a == ARG_OUT_OF_RANGE || (args[1] != Py_None && dev < 0))
         rc = ACL_ERROR_RT_INVALID_DEVICEID;
     else
-        CALL_NOGIL(rc = ipc_open_shared(view.buf, (size_t)view.len, dev, &ptr));
+        WAITING_CALL(rc = ipc_open_shared(view.buf, (size_t)view.len, dev, &ptr));
     PyBuffer_Release(&view);
     if (rc == ACL_ERROR_INVALID_PARAM) {
         PyErr_SetString(PyExc_ValueError, "open_shared: not a handle made by npualloc.share");
@@ -349,7 +349,7 @@ static PyObject *py_close_shared(PyObject *self, PyObject *arg)
         return NULL;
     aclError rc = ACL_ERROR_INVALID_PARAM;
     if (a == ARG_OK)
-        CALL_NOGIL(rc = ipc_close_shared(ptr));
+        WAITING_CALL(rc = ipc_close_shared(ptr));
     if (rc != ACL_SUCCESS) {
         PyErr_Format(PyExc_RuntimeError, "close_shared: %R was not opened by open_shared", arg);
         return NULL;

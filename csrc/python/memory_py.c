@@ -30,6 +30,7 @@
 
 #include "acl_rt.h"
 #include "memory_py.h" /* Python.h first */
+#include "binding.h"
 #include <structmember.h>
 #include "npualloc.h"
 #include "pyarg.h"
@@ -51,20 +52,12 @@ static inline uint64_t gen_now(void) { return npualloc_runtime_generation(); }
  * needs the GIL.  So those calls release the GIL, and while one of them is in flight every other
  * call that takes an allocator lock releases it too (a thread holding the GIL must never wait
  * for that lock).  With none in flight (the single-threaded hot path) frees keep the GIL.
- * `waiters` changes only with the GIL held, so a call that saw 0 finishes before it can grow. */
-static atomic_int waiters;
-
-#define WAITING_CALL(stmt)                                                                                         \
-    do {                                                                                                           \
-        atomic_fetch_add(&waiters, 1);                                                                             \
-        Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
-        Py_END_ALLOW_THREADS                                                                                       \
-        atomic_fetch_sub(&waiters, 1);                                                                             \
-    } while (0)
+ * The count (binding.h) changes only with the GIL held, so a call that saw 0 finishes before it can grow. */
+atomic_int binding_gil_waiters;
 
 #define LOCKING_CALL(stmt)                                                                                         \
     do {                                                                                                           \
-        if (atomic_load(&waiters) != 0) {                                                                          \
+        if (atomic_load(&binding_gil_waiters) != 0) {                                                              \
             Py_BEGIN_ALLOW_THREADS stmt;                                                                           \
             Py_END_ALLOW_THREADS                                                                                   \
         } else {                                                                                                   \

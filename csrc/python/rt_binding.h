@@ -44,12 +44,6 @@
 /* An invalid device id. */
 #define BAD_DEVICE (-1)
 
-#define CALL_NOGIL(stmt)                                                                                           \
-    do {                                                                                                           \
-        Py_BEGIN_ALLOW_THREADS stmt;                                                                               \
-        Py_END_ALLOW_THREADS                                                                                       \
-    } while (0)
-
 /* name() -> (value, ret) for a call with one output, of `type`, which `to_int` (ret_i64, ret_u64 or ret_handle)
  * makes the tuple of. */
 #define RT_OUTPUT(name, type, call, to_int)                                                                        \
