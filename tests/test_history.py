@@ -14,6 +14,7 @@ import pickle
 import stat
 import sys
 import threading
+import time
 
 import pytest
 
@@ -681,3 +682,40 @@ def test_dump_snapshot_truncates_an_existing_file(hist, tmp_path):
     path.write_bytes(b"x" * (1 << 20))
     memory._dump_snapshot(str(path))
     assert _NoGlobals(io.BytesIO(path.read_bytes())).load().keys() >= {"segments", "device_traces"}
+
+
+def test_concurrent_history_calls_leave_the_python_level_as_the_allocator_records(mem):
+    """Two threads turning the history on and off: whichever C call ended last, the level the binding
+    gathers stacks for is the level the allocator records at (it was the level of whichever thread set it
+    last, so allocations were recorded without frames).  A third thread keeps a GIL-releasing call in
+    flight, so that the history calls release the GIL too."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        mismatches = []
+        for it in range(25):
+            stop = threading.Event()
+
+            def loop(fn):
+                while not stop.is_set():
+                    fn()
+            threads = [threading.Thread(target=loop, args=(f,)) for f in (
+                lambda: memory._record_memory_history("all", context="all", stacks="python"),
+                lambda: memory._record_memory_history(None),
+                npualloc.empty_cache)]
+            for t in threads:
+                t.start()
+            time.sleep(0.04)
+            stop.set()
+            for t in threads:
+                t.join()
+            p = alloc(MiB)
+            entry = next((e for e in memory._snapshot()["device_traces"][0]
+                          if e["action"] == "alloc" and e["addr"] == p), None)
+            free(p)
+            if entry is not None and not entry.get("frames"):
+                mismatches.append(it)
+            memory._record_memory_history(None)
+        assert mismatches == []
+    finally:
+        sys.setswitchinterval(old)

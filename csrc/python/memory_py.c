@@ -1715,7 +1715,10 @@ static PyObject *m_record_history(PyObject *self, PyObject *const *args, Py_ssiz
     LOCKING_CALL(rc = npualloc_cache_record_history_opts(enabled, (npualloc_record_context)when, (size_t)n, &opts));
     /* Stacks cached for sharing start afresh (entries the history keeps hold their own references). */
     ctx_cache_clear();
-    hist_level = rc == ACL_SUCCESS && enabled ? (int)when : NPUALLOC_RECORD_NEVER;
+    /* The level in effect, read back with the GIL held: another thread's call may have ended after this
+     * one (the GIL was released around both), and the last thread to read sets the level the last call
+     * left.  A failed call left the level as it was. */
+    hist_level = (int)npualloc_cache_record_context();
     hist_gen = gen_now();
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
