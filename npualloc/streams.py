@@ -82,7 +82,9 @@ class Stream:
         """Work queued on this stream from now on waits for ``event`` (nothing to wait for when it was never
         recorded, as torch_npu's ``block``)."""
         if event.npu_event:
-            _M._stream_wait_event(self.npu_stream, self._device, event._ensure())
+            with event._lock:
+                handle = event._ensure()
+            _M._stream_wait_event(self.npu_stream, self._device, handle)
 
     def wait_stream(self, stream):
         """Work queued on this stream from now on waits for the work queued so far on ``stream``."""
@@ -139,6 +141,7 @@ class Event:
         self._gen = 0
         self._recorded = False  # the handle carries a record (which a restart or fork makes stale)
         self._device = None     # the device of the stream it was first recorded on (torch_npu's device_index_)
+        self._lock = threading.Lock()  # two threads recording a new event make one handle, and both records land
 
     def _ensure(self, renew=False):
         """The handle, created on first use.  A stale one is replaced when it carries no record, or with
@@ -162,13 +165,14 @@ class Event:
         the stream it was first recorded on: a stream of another device is torch_npu's RuntimeError."""
         if stream is None:
             stream = current_stream()
-        fresh = not self._handle or self._gen != _M._generation()  # a new handle: the stream's device is its
-        if not fresh and self._device is not None and self._device != stream.device:
-            raise RuntimeError(f"Event device {self._device} does not match recording stream's device "
-                               f"{stream.device}." + _memory._pta_error("PARAM"))
-        _M._event_record(stream.npu_stream, stream.device, self._ensure(renew=True))
-        self._recorded = True
-        self._device = stream.device
+        with self._lock:
+            fresh = not self._handle or self._gen != _M._generation()  # a new handle: the stream's device is its
+            if not fresh and self._device is not None and self._device != stream.device:
+                raise RuntimeError(f"Event device {self._device} does not match recording stream's device "
+                                   f"{stream.device}." + _memory._pta_error("PARAM"))
+            _M._event_record(stream.npu_stream, stream.device, self._ensure(renew=True))
+            self._recorded = True
+            self._device = stream.device
 
     def wait(self, stream=None):
         """Makes ``stream`` (default: the current stream) wait for the event."""

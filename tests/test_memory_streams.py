@@ -207,6 +207,33 @@ def test_an_event_belongs_to_the_device_of_its_first_record(mem, monkeypatch):
     e.synchronize()
 
 
+def test_two_threads_recording_a_new_event_make_one_handle(mem, monkeypatch):
+    """Event.record checks and creates the handle under the event's lock: two threads recording a new event
+    each made one (a slow creation widens the window here), and the first handle leaked with its record."""
+    created = []
+    real = npualloc.streams._M._event_create
+
+    def slow_create():
+        handle = real()
+        created.append(handle)
+        time.sleep(0.05)
+        return handle
+    monkeypatch.setattr(npualloc.streams._M, "_event_create", slow_create)
+    ev = npualloc.Event()
+    barrier = threading.Barrier(2)
+
+    def record(stream):
+        barrier.wait()
+        ev.record(stream)
+    threads = [threading.Thread(target=record, args=(s,)) for s in (npualloc.Stream(), npualloc.Stream())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert created == [ev.npu_event]
+    ev.synchronize()
+
+
 def test_waiting_for_an_event_never_recorded_does_nothing(mem):
     """torch_npu's block() does nothing for an event not created yet (npualloc created one and queued a wait)."""
     s, e = npualloc.Stream(), npualloc.Event()
