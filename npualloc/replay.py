@@ -1074,8 +1074,10 @@ def _table_unit(rs):
     return ("GiB", GiB) if max(peaks) >= GiB else ("MiB", MiB)
 
 
-def _is_default(r):
-    return r.conf == "" and r.fraction is None
+def _is_default(r, shared_fraction):
+    """The default settings: no text, and no fraction but the one every result shares (the CLI's --fraction,
+    which applies to every row, the default's included)."""
+    return r.conf == "" and r.fraction == shared_fraction
 
 
 def _least_waste(rs):
@@ -1092,7 +1094,9 @@ def _least_waste(rs):
         return None, None
     least = min(r.peak_reserved for r in ranked)
     tied = [r for r in ranked if r.peak_reserved == least]
-    default = next((r for r in ranked if _is_default(r)), None)
+    fractions = {r.fraction for r in rs}
+    shared_fraction = next(iter(fractions)) if len(fractions) == 1 else None
+    default = next((r for r in ranked if _is_default(r, shared_fraction)), None)
     winner = default if default in tied else tied[0]
     return winner, default
 

@@ -968,6 +968,20 @@ def test_a_setting_the_device_refuses_is_marked_not_crashed():
     assert table.least_waste()[("<snapshot>", 0)] is table[2]   # the refused setting is not ranked
 
 
+def test_a_fraction_every_setting_shares_keeps_the_default_the_default():
+    """With one fraction for every row (the CLI's --fraction), the row without a settings text is still the
+    default: it wins a tie and the verdict compares with it (no row was the default, so a setting that
+    changes nothing won the tie)."""
+    rows = [replay.Setting("release_lock_on_npumalloc:True", fraction=0.5), replay.Setting("", fraction=0.5)]
+    table = replay.compare(small_trace(), rows, device_memory="1GiB")
+    assert table[0].peak_reserved == table[1].peak_reserved
+    assert replay.least_waste(table) is table[1]
+    assert "no setting reserves less than the default" in table.format()
+    # a default without the fraction others have is the default, as before
+    mixed = replay.compare(small_trace(), [replay.Setting("", fraction=0.5), ""], device_memory="1GiB")
+    assert replay.least_waste(mixed) is mixed[1]
+
+
 def test_expandable_segments_replay_when_available():
     try:
         r = replay.replay(workload.transformer_trace("tiny"), conf="expandable_segments:True")
