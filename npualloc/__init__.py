@@ -56,7 +56,19 @@ def configure(device_count=None, device_memory=None, huge_memory=None, huge1g_me
     # otherwise wrap a size at 2**64, or refuse a count with OverflowError).
     count = max(min(cfg["device_count"], 2**31 - 1), -2**31)
     sizes = [min(cfg[key], 2**64 - 1) for key in ("device_memory", "huge_memory", "huge1g_memory", "ddr_memory")]
-    _C.configure(count, *sizes)
+    try:
+        _C.configure(count, *sizes)
+    except ValueError as e:  # the check names the variables: say where each value named came from
+        sources = []
+        for key in given:
+            var = "NPUALLOC_" + key.upper()
+            if var in str(e):
+                where = ("given to configure()" if given[key] is not None
+                         else f"from {var}" if __import__("os").environ.get(var) else "the default")
+                sources.append(f"{key}={cfg[key]} {where}")
+        raise ValueError(f"{e} ({'; '.join(sources)})") from None
+    except RuntimeError as e:
+        raise RuntimeError(f"{e} (npualloc.testing.restart(...) starts it again with other settings)") from None
 
 
 def _sleep(seconds, stream=None):

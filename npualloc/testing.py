@@ -8,7 +8,8 @@ per cell of a notebook), restart the runtime in between::
 
     restart("expandable_segments:True", device_memory="8GiB")
     ...                                   # the allocator runs with these settings
-    restart("max_split_size_mb:128")      # everything released; new settings
+    restart("max_split_size_mb:128", device_memory="8GiB")  # everything released; new settings (the
+                                          # devices too: what is not given comes from NPUALLOC_*)
 
 With pytest, enable the plugin in a ``conftest.py``::
 

@@ -358,16 +358,23 @@ def test_constants_match_acl_rt_h():
 
 
 def test_configure_after_start_raises_runtime_error(dev0):
-    with pytest.raises(RuntimeError, match="already initialised"):
+    with pytest.raises(RuntimeError, match=r"already initialised.*npualloc\.testing\.restart\(\.\.\.\) starts it again"):
         npualloc.configure(device_count=2)
     assert rt.get_device_count() == (dev0["device_count"], 0)
 
 
-def test_inconsistent_configure_raises_value_error(restart):
+def test_inconsistent_configure_raises_value_error(restart, monkeypatch):
     restart()
     npualloc._C.shutdown()
     with pytest.raises(ValueError, match="NPUALLOC_HUGE_MEMORY must not exceed"):
         npualloc.configure(device_memory=1 << 30, huge_memory=2 << 30)
+    # the message says where each value it names came from (the variable's name alone misled when the value
+    # was given to configure())
+    monkeypatch.setenv("NPUALLOC_HUGE_MEMORY", "16GiB")
+    with pytest.raises(ValueError) as err:
+        npualloc.configure(device_memory="1GiB")
+    assert str(err.value) == ("NPUALLOC_HUGE_MEMORY must not exceed NPUALLOC_DEVICE_MEMORY (device_memory=1073741824 "
+                              "given to configure(); huge_memory=17179869184 from NPUALLOC_HUGE_MEMORY)")
 
 
 ENV_SCRIPT = r"""

@@ -88,6 +88,22 @@ def test_buffer_lifetimes(mem):
     assert npualloc.memory_allocated() == 0
 
 
+def test_a_buffer_of_an_ended_runtime_reads_as_freed(mem):
+    """After a restart the new runtime may hand the old pointer out again: the old Buffer reads as freed
+    (its ptr 0) instead of naming that memory (it kept ptr, nbytes and freed=False)."""
+    b = npualloc.empty(100)
+    assert not b.freed and b.ptr and len(b) == 100
+    mem()                                             # a restart: the Buffer's memory is gone
+    q = npualloc.caching_allocator_alloc(100)
+    assert b.freed and b.ptr == 0 and b.nbytes == 0 and len(b) == 0
+    assert repr(b) == "<npualloc.Buffer freed, device=npu:0>"
+    with pytest.raises(BufferError, match="the runtime that owned the memory was shut down"):
+        memoryview(b)
+    b.free()                                          # nothing to give back
+    npualloc.caching_allocator_delete(q)
+    assert npualloc.memory_allocated() == 0
+
+
 def test_the_runtime_is_not_shut_down_under_a_view_of_a_buffer():
     # shutdown() unmapped the memory under a live memoryview, and writing through it killed the process (SIGSEGV)
     p = run_python("""

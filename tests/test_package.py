@@ -87,8 +87,8 @@ def _documented_api():
                 if not klass.__module__.startswith("npualloc"):
                     continue
                 for member, value in vars(klass).items():
-                    if member.startswith("_") or inspect.ismemberdescriptor(value):
-                        continue  # private, or a __slots__ attribute (data, not a method)
+                    if member.startswith("_") or inspect.ismemberdescriptor(value) or inspect.isgetsetdescriptor(value):
+                        continue  # private, or a __slots__ or C attribute (data, not a method)
                     if isinstance(value, (classmethod, staticmethod)):
                         value = value.__func__
                     yield f"{prefix}{name}.{member}", value

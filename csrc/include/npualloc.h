@@ -18,7 +18,10 @@
 extern "C" {
 #endif
 
-/* ---- configuration (before the devices start) ---- */
+/* ---- configuration (before the devices start) ----
+ * The defaults named below are npualloc_config_from_env's: start from it and change fields.  A field left
+ * 0 means 0, not the default: a struct with only device_memory set has no memory usable as 2 MiB pages, so
+ * the caching allocator (which maps 2 MiB pages) finds the device out of memory at once. */
 typedef struct npualloc_config {
     int32_t device_count;   /* NPUALLOC_DEVICE_COUNT, default 8 */
     uint64_t device_memory; /* NPUALLOC_DEVICE_MEMORY: HBM per device, default 64 GiB */

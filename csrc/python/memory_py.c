@@ -880,7 +880,8 @@ static PyObject *m_caching_allocator_delete(PyObject *self, PyObject *const *arg
 
 /* ---- Buffer ---- */
 
-/* The types PyMemberDef reads (Buffer_members): unsigned long long, int, bool. */
+/* The types PyMemberDef reads (Buffer_members): unsigned long long and int; ptr, nbytes and freed are read
+ * through getters (Buffer_getset), which see a Buffer of an ended runtime as freed. */
 typedef struct {
     PyObject_HEAD unsigned long long ptr;
     unsigned long long nbytes;
@@ -955,12 +956,12 @@ static void Buffer_dealloc(BufferObject *b)
 
 static int Buffer_getbuffer(BufferObject *b, Py_buffer *view, int flags)
 {
-    if (b->freed) {
-        PyErr_SetString(PyExc_BufferError, "npualloc.Buffer: the memory was freed");
+    if (b->gen != gen_now()) { /* (freed or not: the runtime's end is the reason to give) */
+        PyErr_SetString(PyExc_BufferError, "npualloc.Buffer: the runtime that owned the memory was shut down");
         return -1;
     }
-    if (b->gen != gen_now()) {
-        PyErr_SetString(PyExc_BufferError, "npualloc.Buffer: the runtime that owned the memory was shut down");
+    if (b->freed) {
+        PyErr_SetString(PyExc_BufferError, "npualloc.Buffer: the memory was freed");
         return -1;
     }
     if (PyBuffer_FillInfo(view, (PyObject *)b, (void *)(uintptr_t)b->ptr, (Py_ssize_t)b->nbytes, 0, flags) < 0)
@@ -1028,10 +1029,56 @@ static PyObject *Buffer_exit(BufferObject *b, PyObject *args)
     return Buffer_free(b, NULL);
 }
 
-static Py_ssize_t Buffer_len(BufferObject *b) { return (Py_ssize_t)b->nbytes; }
+/* Memory of a runtime that ended (a restart or shutdown since) is gone: the Buffer reads as freed, so that
+ * its old pointer, which the new runtime may hand out again, is not taken for its memory. */
+static void buffer_forget_if_stale(BufferObject *b)
+{
+    if (!b->freed && b->gen != gen_now()) {
+        b->freed = true;
+        b->ptr = 0;
+        b->nbytes = 0;
+    }
+}
+
+static Py_ssize_t Buffer_len(BufferObject *b)
+{
+    buffer_forget_if_stale(b);
+    return (Py_ssize_t)b->nbytes;
+}
+
+static PyObject *Buffer_get_ptr(BufferObject *b, void *unused)
+{
+    (void)unused;
+    buffer_forget_if_stale(b);
+    return PyLong_FromUnsignedLongLong(b->ptr);
+}
+
+static PyObject *Buffer_get_nbytes(BufferObject *b, void *unused)
+{
+    (void)unused;
+    buffer_forget_if_stale(b);
+    return PyLong_FromUnsignedLongLong(b->nbytes);
+}
+
+static PyObject *Buffer_get_freed(BufferObject *b, void *unused)
+{
+    (void)unused;
+    buffer_forget_if_stale(b);
+    return PyBool_FromLong(b->freed);
+}
+
+static PyGetSetDef Buffer_getset[] = {
+    {"ptr", (getter)Buffer_get_ptr, NULL, "The device pointer (0 once freed, or once its runtime ended).", NULL},
+    {"nbytes", (getter)Buffer_get_nbytes, NULL, "The size asked for, in bytes (0 once freed, or once its runtime ended).",
+     NULL},
+    {"freed", (getter)Buffer_get_freed, NULL,
+     "True once the memory was given back, or once the runtime it came from ended (a restart or shutdown).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 static PyObject *Buffer_repr(BufferObject *b)
 {
+    buffer_forget_if_stale(b);
     if (b->freed)
         return PyUnicode_FromFormat("<npualloc.Buffer freed, device=npu:%d>", (int)b->device);
     char text[160];
@@ -1054,11 +1101,8 @@ static PyMethodDef Buffer_methods[] = {
 };
 
 static PyMemberDef Buffer_members[] = {
-    {"ptr", T_ULONGLONG, offsetof(BufferObject, ptr), READONLY, "The device pointer (0 once freed)."},
-    {"nbytes", T_ULONGLONG, offsetof(BufferObject, nbytes), READONLY, "The size asked for, in bytes (0 once freed)."},
     {"device", T_INT, offsetof(BufferObject, device), READONLY, "The device index."},
     {"stream", T_ULONGLONG, offsetof(BufferObject, stream), READONLY, "The stream handle the memory was allocated on."},
-    {"freed", T_BOOL, offsetof(BufferObject, freed), READONLY, "True once the memory was given back."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1078,6 +1122,7 @@ static PyTypeObject Buffer_Type = {
     .tp_weaklistoffset = offsetof(BufferObject, weakrefs),
     .tp_methods = Buffer_methods,
     .tp_members = Buffer_members,
+    .tp_getset = Buffer_getset,
 };
 
 static PyObject *m_empty(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
