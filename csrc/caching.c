@@ -544,6 +544,12 @@ static const private_pool *segment_source(const block_pool *pool)
     return owner && owner->segment_alloc_fn ? owner : NULL;
 }
 
+/* A pool with its own allocator has plain segments only, as in torch. */
+static bool uses_expandable_segments(const device_cache *dc, const block_pool *pool)
+{
+    return dc->settings->expandable_segments && expandable_supported(dc) && !segment_source(pool);
+}
+
 /* Memory for a new plain segment of the request's size, from its pool's allocator or the device.
  * A pool allocator's memory must be mapped memory of the device, all of it: a block's pointer
  * leads back to its cache by the device, and the blocks will be written.  A NULL from it is out
@@ -589,8 +595,7 @@ static bool alloc_block(device_cache *dc, alloc_params *p, bool is_retry)
         p->err = ACL_ERROR_RT_MEMORY_ALLOCATION;
         return false;
     }
-    /* A pool with its own allocator has plain segments only, as in torch. */
-    if (dc->settings->expandable_segments && expandable_supported(dc) && !segment_source(p->pool)) {
+    if (uses_expandable_segments(dc, p->pool)) {
         /* Pages are mapped for the rounded size; stats and the trace come from the mapping. */
         p->block = expandable_allocate(dc, p->pool, p->stream, p->size, &p->err);
         return p->block != NULL;
@@ -1283,6 +1288,12 @@ static aclError malloc_on_miss(device_cache *dc, alloc_params *p, size_t orig_si
         found = release_cached_blocks(dc, false) && alloc_block(dc, p, true);
     }
     if (!found) {
+        if (p->err != ACL_ERROR_RT_MEMORY_ALLOCATION && uses_expandable_segments(dc, p->pool)) {
+            cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: mapping a %zu-byte page of an expandable segment on "
+                            "device %d failed with ACL error %d", expandable_page_size(dc, p->pool), dc->device,
+                            p->err);
+            return p->err;
+        }
         if (p->err != ACL_ERROR_RT_MEMORY_ALLOCATION) {
             cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: allocating a %zu-byte segment on device %d failed "
                             "with ACL error %d", p->alloc_size, dc->device, p->err);

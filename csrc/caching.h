@@ -347,6 +347,9 @@ static inline void cache_stat_update(npualloc_stat *arr, unsigned kind, int64_t 
 }
 /* Expandable segments (caching_expandable.c). */
 bool expandable_supported(const device_cache *dc);
+/* The page size of a pool's expandable segments (torch_npu: 2 MiB small, the large segment size (or the
+ * deprecated segment_size_mb) large, 1 GiB with page_size:1g). */
+size_t expandable_page_size(const device_cache *dc, const block_pool *pool);
 /* Finds or maps room for `size` bytes in the stream's expandable segment of the pool; the
  * block returned is mapped, free, and out of the pool.  NULL with *err set when it cannot:
  * ACL_ERROR_RT_MEMORY_ALLOCATION when the device is out of memory, else the error of the page

@@ -19,9 +19,7 @@
 
 bool expandable_supported(const device_cache *dc) { return dc->backend->reserve != NULL; }
 
-/* The page size of a pool's expandable segments (torch_npu: 2 MiB small, the large segment
- * size (or the deprecated segment_size_mb) large, 1 GiB with page_size:1g). */
-static size_t page_size_for(const device_cache *dc, const block_pool *pool)
+size_t expandable_page_size(const device_cache *dc, const block_pool *pool)
 {
     if (pool->is_small)
         return K_SMALL_BUFFER;
@@ -34,7 +32,7 @@ static size_t page_size_for(const device_cache *dc, const block_pool *pool)
 
 static expandable_segment *segment_create(device_cache *dc, block_pool *pool, uint64_t stream)
 {
-    size_t page = page_size_for(dc, pool);
+    size_t page = expandable_page_size(dc, pool);
     size_t free_bytes = 0, total = 0;
     dc->backend->mem_info(dc->backend_ctx, dc->device, &free_bytes, &total);
     /* 1 1/8 of the device's memory, so one stream can map all of it plus fragmentation. */

@@ -834,15 +834,22 @@ static void test_segment_sizes_set_the_large_page(void **state)
 static void test_large_pages_off_the_granularity_are_refused_at_the_first(void **state)
 {
     (void)state;
-    static const char *const confs[] = {"expandable_segments:True,large_segment_size_mb:11",
-                                        "expandable_segments:True,segment_size_mb:21"};
-    for (size_t i = 0; i < ARRAY_LEN_(confs); i++) {
-        start_cache(GiB_, 0, confs[i]);
+    static const struct {
+        const char *conf;
+        const char *message; /* it names the page, not a segment */
+    } cases[] = {{"expandable_segments:True,large_segment_size_mb:11",
+                  "NPU error: mapping a 11534336-byte page of an expandable segment on device 0 failed with ACL error "
+                  "107000"},
+                 {"expandable_segments:True,segment_size_mb:21",
+                  "NPU error: mapping a 22020096-byte page of an expandable segment on device 0 failed with ACL error "
+                  "107000"}};
+    for (size_t i = 0; i < ARRAY_LEN_(cases); i++) {
+        start_cache(GiB_, 0, cases[i].conf);
         void *p = NULL;
         assert_int_equal(npualloc_cache_malloc(0, 2 * MiB_, 0, &p), ACL_ERROR_RT_PARAM_INVALID);
         assert_int_equal(npualloc_cache_malloc(0, 30 * MiB_, 0, &p), ACL_ERROR_RT_PARAM_INVALID);
         npualloc_error_kind kind;
-        assert_non_null(strstr(npualloc_last_error(&kind), "failed with ACL error 107000"));
+        assert_string_equal(npualloc_last_error(&kind), cases[i].message);
         assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_LARGE_POOL].current, 0);
         alloc(MiB_ / 2);
         assert_int_equal(stats().reserved_bytes[NPUALLOC_STAT_SMALL_POOL].current, 2 * MiB_);
