@@ -542,7 +542,11 @@ class _PipeSafeStdout:
 
 
 class _Parser(argparse.ArgumentParser):
+    words = ()  # the command line being parsed (main sets it)
+
     def error(self, message):  # argparse's usage errors: one line, exit 2
+        if "required: trace" in message and "--conf" in self.words:  # --conf took the traces as settings
+            message += " (--conf takes every word after it: give the traces first, or end the settings with --)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -601,6 +605,7 @@ def main(argv=None):
     i = sub.add_parser("include", help="print the directory of npualloc's C headers (for -I)")
     i.set_defaults(func=cmd_include)
 
+    _Parser.words = tuple(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     stdout = sys.stdout
     if stdout is not None:  # None: no stdout at all (>&-), and print() writes nothing

@@ -742,6 +742,47 @@ def _wants_1g_pages(conf):
     return False
 
 
+# Keys npualloc's allocator accepts and never reads (docs/allocator.md, Settings): a replay cannot tell them
+# from the default.
+_IDLE_KEYS = ("pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
+              "pin_memory_expandable_segments", "pinned_mem_register", "pinned_reserve_segment_size_mb",
+              "multi_stream_lazy_reclaim", "release_lock_on_npumalloc")
+
+
+def _conf_items(conf):
+    """{key: value text} of a settings text (commas inside [...] lists do not split)."""
+    items, depth, start = {}, 0, 0
+    for i, ch in enumerate(conf + ","):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth <= 0:
+            key, _, value = conf[start:i].partition(":")
+            if key.strip():
+                items[key.strip()] = value.strip()
+            start = i + 1
+    return items
+
+
+def _idle_setting_notes(r):
+    """Notes on the keys of a result's setting that could not change its replay, so that a tie it wins is
+    not read as a recommendation."""
+    items = _conf_items(r.conf)
+    notes = []
+    idle = [k for k in _IDLE_KEYS if k in items]
+    if idle:
+        verb = "changes" if len(idle) == 1 else "change"
+        notes.append(f"{r.label}: {', '.join(idle)} {verb} nothing in npualloc's allocator (docs/allocator.md, "
+                     "Settings)")
+    if r.fraction is None and "per_process_memory_fraction" not in items:
+        needs = [k for k in ("garbage_collection_threshold", "throw_on_npumalloc_oom") if k in items]
+        if needs:
+            verb = "acts" if len(needs) == 1 else "act"
+            notes.append(f"{r.label}: {', '.join(needs)} {verb} only with a memory fraction (--fraction, or "
+                         "per_process_memory_fraction in the setting)")
+    if "base_addr_aligned_kb" in items and items.get("expandable_segments", "").lower() != "true":
+        notes.append(f"{r.label}: base_addr_aligned_kb acts only with expandable_segments:True")
+    return notes
+
+
 _RESULT_FIELDS = ("events", "allocs", "frees", "unknown_frees", "skipped_frees", "duplicate_allocs", "ignored",
                   "ooms", "recorded_ooms", "recorded_ooms_reproduced", "stopped", "peak_requested", "peak_allocated",
                   "peak_active", "peak_reserved", "final_allocated", "final_reserved", "live_allocations",
@@ -1161,6 +1202,7 @@ def format_table(results):
                 rows.append([r.label, r.rounding, "not available"] + [""] * (len(cols) - 3))
                 notes.append(f"{r.label}: {r.error}")
                 continue
+            notes.extend(_idle_setting_notes(r))
             ooms = str(r.ooms) + (" stop" if r.stopped else "")
             rows.append([r.label, r.rounding, fmt(r.peak_requested), fmt(r.peak_allocated),
                          fmt(r.peak_active), fmt(r.peak_reserved), fmt(r.final_reserved),

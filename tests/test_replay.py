@@ -982,6 +982,25 @@ def test_a_fraction_every_setting_shares_keeps_the_default_the_default():
     assert replay.least_waste(mixed) is mixed[1]
 
 
+def test_settings_that_cannot_change_a_replay_are_noted():
+    """A key npualloc never reads, or one that acts only with a fraction or with expandable segments, gets a
+    note under the table: such a setting ties with the default, and its row is no recommendation."""
+    table = replay.compare(small_trace(), [
+        "garbage_collection_threshold:0.5", "release_lock_on_npumalloc:True,multi_stream_lazy_reclaim:True",
+        "roundup_power2_divisions:[256:4,>:8],base_addr_aligned_kb:0",
+        replay.Setting("garbage_collection_threshold:0.5", fraction=0.9), "expandable_segments:True,base_addr_aligned_kb:0",
+    ], device_memory="1GiB")
+    notes = [line for line in table.format().splitlines() if line.startswith("note: ")]
+    assert notes == [
+        "note: garbage_collection_threshold:0.5: garbage_collection_threshold acts only with a memory fraction "
+        "(--fraction, or per_process_memory_fraction in the setting)",
+        "note: release_lock_on_npumalloc:True,multi_stream_lazy_reclaim:True: multi_stream_lazy_reclaim, "
+        "release_lock_on_npumalloc change nothing in npualloc's allocator (docs/allocator.md, Settings)",
+        "note: roundup_power2_divisions:[256:4,>:8],base_addr_aligned_kb:0: base_addr_aligned_kb acts only with "
+        "expandable_segments:True",
+    ]
+
+
 def test_expandable_segments_replay_when_available():
     try:
         r = replay.replay(workload.transformer_trace("tiny"), conf="expandable_segments:True")

@@ -434,6 +434,12 @@ def test_a_trace_taken_for_a_setting_is_pointed_out(tiny_trace):
     assert_usage_error(p, f"setting '{tiny_trace}': Unrecognized key", "(a trace? --conf takes every word after it")
     p = cli("replay", "--conf", "expandable_segments:True", "--", tiny_trace)  # as the hint says
     assert p.returncode == 0, p.stderr
+    # --conf first took every trace: argparse's "required: trace" says why too
+    p = cli("replay", "--conf", "expandable_segments:True", tiny_trace)
+    assert_usage_error(p, "the following arguments are required: trace (--conf takes every word after it: give "
+                          "the traces first, or end the settings with --)")
+    assert_usage_error(cli("replay"), "the following arguments are required: trace")
+    assert "--conf takes" not in cli("replay").stderr
 
 
 def test_device_memory_beyond_the_largest_device_names_the_option(tiny_trace):
