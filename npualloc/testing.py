@@ -54,8 +54,9 @@ def restart(alloc_conf="", *, no_caching=False, device_count=None, device_memory
     ``PYTORCH_NO_NPU_MEMORY_CACHING``: both stay in ``os.environ``, as if set before the first use.
     The device values are those of :func:`npualloc.configure`; the ones not given come from the
     ``NPUALLOC_*`` environment or the defaults.  The settings are parsed at once: a malformed
-    ``alloc_conf`` raises here (``ValueError`` or ``RuntimeError``, with torch_npu's message) and leaves
-    the runtime stopped, its variables cleared.  As ``aclFinalize``, it is for a moment when no other thread
+    ``alloc_conf`` raises here (``ValueError`` or ``RuntimeError``, with torch_npu's message), as does a bad
+    device value (``TypeError`` or ``ValueError``, as from ``configure``), and leaves the runtime stopped,
+    its variables cleared: the old runtime is gone either way.  As ``aclFinalize``, it is for a moment when no other thread
     uses the runtime; from a stream's callback it raises ``RuntimeError`` and changes nothing, and while a
     view of a ``Buffer``'s memory is exported (a ``memoryview``, a NumPy array) ``BufferError``.
     """
