@@ -91,7 +91,7 @@ def _unpickle(data, name):
         # make the unpickler allocate for it before noticing (a few bytes can ask for gigabytes).
         _C.replay.check_pickle(data)
     except ValueError as e:
-        raise TraceError(f"{name}: not a readable pickle ({e}){_looks_like(data)}") from None
+        raise TraceError(f"{name}: not a readable pickle ({e}){_looks_like(data, str(e))}") from None
     try:
         return _NoGlobalsUnpickler(io.BytesIO(data)).load()
     except UnsafeTraceError as e:
@@ -138,7 +138,7 @@ def _read_bounded(f, name):
         try:
             resumed, stopped = _C.replay.check_pickle_prefix(data, resume, limit)
         except ValueError as e:
-            raise TraceError(f"{name}: not a readable pickle ({e}){_looks_like(data)}") from None
+            raise TraceError(f"{name}: not a readable pickle ({e}){_looks_like(data, str(e))}") from None
         if stopped:
             return bytes(data[:resumed])
         # An opcode still cut off after a whole chunk (a long string or line) is looked at again only once
@@ -147,11 +147,21 @@ def _read_bounded(f, name):
         resume = resumed
 
 
-def _looks_like(head):
-    """A hint for data that is not a pickle: what it looks like from its first bytes, or ""."""
+# The scan's words for an opcode the end of the data cut off (csrc/python/pickle_scan.c).
+_CUT_OFF = ("truncated argument", "frame longer than the data", "truncated length", "length beyond the end of the data",
+            "unterminated line", "no STOP opcode")
+
+
+def _looks_like(head, why=""):
+    """A hint for data that is not a readable pickle (the scan said ``why``): what it looks like from its first
+    bytes, or that it ends in the middle of a pickle, or ""."""
     text = head[:64].lstrip()
     if text[:1] in (b"{", b"["):
         return ": it looks like JSON; a trace is the pickle torch's _dump_snapshot() writes"
+    if head[:1] == b"\x80" and why.startswith(_CUT_OFF):  # a pickle of protocol 2 or later that stops short
+        return ": the file ends inside the pickle (cut short?)"
+    if head[:1] != b"\x80" and head[:64] and all(32 <= c < 127 or c in b"\t\r\n" for c in head[:64]):
+        return ": it looks like text, not a pickle; a trace is the pickle torch's _dump_snapshot() writes"
     return ""
 
 

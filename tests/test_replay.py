@@ -601,8 +601,13 @@ def test_unreadable_and_malformed_traces_raise_trace_errors(tmp_path):
     with pytest.raises(replay.TraceError, match="^'': no such file"):
         replay.load_trace("")
     (tmp_path / "junk.pickle").write_bytes(b"this is not a pickle")
-    with pytest.raises(replay.TraceError, match="not a readable pickle"):
+    with pytest.raises(replay.TraceError, match=r"not a readable pickle \(.*\): it looks like text, not a pickle"):
         replay.load_trace(tmp_path / "junk.pickle")
+    whole = pickle.dumps({"segments": [1] * 1000}, protocol=4)
+    (tmp_path / "cut.pickle").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(replay.TraceError, match=r"\(frame longer than the data at byte 2\): the file ends inside "
+                                                r"the pickle \(cut short\?\)$"):
+        replay.load_trace(tmp_path / "cut.pickle")
     (tmp_path / "trace.json").write_text('{"device_traces": []}')
     with pytest.raises(replay.TraceError, match="unknown opcode at byte 0.: it looks like JSON"):
         replay.load_trace(tmp_path / "trace.json")
