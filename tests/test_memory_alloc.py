@@ -756,8 +756,8 @@ print("ok")
     r = run_python(code, env={"PYTORCH_NPU_ALLOC_CONF": conf})
     assert r.returncode == 0, r.stderr
     first, last = r.stdout.strip().splitlines()
-    assert first == ("RuntimeError NPU error: allocating a 2097152-byte segment on device 0 failed with ACL error "
-                     "207005") and last == "ok"
+    what = "mapping a 2097152-byte page of an expandable segment" if conf else "allocating a 2097152-byte segment"
+    assert first == f"RuntimeError NPU error: {what} on device 0 failed with ACL error 207005" and last == "ok"
 
 
 def test_empty_virt_addr_cache_releases_plain_segments_like_torch_npu(mem):
