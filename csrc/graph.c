@@ -852,6 +852,19 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
         set_err("capture_end: the graph is not being captured");
         return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     }
+    /* What the end needs after graph_lock is dropped (the streams to release, their pool routes to end):
+     * got before anything changes, so that out of host memory the capture simply goes on (the routes
+     * were left for ever, the streams pinned, and the call said success). */
+    size_t ns = g->nstreams;
+    npu_stream **pins = malloc(ns * sizeof *pins);
+    bool *routed = malloc(ns * sizeof *routed);
+    if (!pins || !routed) {
+        pthread_mutex_unlock(&graph_lock);
+        free(pins);
+        free(routed);
+        set_err("capture_end: out of host memory (the capture goes on)");
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
     /* A graph of a runtime that was shut down: its address range and pool routes went with that
      * runtime, and the new runtime may hand out the same addresses and pool ids, so the capture
      * ends broken without finalizing, trimming, releasing or ending anything; its streams (kept
@@ -896,17 +909,11 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     /* Not G_CAPTURED yet: instantiate refuses the graph until the range is trimmed (below). */
     bool ending = rc == ACL_SUCCESS;
     g->state = ending ? G_ENDING : G_BROKEN;
-    size_t ns = g->nstreams;
-    npu_stream **pins = malloc(ns * sizeof *pins);
-    bool *routed = malloc(ns * sizeof *routed);
     for (size_t i = 0; i < ns; i++) {
-        if (pins)
-            pins[i] = g->streams[i].s;
-        if (routed)
-            routed[i] = g->streams[i].routed;
+        pins[i] = g->streams[i].s;
+        routed[i] = g->streams[i].routed;
         g->streams[i].routed = false;
-        if (pins)
-            g->streams[i].s = NULL;
+        g->streams[i].s = NULL;
         frontier_free(&g->streams[i].f);
     }
     if (rc == ACL_SUCCESS && !g->pool_mode)
@@ -917,12 +924,10 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
      * route ends and gives that one back. */
     if (g->pool_mode && !stale)
         g->pool_ref = npualloc_cache_pool_create(g->device, g->pool) == ACL_SUCCESS;
-    if (pins) {
-        for (size_t i = 0; i < ns; i++) {
-            if (routed && routed[i] && !stale)
-                (void)npualloc_cache_pool_end(stream_device(pins[i]), g->pool);
-            stream_release(pins[i]);
-        }
+    for (size_t i = 0; i < ns; i++) {
+        if (routed[i] && !stale)
+            (void)npualloc_cache_pool_end(stream_device(pins[i]), g->pool);
+        stream_release(pins[i]);
     }
     free(pins);
     free(routed);
@@ -1995,31 +2000,46 @@ aclError npualloc_graph_launch(npualloc_graph_exec *e, aclrtStream stream, int32
     }
     if (g->mapped && !e->bound)
         rc = exec_bind(e, s);
-    for (size_t i = 0; rc == ACL_SUCCESS && i < e->nrun; i++) {
-        gnode *n = &g->nodes[e->run[i]];
-        switch (n->kind) {
-        case NPUALLOC_GRAPH_NODE_MEMCPY:
-        case NPUALLOC_GRAPH_NODE_MEMSET:
-            rc = stream_enqueue(s, run_mem_node, n, NULL, NULL);
-            break;
-        default:
-            rc = stream_enqueue(s, n->fn, n->arg, NULL, NULL);
-            break;
-        }
-    }
-    uint64_t pos = stream_last_position(s);
-    if (e->bound == s)
-        e->last_pos = pos;
+    /* The launch's record comes first: nodes queued without one would outlive a destroy of the executable
+     * (which waits for the recorded launches only), and a launch from a task of s cannot wait for them. */
     size_t k = 0;
     while (k < e->nlaunches && e->launches[k].s != s)
         k++;
-    if (k < e->nlaunches) {
-        e->launches[k].pos = pos;
-    } else if (GROW(e->launches, e->caplaunches, e->nlaunches + 1)) {
-        stream_pin(s);
-        e->launches[e->nlaunches++] = (struct launch_rec){s, pos};
-    } else {
-        stream_wait_position(s, pos); /* out of memory: no record, so wait now */
+    if (rc == ACL_SUCCESS && k == e->nlaunches && !GROW(e->launches, e->caplaunches, e->nlaunches + 1)) {
+        set_err("launch: out of host memory for the launch's record");
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    /* All nodes queued at once, or none, and never into a capture that another thread began on s since the
+     * check above (they would become its nodes, pointing into this graph). */
+    stream_task_fn *fns = rc == ACL_SUCCESS ? malloc((e->nrun ? e->nrun : 1) * sizeof *fns) : NULL;
+    void **args = fns ? malloc((e->nrun ? e->nrun : 1) * sizeof *args) : NULL;
+    if (rc == ACL_SUCCESS && !args) {
+        set_err("launch: out of host memory for the launch's tasks");
+        rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    }
+    uint64_t pos = 0;
+    if (rc == ACL_SUCCESS) {
+        for (size_t i = 0; i < e->nrun; i++) {
+            gnode *n = &g->nodes[e->run[i]];
+            bool mem = n->kind == NPUALLOC_GRAPH_NODE_MEMCPY || n->kind == NPUALLOC_GRAPH_NODE_MEMSET;
+            fns[i] = mem ? run_mem_node : n->fn;
+            args[i] = mem ? (void *)n : n->arg;
+        }
+        rc = stream_enqueue_uncaptured(s, fns, args, e->nrun, &pos);
+        if (rc == ACL_ERROR_RT_FEATURE_NOT_SUPPORT)
+            set_err("launch: launching a graph on a capturing stream is not supported");
+    }
+    free(fns);
+    free(args);
+    if (rc == ACL_SUCCESS) {
+        if (e->bound == s)
+            e->last_pos = pos;
+        if (k < e->nlaunches) {
+            e->launches[k].pos = pos;
+        } else {
+            stream_pin(s);
+            e->launches[e->nlaunches++] = (struct launch_rec){s, pos};
+        }
     }
     pthread_mutex_unlock(&bind_lock);
     stream_release(s);

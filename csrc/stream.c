@@ -823,7 +823,13 @@ void *stream_capture_get(const npu_stream *s)
     return s ? atomic_load_explicit(&((npu_stream *)s)->capture, memory_order_acquire) : NULL;
 }
 
-void stream_capture_set(npu_stream *s, void *capture) { atomic_store_explicit(&s->capture, capture, memory_order_release); }
+/* Under the stream's lock, which stream_enqueue_uncaptured holds while it checks and queues. */
+void stream_capture_set(npu_stream *s, void *capture)
+{
+    pthread_mutex_lock(&s->lock);
+    atomic_store_explicit(&s->capture, capture, memory_order_release);
+    pthread_mutex_unlock(&s->lock);
+}
 
 void stream_pin(npu_stream *s)
 {
@@ -875,6 +881,53 @@ aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task
     pthread_mutex_unlock(&s->lock);
     if (rc != ACL_SUCCESS)
         free(t);
+    return rc;
+}
+
+/* Frees task structs never queued (their arguments stay the caller's). */
+static void free_task_list(stream_task *t)
+{
+    while (t) {
+        stream_task *next = t->next;
+        free(t);
+        t = next;
+    }
+}
+
+aclError stream_enqueue_uncaptured(npu_stream *s, const stream_task_fn *fns, void *const *args, size_t n,
+                                   uint64_t *last_position)
+{
+    if (!s)
+        return ACL_ERROR_INVALID_PARAM;
+    stream_task *first = NULL, **link = &first;
+    for (size_t i = 0; i < n; i++, link = &(*link)->next) {
+        if (!fns[i] || !(*link = malloc(sizeof **link))) {
+            aclError rc = fns[i] ? ACL_ERROR_RT_MEMORY_ALLOCATION : ACL_ERROR_INVALID_PARAM;
+            free_task_list(first);
+            return rc;
+        }
+        **link = (stream_task){.fn = fns[i], .arg = args[i]};
+    }
+    pthread_mutex_lock(&s->lock);
+    aclError rc = atomic_load_explicit(&s->capture, memory_order_relaxed) ? ACL_ERROR_RT_FEATURE_NOT_SUPPORT
+                  : s->stopping                                           ? ACL_ERROR_INVALID_PARAM
+                                                                          : ensure_worker_locked(s);
+    if (rc == ACL_SUCCESS && first) {
+        for (stream_task *t = first; t; t = t->next)
+            t->position = ++s->last;
+        if (s->tail)
+            s->tail->next = first;
+        else
+            s->head = first;
+        for (s->tail = first; s->tail->next; s->tail = s->tail->next) {
+        }
+        pthread_cond_signal(&s->work_cv);
+    }
+    if (rc == ACL_SUCCESS && last_position)
+        *last_position = s->last;
+    pthread_mutex_unlock(&s->lock);
+    if (rc != ACL_SUCCESS)
+        free_task_list(first);
     return rc;
 }
 

@@ -128,6 +128,12 @@ uint64_t stream_id(const npu_stream *s);
  * ACL_ERROR_INVALID_PARAM once the stream was destroyed (or after fork, in the child). */
 aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
                         uint64_t *position);
+/* Queues n tasks (fns[i](args[i]), no cleanups) together, never into a capture: ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+ * with nothing queued, when the stream is capturing (checked under the lock stream_capture_set takes, so
+ * that a capture begun by another thread meanwhile cannot take some of them); *last_position (if not NULL)
+ * receives the last one's position.  Fails as stream_enqueue does otherwise, queueing nothing. */
+aclError stream_enqueue_uncaptured(npu_stream *s, const stream_task_fn *fns, void *const *args, size_t n,
+                                   uint64_t *last_position);
 /* Position of the last task queued so far (0 if none): a free "event" for internal users. */
 uint64_t stream_last_position(npu_stream *s);
 /* True once the worker passed `position`. Never blocks, takes no lock on the hot path. */

@@ -1303,6 +1303,71 @@ static void test_a_graph_is_instantiable_only_once_capture_end_trimmed_its_range
     assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
 }
 
+struct launcher {
+    npualloc_graph_exec *e;
+    aclrtStream s;
+    aclError rc;
+};
+
+static void *launch_thread(void *arg)
+{
+    struct launcher *l = arg;
+    l->rc = npualloc_graph_launch(l->e, l->s, 0);
+    return NULL;
+}
+
+/* "A launch cannot be captured": a capture begun on the launch stream while a launch was in
+ * npualloc_graph_launch (past its capture check, here held in exec_bind by the vmm lock) recorded the
+ * launch's nodes, which point into the launched graph (a use after free once it went), and the launch said
+ * success with nothing run.  The launch now queues its nodes under the stream's lock, refused once the
+ * stream is capturing. */
+static void test_a_launch_racing_capture_begin_is_refused_not_captured(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    void *warm = NULL; /* the device's cache started (pool captures use it) */
+    assert_int_equal(npualloc_cache_malloc(0, 4096, sh(s), &warm), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(warm), ACL_SUCCESS);
+    char *host_dst = pinned_host(4096);
+    npualloc_graph *g1, *g2;
+    assert_int_equal(npualloc_graph_create(0, &g1), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_create(0, &g2), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_begin(g1, s, 0, NULL), ACL_SUCCESS);
+    void *x = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 4096, sh(s), &x), ACL_SUCCESS);
+    assert_int_equal(aclrtMemsetAsync(x, 4096, 0x77, 4096, s), ACL_SUCCESS);
+    assert_int_equal(aclrtMemcpyAsync(host_dst, 4096, x, 4096, ACL_MEMCPY_DEVICE_TO_HOST, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_end(g1), ACL_SUCCESS);
+    npualloc_graph_exec *e1;
+    assert_int_equal(npualloc_graph_instantiate(g1, &e1), ACL_SUCCESS);
+
+    struct launcher l = {e1, s, -1};
+    pthread_t th;
+    vmm_read_lock(); /* the launch's exec_bind waits for it */
+    assert_int_equal(pthread_create(&th, NULL, launch_thread, &l), 0);
+    host_sleep_ns(200 * 1000000ull); /* the launch is past its capture check */
+    npualloc_capture_params p = {.use_pool = true, .pool = npualloc_mempool_id_new(true)};
+    aclError brc = npualloc_graph_capture_begin(g2, s, 0, &p);
+    vmm_read_unlock();
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(brc, ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_end(g2), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    size_t captured = npualloc_graph_node_count(g2);
+    assert_int_equal(captured, 0);
+    assert_int_equal(l.rc, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    assert_int_equal((unsigned char)host_dst[0], 0); /* nothing ran */
+    assert_int_equal(npualloc_graph_launch(e1, s, 0), ACL_SUCCESS); /* the stream no longer captures */
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal((unsigned char)host_dst[0], 0x77);
+    npualloc_graph_exec_destroy(e1);
+    npualloc_graph_destroy(g1);
+    npualloc_graph_destroy(g2);
+    assert_int_equal(aclrtFreeHost(host_dst), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1335,6 +1400,7 @@ int main(void)
         cmocka_unit_test_teardown(test_capture_ends_in_its_thread_unless_relaxed, stop_runtime),
         cmocka_unit_test_teardown(test_a_thread_that_reuses_an_exited_capturers_id_is_another_thread, stop_runtime),
         cmocka_unit_test_teardown(test_a_graph_is_instantiable_only_once_capture_end_trimmed_its_range, stop_runtime),
+        cmocka_unit_test_teardown(test_a_launch_racing_capture_begin_is_refused_not_captured, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

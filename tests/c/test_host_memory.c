@@ -10,19 +10,30 @@
 
 #include "testutil.h"
 
+#include "host.h"
+#include "npualloc_graph.h"
+
 static atomic_bool refuse_aligned, refuse_realloc;
+/* The calling thread's own refusals (other threads, a stream's worker among them, allocate as usual). */
+static _Thread_local bool refuse_malloc_here, refuse_realloc_here;
 
 #if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
 #define INTERPOSED 1
 void *__libc_memalign(size_t align, size_t size);
 void *__libc_realloc(void *ptr, size_t size);
+void *__libc_malloc(size_t size);
 
 void *aligned_alloc(size_t align, size_t size)
 {
     return atomic_load(&refuse_aligned) ? NULL : __libc_memalign(align, size);
 }
 
-void *realloc(void *ptr, size_t size) { return atomic_load(&refuse_realloc) ? NULL : __libc_realloc(ptr, size); }
+void *realloc(void *ptr, size_t size)
+{
+    return atomic_load(&refuse_realloc) || refuse_realloc_here ? NULL : __libc_realloc(ptr, size);
+}
+
+void *malloc(size_t size) { return refuse_malloc_here ? NULL : __libc_malloc(size); }
 #endif
 
 /* Every test begins here: skipped where the allocator cannot be interposed (or valgrind replaced it). */
@@ -206,6 +217,93 @@ static void test_shutdown_out_of_host_memory_still_gives_every_segment_back(void
     assert_int_equal(atomic_load(&pool_segments_given), 3);
 }
 
+/* A pool capture whose capture_end found no host memory for its two small lists (the streams, their pool
+ * routes) said success, and left the pool's recording route in place for ever (any later capture into the
+ * pool: "already recording") and the streams pinned.  Out of host memory it now fails and the capture goes
+ * on, to end at the next try. */
+static void test_a_pool_capture_end_out_of_host_memory_leaves_the_capture_going(void **state)
+{
+    (void)state;
+    skip_unless_interposed();
+    start_with_defaults();
+    aclrtStream s = new_stream(), s2 = new_stream();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    npualloc_capture_params p = {.use_pool = true, .pool = id};
+    npualloc_graph *g, *g2;
+    assert_int_equal(npualloc_graph_create(0, &g), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_create(0, &g2), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, &p), ACL_SUCCESS);
+    void *x = NULL;
+    assert_int_equal(npualloc_cache_malloc(0, 1000, (uint64_t)(uintptr_t)s, &x), ACL_SUCCESS);
+    refuse_malloc_here = true;
+    aclError ended = npualloc_graph_capture_end(g);
+    refuse_malloc_here = false;
+    assert_int_equal(ended, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    bool capturing = false;
+    assert_int_equal(npualloc_stream_capture_status(s, 0, &capturing, NULL), ACL_SUCCESS);
+    assert_true(capturing);
+    assert_int_equal(npualloc_graph_capture_end(g), ACL_SUCCESS);
+    assert_int_equal(npualloc_stream_capture_status(s, 0, &capturing, NULL), ACL_SUCCESS);
+    assert_false(capturing);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 1); /* the graph's reference, not the recording's */
+    assert_int_equal(npualloc_graph_capture_begin(g2, s2, 0, &p), ACL_SUCCESS); /* the recording ended */
+    assert_int_equal(npualloc_graph_capture_end(g2), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x), ACL_SUCCESS);
+    npualloc_graph_destroy(g2);
+    npualloc_graph_destroy(g);
+    check();
+}
+
+static void no_op(void *arg) { (void)arg; }
+
+typedef struct self_launch {
+    npualloc_graph_exec *e;
+    aclrtStream s;
+    atomic_int done, gate;
+    aclError rc;
+} self_launch;
+
+/* A BLOCK callback of s launching a graph on s, out of host memory for the launch's record; it then waits. */
+static void cb_launch_without_host_memory(void *arg)
+{
+    self_launch *r = arg;
+    refuse_realloc_here = true;
+    r->rc = npualloc_graph_launch(r->e, r->s, 0);
+    refuse_realloc_here = false;
+    atomic_store(&r->done, 1);
+    cb_wait_gate(&r->gate);
+}
+
+/* Out of host memory for a launch's record, the launch queued its nodes anyway and waited for them, which a
+ * launch from a task of the same stream cannot do: they stayed queued unrecorded, a destroy of the executable
+ * did not wait for them, and they ran on freed memory (SIGSEGV).  The launch now fails, queueing nothing. */
+static void test_a_launch_without_host_memory_for_its_record_queues_nothing(void **state)
+{
+    (void)state;
+    skip_unless_interposed();
+    start_with_defaults();
+    aclrtStream s = new_stream();
+    npualloc_graph *g;
+    assert_int_equal(npualloc_graph_create(0, &g), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, NULL), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(no_op, NULL, ACL_CALLBACK_BLOCK, s), ACL_SUCCESS); /* a host node */
+    assert_int_equal(npualloc_graph_capture_end(g), ACL_SUCCESS);
+    static self_launch r;
+    atomic_store(&r.done, 0);
+    atomic_store(&r.gate, 0);
+    r.s = s;
+    assert_int_equal(npualloc_graph_instantiate(g, &r.e), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_launch_without_host_memory, &r, ACL_CALLBACK_BLOCK, s), ACL_SUCCESS);
+    while (!atomic_load(&r.done))
+        host_sleep_ns(1000000);
+    assert_int_equal(r.rc, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    npualloc_graph_exec_destroy(r.e); /* nothing of it is queued */
+    npualloc_graph_destroy(g);
+    atomic_store(&r.gate, 1);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(s), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -215,6 +313,8 @@ int main(void)
         cmocka_unit_test_teardown(test_a_snapshot_out_of_host_memory_fails_instead_of_leaving_segments_out,
                                   stop_runtime),
         cmocka_unit_test_teardown(test_shutdown_out_of_host_memory_still_gives_every_segment_back, stop_runtime),
+        cmocka_unit_test_teardown(test_a_pool_capture_end_out_of_host_memory_leaves_the_capture_going, stop_runtime),
+        cmocka_unit_test_teardown(test_a_launch_without_host_memory_for_its_record_queues_nothing, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
