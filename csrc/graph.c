@@ -801,10 +801,16 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
         base = (uintptr_t)va;
     }
     pthread_mutex_lock(&graph_lock);
-    if (stream_capture_get(s) || !GROW(g->streams, g->capstreams, 1)) {
+    bool already = stream_capture_get(s) != NULL;
+    if (already || !GROW(g->streams, g->capstreams, 1)) {
         pthread_mutex_unlock(&graph_lock);
-        set_err("capture_begin: the stream is already capturing");
-        rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+        if (already) {
+            set_err("capture_begin: the stream is already capturing");
+            rc = ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
+        } else {
+            set_err("capture_begin: out of host memory");
+            rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+        }
         if (p.use_pool)
             (void)npualloc_cache_pool_end(dev, p.pool);
         else

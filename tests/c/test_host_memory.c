@@ -254,6 +254,25 @@ static void test_a_pool_capture_end_out_of_host_memory_leaves_the_capture_going(
     check();
 }
 
+/* A capture_begin out of host memory for its list of streams said "the stream is already capturing". */
+static void test_a_capture_begin_out_of_host_memory_says_so(void **state)
+{
+    (void)state;
+    skip_unless_interposed();
+    start_with_defaults();
+    aclrtStream s = new_stream();
+    npualloc_graph *g;
+    assert_int_equal(npualloc_graph_create(0, &g), ACL_SUCCESS);
+    refuse_realloc_here = true;
+    aclError begun = npualloc_graph_capture_begin(g, s, 0, NULL);
+    refuse_realloc_here = false;
+    assert_int_equal(begun, ACL_ERROR_RT_MEMORY_ALLOCATION);
+    assert_string_equal(npualloc_graph_last_error(), "capture_begin: out of host memory");
+    assert_int_equal(npualloc_graph_capture_begin(g, s, 0, NULL), ACL_SUCCESS); /* nothing was left claimed */
+    assert_int_equal(npualloc_graph_capture_end(g), ACL_SUCCESS);
+    npualloc_graph_destroy(g);
+}
+
 static void no_op(void *arg) { (void)arg; }
 
 typedef struct self_launch {
@@ -315,6 +334,7 @@ int main(void)
         cmocka_unit_test_teardown(test_shutdown_out_of_host_memory_still_gives_every_segment_back, stop_runtime),
         cmocka_unit_test_teardown(test_a_pool_capture_end_out_of_host_memory_leaves_the_capture_going, stop_runtime),
         cmocka_unit_test_teardown(test_a_launch_without_host_memory_for_its_record_queues_nothing, stop_runtime),
+        cmocka_unit_test_teardown(test_a_capture_begin_out_of_host_memory_says_so, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
