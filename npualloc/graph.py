@@ -180,18 +180,30 @@ class Graph:
         if pid is not None and s.npu_stream == 0:  # torch_npu refuses a torch-style capture there
             raise RuntimeError("NPU graphs must be captured on a non-default stream. "
                                "(However, after capture, it's ok to replay them on the default stream.)")
-        self._g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
+        # capturing from before the call: a reset() meanwhile in another thread leaves the graph alone (it
+        # replaced the graph being begun, whose capture then ended with it)
+        with self._exec_lock:
+            g, was_capturing = self._g, self._capturing
+            self._capturing = True
+        try:
+            g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
+        except BaseException:
+            with self._exec_lock:
+                self._capturing = was_capturing
+            raise
         self._capture_pool = pid
-        self._capturing = True
         return s
 
     def capture_end(self):
         """Ends the capture; every stream that joined it leaves capture mode."""
         try:
             self._g.capture_end()
-        finally:
-            self._capturing = False  # a capture_end that fails ends the capture broken
+        except BaseException:
+            with self._exec_lock:
+                self._capturing = False  # a capture_end that fails ends the capture broken
+            raise
         with self._exec_lock:
+            self._capturing = False
             self._captured = True
 
     def pool(self):
@@ -261,10 +273,10 @@ class Graph:
         nothing, and the capture goes on.  torch_npu's there gives nothing back either (it releases the pool
         and the graph only once a capture ended), but forgets the capture, so that its capture_end then
         fails and leaves the stream capturing; npualloc keeps the capture whole instead."""
-        if self._capturing:
-            return
         new = _G.Graph(self.checked)
         with self._exec_lock:  # launch() in another thread sees the old capture or the new graph, never a mix
+            if self._capturing:
+                return
             exe = self._exec() if self._exec is not None else None
             owned, old = self._owned, self._g
             self._exec = self._owned = None

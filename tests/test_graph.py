@@ -1116,3 +1116,32 @@ def test_graph_memory_stats_and_use_result_after_destroy_graph(mem, nbytes, case
     npualloc.empty_cache()
     assert npualloc.memory_reserved() == 0
 
+
+
+def test_a_reset_during_capture_begin_leaves_the_capture_alone(mem):
+    """reset() during a capture does nothing, also while capture_begin is still in its call: it took the graph
+    being begun away (whose capture then ended with it) and the user's capture_end failed."""
+    s = npualloc.Stream()
+    g = npualloc.Graph()
+    real = g._g
+    begun = threading.Event()
+
+    class SlowBegin:  # the C graph, with a capture_begin that lets another thread run in the middle
+        def capture_begin(self, *args):
+            begun.set()
+            time.sleep(0.2)
+            return real.capture_begin(*args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    g._g = SlowBegin()
+    t = threading.Thread(target=g.capture_begin, args=(s,), kwargs={"capture_error_mode": "relaxed"})
+    t.start()
+    assert begun.wait(10)
+    g.reset()                                     # during the begin: nothing
+    t.join()
+    free(alloc(4096, stream=s))
+    g.capture_end()
+    assert [n["kind"] for n in g.nodes()] == ["alloc", "free"]
+    g.launch(s)
+    s.synchronize()
