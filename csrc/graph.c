@@ -858,19 +858,6 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
         set_err("capture_end: the graph is not being captured");
         return ACL_ERROR_RT_FEATURE_NOT_SUPPORT;
     }
-    /* What the end needs after graph_lock is dropped (the streams to release, their pool routes to end):
-     * got before anything changes, so that out of host memory the capture simply goes on (the routes
-     * were left for ever, the streams pinned, and the call said success). */
-    size_t ns = g->nstreams;
-    npu_stream **pins = malloc(ns * sizeof *pins);
-    bool *routed = malloc(ns * sizeof *routed);
-    if (!pins || !routed) {
-        pthread_mutex_unlock(&graph_lock);
-        free(pins);
-        free(routed);
-        set_err("capture_end: out of host memory (the capture goes on)");
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    }
     /* A graph of a runtime that was shut down: its address range and pool routes went with that
      * runtime, and the new runtime may hand out the same addresses and pool ids, so the capture
      * ends broken without finalizing, trimming, releasing or ending anything; its streams (kept
@@ -915,13 +902,12 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     /* Not G_CAPTURED yet: instantiate refuses the graph until the range is trimmed (below). */
     bool ending = rc == ACL_SUCCESS;
     g->state = ending ? G_ENDING : G_BROKEN;
-    for (size_t i = 0; i < ns; i++) {
-        pins[i] = g->streams[i].s;
-        routed[i] = g->streams[i].routed;
-        g->streams[i].routed = false;
-        g->streams[i].s = NULL;
+    /* The streams and their pool routes are ended below, with graph_lock dropped, straight from g->streams:
+     * nothing else changes them once the graph left G_CAPTURING, and so the end asks for no memory (it
+     * copied them into two lists, and out of host memory left the routes for ever). */
+    size_t ns = g->nstreams;
+    for (size_t i = 0; i < ns; i++)
         frontier_free(&g->streams[i].f);
-    }
     if (rc == ACL_SUCCESS && !g->pool_mode)
         finalize(g);
     pthread_mutex_unlock(&graph_lock);
@@ -931,12 +917,12 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     if (g->pool_mode && !stale)
         g->pool_ref = npualloc_cache_pool_create(g->device, g->pool) == ACL_SUCCESS;
     for (size_t i = 0; i < ns; i++) {
-        if (routed[i] && !stale)
-            (void)npualloc_cache_pool_end(stream_device(pins[i]), g->pool);
-        stream_release(pins[i]);
+        if (g->streams[i].routed && !stale)
+            (void)npualloc_cache_pool_end(stream_device(g->streams[i].s), g->pool);
+        g->streams[i].routed = false;
+        stream_release(g->streams[i].s);
+        g->streams[i].s = NULL;
     }
-    free(pins);
-    free(routed);
     /* Trim the address range to what the plan maps (nothing is mapped yet: the graph is G_ENDING, so
      * no executable graph of it exists). */
     if (rc == ACL_SUCCESS && !g->pool_mode) {
