@@ -63,13 +63,13 @@ described in ``csrc/include/npualloc_graph.h``; in short::
   fraction of a second, but 40,000 allocations all live at once took about 4 s (2026-11-27, 10,000: 0.4 s).
 """
 import contextlib
-import threading
 import weakref
 
 from . import _C
 from . import acl as _acl
 from . import memory as _memory
 from . import streams as _streams
+from ._locks import fork_safe_lock
 from .mempool import _pool_id
 
 _G = _C.graph
@@ -152,9 +152,10 @@ class Graph:
                             # mapped until the cycle collector ran
         self._capture_pool = None  # the pool capture_begin routed to (None: planned memory)
         self._capturing = False    # between capture_begin and capture_end
+        self._begins = 0           # capture_begin calls in flight (reset() leaves the graph alone meanwhile)
         # one executable at a time: threads launching first make one.  It also guards _g, _exec, _owned and
         # _captured against reset() and capture_end() in another thread, so launch() sees them together.
-        self._exec_lock = threading.Lock()
+        fork_safe_lock(self, "_exec_lock")
         self._captured = False     # capture_end succeeded: pool() answers
         self._resets = 0           # reset() calls: an executable of an earlier capture has no plan here
 
@@ -180,18 +181,21 @@ class Graph:
         if pid is not None and s.npu_stream == 0:  # torch_npu refuses a torch-style capture there
             raise RuntimeError("NPU graphs must be captured on a non-default stream. "
                                "(However, after capture, it's ok to replay them on the default stream.)")
-        # capturing from before the call: a reset() meanwhile in another thread leaves the graph alone (it
+        # counted from before the call: a reset() meanwhile in another thread leaves the graph alone (it
         # replaced the graph being begun, whose capture then ended with it)
         with self._exec_lock:
-            g, was_capturing = self._g, self._capturing
-            self._capturing = True
+            g = self._g
+            self._begins += 1
+        began = False
         try:
             g.capture_begin(s.npu_stream, s.device, mask, pid, mode)
-        except BaseException:
+            began = True
+        finally:
             with self._exec_lock:
-                self._capturing = was_capturing
-            raise
-        self._capture_pool = pid
+                self._begins -= 1
+                if began:
+                    self._capturing = True
+                    self._capture_pool = pid
         return s
 
     def capture_end(self):
@@ -275,7 +279,7 @@ class Graph:
         fails and leaves the stream capturing; npualloc keeps the capture whole instead."""
         new = _G.Graph(self.checked)
         with self._exec_lock:  # launch() in another thread sees the old capture or the new graph, never a mix
-            if self._capturing:
+            if self._capturing or self._begins:
                 return
             exe = self._exec() if self._exec is not None else None
             owned, old = self._owned, self._g

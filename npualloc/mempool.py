@@ -48,9 +48,9 @@ per-pool counters inside the allocator).
 """
 import collections
 import contextlib
-import threading
 
 from . import _C
+from ._locks import fork_safe_lock
 from . import memory as _memory
 
 _G = _C.graph
@@ -101,7 +101,7 @@ class MemPool:
             raise TypeError("MemPool(allocator=...) takes an NPUPluggableAllocator or its allocator(), not "
                             f"{type(allocator).__name__}")
         self._alive = False
-        self._release_lock = threading.Lock()  # release() drops the pool's reference once, whoever calls it
+        fork_safe_lock(self, "_release_lock")  # release() drops the pool's reference once, whoever calls it
         self._allocator = allocator
         self._device = _memory.current_device()
         self._gen = _M._generation()

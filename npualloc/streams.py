@@ -9,6 +9,7 @@ import operator
 import threading
 
 from . import _C
+from ._locks import fork_safe_lock
 from . import memory as _memory
 
 _M = _C.memory
@@ -141,7 +142,8 @@ class Event:
         self._gen = 0
         self._recorded = False  # the handle carries a record (which a restart or fork makes stale)
         self._device = None     # the device of the stream it was first recorded on (torch_npu's device_index_)
-        self._lock = threading.Lock()  # two threads recording a new event make one handle, and both records land
+        # two threads recording a new event make one handle, and both records land
+        fork_safe_lock(self, "_lock")
 
     def _ensure(self, renew=False):
         """The handle, created on first use.  A stale one is replaced when it carries no record, or with

@@ -1145,3 +1145,40 @@ def test_a_reset_during_capture_begin_leaves_the_capture_alone(mem):
     assert [n["kind"] for n in g.nodes()] == ["alloc", "free"]
     g.launch(s)
     s.synchronize()
+
+
+def test_a_failed_capture_begin_does_not_undo_another_threads(mem):
+    """Two threads begin on one Graph: the one whose begin fails (the other's came first) leaves the graph
+    capturing, so that a reset() still leaves it alone (the failed begin put back "not capturing")."""
+    s1, s2 = npualloc.Stream(), npualloc.Stream()
+    g = npualloc.Graph()
+    real = g._g
+    first_in = threading.Event()
+
+    class SlowFirstBegin:
+        def capture_begin(self, *args):
+            if not first_in.is_set():
+                first_in.set()
+                time.sleep(0.3)            # the second begin runs, and succeeds, meanwhile
+            return real.capture_begin(*args)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    g._g = SlowFirstBegin()
+    errors = []
+
+    def begin(stream):
+        try:
+            g.capture_begin(stream, capture_error_mode="relaxed")
+        except RuntimeError as e:
+            errors.append(str(e))
+    a = threading.Thread(target=begin, args=(s1,))
+    a.start()
+    assert first_in.wait(10)
+    begin(s2)                              # succeeds while the first is still in its call
+    a.join()
+    assert len(errors) == 1 and "being captured" in errors[0]
+    g.reset()                              # a capture is going on: nothing
+    free(alloc(4096, stream=s2))
+    g.capture_end()
+    assert [n["kind"] for n in g.nodes()] == ["alloc", "free"]

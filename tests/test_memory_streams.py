@@ -576,3 +576,38 @@ def test_snapshot_states(mem):
     alloc(600)                                           # completes b's free; merges everything
     seg = segment_of(a)
     assert [x["state"] for x in seg["blocks"]] == ["active_allocated", "inactive"]
+
+
+def test_a_fork_child_gets_the_python_objects_locks_anew():
+    """Event, Graph and MemPool take a lock of their own: a child forked while another thread held one kept it
+    held for ever (32 of 40 children hung recording an event another thread kept recording)."""
+    p = run_python("""
+import os, signal, threading
+import npualloc
+ev, graph, pool = npualloc.Event(), npualloc.Graph(), npualloc.MemPool()
+s = npualloc.Stream()
+stop = threading.Event()
+
+def record():
+    while not stop.is_set():
+        ev.record(s)
+t = threading.Thread(target=record)
+t.start()
+hung = 0
+for _ in range(20):
+    graph._exec_lock.acquire()            # held across the fork by this thread, as another could
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(10)
+        ev.record(npualloc.Stream())
+        ev.synchronize()
+        assert not graph._exec_lock.locked() and not pool._release_lock.locked()
+        os._exit(0)
+    graph._exec_lock.release()
+    _, status = os.waitpid(pid, 0)
+    hung += status != 0
+stop.set()
+t.join()
+print("hung", hung)
+""", timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "hung 0", (p.stdout, p.stderr[-2000:])
