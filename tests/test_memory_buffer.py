@@ -90,17 +90,25 @@ def test_buffer_lifetimes(mem):
 
 def test_a_buffer_of_an_ended_runtime_reads_as_freed(mem):
     """After a restart the new runtime may hand the old pointer out again: the old Buffer reads as freed
-    (its ptr 0) instead of naming that memory (it kept ptr, nbytes and freed=False)."""
+    (its ptr 0) instead of naming that memory (it kept ptr, nbytes and freed=False, and record_stream marked
+    the new runtime's block at that address in use on the stream)."""
     b = npualloc.empty(100)
     assert not b.freed and b.ptr and len(b) == 100
     mem()                                             # a restart: the Buffer's memory is gone
     q = npualloc.caching_allocator_alloc(100)
+    s = npualloc.Stream()
+    npualloc._sleep(1.0, s.npu_stream)                # s is busy: a use recorded on it would hold q's block
+    with pytest.raises(RuntimeError, match="the memory was freed"):
+        b.record_stream(s)                            # the first thing asked of the stale Buffer
+    npualloc.caching_allocator_delete(q)
+    assert npualloc.caching_allocator_alloc(100) == q  # reused at once: no use of s was recorded on it
+    npualloc.caching_allocator_delete(q)
     assert b.freed and b.ptr == 0 and b.nbytes == 0 and len(b) == 0
     assert repr(b) == "<npualloc.Buffer freed, device=npu:0>"
     with pytest.raises(BufferError, match="the runtime that owned the memory was shut down"):
         memoryview(b)
     b.free()                                          # nothing to give back
-    npualloc.caching_allocator_delete(q)
+    s.synchronize()
     assert npualloc.memory_allocated() == 0
 
 

@@ -901,6 +901,17 @@ static Py_ssize_t buffer_views;
 
 Py_ssize_t memory_py_buffer_views(void) { return buffer_views; }
 
+/* Memory of a runtime that ended (a restart or shutdown since) is gone: the Buffer reads as freed, so that
+ * its old pointer, which the new runtime may hand out again, is not taken for its memory. */
+static void buffer_forget_if_stale(BufferObject *b)
+{
+    if (!b->freed && b->gen != gen_now()) {
+        b->freed = true;
+        b->ptr = 0;
+        b->nbytes = 0;
+    }
+}
+
 /* Gives the memory back (GIL released: an uncached free synchronizes the device). */
 static int buffer_release(BufferObject *b)
 {
@@ -995,6 +1006,7 @@ static PyObject *Buffer_free(BufferObject *b, PyObject *unused)
 
 static PyObject *Buffer_record_stream(BufferObject *b, PyObject *stream)
 {
+    buffer_forget_if_stale(b); /* its old pointer may be another block of the new runtime's */
     if (b->freed) {
         PyErr_SetString(PyExc_RuntimeError, "npualloc.Buffer.record_stream(): the memory was freed");
         return NULL;
@@ -1007,10 +1019,11 @@ static PyObject *Buffer_record_stream(BufferObject *b, PyObject *stream)
     }
     if (resolve_stream_use(stream, &h, &dev) < 0)
         return NULL;
-    if (!b->ptr || npualloc_caching_disabled())
+    void *ptr = (void *)(uintptr_t)b->ptr; /* read with the GIL held: the call may release it */
+    if (!ptr || npualloc_caching_disabled())
         Py_RETURN_NONE; /* torch: memory not from the caching allocator is ignored */
     aclError rc;
-    LOCKING_CALL(rc = record_stream_on((void *)(uintptr_t)b->ptr, dev, h));
+    LOCKING_CALL(rc = record_stream_on(ptr, dev, h));
     if (rc != ACL_SUCCESS)
         return raise_cache_error(rc);
     Py_RETURN_NONE;
@@ -1027,17 +1040,6 @@ static PyObject *Buffer_exit(BufferObject *b, PyObject *args)
 {
     (void)args;
     return Buffer_free(b, NULL);
-}
-
-/* Memory of a runtime that ended (a restart or shutdown since) is gone: the Buffer reads as freed, so that
- * its old pointer, which the new runtime may hand out again, is not taken for its memory. */
-static void buffer_forget_if_stale(BufferObject *b)
-{
-    if (!b->freed && b->gen != gen_now()) {
-        b->freed = true;
-        b->ptr = 0;
-        b->nbytes = 0;
-    }
 }
 
 static Py_ssize_t Buffer_len(BufferObject *b)
@@ -2008,9 +2010,7 @@ static PyObject *m_synchronize(PyObject *self, PyObject *arg)
     if (as_i32(arg, "synchronize", "device", &dev) < 0 || enter_device(dev, &prev) < 0)
         return NULL;
     aclError rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = aclrtSynchronizeDevice();
-    Py_END_ALLOW_THREADS
+    WAITING_CALL(rc = aclrtSynchronizeDevice());
     restore_device(dev, prev);
     if (rc != ACL_SUCCESS)
         return raise_acl("aclrtSynchronizeDevice", rc);
@@ -2077,9 +2077,7 @@ static PyObject *m_stream_destroy(PyObject *self, PyObject *const *args, Py_ssiz
     if (h == 0 || g != gen_now())
         Py_RETURN_NONE;
     aclError rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = aclrtDestroyStream((aclrtStream)(uintptr_t)h); /* waits for the stream's queued work */
-    Py_END_ALLOW_THREADS
+    WAITING_CALL(rc = aclrtDestroyStream((aclrtStream)(uintptr_t)h)); /* waits for the stream's queued work */
     return PyLong_FromLong(rc);
 }
 
@@ -2111,9 +2109,7 @@ static int on_stream(PyObject *const *args, Py_ssize_t nargs, const char *fn, st
         return -1;
     aclError rc;
     if (nogil) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = op((aclrtStream)(uintptr_t)h, ctx);
-        Py_END_ALLOW_THREADS
+        WAITING_CALL(rc = op((aclrtStream)(uintptr_t)h, ctx));
     } else {
         rc = op((aclrtStream)(uintptr_t)h, ctx);
     }
@@ -2232,9 +2228,7 @@ static PyObject *m_event_synchronize(PyObject *self, PyObject *arg)
     if (as_u64(arg, "_event_synchronize", "event", &e) < 0)
         return NULL;
     aclError rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = aclrtSynchronizeEvent((aclrtEvent)(uintptr_t)e);
-    Py_END_ALLOW_THREADS
+    WAITING_CALL(rc = aclrtSynchronizeEvent((aclrtEvent)(uintptr_t)e));
     if (rc != ACL_SUCCESS)
         return raise_acl("aclrtSynchronizeEvent", rc);
     Py_RETURN_NONE;
