@@ -794,12 +794,8 @@ static PyObject *close_python_callbacks(PyObject *self, PyObject *unused)
     size_t left = 0;
     for (int slice = 0; slice < EXIT_WAIT_SLICES; slice++) {
         bool busy;
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&gate_lock);
-        busy = gate_still_busy_after_a_slice();
-        left = gate_inside - gate_own_depth;
-        pthread_mutex_unlock(&gate_lock);
-        Py_END_ALLOW_THREADS
+        WAITING_CALL(pthread_mutex_lock(&gate_lock); busy = gate_still_busy_after_a_slice();
+                     left = gate_inside - gate_own_depth; pthread_mutex_unlock(&gate_lock));
         if (!busy)
             Py_RETURN_NONE;
         if (PyErr_CheckSignals() < 0)

@@ -112,11 +112,9 @@ static PyObject *util_ptr_to_bytes(PyObject *self, PyObject *const *args, Py_ssi
     /* pyACL's ptr_to_bytes reads memory without a runtime call, so no capture mode refuses it: the
      * copy runs RELAXED (without a current device there is no capture to answer to anyway) */
     aclmdlRICaptureMode mode = ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
-    Py_BEGIN_ALLOW_THREADS bool exchanged = aclmdlRICaptureThreadExchangeMode(&mode) == ACL_SUCCESS;
-    rc = aclrtMemcpy(buf, (size_t)size, ptr, (size_t)size, ACL_MEMCPY_DEVICE_TO_HOST);
-    if (exchanged)
-        (void)aclmdlRICaptureThreadExchangeMode(&mode);
-    Py_END_ALLOW_THREADS
+    WAITING_CALL(bool exchanged = aclmdlRICaptureThreadExchangeMode(&mode) == ACL_SUCCESS;
+                 rc = aclrtMemcpy(buf, (size_t)size, ptr, (size_t)size, ACL_MEMCPY_DEVICE_TO_HOST);
+                 if (exchanged) (void)aclmdlRICaptureThreadExchangeMode(&mode));
     if (rc != ACL_SUCCESS) {
         Py_DECREF(out);
         if (!raise_init_error(rc))

@@ -121,9 +121,7 @@ static PyObject *py_shutdown(PyObject *self, PyObject *unused)
         return NULL;
     }
     aclError rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = npualloc_shutdown();
-    Py_END_ALLOW_THREADS
+    WAITING_CALL(rc = npualloc_shutdown()); /* a Python pool allocator's free may run under the allocator locks */
     if (rc != ACL_SUCCESS) {
         PyErr_Format(PyExc_RuntimeError,
                      "npualloc: the runtime cannot be shut down from a stream's task (error %d): it would wait "

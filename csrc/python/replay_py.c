@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "binding.h"
 #include "memory_py.h"
 #include "npualloc_replay.h"
 #include "replay_py.h"
@@ -144,8 +145,7 @@ static PyObject *Session_feed(SessionObject *self, PyObject *args)
                                  (const uint64_t *)views[2].buf + start, (const uint64_t *)views[3].buf + start,
                                  (size_t)count};
     npualloc_replay_status st;
-    Py_BEGIN_ALLOW_THREADS st = npualloc_replay_feed(self->r, &ev);
-    Py_END_ALLOW_THREADS
+    WAITING_CALL(st = npualloc_replay_feed(self->r, &ev));
     if (st == NPUALLOC_REPLAY_OK || st == NPUALLOC_REPLAY_STOPPED) {
         ret = PyBool_FromLong(st == NPUALLOC_REPLAY_OK);
     } else if (st == NPUALLOC_REPLAY_HOST_MEMORY) {
