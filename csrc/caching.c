@@ -1247,6 +1247,19 @@ bool cache_malloc_cached_locked(device_cache *dc, size_t orig_size, uint64_t str
     return alloc_found_block(dc, &p, orig_size, out) == ACL_SUCCESS;
 }
 
+/* A new segment (or an expandable segment's page) refused for another reason than memory: its error, which
+ * names the page or the segment.  Cold and apart, so that the miss path around it compiles as before. */
+static __attribute__((cold, noinline)) aclError segment_refused(device_cache *dc, const alloc_params *p)
+{
+    if (uses_expandable_segments(dc, p->pool))
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: mapping a %zu-byte page of an expandable segment on device %d "
+                        "failed with ACL error %d", expandable_page_size(dc, p->pool), dc->device, p->err);
+    else
+        cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: allocating a %zu-byte segment on device %d failed with ACL "
+                        "error %d", p->alloc_size, dc->device, p->err);
+    return p->err;
+}
+
 /* cache_malloc_locked after get_free_block found nothing: the callbacks, a new segment, the releases and
  * retries, the out-of-memory report. */
 static aclError malloc_on_miss(device_cache *dc, alloc_params *p, size_t orig_size, uint64_t stream, void **out,
@@ -1288,17 +1301,8 @@ static aclError malloc_on_miss(device_cache *dc, alloc_params *p, size_t orig_si
         found = release_cached_blocks(dc, false) && alloc_block(dc, p, true);
     }
     if (!found) {
-        if (p->err != ACL_ERROR_RT_MEMORY_ALLOCATION && uses_expandable_segments(dc, p->pool)) {
-            cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: mapping a %zu-byte page of an expandable segment on "
-                            "device %d failed with ACL error %d", expandable_page_size(dc, p->pool), dc->device,
-                            p->err);
-            return p->err;
-        }
-        if (p->err != ACL_ERROR_RT_MEMORY_ALLOCATION) {
-            cache_set_error(NPUALLOC_ERR_RUNTIME, "NPU error: allocating a %zu-byte segment on device %d failed "
-                            "with ACL error %d", p->alloc_size, dc->device, p->err);
-            return p->err;
-        }
+        if (p->err != ACL_ERROR_RT_MEMORY_ALLOCATION)
+            return segment_refused(dc, p);
         dc->stats.num_ooms++;
         fill_oom(dc, p, orig_size, oom);
         cache_history_record(dc, TRACE_OOM, oom->device_free, p->size, stream);
