@@ -312,14 +312,29 @@ aclError aclrtMallocPhysical(aclrtDrvMemHandle *handle, size_t size, const aclrt
     return vmm_physical_create(device, (vmm_kind_choice){{pc.kind}, 1}, size, handle);
 }
 
+/* A handle of the first kind in `choice` the device has room for (`size` rounded up to that kind's page
+ * when `round_to_page`).  An injected device-allocation fault fails the allocation, not one kind of it:
+ * HUGE_FIRST's fallback to normal pages would otherwise absorb it. */
+static aclError handle_create_first(int32_t device, vmm_kind_choice choice, size_t size, bool round_to_page,
+                                    phys_handle **out)
+{
+    if (device >= 0 && fault_fires(NPUALLOC_FAULT_DEVICE_ALLOC))
+        return ACL_ERROR_RT_MEMORY_ALLOCATION;
+    aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
+    for (int i = 0; i < choice.count && rc == ACL_ERROR_RT_MEMORY_ALLOCATION; i++) {
+        size_t page = round_to_page ? mem_kind_page_size(choice.kinds[i]) : 1;
+        if (add_overflows(size, page))
+            break;
+        size_t bytes = round_up(size, page);
+        rc = handle_create(device, choice.kinds[i], bytes, bytes, out);
+    }
+    return rc;
+}
+
 aclError vmm_physical_create(int32_t device, vmm_kind_choice choice, size_t size, aclrtDrvMemHandle *out)
 {
-    if (device >= 0 && fault_fires(NPUALLOC_FAULT_DEVICE_ALLOC)) /* the allocation fails, fallback included */
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     phys_handle *h = NULL;
-    aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
-    for (int i = 0; i < choice.count && rc == ACL_ERROR_RT_MEMORY_ALLOCATION; i++)
-        rc = handle_create(device, choice.kinds[i], size, size, &h);
+    aclError rc = handle_create_first(device, choice, size, false, &h);
     if (rc != ACL_SUCCESS)
         return rc;
     pthread_rwlock_wrlock(&vmm.lock);
@@ -623,19 +638,8 @@ aclError vmm_confine_private(void *base, size_t lo, size_t hi)
 aclError vmm_malloc(int32_t device, size_t size, vmm_kind_choice choice, vmm_owner owner, bool readonly,
                     void **out)
 {
-    /* An injected device-allocation fault fails the allocation, not one page kind of it: HUGE_FIRST's
-     * fallback to normal pages would otherwise absorb it. */
-    if (device >= 0 && fault_fires(NPUALLOC_FAULT_DEVICE_ALLOC))
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
     phys_handle *h = NULL;
-    aclError rc = ACL_ERROR_RT_MEMORY_ALLOCATION;
-    for (int i = 0; i < choice.count && rc == ACL_ERROR_RT_MEMORY_ALLOCATION; i++) {
-        size_t page = mem_kind_page_size(choice.kinds[i]);
-        if (add_overflows(size, page))
-            break;
-        size_t bytes = round_up(size, page);
-        rc = handle_create(device, choice.kinds[i], bytes, bytes, &h);
-    }
+    aclError rc = handle_create_first(device, choice, size, true, &h);
     if (rc != ACL_SUCCESS)
         return rc;
     size_t span = round_up(h->mem.size, VA_UNIT);
