@@ -17,6 +17,12 @@ static atomic_bool refuse_aligned, refuse_realloc;
 /* The calling thread's own refusals (other threads, a stream's worker among them, allocate as usual). */
 static _Thread_local bool refuse_malloc_here, refuse_realloc_here;
 
+static void refuse_host_memory_here(bool refuse)
+{
+    refuse_malloc_here = refuse;
+    refuse_realloc_here = refuse;
+}
+
 #if !defined(__SANITIZE_ADDRESS__) && !defined(NPUALLOC_TSAN)
 #define INTERPOSED 1
 void *__libc_memalign(size_t align, size_t size);
@@ -235,11 +241,9 @@ static void test_a_pool_capture_end_without_host_memory_still_ends_the_recording
     assert_int_equal(npualloc_graph_capture_begin(g, s, 0, &p), ACL_SUCCESS);
     void *x = NULL;
     assert_int_equal(npualloc_cache_malloc(0, 1000, (uint64_t)(uintptr_t)s, &x), ACL_SUCCESS);
-    refuse_malloc_here = true;
-    refuse_realloc_here = true;
+    refuse_host_memory_here(true);
     aclError ended = npualloc_graph_capture_end(g);
-    refuse_malloc_here = false;
-    refuse_realloc_here = false;
+    refuse_host_memory_here(false);
     assert_int_equal(ended, ACL_SUCCESS);
     bool capturing = true;
     assert_int_equal(npualloc_stream_capture_status(s, 0, &capturing, NULL), ACL_SUCCESS);
@@ -284,11 +288,9 @@ static void test_destroying_a_capturing_graph_without_host_memory_ends_its_captu
     assert_int_equal(npualloc_graph_create(0, &g), ACL_SUCCESS);
     assert_int_equal(npualloc_graph_create(0, &next), ACL_SUCCESS);
     assert_int_equal(npualloc_graph_capture_begin(g, s, 0, NULL), ACL_SUCCESS);
-    refuse_malloc_here = true;
-    refuse_realloc_here = true;
+    refuse_host_memory_here(true);
     npualloc_graph_destroy(g);
-    refuse_malloc_here = false;
-    refuse_realloc_here = false;
+    refuse_host_memory_here(false);
     bool capturing = true;
     assert_int_equal(npualloc_stream_capture_status(s, 0, &capturing, NULL), ACL_SUCCESS);
     assert_false(capturing);
