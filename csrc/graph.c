@@ -107,11 +107,6 @@ typedef struct range64 {
     uint64_t start, end;
 } range64;
 
-typedef struct host_release {
-    void (*destroy)(void *);
-    void *data;
-} host_release;
-
 struct npualloc_graph {
     unsigned refs; /* the user's and the executable graph's (graph_lock) */
     uint64_t gen;
@@ -139,8 +134,6 @@ struct npualloc_graph {
     size_t nstreams, capstreams;
     cap_event *events;
     size_t nevents, capevents;
-    host_release *releases;
-    size_t nreleases, capreleases;
     struct npualloc_graph *cap_next; /* list of capturing graphs */
     aclmdlRICaptureMode mode;        /* capture mode (set at capture_begin) */
     uint64_t cap_thread;             /* the thread that began the capture (this_thread) */
@@ -243,8 +236,6 @@ static void set_err(const char *fmt, ...)
 }
 
 const char *npualloc_graph_last_error(void) { return last_err; }
-
-bool npualloc_graph_capture_active_hint(void) { return graph_capture_active(); }
 
 #define GROW(arr, cap, need) ARRAY_RESERVE(arr, cap, need, 8)
 
@@ -2127,8 +2118,6 @@ static void graph_free_all(npualloc_graph *g)
             n->cleanup)
             n->cleanup(n->arg);
     }
-    for (size_t i = 0; i < g->nreleases; i++)
-        g->releases[i].destroy(g->releases[i].data);
     for (size_t i = 0; i < g->nallocs; i++) {
         free(g->allocs[i].uses);
         free(g->allocs[i].rec);
@@ -2143,7 +2132,6 @@ static void graph_free_all(npualloc_graph *g)
     free(g->active);
     free(g->streams);
     free(g->events);
-    free(g->releases);
     free(g->acc);
     free(g->outputs);
     free(g);
@@ -2306,7 +2294,7 @@ bool npualloc_graph_violation(npualloc_graph *g, size_t index, char *buf, size_t
 }
 
 /* ------------------------------------------------------------------------------------------
- * Settings, host functions
+ * Settings
  * ------------------------------------------------------------------------------------------ */
 
 aclError npualloc_graph_set_mem_access(int32_t device, uint64_t mask)
@@ -2341,69 +2329,6 @@ aclError npualloc_graph_get_mem_access(int32_t device, uint64_t *mask)
         return ACL_ERROR_RT_INVALID_DEVICEID;
     *mask = access_setting(device);
     return ACL_SUCCESS;
-}
-
-typedef struct once_host {
-    aclrtCallback fn;
-    void *data;
-    void (*destroy)(void *);
-} once_host;
-
-static void run_once_host(void *arg)
-{
-    once_host *o = arg;
-    o->fn(o->data);
-    if (o->destroy)
-        o->destroy(o->data);
-    free(o);
-}
-
-aclError npualloc_launch_host_func(aclrtStream stream, aclrtCallback fn, void *user_data, void (*destroy)(void *),
-                                   aclrtCallbackBlockType block)
-{
-    if (!fn || (block != ACL_CALLBACK_NO_BLOCK && block != ACL_CALLBACK_BLOCK))
-        return ACL_ERROR_INVALID_PARAM; /* (aclrtLaunchCallback's checks, in its order) */
-    aclError rc = runtime_ensure_init();
-    if (rc != ACL_SUCCESS)
-        return rc;
-    npu_stream *s;
-    if ((rc = stream_acquire(stream, &s)) != ACL_SUCCESS)
-        return rc;
-    npualloc_graph *g = NULL;
-    if (stream_capture_get(s)) {
-        pthread_mutex_lock(&graph_lock);
-        g = stream_capture_get(s);
-        if (g && destroy) {
-            if (GROW(g->releases, g->capreleases, g->nreleases + 1))
-                g->releases[g->nreleases++] = (host_release){destroy, user_data};
-            else
-                g = NULL;
-        }
-        pthread_mutex_unlock(&graph_lock);
-    }
-    stream_release(s);
-    if (g) { /* a HOST node: the graph owns user_data from now on */
-        rc = aclrtLaunchCallback(fn, user_data, block, stream);
-        if (rc != ACL_SUCCESS && destroy) {
-            pthread_mutex_lock(&graph_lock);
-            for (size_t i = g->nreleases; i-- > 0;) {
-                if (g->releases[i].data == user_data && g->releases[i].destroy == destroy) {
-                    g->releases[i] = g->releases[--g->nreleases];
-                    break;
-                }
-            }
-            pthread_mutex_unlock(&graph_lock);
-        }
-        return rc;
-    }
-    once_host *o = malloc(sizeof *o);
-    if (!o)
-        return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    *o = (once_host){fn, user_data, destroy};
-    rc = aclrtLaunchCallback(run_once_host, o, block, stream);
-    if (rc != ACL_SUCCESS)
-        free(o);
-    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------

@@ -193,6 +193,7 @@ struct cb_report {
     report_thread *runner; /* while RUNNING: the thread running it */
     aclrtCallback fn;
     void *user_data;
+    void (*release)(void *); /* runs right after fn (an uncaptured npualloc_launch_host_func) */
     npu_stream *stream; /* not a reference: see the invariant at the top */
     bool block;
     report_state state; /* sub_lock */
@@ -219,11 +220,19 @@ static report_thread *report_threads; /* the live (not retired) ones */
 /* Number of subscribed streams: lets callbacks and waits skip sub_lock when there are none. */
 static atomic_uint subscribed_streams;
 
+/* Runs a callback; `release`, when given, hands back its data (the callback runs only once). */
+static void callback_run(aclrtCallback fn, void *user_data, void (*release)(void *))
+{
+    fn(user_data);
+    if (release)
+        release(user_data);
+}
+
 static void run_report_list(cb_report *r)
 {
     while (r) {
         cb_report *next = r->next;
-        r->fn(r->user_data);
+        callback_run(r->fn, r->user_data, r->release);
         free(r);
         r = next;
     }
@@ -561,12 +570,14 @@ static npu_stream *stream_new(int32_t device)
  * any other argument is leaked, because its cleanup may take locks the child cannot own. */
 static void event_task_free(void *arg);
 static void wait_cleanup(void *arg);
+static void callback_task_free(void *arg);
 static void stream_drop_tasks(npu_stream *s)
 {
     stream_task *t = s->head;
     while (t) {
         stream_task *next = t->next;
-        if (t->cleanup == free || t->cleanup == event_task_free || t->cleanup == wait_cleanup)
+        if (t->cleanup == free || t->cleanup == event_task_free || t->cleanup == wait_cleanup ||
+            t->cleanup == callback_task_free) /* (a queued task is uncaptured: its data stays the caller's) */
             free(t->arg);
         free(t);
         t = next;
@@ -815,6 +826,18 @@ static aclError ensure_worker_locked(npu_stream *s)
     return ACL_SUCCESS;
 }
 
+typedef struct callback_task {
+    aclrtCallback fn;
+    void *user_data;
+    /* npualloc_launch_host_func's destroy: right after the one run of an uncaptured callback, or
+     * when the graph that captured it frees it. */
+    void (*release)(void *);
+    aclrtCallback once; /* if set, the one run of an uncaptured callback, in place of fn and release */
+    bool block;
+    /* A graph node: set before the node is visible to any launch, so its runs read it unlocked. */
+    bool captured;
+} callback_task;
+
 static aclError run_callback(void *arg);
 static aclError run_sleep(void *arg);
 
@@ -843,9 +866,17 @@ void stream_pin(npu_stream *s)
 static bool capture_task(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
                          uint64_t *position, aclError *rc)
 {
-    int kind = fn == run_callback ? GRAPH_TASK_HOST : fn == run_sleep ? GRAPH_TASK_DELAY : GRAPH_TASK_GENERIC;
-    if (!graph_capture_task(s, kind, fn, arg, cleanup, rc))
+    bool host = fn == run_callback;
+    int kind = host ? GRAPH_TASK_HOST : fn == run_sleep ? GRAPH_TASK_DELAY : GRAPH_TASK_GENERIC;
+    /* Whether a callback's data is released after a run is decided here, with the capture, and
+     * not by a caller's earlier look at the stream (a capture may begin or end in between). */
+    if (host)
+        ((callback_task *)arg)->captured = true;
+    if (!graph_capture_task(s, kind, fn, arg, cleanup, rc)) {
+        if (host)
+            ((callback_task *)arg)->captured = false; /* nobody saw it */
         return false; /* the capture ended meanwhile */
+    }
     if (position)
         *position = stream_last_position(s);
     return true;
@@ -1323,14 +1354,14 @@ aclError aclrtSynchronizeDeviceWithTimeout(int32_t timeout)
     return device_drain(dev, true, &deadline);
 }
 
-/* Queues fn on a stream handle; `arg` is a malloc'd block freed after the task runs, or at
- * once when queueing fails. */
-static aclError enqueue_owned(aclrtStream stream, stream_task_fn fn, void *arg)
+/* Queues fn on a stream handle; `arg` is a malloc'd block that `cleanup` frees after the task
+ * runs, or that is freed at once (by free()) when queueing fails. */
+static aclError enqueue_owned(aclrtStream stream, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup)
 {
     npu_stream *s;
     aclError rc = stream_lookup(stream, &s);
     if (rc == ACL_SUCCESS) {
-        rc = stream_enqueue(s, fn, arg, free, NULL);
+        rc = stream_enqueue(s, fn, arg, cleanup, NULL);
         stream_put(s);
     }
     if (rc != ACL_SUCCESS)
@@ -1341,12 +1372,6 @@ static aclError enqueue_owned(aclrtStream stream, stream_task_fn fn, void *arg)
 /* ------------------------------------------------------------------------------------------
  * Callbacks and their subscribed threads
  * ------------------------------------------------------------------------------------------ */
-
-typedef struct callback_task {
-    aclrtCallback fn;
-    void *user_data;
-    bool block;
-} callback_task;
 
 static bool returned_pending(npu_stream *s)
 {
@@ -1363,13 +1388,16 @@ static bool returned_pending(npu_stream *s)
 static aclError run_callback(void *arg)
 {
     callback_task *c = arg;
+    /* A graph's node runs at every launch; an uncaptured callback runs once. */
+    aclrtCallback fn = c->captured || !c->once ? c->fn : c->once;
+    void (*release)(void *) = c->captured || c->once ? NULL : c->release;
     npu_stream *s = tl_worker;
     /* Fast path: nothing subscribed anywhere and nothing of s still running elsewhere.  The
      * acquire loads see every hand-back and run that preceded the last unsubscribe. */
     if (atomic_load_explicit(&subscribed_streams, memory_order_acquire) == 0 &&
         atomic_load_explicit(&s->cb_running, memory_order_acquire) == 0) {
         run_returned(s);
-        c->fn(c->user_data);
+        callback_run(fn, c->user_data, release);
         return ACL_SUCCESS;
     }
     cb_report *r = malloc(sizeof *r);
@@ -1399,10 +1427,10 @@ static aclError run_callback(void *arg)
         pthread_mutex_unlock(&sub_lock);
         free(r);
         run_returned(s);
-        c->fn(c->user_data);
+        callback_run(fn, c->user_data, release);
         return ACL_SUCCESS;
     }
-    *r = (cb_report){.fn = c->fn, .user_data = c->user_data, .stream = s, .block = c->block,
+    *r = (cb_report){.fn = fn, .user_data = c->user_data, .release = release, .stream = s, .block = c->block,
                      .state = REPORT_QUEUED};
     if (rt->tail)
         rt->tail->next = r;
@@ -1425,16 +1453,26 @@ static aclError run_callback(void *arg)
         while (running_elsewhere_locked(s, NULL))
             pthread_cond_wait(&report_done_cv, &sub_lock);
         pthread_mutex_unlock(&sub_lock);
-        r->fn(r->user_data);
+        callback_run(r->fn, r->user_data, r->release);
     }
     free(r);
     return ACL_SUCCESS;
 }
 
-aclError aclrtLaunchCallback(aclrtCallback fn, void *userData, aclrtCallbackBlockType blockType,
-                             aclrtStream stream)
+/* The callback task's cleanup: after its one run (which released the data), or when the graph
+ * that captured it frees its nodes. */
+static void callback_task_free(void *arg)
 {
-    if (!fn || (blockType != ACL_CALLBACK_NO_BLOCK && blockType != ACL_CALLBACK_BLOCK))
+    callback_task *c = arg;
+    if (c->captured && c->release)
+        c->release(c->user_data);
+    free(c);
+}
+
+aclError stream_launch_callback(aclrtStream stream, aclrtCallback fn, aclrtCallback once, void *user_data,
+                                void (*release)(void *), aclrtCallbackBlockType block)
+{
+    if (!fn || (block != ACL_CALLBACK_NO_BLOCK && block != ACL_CALLBACK_BLOCK))
         return ACL_ERROR_INVALID_PARAM;
     aclError rc = runtime_ensure_init();
     if (rc != ACL_SUCCESS)
@@ -1442,8 +1480,22 @@ aclError aclrtLaunchCallback(aclrtCallback fn, void *userData, aclrtCallbackBloc
     callback_task *c = malloc(sizeof *c);
     if (!c)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
-    *c = (callback_task){.fn = fn, .user_data = userData, .block = blockType == ACL_CALLBACK_BLOCK};
-    return enqueue_owned(stream, run_callback, c);
+    *c = (callback_task){
+        .fn = fn, .user_data = user_data, .release = release, .once = once, .block = block == ACL_CALLBACK_BLOCK};
+    /* (a task that could not be queued is freed without its release: the caller keeps user_data) */
+    return enqueue_owned(stream, run_callback, c, callback_task_free);
+}
+
+aclError aclrtLaunchCallback(aclrtCallback fn, void *userData, aclrtCallbackBlockType blockType,
+                             aclrtStream stream)
+{
+    return stream_launch_callback(stream, fn, NULL, userData, NULL, blockType);
+}
+
+aclError npualloc_launch_host_func(aclrtStream stream, aclrtCallback fn, void *user_data, void (*destroy)(void *),
+                                   aclrtCallbackBlockType block)
+{
+    return stream_launch_callback(stream, fn, NULL, user_data, destroy, block);
 }
 
 static report_thread *report_thread_new(uint64_t tid)
@@ -1569,7 +1621,7 @@ aclError aclrtProcessReport(int32_t timeout)
         pthread_mutex_unlock(&sub_lock);
         run_frame frame = {.stream = s, .rt = rt, .block = r->block, .up = tl_running};
         tl_running = &frame;
-        r->fn(r->user_data);
+        callback_run(r->fn, r->user_data, r->release);
         tl_running = frame.up;
         pthread_mutex_lock(&sub_lock);
         for (cb_report **pp = &s->running; *pp; pp = &(*pp)->run_next) {
@@ -1628,7 +1680,7 @@ aclError npualloc_sleep_async(aclrtStream stream, double seconds)
     if (!ns)
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     *ns = (uint64_t)(seconds * 1e9 + 0.5); /* in range: seconds <= MAX_SLEEP_SECONDS */
-    return enqueue_owned(stream, run_sleep, ns);
+    return enqueue_owned(stream, run_sleep, ns, free);
 }
 
 /* ------------------------------------------------------------------------------------------

@@ -200,13 +200,11 @@ aclError npualloc_graph_get_mem_access(int32_t device, uint64_t *mask);
 
 /* aclrtLaunchCallback with ownership of user_data: on a capturing stream the callback becomes a
  * HOST node run at every launch and destroy(user_data) runs when the graph is destroyed;
- * otherwise fn runs once and destroy right after it.  On failure the caller keeps user_data. */
+ * otherwise fn runs once and destroy right after it, on the same thread.  Which one is decided
+ * with the capture itself, so a capture beginning or ending meanwhile on another thread takes the
+ * callback whole or not at all.  On failure the caller keeps user_data. */
 aclError npualloc_launch_host_func(aclrtStream stream, aclrtCallback fn, void *user_data, void (*destroy)(void *),
                                    aclrtCallbackBlockType block);
-
-/* True while some stream is in capture mode (a cheap hint for callers with a faster path
- * outside captures; it may change at once). */
-bool npualloc_graph_capture_active_hint(void);
 
 /* The message of the calling thread's last failed npualloc_graph_* call. */
 const char *npualloc_graph_last_error(void);

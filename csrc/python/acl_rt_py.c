@@ -14,9 +14,9 @@
 #include "acl_rt.h"
 #include "binding.h"
 #include "npualloc.h"
-#include "npualloc_graph.h"
 #include "pyarg.h"
 #include "rt_binding.h"
+#include "stream.h"
 
 /* The functions of one pointer or handle argument that return only `ret`.  A value out of range
  * becomes BAD_HANDLE, which the C function rejects with its own code; the call releases the GIL
@@ -841,12 +841,12 @@ static void py_callback_run(py_callback *c, bool call, bool drop)
         PyMem_RawFree(c);
 }
 
-/* Runs on whichever thread runs the stream's callbacks (its worker, or the thread in process_report). */
+/* Run on whichever thread runs the stream's callbacks (its worker, or the thread in process_report).
+ * On a capturing stream a callback becomes a host node that runs at every launch of the graph, so
+ * running it must not free it: py_callback_free runs when the graph goes.  Otherwise the trampoline
+ * runs and frees it in one pass of the gate: a callback whose objects were kept past the exit's wait
+ * (hold the module's globals) would keep the objects of __main__ from being finalized. */
 static void py_callback_trampoline(void *arg) { py_callback_run(arg, true, true); }
-
-/* graph capture (csrc/graph.c): a callback queued on a capturing stream becomes a host node that
- * runs at every launch of the graph, so running it must not free it: npualloc_launch_host_func
- * calls py_callback_free once (right after the single run, or when the graph goes). */
 static void py_callback_call(void *arg) { py_callback_run(arg, true, false); }
 static void py_callback_free(void *arg) { py_callback_run(arg, false, true); }
 
@@ -870,10 +870,8 @@ static PyObject *rt_launch_callback(PyObject *self, PyObject *const *args, Py_ss
         return PyErr_NoMemory();
     c->fn = Py_NewRef(args[0]);
     c->user_data = Py_NewRef(args[1]);
-    aclError rc = npualloc_graph_capture_active_hint()
-                      ? npualloc_launch_host_func(stream, py_callback_call, c, py_callback_free,
-                                                  (aclrtCallbackBlockType)block_type) /* graph capture */
-                      : aclrtLaunchCallback(py_callback_trampoline, c, (aclrtCallbackBlockType)block_type, stream);
+    aclError rc = stream_launch_callback(stream, py_callback_call, py_callback_trampoline, c, py_callback_free,
+                                         (aclrtCallbackBlockType)block_type);
     if (rc != ACL_SUCCESS) { /* nothing was queued: the references are still ours */
         Py_DECREF(c->fn);
         Py_DECREF(c->user_data);

@@ -1368,6 +1368,81 @@ static void test_a_launch_racing_capture_begin_is_refused_not_captured(void **st
     assert_int_equal(aclrtFreeHost(host_dst), ACL_SUCCESS);
 }
 
+/* npualloc_launch_host_func looked at the stream's capture and then queued: a capture that began in
+ * between took the run-once form of the callback (its data never released, and freed by its first
+ * launch), and one that ended in between released the data when the graph went, maybe before the
+ * queued callback ran.  Whether the callback is a node or runs once is now decided with the capture.
+ * One thread captures (and destroys) graph after graph on a stream while another launches host
+ * functions on it: each one's data is released exactly once, never before it ran. */
+#define RACED_HOST_FUNCS 20000
+typedef struct raced_host_data {
+    atomic_int runs, releases, runs_after_release;
+} raced_host_data;
+static raced_host_data raced[RACED_HOST_FUNCS];
+static atomic_bool raced_launching;
+
+static void raced_fn(void *arg)
+{
+    raced_host_data *d = arg;
+    if (atomic_load(&d->releases))
+        atomic_fetch_add(&d->runs_after_release, 1);
+    atomic_fetch_add(&d->runs, 1);
+}
+
+static void raced_release(void *arg) { atomic_fetch_add(&((raced_host_data *)arg)->releases, 1); }
+
+static void *capture_graphs_while_launching(void *arg)
+{
+    aclrtStream s = arg;
+    while (atomic_load(&raced_launching)) {
+        npualloc_graph *g;
+        if (npualloc_graph_create(0, &g) != ACL_SUCCESS)
+            return (void *)1;
+        aclError rc = npualloc_graph_capture_begin(g, s, ACL_MODEL_RI_CAPTURE_MODE_RELAXED, NULL);
+        if (rc == ACL_SUCCESS)
+            rc = npualloc_graph_capture_end(g);
+        npualloc_graph_destroy(g);
+        if (rc != ACL_SUCCESS)
+            return (void *)1;
+    }
+    return NULL;
+}
+
+static void test_a_host_func_racing_capture_begin_and_end_is_released_once_after_it_ran(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    memset(raced, 0, sizeof raced);
+    atomic_store(&raced_launching, true);
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, capture_graphs_while_launching, s), 0);
+    bool launched[RACED_HOST_FUNCS];
+    for (int i = 0; i < RACED_HOST_FUNCS; i++)
+        launched[i] = npualloc_launch_host_func(s, raced_fn, &raced[i], raced_release, ACL_CALLBACK_NO_BLOCK) ==
+                      ACL_SUCCESS;
+    atomic_store(&raced_launching, false);
+    void *capturer_failed;
+    assert_int_equal(pthread_join(th, &capturer_failed), 0);
+    assert_null(capturer_failed);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    int launches = 0, unreleased = 0, released_twice = 0, ran_after_release = 0;
+    for (int i = 0; i < RACED_HOST_FUNCS; i++) {
+        if (!launched[i])
+            continue;
+        launches++;
+        int n = atomic_load(&raced[i].releases);
+        unreleased += n == 0;
+        released_twice += n > 1;
+        ran_after_release += atomic_load(&raced[i].runs_after_release) != 0;
+    }
+    print_message("%d host functions launched\n", launches);
+    assert_int_equal(launches, RACED_HOST_FUNCS); /* (a capturing stream takes them too) */
+    assert_int_equal(unreleased, 0);
+    assert_int_equal(released_twice, 0);
+    assert_int_equal(ran_after_release, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1401,6 +1476,8 @@ int main(void)
         cmocka_unit_test_teardown(test_a_thread_that_reuses_an_exited_capturers_id_is_another_thread, stop_runtime),
         cmocka_unit_test_teardown(test_a_graph_is_instantiable_only_once_capture_end_trimmed_its_range, stop_runtime),
         cmocka_unit_test_teardown(test_a_launch_racing_capture_begin_is_refused_not_captured, stop_runtime),
+        cmocka_unit_test_teardown(test_a_host_func_racing_capture_begin_and_end_is_released_once_after_it_ran,
+                                  stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
