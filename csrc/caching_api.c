@@ -76,18 +76,37 @@ void npualloc_last_error_suffix(int *submodule, int *code)
         *code = last_code;
 }
 
+/* Pending warnings, each for the thread whose call made it (torch gives a TORCH_WARN to that thread):
+ * one ring for the process, whose entries name their thread; when full, the oldest goes. */
 #define WARNING_SLOTS 32
+typedef struct pending_warning {
+    uint64_t thread; /* warning_thread() of the thread that made it */
+    char text[512];
+} pending_warning;
 static pthread_mutex_t warning_lock = PTHREAD_MUTEX_INITIALIZER;
-static char warnings[WARNING_SLOTS][512];
+static pending_warning warnings[WARNING_SLOTS];
 static size_t warning_head, warning_count;
-static _Atomic size_t warnings_pending;
+/* At least the number of the ring's entries of this thread (another thread's push may have dropped
+ * some): lets npualloc_has_warnings answer without the lock. */
+static _Thread_local size_t own_warnings;
+
+/* A number for the calling thread that no other thread of the process ever has (a pthread_t is
+ * reused once its thread has been joined, and the new thread must not inherit the warnings). */
+static uint64_t warning_thread(void)
+{
+    static atomic_uint_fast64_t threads;
+    static _Thread_local uint64_t serial;
+    if (!serial)
+        serial = atomic_fetch_add(&threads, 1) + 1;
+    return serial;
+}
 
 void cache_push_warning(const char *fmt, ...)
 {
-    char text[512];
+    pending_warning w = {.thread = warning_thread()};
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(text, sizeof text, fmt, ap);
+    vsnprintf(w.text, sizeof w.text, fmt, ap);
     va_end(ap);
     pthread_mutex_lock(&warning_lock);
     size_t slot = (warning_head + warning_count) % WARNING_SLOTS;
@@ -95,9 +114,9 @@ void cache_push_warning(const char *fmt, ...)
         warning_head = (warning_head + 1) % WARNING_SLOTS;
     else
         warning_count++;
-    memcpy(warnings[slot], text, sizeof text);
-    warnings_pending = warning_count;
+    warnings[slot] = w;
     pthread_mutex_unlock(&warning_lock);
+    own_warnings++;
 }
 
 /* torch_npu's TORCH_NPU_WARN_ONCE: once a process (a fork inherits it); a runtime started again after
@@ -114,19 +133,31 @@ void cache_warn_1g_fallback(void)
                            "enabled.");
 }
 
-bool npualloc_has_warnings(void) { return warnings_pending != 0; }
+bool npualloc_has_warnings(void) { return own_warnings != 0; }
+
+static pending_warning *warning_at(size_t i) { return &warnings[(warning_head + i) % WARNING_SLOTS]; }
 
 bool npualloc_pop_warning(char *buf, size_t len)
 {
+    if (!own_warnings)
+        return false;
+    uint64_t self = warning_thread();
     pthread_mutex_lock(&warning_lock);
-    bool any = warning_count > 0;
+    size_t i = 0;
+    while (i < warning_count && warning_at(i)->thread != self)
+        i++;
+    bool any = i < warning_count;
     if (any) {
-        snprintf(buf, len, "%s", warnings[warning_head]);
-        warning_head = (warning_head + 1) % WARNING_SLOTS;
+        snprintf(buf, len, "%s", warning_at(i)->text);
+        for (size_t j = i; j + 1 < warning_count; j++) /* the later ones move up: the ring keeps its order */
+            *warning_at(j) = *warning_at(j + 1);
         warning_count--;
-        warnings_pending = warning_count;
     }
+    size_t left = 0;
+    for (size_t j = i; j < warning_count; j++)
+        left += warning_at(j)->thread == self;
     pthread_mutex_unlock(&warning_lock);
+    own_warnings = left;
     return any;
 }
 

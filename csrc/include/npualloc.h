@@ -77,9 +77,11 @@ const char *npualloc_last_error(npualloc_error_kind *kind);
  * (PID:.., Device:.., RankID:..) ERR<submodule:02><code:03> <PTA|OPS> <text>"): submodule 0 (PTA) or 1 (OPS)
  * and the ErrCode, or submodule -1 when torch_npu adds none (so far only settings errors carry one). */
 void npualloc_last_error_suffix(int *submodule, int *code);
-/* Pops the oldest pending warning (torch would emit it with TORCH_WARN); false when none. */
+/* Pops the oldest pending warning of the calling thread (torch would emit it with TORCH_WARN in the thread
+ * whose call made it); false when none.  Up to 32 warnings of all threads are kept: the oldest goes. */
 bool npualloc_pop_warning(char *buf, size_t len);
-/* Cheap check for pending warnings. */
+/* Cheap check for the calling thread's pending warnings (no lock; may say true when another thread's
+ * warnings pushed its last one out). */
 bool npualloc_has_warnings(void);
 
 /* ---- the caching allocator (torch_npu's NPUCachingAllocator) ---- */

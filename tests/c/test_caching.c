@@ -1320,6 +1320,66 @@ static void test_bad_environment_fails_every_allocation(void **state)
     assert_false(npualloc_has_warnings());
 }
 
+/* Warnings sat in one process-wide queue: another thread's next call popped (and in Python raised, or gave
+ * to its own warning filters) the warning of this thread's allocation.  Each thread pops its own, as torch
+ * gives a TORCH_WARN to the thread whose call made it. */
+typedef struct warning_thread {
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    int step; /* 1: allocated; 2: the main thread looked at its own warnings */
+    aclError alloc_rc;
+    bool had_pending, popped;
+    char text[512];
+} warning_thread;
+
+static void warning_step(warning_thread *w, int step, bool wait)
+{
+    pthread_mutex_lock(&w->lock);
+    if (wait) {
+        while (w->step < step)
+            pthread_cond_wait(&w->cv, &w->lock);
+    } else {
+        w->step = step;
+        pthread_cond_broadcast(&w->cv);
+    }
+    pthread_mutex_unlock(&w->lock);
+}
+
+static void *allocate_with_a_warning(void *arg)
+{
+    warning_thread *w = arg;
+    void *p = NULL;
+    w->alloc_rc = npualloc_cache_malloc(0, 100, 0, &p); /* the first allocation reads the settings */
+    if (w->alloc_rc == ACL_SUCCESS)
+        npualloc_cache_free(p);
+    warning_step(w, 1, false);
+    warning_step(w, 2, true);
+    w->had_pending = npualloc_has_warnings();
+    w->popped = npualloc_pop_warning(w->text, sizeof w->text);
+    return NULL;
+}
+
+static void test_a_warning_goes_to_the_thread_whose_call_made_it(void **state)
+{
+    (void)state;
+    start_cache(GiB_, "segment_size_mb:20");
+    warning_thread w = {.lock = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, allocate_with_a_warning, &w), 0);
+    warning_step(&w, 1, true);
+    char text[512];
+    bool main_pending = npualloc_has_warnings();
+    bool main_popped = npualloc_pop_warning(text, sizeof text);
+    warning_step(&w, 2, false);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    assert_int_equal(w.alloc_rc, ACL_SUCCESS);
+    assert_false(main_popped);
+    assert_false(main_pending);
+    assert_true(w.had_pending);
+    assert_true(w.popped);
+    assert_string_equal(w.text, "`segment_size_mb` is deprecated, please use `large_segment_size_mb` instead.");
+}
+
 /* ---- randomized sequence ---- */
 
 
@@ -1491,6 +1551,7 @@ int main(void)
         cmocka_unit_test_teardown(test_cached_only_allocation_serves_hits_and_leaves_misses, stop_cache),
         cmocka_unit_test_teardown(test_acl_free_refuses_the_allocators_segments, stop_cache),
         cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
+        cmocka_unit_test_teardown(test_a_warning_goes_to_the_thread_whose_call_made_it, stop_cache),
         cmocka_unit_test_teardown(test_a_waiting_calls_stack_goes_to_no_other_threads_entries, stop_cache),
         cmocka_unit_test_teardown(test_a_failed_record_history_changes_no_level, stop_cache),
         cmocka_unit_test_teardown(test_concurrent_record_history_calls_leave_one_state, stop_cache),
