@@ -86,6 +86,9 @@ typedef struct pending_warning {
 static pthread_mutex_t warning_lock = PTHREAD_MUTEX_INITIALIZER;
 static pending_warning warnings[WARNING_SLOTS];
 static size_t warning_head, warning_count;
+/* warning_count, read without the lock: the callers' usual case, no warning at all, stays one load
+ * (a thread-local read from a shared library is a call). */
+static _Atomic size_t warnings_pending;
 /* At least the number of the ring's entries of this thread (another thread's push may have dropped
  * some): lets npualloc_has_warnings answer without the lock. */
 static _Thread_local size_t own_warnings;
@@ -115,6 +118,7 @@ void cache_push_warning(const char *fmt, ...)
     else
         warning_count++;
     warnings[slot] = w;
+    warnings_pending = warning_count;
     pthread_mutex_unlock(&warning_lock);
     own_warnings++;
 }
@@ -133,7 +137,7 @@ void cache_warn_1g_fallback(void)
                            "enabled.");
 }
 
-bool npualloc_has_warnings(void) { return own_warnings != 0; }
+bool npualloc_has_warnings(void) { return warnings_pending != 0 && own_warnings != 0; }
 
 static pending_warning *warning_at(size_t i) { return &warnings[(warning_head + i) % WARNING_SLOTS]; }
 
@@ -152,6 +156,7 @@ bool npualloc_pop_warning(char *buf, size_t len)
         for (size_t j = i; j + 1 < warning_count; j++) /* the later ones move up: the ring keeps its order */
             *warning_at(j) = *warning_at(j + 1);
         warning_count--;
+        warnings_pending = warning_count;
     }
     size_t left = 0;
     for (size_t j = i; j < warning_count; j++)
