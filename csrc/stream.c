@@ -1564,6 +1564,11 @@ aclError aclrtUnSubscribeReport(uint64_t threadId, aclrtStream stream)
         rc = ACL_ERROR_RT_STREAM_SUBSCRIBE; /* the stream is not subscribed */
     else if (s->subscriber->tid != threadId)
         rc = ACL_ERROR_RT_THREAD_SUBSCRIBE; /* subscribed, by another thread */
+    else if (stream_waits_for_self(s) && atomic_load(&s->cb_running) > own_running(s))
+        /* Its worker waits for the caller, and the wait below would be for a callback of s running on
+         * another thread, which overlaps the caller only because it is blocked in a stream wait: maybe for
+         * s, which would then wait for ever. */
+        rc = ERR_SELF_WAIT;
     else
         gone = unsubscribe_locked(s);
     if (rc == ACL_SUCCESS)
@@ -1573,6 +1578,19 @@ aclError aclrtUnSubscribeReport(uint64_t threadId, aclrtStream stream)
         report_thread_free(gone);
     stream_put(s);
     return rc;
+}
+
+/* The first queued report the calling thread may run now, NULL if none (*prev: the report before it, NULL
+ * at the head).  Inside a callback (a nested call) the reports of the streams whose callbacks the thread is
+ * running are left for the outer call: run here, the next callback of such a stream would run inside the
+ * one before it.  sub_lock held. */
+static cb_report *next_runnable_locked(const report_thread *rt, cb_report **prev)
+{
+    cb_report *before = NULL, *r = rt->head;
+    for (; r && own_running(r->stream); r = r->next)
+        before = r;
+    *prev = before;
+    return r;
 }
 
 aclError aclrtProcessReport(int32_t timeout)
@@ -1592,22 +1610,26 @@ aclError aclrtProcessReport(int32_t timeout)
         return ACL_ERROR_RT_THREAD_SUBSCRIBE;
     }
     rt->users++;
-    while (!rt->head && !rt->dead) {
+    cb_report *r, *prev;
+    while (!(r = next_runnable_locked(rt, &prev)) && !rt->dead) {
         if (timeout < 0) {
             pthread_cond_wait(&rt->cv, &sub_lock);
-        } else if (pthread_cond_timedwait(&rt->cv, &sub_lock, &deadline) == ETIMEDOUT && !rt->head && !rt->dead) {
+        } else if (pthread_cond_timedwait(&rt->cv, &sub_lock, &deadline) == ETIMEDOUT &&
+                   !(r = next_runnable_locked(rt, &prev)) && !rt->dead) {
             rc = ACL_ERROR_RT_REPORT_TIMEOUT;
             break;
         }
     }
-    if (rc == ACL_SUCCESS && !rt->head)
+    if (rc == ACL_SUCCESS && !r)
         rc = ACL_ERROR_RT_THREAD_SUBSCRIBE; /* its last subscription ended while it waited */
     /* The callbacks queued when it woke up, oldest first; later ones wait for the next call. */
-    for (size_t n = rt->queued; rc == ACL_SUCCESS && n > 0 && rt->head; n--) {
-        cb_report *r = rt->head;
-        rt->head = r->next;
-        if (!rt->head)
-            rt->tail = NULL;
+    for (size_t n = rt->queued; rc == ACL_SUCCESS && n > 0 && (r = next_runnable_locked(rt, &prev)); n--) {
+        if (prev)
+            prev->next = r->next;
+        else
+            rt->head = r->next;
+        if (rt->tail == r)
+            rt->tail = prev;
         rt->queued--;
         r->next = NULL;
         r->state = REPORT_RUNNING;

@@ -30,7 +30,9 @@
  *     the stream has a subscribed thread then, the callback is queued to that thread, which runs
  *     it inside aclrtProcessReport(timeout).  One ProcessReport call waits (timeout ms, -1 =
  *     forever) until something is queued, then runs, oldest first, the callbacks queued when
- *     it woke up, and returns ACL_SUCCESS.
+ *     it woke up, and returns ACL_SUCCESS.  Called from a callback (nested), it leaves the
+ *     callbacks of the streams whose callbacks the thread is running to the outer call, and
+ *     waits only for the others.
  *     ACL_CALLBACK_BLOCK: the worker waits until the callback returned, so later tasks of the
  *     stream (and events recorded after it) wait for it.  ACL_CALLBACK_NO_BLOCK: the worker goes
  *     on at once; the callback's position counts as passed when it is handed over, so
@@ -58,8 +60,11 @@
  *     destroy and shutdown do wait for the stream's callbacks already running on another thread
  *     (CANN's unsubscribe waits for a busy callback too): when they return, no callback of the
  *     stream runs or is pending on the old thread.  A callback of the stream may unsubscribe,
- *     synchronize or (NO_BLOCK only) destroy it.  Until unsubscribed, a BLOCK callback waits for
- *     its thread like on CANN: aclrtSynchronizeStream/Device wait with it.
+ *     synchronize or (NO_BLOCK only) destroy it; but a callback its worker waits for (BLOCK, or
+ *     run on the worker) that would have to wait for another callback of the stream still
+ *     running elsewhere (one blocked in a stream wait) cannot unsubscribe it:
+ *     ACL_ERROR_RT_FEATURE_NOT_SUPPORT, and the subscription stays.  Until unsubscribed, a BLOCK
+ *     callback waits for its thread like on CANN: aclrtSynchronizeStream/Device wait with it.
  *   - Callbacks of one stream never overlap, even when its subscription moves: a worker starts
  *     the next one (on itself or on the new thread) only after the previous one returned,
  *     unless that one is blocked in a stream wait (it may be waiting for this stream).

@@ -1650,6 +1650,64 @@ static void test_a_nested_block_callback_still_stands_in_for_the_outer_stream(vo
     assert_int_equal(aclrtDestroyStream(r.inner), ACL_SUCCESS);
 }
 
+/* A NO_BLOCK callback of `st` that processes reports itself, while the next callback of `st` and one of
+ * `other` are queued to the same thread. */
+typedef struct nested_same {
+    atomic_int inside; /* the first callback of st is running */
+    atomic_int overlap; /* the second one ran while the first still ran */
+    aclError process;
+} nested_same;
+
+static void cb_nested_same_first(void *user_data)
+{
+    nested_same *n = user_data;
+    log_append(1);
+    atomic_store(&n->inside, 1);
+    n->process = aclrtProcessReport(1000);
+    atomic_store(&n->inside, 0);
+    log_append(2);
+}
+
+static void cb_nested_same_second(void *user_data)
+{
+    nested_same *n = user_data;
+    if (atomic_load(&n->inside))
+        atomic_store(&n->overlap, 1);
+    log_append(3);
+}
+
+/* The nested aclrtProcessReport runs the other stream's callback but leaves the next one of its own stream
+ * for after it: the nested call used to run it inside the first one (log 1 3 4 2, overlap). */
+static void test_nested_process_report_does_not_run_the_next_callback_of_its_own_stream(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream(), other = new_stream();
+    nested_same n = {.process = -1};
+    atomic_init(&n.inside, 0);
+    atomic_init(&n.overlap, 0);
+    static int four = 4;
+    const uint64_t me = self_id();
+    assert_int_equal(aclrtSubscribeReport(me, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, other), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_nested_same_first, &n, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_nested_same_second, &n, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    /* Both are queued to this thread once st is passed; then the one of `other`. */
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_append, &four, ACL_CALLBACK_NO_BLOCK, other), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(other), ACL_SUCCESS);
+    assert_int_equal(aclrtProcessReport(2000), ACL_SUCCESS);
+    assert_int_equal(n.process, ACL_SUCCESS);
+    assert_int_equal(atomic_load(&n.overlap), 0);
+    assert_int_equal(log_count, 4);
+    static const int order[] = {1, 4, 2, 3};
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(log_values[i], order[i]);
+    assert_int_equal(aclrtUnSubscribeReport(me, st), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, other), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(other), ACL_SUCCESS);
+}
+
 /* A NO_BLOCK callback that logs its start, sleeps, logs its end. */
 typedef struct slow_cb {
     int start, end;
@@ -1770,6 +1828,87 @@ static void test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_strea
     reporter_stop(&rep);
     assert_int_equal(aclrtDestroyStream(u.st), ACL_SUCCESS);
     assert_int_equal(aclrtDestroyStream(d.st), ACL_ERROR_INVALID_PARAM); /* already destroyed */
+}
+
+/* Unsubscribing a stream from a callback of it that its worker waits for (a BLOCK one, or any one run on
+ * the worker) while an earlier callback of the stream, on the subscribed thread, waits for the stream:
+ * `first` (NO_BLOCK) moves the subscription to `to` (when set) and synchronizes st; meanwhile `second`
+ * (BLOCK) runs on the worker, or on `to`, and unsubscribes. */
+typedef struct unsub_in_block {
+    aclrtStream st;
+    uint64_t from, to;         /* the subscriber, and the one `first` hands the stream to (0: none) */
+    atomic_int gate;           /* opened by `first`: `second` is reached after the move */
+    aclError move, sync, unsub;
+    _Atomic uint64_t thread;   /* where `second` ran */
+} unsub_in_block;
+
+static void cb_move_and_sync(void *user_data)
+{
+    unsub_in_block *u = user_data;
+    if (u->to) {
+        u->move = aclrtUnSubscribeReport(u->from, u->st);
+        if (u->move == ACL_SUCCESS)
+            u->move = aclrtSubscribeReport(u->to, u->st);
+    }
+    atomic_store(&u->gate, 1);
+    u->sync = aclrtSynchronizeStream(u->st);
+}
+
+static void cb_unsubscribe_current(void *user_data)
+{
+    unsub_in_block *u = user_data;
+    atomic_store(&u->thread, self_id());
+    u->unsub = aclrtUnSubscribeReport(u->to ? u->to : u->from, u->st);
+}
+
+/* A plain task of st that waits until *arg (an atomic_int) is set, as cb_wait_gate does. */
+static aclError task_wait_gate(void *arg)
+{
+    cb_wait_gate(arg);
+    return ACL_SUCCESS;
+}
+
+/* The unsubscribe would wait for `first`, which waits for st, which waits for `second`: it used to
+ * deadlock (here SIGALRM).  It is refused as a wait for its own stream, and the subscription stays. */
+static void run_unsubscribe_from_block_callback(uint64_t to)
+{
+    unsub_in_block u = {.st = new_stream(), .from = self_id(), .to = to, .move = -1, .sync = -1, .unsub = -1};
+    atomic_init(&u.gate, 0);
+    atomic_init(&u.thread, 0);
+    assert_int_equal(aclrtSubscribeReport(u.from, u.st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_move_and_sync, &u, ACL_CALLBACK_NO_BLOCK, u.st), ACL_SUCCESS);
+    npu_stream *s;
+    assert_int_equal(stream_acquire(u.st, &s), ACL_SUCCESS);
+    assert_int_equal(stream_enqueue(s, task_wait_gate, &u.gate, NULL, NULL), ACL_SUCCESS);
+    stream_release(s);
+    assert_int_equal(aclrtLaunchCallback(cb_unsubscribe_current, &u, ACL_CALLBACK_BLOCK, u.st), ACL_SUCCESS);
+    alarm(getenv("NPUALLOC_VALGRIND") ? 300 : 10); /* a deadlock dies of SIGALRM instead of hanging */
+    assert_int_equal(aclrtProcessReport(5000), ACL_SUCCESS); /* runs `first` */
+    alarm(0);
+    assert_int_equal(u.sync, ACL_SUCCESS);
+    assert_int_equal(u.unsub, ACL_ERROR_RT_FEATURE_NOT_SUPPORT);
+    const uint64_t subscriber = to ? to : u.from;
+    if (to)
+        assert_int_equal(u.move, ACL_SUCCESS);
+    /* On the worker (the subscribed thread was blocked in the synchronize), or on the new subscriber. */
+    assert_true(to ? atomic_load(&u.thread) == to : atomic_load(&u.thread) != u.from);
+    assert_int_equal(aclrtUnSubscribeReport(subscriber, u.st), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(u.st), ACL_SUCCESS);
+}
+
+static void test_block_callback_on_the_worker_cannot_unsubscribe_while_its_stream_is_waited_for(void **state)
+{
+    (void)state;
+    run_unsubscribe_from_block_callback(0);
+}
+
+static void test_block_callback_on_another_thread_cannot_unsubscribe_while_its_stream_is_waited_for(void **state)
+{
+    (void)state;
+    reporter rep;
+    reporter_start(&rep, 20);
+    run_unsubscribe_from_block_callback(reporter_tid(&rep));
+    reporter_stop(&rep);
 }
 
 /* Several streams, two serving threads, and a thread moving subscriptions around: every
@@ -2191,10 +2330,16 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_subscribed_thread_blocking_in_synchronize_gets_block_callbacks_run_elsewhere, setup, teardown),
         cmocka_unit_test_setup_teardown(test_block_callback_on_subscribed_thread_cannot_wait_for_its_stream, setup, teardown),
         cmocka_unit_test_setup_teardown(test_a_nested_block_callback_still_stands_in_for_the_outer_stream, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nested_process_report_does_not_run_the_next_callback_of_its_own_stream,
+                                        setup, teardown),
         cmocka_unit_test_setup_teardown(test_unsubscribe_waits_for_a_running_callback_and_order_is_kept, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_stream, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(test_block_callback_on_the_worker_cannot_unsubscribe_while_its_stream_is_waited_for,
+                                        setup, teardown),
+        cmocka_unit_test_setup_teardown(
+            test_block_callback_on_another_thread_cannot_unsubscribe_while_its_stream_is_waited_for, setup, teardown),
         cmocka_unit_test_setup_teardown(test_subscription_churn_loses_and_reorders_no_callback, setup, teardown),
         cmocka_unit_test_setup_teardown(test_shutdown_runs_queued_work_frees_everything_and_restarts, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fork_child_starts_without_streams_and_runs_no_parent_task, setup,
