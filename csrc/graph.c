@@ -192,6 +192,11 @@ typedef struct reg_entry {
  * Module state
  * ------------------------------------------------------------------------------------------ */
 
+/* route_lock: a stream joins a pool capture under graph_lock and takes its pool route after it (the
+ * caching allocator's lock is never taken under graph_lock).  The join holds route_lock throughout and
+ * capture_end ends the routes under it, so no route lands once its capture ended (it would stay for
+ * ever, on the pool's next recording). */
+static pthread_mutex_t route_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t graph_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t bind_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_rwlock_t reg_lock = PTHREAD_RWLOCK_INITIALIZER;
@@ -894,8 +899,9 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     bool ending = rc == ACL_SUCCESS;
     g->state = ending ? G_ENDING : G_BROKEN;
     /* The streams and their pool routes are ended below, with graph_lock dropped, straight from g->streams:
-     * nothing else changes them once the graph left G_CAPTURING, and so the end asks for no memory (it
-     * copied them into two lists, and out of host memory left the routes for ever). */
+     * nothing else changes them once the graph left G_CAPTURING (but a join still taking its route, which
+     * route_lock waits for), and so the end asks for no memory (it copied them into two lists, and out of
+     * host memory left the routes for ever). */
     size_t ns = g->nstreams;
     for (size_t i = 0; i < ns; i++)
         frontier_free(&g->streams[i].f);
@@ -907,10 +913,14 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
      * route ends and gives that one back. */
     if (g->pool_mode && !stale)
         g->pool_ref = npualloc_cache_pool_create(g->device, g->pool) == ACL_SUCCESS;
+    pthread_mutex_lock(&route_lock); /* after any join still taking its route */
     for (size_t i = 0; i < ns; i++) {
         if (g->streams[i].routed && !stale)
             (void)npualloc_cache_pool_end(stream_device(g->streams[i].s), g->pool);
         g->streams[i].routed = false;
+    }
+    pthread_mutex_unlock(&route_lock);
+    for (size_t i = 0; i < ns; i++) {
         stream_release(g->streams[i].s);
         g->streams[i].s = NULL;
     }
@@ -1093,7 +1103,7 @@ bool graph_capture_record(npu_stream *s, uint64_t event, aclError *rc)
     return true;
 }
 
-bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
+static bool capture_wait(npu_stream *s, uint64_t event, aclError *rc)
 {
     pthread_mutex_lock(&graph_lock);
     npualloc_graph *g = stream_capture_get(s), *owner = NULL;
@@ -1141,6 +1151,14 @@ bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
         pthread_mutex_unlock(&graph_lock);
     }
     return true;
+}
+
+bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
+{
+    pthread_mutex_lock(&route_lock); /* a join's route is taken before its capture can end */
+    bool handled = capture_wait(s, event, rc);
+    pthread_mutex_unlock(&route_lock);
+    return handled;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -2339,6 +2357,7 @@ aclError npualloc_graph_get_mem_access(int32_t device, uint64_t *mask)
  * leaves after them all. */
 void graph_atfork_prepare_outer(void)
 {
+    pthread_mutex_lock(&route_lock);
     pthread_mutex_lock(&bind_lock);
     pthread_mutex_lock(&graph_lock);
 }
@@ -2356,6 +2375,7 @@ static void release_fork_mutexes(void)
     pthread_mutex_unlock(&viol_lock);
     pthread_mutex_unlock(&graph_lock);
     pthread_mutex_unlock(&bind_lock);
+    pthread_mutex_unlock(&route_lock);
 }
 
 void graph_atfork_parent(void)

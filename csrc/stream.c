@@ -141,6 +141,17 @@ typedef struct npu_event {
     struct npu_event *doomed_next;
 } npu_event;
 
+/* A record or reset task (run_record, run_reset): its event and the record count it is for. */
+typedef struct event_task {
+    npu_event *event; /* a reference */
+    uint64_t seq;
+    unsigned forks; /* forks_since_start when made */
+} event_task;
+
+/* A reset task's seq: a graph queues a captured reset again at every launch, long after it was made, to
+ * clear whatever record is current then.  No record count: the counts go up from 0, one per record. */
+#define RESET_CAPTURED UINT64_MAX
+
 /* The module lock: guards both handle tables, default_streams and both registries. */
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static handle_table stream_table = {.tag = 'S'};
@@ -840,6 +851,7 @@ typedef struct callback_task {
 
 static aclError run_callback(void *arg);
 static aclError run_sleep(void *arg);
+static aclError run_reset(void *arg);
 
 void *stream_capture_get(const npu_stream *s)
 {
@@ -868,13 +880,20 @@ static bool capture_task(npu_stream *s, stream_task_fn fn, void *arg, stream_tas
 {
     bool host = fn == run_callback;
     int kind = host ? GRAPH_TASK_HOST : fn == run_sleep ? GRAPH_TASK_DELAY : GRAPH_TASK_GENERIC;
-    /* Whether a callback's data is released after a run is decided here, with the capture, and
-     * not by a caller's earlier look at the stream (a capture may begin or end in between). */
+    /* Whether a callback's data is released after a run, and whether a reset clears whatever record is
+     * current when it runs (RESET_CAPTURED), are decided here, with the capture, and not by a caller's
+     * earlier look at the stream (a capture may begin or end in between). */
+    event_task *reset = fn == run_reset ? arg : NULL;
+    uint64_t seq = reset ? reset->seq : 0;
     if (host)
         ((callback_task *)arg)->captured = true;
+    if (reset)
+        reset->seq = RESET_CAPTURED;
     if (!graph_capture_task(s, kind, fn, arg, cleanup, rc)) {
         if (host)
             ((callback_task *)arg)->captured = false; /* nobody saw it */
+        if (reset)
+            reset->seq = seq;
         return false; /* the capture ended meanwhile */
     }
     if (position)
@@ -1759,13 +1778,6 @@ static npu_stream *event_target(npu_event *e, uint64_t *position)
     return s;
 }
 
-/* A record or reset task (run_record, run_reset): its event and the record count it is for. */
-typedef struct event_task {
-    npu_event *event; /* a reference */
-    uint64_t seq;
-    unsigned forks; /* forks_since_start when made */
-} event_task;
-
 /* A task for e with its own reference to it (seq still to be set); NULL when out of memory. */
 static event_task *event_task_new(npu_event *e)
 {
@@ -2030,10 +2042,6 @@ aclError aclrtQueryEventWaitStatus(aclrtEvent event, aclrtEventWaitStatus *statu
     return rc;
 }
 
-/* A reset task's seq: a graph queues a captured reset again at every launch, long after it was made, to
- * clear whatever record is current then.  No record count: the counts go up from 0, one per record. */
-#define RESET_CAPTURED UINT64_MAX
-
 /* A reset task (seq: the event's record count when it was queued, or RESET_CAPTURED): puts the event
  * back in its never-recorded state when its stream reaches it, unless the event was recorded again
  * after the reset was queued (that newer record stays). */
@@ -2076,7 +2084,7 @@ aclError aclrtResetEvent(aclrtEvent event, aclrtStream stream)
         /* The event lock is held across the enqueue, as for a record: the sequence number the task
          * compares is the one in force at its place in the queue. */
         pthread_mutex_lock(&e->lock);
-        r->seq = stream_capture_get(s) ? RESET_CAPTURED : e->seq;
+        r->seq = e->seq; /* RESET_CAPTURED if a graph takes it (capture_task) */
         rc = stream_enqueue(s, run_reset, r, event_task_free, NULL);
         pthread_mutex_unlock(&e->lock);
         if (rc != ACL_SUCCESS)

@@ -3,6 +3,7 @@
 
 #include "testutil.h"
 
+#include "graph.h"
 #include "host.h"
 #include "npualloc_graph.h"
 #include "vmm.h"
@@ -1443,6 +1444,169 @@ static void test_a_host_func_racing_capture_begin_and_end_is_released_once_after
     assert_int_equal(ran_after_release, 0);
 }
 
+/* Parking places (Makefile: TEST_LDFLAGS_test_graph links the core's calls to these two functions through
+ * the __wrap_ ones below): a thread that armed one stops on its next call there, before the real call,
+ * until the test lets it go, so that the test can run other threads' work in that window. */
+typedef struct parking {
+    atomic_bool arrived, go;
+} parking;
+
+static _Thread_local parking *park_next; /* armed by the thread itself; used once */
+
+static void park_if_armed(void)
+{
+    parking *p = park_next;
+    if (!p)
+        return;
+    park_next = NULL;
+    atomic_store(&p->arrived, true);
+    /* at most 60 s: a test that fails before letting it go then fails instead of hanging its teardown */
+    for (int waited = 0; waited < 60000 && !atomic_load(&p->go); waited++)
+        host_sleep_ns(1000000);
+}
+
+static void await_parked(parking *p)
+{
+    while (!atomic_load(&p->arrived))
+        host_sleep_ns(100000);
+}
+
+aclError __real_npualloc_cache_pool_join(int32_t device, npualloc_mempool_id id, uint64_t stream);
+aclError __wrap_npualloc_cache_pool_join(int32_t device, npualloc_mempool_id id, uint64_t stream);
+aclError __wrap_npualloc_cache_pool_join(int32_t device, npualloc_mempool_id id, uint64_t stream)
+{
+    park_if_armed();
+    return __real_npualloc_cache_pool_join(device, id, stream);
+}
+
+bool __real_graph_capture_task(npu_stream *s, int kind, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                               aclError *rc);
+bool __wrap_graph_capture_task(npu_stream *s, int kind, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                               aclError *rc);
+bool __wrap_graph_capture_task(npu_stream *s, int kind, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                               aclError *rc)
+{
+    park_if_armed();
+    return __real_graph_capture_task(s, kind, fn, arg, cleanup, rc);
+}
+
+/* aclrtStreamWaitEvent(s, e), parked at p's place. */
+typedef struct parked_call {
+    aclrtStream s;
+    aclrtEvent e;
+    parking *p;
+    aclError rc;
+} parked_call;
+
+static void *wait_event_parked(void *arg)
+{
+    parked_call *c = arg;
+    park_next = c->p;
+    c->rc = aclrtStreamWaitEvent(c->s, c->e);
+    return NULL;
+}
+
+static void *reset_event_parked(void *arg)
+{
+    parked_call *c = arg;
+    park_next = c->p;
+    c->rc = aclrtResetEvent(c->e, c->s);
+    return NULL;
+}
+
+/* A stream joining a pool capture takes its pool route after the join (graph_lock dropped).  A capture_end
+ * in that window ended the capture's routes without it, the pool's next recording began (another graph),
+ * and the late route then landed on that recording: the next recording's end ended it (the newest route)
+ * instead of its own, whose route (with its pool reference) stayed for ever, so its stream kept allocating
+ * from the pool.  Here the joining thread is parked in the window; capture_end now waits for the join. */
+static void test_a_join_racing_capture_end_and_the_pools_next_recording(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s0 = new_stream(), s1 = new_stream(), s2 = new_stream();
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    npualloc_capture_params pa = {.use_pool = true, .pool = id, .mode = ACL_MODEL_RI_CAPTURE_MODE_RELAXED};
+    npualloc_capture_params pb = {.use_pool = true, .pool = id};
+    npualloc_graph *a = new_graph(0), *b = new_graph(0);
+    assert_int_equal(npualloc_graph_capture_begin(a, s0, 0, &pa), ACL_SUCCESS);
+    aclrtEvent ev = new_event();
+    assert_int_equal(aclrtRecordEvent(ev, s0), ACL_SUCCESS);
+
+    parking join = {0};
+    parked_call w = {.s = s1, .e = ev, .p = &join, .rc = -1};
+    pthread_t joiner, ender;
+    assert_int_equal(pthread_create(&joiner, NULL, wait_event_parked, &w), 0);
+    await_parked(&join); /* s1 joined a's capture, and has no route yet */
+    ending_capture c = {.g = a};
+    assert_int_equal(pthread_create(&ender, NULL, end_capture_phased, &c), 0);
+    /* Before the fix a's end returned at once; now it waits for the join: ~200 ms, and the next
+     * recording's begin is refused meanwhile (a's routes are still there). */
+    for (int i = 0; i < 200 && atomic_load(&c.phase) != 2; i++)
+        host_sleep_ns(1000000);
+    aclError brc = npualloc_graph_capture_begin(b, s2, 0, &pb);
+    atomic_store(&join.go, true);
+    assert_int_equal(pthread_join(joiner, NULL), 0);
+    assert_int_equal(pthread_join(ender, NULL), 0);
+    assert_int_equal(w.rc, ACL_SUCCESS);
+    assert_int_equal(c.rc, ACL_SUCCESS);
+    if (brc != ACL_SUCCESS) {
+        assert_string_equal(npualloc_graph_last_error(),
+                            "capture_begin: beginAllocateToPool: already recording to mempool_id");
+        brc = npualloc_graph_capture_begin(b, s2, 0, &pb);
+    }
+    assert_int_equal(brc, ACL_SUCCESS);
+    end(b);
+
+    /* Both recordings ended: no stream allocates from the pool, which the two graphs hold once each. */
+    void *x1 = galloc_on(s1, 1000), *x2 = galloc_on(s2, 1000);
+    assert_false(in_pool(x1, id));
+    assert_false(in_pool(x2, id));
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 2);
+    assert_int_equal(npualloc_cache_free(x1), ACL_SUCCESS);
+    assert_int_equal(npualloc_cache_free(x2), ACL_SUCCESS);
+    npualloc_graph_destroy(a);
+    npualloc_graph_destroy(b);
+    assert_int_equal(npualloc_cache_pool_use_count(0, id), 0);
+    assert_int_equal(aclrtDestroyEvent(ev), ACL_SUCCESS);
+}
+
+/* aclrtResetEvent decided whether its reset was a captured one (cleared whatever record is current when
+ * it runs) by looking at the stream before queueing it.  A capture ended in between: the reset was queued
+ * on the stream all the same, as a captured one, and cleared a record made after it.  Here the resetting
+ * thread is parked where the stream hands its task to the capture, and the capture ends meanwhile. */
+static void test_a_reset_racing_capture_end_keeps_a_later_record(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream(), other = new_stream();
+    static atomic_int gate;
+    hold_stream(s, &gate); /* the reset runs after the later record */
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    aclrtEvent ev = new_event();
+
+    parking reset = {0};
+    parked_call r = {.s = s, .e = ev, .p = &reset, .rc = -1};
+    pthread_t resetter;
+    assert_int_equal(pthread_create(&resetter, NULL, reset_event_parked, &r), 0);
+    await_parked(&reset); /* the stream was capturing when the reset looked */
+    end(g);
+    atomic_store(&reset.go, true);
+    assert_int_equal(pthread_join(resetter, NULL), 0);
+    assert_int_equal(r.rc, ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_node_count(g), 0); /* queued on the stream */
+
+    assert_int_equal(aclrtRecordEvent(ev, other), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(other), ACL_SUCCESS);
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    aclrtEventRecordedStatus st;
+    assert_int_equal(aclrtQueryEventStatus(ev, &st), ACL_SUCCESS);
+    assert_int_equal(st, ACL_EVENT_RECORDED_STATUS_COMPLETE); /* the later record stays */
+    npualloc_graph_destroy(g);
+    assert_int_equal(aclrtDestroyEvent(ev), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1478,6 +1642,8 @@ int main(void)
         cmocka_unit_test_teardown(test_a_launch_racing_capture_begin_is_refused_not_captured, stop_runtime),
         cmocka_unit_test_teardown(test_a_host_func_racing_capture_begin_and_end_is_released_once_after_it_ran,
                                   stop_runtime),
+        cmocka_unit_test_teardown(test_a_join_racing_capture_end_and_the_pools_next_recording, stop_runtime),
+        cmocka_unit_test_teardown(test_a_reset_racing_capture_end_keeps_a_later_record, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
