@@ -588,7 +588,7 @@ static void stream_drop_tasks(npu_stream *s)
     while (t) {
         stream_task *next = t->next;
         if (t->cleanup == free || t->cleanup == event_task_free || t->cleanup == wait_cleanup ||
-            t->cleanup == callback_task_free) /* (a queued task is uncaptured: its data stays the caller's) */
+            t->cleanup == callback_task_free) /* (queued, so uncaptured: its cleanup only frees it) */
             free(t->arg);
         free(t);
         t = next;
