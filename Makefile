@@ -57,7 +57,8 @@ $(eval $(call core_library,lto,$(CC) $(BASE) $(RELEASE) $(LTO)))
 
 # test_graph parks a thread inside a call from one module of the core to another, to force an
 # interleaving: the linker routes those calls through the test's __wrap_ functions.
-TEST_LDFLAGS_test_graph := -Wl,--wrap=npualloc_cache_pool_join -Wl,--wrap=graph_capture_task
+TEST_LDFLAGS_test_graph := -Wl,--wrap=npualloc_cache_pool_join -Wl,--wrap=graph_capture_task \
+                           -Wl,--wrap=graph_capture_record -Wl,--wrap=graph_capture_wait -Wl,--wrap=graph_capture_memop
 
 $(BUILD)/release/tests/%: tests/c/%.c $(BUILD)/release/libnpualloc.a $(HEADERS)
 	@mkdir -p $(dir $@)

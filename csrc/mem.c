@@ -437,7 +437,9 @@ static aclError run_mem_task(void *arg)
     return rc == ACL_SUCCESS ? ACL_SUCCESS : ACL_ERROR_RT_DEVICE_MEM_ERROR;
 }
 
-/* Queues fn on the stream with its own copy of the `size` bytes of `task`. */
+/* Queues fn on the stream with its own copy of the `size` bytes of `task`, as a plain task: every caller
+ * found the stream not capturing first (graph_capture_active, graph_capture_memop), and a capture begun
+ * since would take it as a generic node, neither the MEMCPY / MEMSET node nor the operation queued now. */
 static aclError enqueue_task(aclrtStream stream, stream_task_fn fn, const void *task, size_t size)
 {
     npu_stream *s;
@@ -450,7 +452,7 @@ static aclError enqueue_task(aclrtStream stream, stream_task_fn fn, const void *
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     }
     memcpy(t, task, size);
-    rc = stream_enqueue(s, fn, t, free, NULL);
+    rc = stream_enqueue_plain(s, fn, t, free, NULL);
     stream_release(s);
     if (rc != ACL_SUCCESS)
         free(t);

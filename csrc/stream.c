@@ -901,13 +901,14 @@ static bool capture_task(npu_stream *s, stream_task_fn fn, void *arg, stream_tas
     return true;
 }
 
-aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
-                        uint64_t *position)
+/* stream_enqueue, and with `capturable` false stream_enqueue_plain. */
+static aclError enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                        uint64_t *position, bool capturable)
 {
     if (!s || !fn)
         return ACL_ERROR_INVALID_PARAM;
     aclError crc;
-    if (unlikely(atomic_load_explicit(&s->capture, memory_order_relaxed) != NULL) &&
+    if (capturable && unlikely(atomic_load_explicit(&s->capture, memory_order_relaxed) != NULL) &&
         capture_task(s, fn, arg, cleanup, position, &crc))
         return crc;
     stream_task *t = malloc(sizeof *t);
@@ -932,6 +933,18 @@ aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task
     if (rc != ACL_SUCCESS)
         free(t);
     return rc;
+}
+
+aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                        uint64_t *position)
+{
+    return enqueue(s, fn, arg, cleanup, position, true);
+}
+
+aclError stream_enqueue_plain(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                              uint64_t *position)
+{
+    return enqueue(s, fn, arg, cleanup, position, false);
 }
 
 /* Frees task structs never queued (their arguments stay the caller's). */
@@ -1826,7 +1839,10 @@ static aclError event_record(npu_event *e, npu_stream *s)
     pthread_mutex_lock(&e->lock);
     uint64_t seq = e->seq + 1, position;
     r->seq = seq;
-    aclError rc = stream_enqueue(s, run_record, r, event_task_free, &position);
+    /* Plain: aclrtRecordEvent found s not capturing (graph_capture_active, graph_capture_record), and a
+     * capture begun since must not take the task as a node: the event's record would be s's work before
+     * the capture, passed but never stamped until a launch of the graph ran the node. */
+    aclError rc = stream_enqueue_plain(s, run_record, r, event_task_free, &position);
     if (rc == ACL_SUCCESS) {
         old = e->stream;
         stream_retain(s);
@@ -2220,7 +2236,9 @@ static aclError enqueue_wait(npu_stream *s, npu_stream *src, uint64_t position, 
         /* Counted before the task can run (and uncount itself). */
         atomic_init(&w->counted, true);
         atomic_fetch_add_explicit(&e->pending_waits, 1, memory_order_relaxed);
-        rc = stream_enqueue(s, run_wait, w, wait_cleanup, NULL);
+        /* Plain, as a record's: aclrtStreamWaitEvent found s not capturing (graph_capture_active,
+         * graph_capture_wait); as a node the wait would count as pending until a launch ran it. */
+        rc = stream_enqueue_plain(s, run_wait, w, wait_cleanup, NULL);
         if (rc != ACL_SUCCESS) {
             atomic_fetch_sub_explicit(&e->pending_waits, 1, memory_order_relaxed);
             event_put(e); /* the caller still holds one: this never frees */

@@ -133,6 +133,12 @@ uint64_t stream_id(const npu_stream *s);
  * ACL_ERROR_INVALID_PARAM once the stream was destroyed (or after fork, in the child). */
 aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
                         uint64_t *position);
+/* stream_enqueue for a task whose caller asked a capture hook (graph.h) and heard that s is not capturing:
+ * queued on s even if a capture began on it since (the task counts as queued before the capture began),
+ * never taken by the capture as a generic node, which is neither what the caller decided nor the form
+ * the hook gives a captured one. */
+aclError stream_enqueue_plain(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
+                              uint64_t *position);
 /* Queues n tasks (fns[i](args[i]), no cleanups) together, never into a capture: ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
  * with nothing queued, when the stream is capturing (checked under the lock stream_capture_set takes, so
  * that a capture begun by another thread meanwhile cannot take some of them); *last_position (if not NULL)

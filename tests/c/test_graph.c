@@ -1444,9 +1444,10 @@ static void test_a_host_func_racing_capture_begin_and_end_is_released_once_after
     assert_int_equal(ran_after_release, 0);
 }
 
-/* Parking places (Makefile: TEST_LDFLAGS_test_graph links the core's calls to these two functions through
- * the __wrap_ ones below): a thread that armed one stops on its next call there, before the real call,
- * until the test lets it go, so that the test can run other threads' work in that window. */
+/* Parking places (Makefile: TEST_LDFLAGS_test_graph links the core's calls to these functions through the
+ * __wrap_ ones below): a thread that armed one stops on its next call there until the test lets it go, so
+ * that the test can run other threads' work in that window.  It stops before the real call, but for the
+ * capture hooks of records, waits and memory operations (graph.h): after it, once the hook answered. */
 typedef struct parking {
     atomic_bool arrived, go;
 } parking;
@@ -1490,6 +1491,36 @@ bool __wrap_graph_capture_task(npu_stream *s, int kind, stream_task_fn fn, void 
     return __real_graph_capture_task(s, kind, fn, arg, cleanup, rc);
 }
 
+bool __real_graph_capture_record(npu_stream *s, uint64_t event, aclError *rc);
+bool __wrap_graph_capture_record(npu_stream *s, uint64_t event, aclError *rc);
+bool __wrap_graph_capture_record(npu_stream *s, uint64_t event, aclError *rc)
+{
+    bool handled = __real_graph_capture_record(s, event, rc);
+    park_if_armed();
+    return handled;
+}
+
+bool __real_graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc);
+bool __wrap_graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc);
+bool __wrap_graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
+{
+    bool handled = __real_graph_capture_wait(s, event, rc);
+    park_if_armed();
+    return handled;
+}
+
+bool __real_graph_capture_memop(aclrtStream stream, void *dst, const void *src, size_t count, int32_t value,
+                                bool copy, aclError *rc);
+bool __wrap_graph_capture_memop(aclrtStream stream, void *dst, const void *src, size_t count, int32_t value,
+                                bool copy, aclError *rc);
+bool __wrap_graph_capture_memop(aclrtStream stream, void *dst, const void *src, size_t count, int32_t value,
+                                bool copy, aclError *rc)
+{
+    bool handled = __real_graph_capture_memop(stream, dst, src, count, value, copy, rc);
+    park_if_armed();
+    return handled;
+}
+
 /* aclrtStreamWaitEvent(s, e), parked at p's place. */
 typedef struct parked_call {
     aclrtStream s;
@@ -1503,6 +1534,14 @@ static void *wait_event_parked(void *arg)
     parked_call *c = arg;
     park_next = c->p;
     c->rc = aclrtStreamWaitEvent(c->s, c->e);
+    return NULL;
+}
+
+static void *record_event_parked(void *arg)
+{
+    parked_call *c = arg;
+    park_next = c->p;
+    c->rc = aclrtRecordEvent(c->e, c->s);
     return NULL;
 }
 
@@ -1607,6 +1646,138 @@ static void test_a_reset_racing_capture_end_keeps_a_later_record(void **state)
     assert_int_equal(aclrtDestroyEvent(ev), ACL_SUCCESS);
 }
 
+/* aclrtRecordEvent, aclrtStreamWaitEvent and the asynchronous memory calls ask a capture hook (graph.h)
+ * whether their stream is capturing, then queue their plain task when it is not.  A capture begun on the
+ * stream in between (another thread's, or a join) took that task as a generic node of the graph: neither
+ * the plain operation the caller had decided on nor the captured one.  In these tests the calling thread
+ * is parked right after the hook answered (some other capture is active, so the hook is asked), and the
+ * stream's capture begins meanwhile. */
+
+/* A record that became a node: the event's record pointed at the stream's work before the capture, which
+ * passed, but was never stamped (aclrtEventElapsedTime: "unreachable" internal error) until a launch of
+ * the graph ran the node, which re-stamped it at every launch. */
+static void test_a_record_racing_capture_begin_is_made_before_it(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream(), other = new_stream();
+    npualloc_graph *h = new_graph(0), *g = new_graph(0);
+    begin(h, other);
+    aclrtEvent ev = new_event();
+
+    parking rec = {0};
+    parked_call r = {.s = s, .e = ev, .p = &rec, .rc = -1};
+    pthread_t recorder;
+    assert_int_equal(pthread_create(&recorder, NULL, record_event_parked, &r), 0);
+    await_parked(&rec); /* s was not capturing when the record asked */
+    begin(g, s);
+    atomic_store(&rec.go, true);
+    assert_int_equal(pthread_join(recorder, NULL), 0);
+    assert_int_equal(r.rc, ACL_SUCCESS);
+
+    assert_int_equal(aclrtSynchronizeEvent(ev), ACL_SUCCESS);
+    float ms = -1.0f;
+    assert_int_equal(aclrtEventElapsedTime(&ms, ev, ev), ACL_SUCCESS);
+    assert_true(ms == 0.0f);
+    end(g);
+    end(h);
+    assert_int_equal(npualloc_graph_node_count(g), 0); /* queued on the stream */
+    npualloc_graph_destroy(g);
+    npualloc_graph_destroy(h);
+    assert_int_equal(aclrtDestroyEvent(ev), ACL_SUCCESS);
+}
+
+/* A wait that became a node: it counted in the event's pending waits until a launch ran it (never, here),
+ * so aclrtQueryEventWaitStatus said NOT_READY long after the record had passed. */
+static void test_a_wait_racing_capture_begin_is_queued_before_it(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream(), src = new_stream(), other = new_stream();
+    static atomic_int gate;
+    hold_stream(src, &gate);
+    aclrtEvent ev = new_event();
+    assert_int_equal(aclrtRecordEvent(ev, src), ACL_SUCCESS); /* passes once the gate opens */
+    npualloc_graph *h = new_graph(0), *g = new_graph(0);
+    begin(h, other);
+
+    parking wait = {0};
+    parked_call w = {.s = s, .e = ev, .p = &wait, .rc = -1};
+    pthread_t waiter;
+    assert_int_equal(pthread_create(&waiter, NULL, wait_event_parked, &w), 0);
+    await_parked(&wait); /* s was not capturing, and the event has no captured record */
+    begin(g, s);
+    atomic_store(&wait.go, true);
+    assert_int_equal(pthread_join(waiter, NULL), 0);
+    assert_int_equal(w.rc, ACL_SUCCESS);
+
+    atomic_store(&gate, 1);
+    assert_int_equal(aclrtSynchronizeStream(src), ACL_SUCCESS);
+    end(g);
+    end(h);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS); /* the wait ran there */
+    aclrtEventWaitStatus st;
+    assert_int_equal(aclrtQueryEventWaitStatus(ev, &st), ACL_SUCCESS);
+    assert_int_equal(st, ACL_EVENT_WAIT_STATUS_COMPLETE);
+    assert_int_equal(npualloc_graph_node_count(g), 0);
+    npualloc_graph_destroy(g);
+    npualloc_graph_destroy(h);
+    assert_int_equal(aclrtDestroyEvent(ev), ACL_SUCCESS);
+}
+
+typedef struct parked_memset {
+    aclrtStream s;
+    void *p;
+    size_t n;
+    parking *park;
+    aclError rc;
+} parked_memset;
+
+static void *memset_async_parked(void *arg)
+{
+    parked_memset *c = arg;
+    park_next = c->park;
+    c->rc = aclrtMemsetAsync(c->p, c->n, 0x5a, c->n, c->s);
+    return NULL;
+}
+
+/* A memset (as a copy, or a 2-D copy's rows) that became a node: a generic TASK node, not the MEMSET
+ * node its capture makes, and not the memset the call had queued either (it ran only at launches). */
+static void test_a_memset_racing_capture_begin_is_queued_before_it(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream(), other = new_stream();
+    enum { N = 4096 };
+    void *d = NULL;
+    assert_int_equal(aclrtMalloc(&d, N, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    assert_int_equal(aclrtMemset(d, N, 0, N), ACL_SUCCESS);
+    npualloc_graph *h = new_graph(0), *g = new_graph(0);
+    begin(h, other);
+
+    parking set = {0};
+    parked_memset m = {.s = s, .p = d, .n = N, .park = &set, .rc = -1};
+    pthread_t setter;
+    assert_int_equal(pthread_create(&setter, NULL, memset_async_parked, &m), 0);
+    await_parked(&set); /* s was not capturing when the memset asked */
+    begin(g, s);
+    atomic_store(&set.go, true);
+    assert_int_equal(pthread_join(setter, NULL), 0);
+    assert_int_equal(m.rc, ACL_SUCCESS);
+    end(g);
+    end(h);
+    assert_int_equal(npualloc_graph_node_count(g), 0);
+
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS);
+    static unsigned char back[N];
+    assert_int_equal(aclrtMemcpy(back, N, d, N, ACL_MEMCPY_DEVICE_TO_HOST), ACL_SUCCESS);
+    assert_int_equal(back[0], 0x5a);
+    assert_int_equal(back[N - 1], 0x5a);
+    npualloc_graph_destroy(g);
+    npualloc_graph_destroy(h);
+    assert_int_equal(aclrtFree(d), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1644,6 +1815,9 @@ int main(void)
                                   stop_runtime),
         cmocka_unit_test_teardown(test_a_join_racing_capture_end_and_the_pools_next_recording, stop_runtime),
         cmocka_unit_test_teardown(test_a_reset_racing_capture_end_keeps_a_later_record, stop_runtime),
+        cmocka_unit_test_teardown(test_a_record_racing_capture_begin_is_made_before_it, stop_runtime),
+        cmocka_unit_test_teardown(test_a_wait_racing_capture_begin_is_queued_before_it, stop_runtime),
+        cmocka_unit_test_teardown(test_a_memset_racing_capture_begin_is_queued_before_it, stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
