@@ -135,6 +135,7 @@ struct npualloc_graph {
     cap_event *events;
     size_t nevents, capevents;
     struct npualloc_graph *cap_next; /* list of capturing graphs */
+    unsigned joining;                /* streams that joined and are still taking their pool route (graph_lock) */
     aclmdlRICaptureMode mode;        /* capture mode (set at capture_begin) */
     uint64_t cap_thread;             /* the thread that began the capture (this_thread) */
     /* violations (viol_lock) */
@@ -192,11 +193,12 @@ typedef struct reg_entry {
  * Module state
  * ------------------------------------------------------------------------------------------ */
 
-/* route_lock: a stream joins a pool capture under graph_lock and takes its pool route after it (the
- * caching allocator's lock is never taken under graph_lock).  The join holds route_lock throughout and
- * capture_end ends the routes under it, so no route lands once its capture ended (it would stay for
- * ever, on the pool's next recording). */
-static pthread_mutex_t route_lock = PTHREAD_MUTEX_INITIALIZER;
+/* A stream joins a pool capture under graph_lock and takes its pool route after it (the caching
+ * allocator's lock is never taken under graph_lock): the graph counts it in `joining` meanwhile, and
+ * capture_end waits (join_cv) until none is left before it ends the routes, so no route lands once its
+ * capture ended (it would stay for ever, on the pool's next recording).  No lock is held over the join's
+ * pool call: a pool allocator running under the caching allocator's lock may wait for an event. */
+static pthread_cond_t join_cv = PTHREAD_COND_INITIALIZER;
 static pthread_mutex_t graph_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t bind_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_rwlock_t reg_lock = PTHREAD_RWLOCK_INITIALIZER;
@@ -899,28 +901,27 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     bool ending = rc == ACL_SUCCESS;
     g->state = ending ? G_ENDING : G_BROKEN;
     /* The streams and their pool routes are ended below, with graph_lock dropped, straight from g->streams:
-     * nothing else changes them once the graph left G_CAPTURING (but a join still taking its route, which
-     * route_lock waits for), and so the end asks for no memory (it copied them into two lists, and out of
+     * nothing else changes them once the graph left G_CAPTURING (but a join still taking its route, waited
+     * for below), and so the end asks for no memory (it copied them into two lists, and out of
      * host memory left the routes for ever). */
     size_t ns = g->nstreams;
     for (size_t i = 0; i < ns; i++)
         frontier_free(&g->streams[i].f);
     if (rc == ACL_SUCCESS && !g->pool_mode)
         finalize(g);
+    /* A join still taking its route (no new one: g left the capturing list). */
+    while (g->joining)
+        pthread_cond_wait(&join_cv, &graph_lock);
     pthread_mutex_unlock(&graph_lock);
     /* torch's endAllocateToPool keeps beginAllocateToPool's reference for the graph, which
      * releases it when it goes (releasePool): the graph takes its own before the recording's
      * route ends and gives that one back. */
     if (g->pool_mode && !stale)
         g->pool_ref = npualloc_cache_pool_create(g->device, g->pool) == ACL_SUCCESS;
-    pthread_mutex_lock(&route_lock); /* after any join still taking its route */
     for (size_t i = 0; i < ns; i++) {
         if (g->streams[i].routed && !stale)
             (void)npualloc_cache_pool_end(stream_device(g->streams[i].s), g->pool);
         g->streams[i].routed = false;
-    }
-    pthread_mutex_unlock(&route_lock);
-    for (size_t i = 0; i < ns; i++) {
         stream_release(g->streams[i].s);
         g->streams[i].s = NULL;
     }
@@ -1103,7 +1104,7 @@ bool graph_capture_record(npu_stream *s, uint64_t event, aclError *rc)
     return true;
 }
 
-static bool capture_wait(npu_stream *s, uint64_t event, aclError *rc)
+bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
 {
     pthread_mutex_lock(&graph_lock);
     npualloc_graph *g = stream_capture_get(s), *owner = NULL;
@@ -1139,26 +1140,23 @@ static bool capture_wait(npu_stream *s, uint64_t event, aclError *rc)
         stream_capture_set(s, owner);
         atomic_fetch_add(&graph_capturing_streams, 1);
         g = owner;
+        if (route)
+            g->joining++;
     }
     int si = stream_index(g, s);
     *rc = frontier_merge(g, &g->streams[si].f, &e->f) ? ACL_SUCCESS : ACL_ERROR_RT_MEMORY_ALLOCATION;
     pthread_mutex_unlock(&graph_lock);
-    if (route && npualloc_cache_pool_join(dev, pool, stream_id(s)) != ACL_SUCCESS) {
+    if (route) {
+        bool joined = npualloc_cache_pool_join(dev, pool, stream_id(s)) == ACL_SUCCESS;
         pthread_mutex_lock(&graph_lock);
         int k = stream_index(g, s);
-        if (k >= 0)
+        if (!joined && k >= 0)
             g->streams[k].routed = false;
+        if (--g->joining == 0)
+            pthread_cond_broadcast(&join_cv); /* capture_end may wait for it */
         pthread_mutex_unlock(&graph_lock);
     }
     return true;
-}
-
-bool graph_capture_wait(npu_stream *s, uint64_t event, aclError *rc)
-{
-    pthread_mutex_lock(&route_lock); /* a join's route is taken before its capture can end */
-    bool handled = capture_wait(s, event, rc);
-    pthread_mutex_unlock(&route_lock);
-    return handled;
 }
 
 /* ------------------------------------------------------------------------------------------
@@ -2357,7 +2355,6 @@ aclError npualloc_graph_get_mem_access(int32_t device, uint64_t *mask)
  * leaves after them all. */
 void graph_atfork_prepare_outer(void)
 {
-    pthread_mutex_lock(&route_lock);
     pthread_mutex_lock(&bind_lock);
     pthread_mutex_lock(&graph_lock);
 }
@@ -2375,7 +2372,6 @@ static void release_fork_mutexes(void)
     pthread_mutex_unlock(&viol_lock);
     pthread_mutex_unlock(&graph_lock);
     pthread_mutex_unlock(&bind_lock);
-    pthread_mutex_unlock(&route_lock);
 }
 
 void graph_atfork_parent(void)
@@ -2390,6 +2386,10 @@ void graph_atfork_child(void)
 {
     release_fork_mutexes(); /* the forking thread took them in prepare, so it may release them here */
     rwlock_reset_in_child(&reg_lock);
+    /* a parent's capture_end may have been waiting on it: its waiter state means nothing here */
+    join_cv = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
+    for (npualloc_graph *c = capturing; c; c = c->cap_next)
+        c->joining = 0; /* a join the fork cut short never ends here */
     capturing = NULL;
     arenas = NULL;
     reg = NULL;

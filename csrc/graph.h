@@ -8,8 +8,7 @@
  *   graph_ranges_active()   some graph owns an address range (copies check access and, for
  *                           checked graphs, lifetimes).
  *
- * Locks (graph.c): route_lock (pool captures' routes; held over the caching allocator's pool calls)
- * -> graph_lock; bind_lock (exec bindings and arenas; held over vmm calls) -> graph_lock
+ * Locks (graph.c): bind_lock (exec bindings and arenas; held over vmm calls) -> graph_lock
  * (captures and graph structures; never held over a vmm call or a stream wait) -> stream locks.
  * The range registry's lock is taken inside the vmm read lock (copy checks) and is a leaf, but for
  * the violation log's lock inside it.

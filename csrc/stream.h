@@ -139,15 +139,15 @@ aclError stream_enqueue(npu_stream *s, stream_task_fn fn, void *arg, stream_task
  * the hook gives a captured one. */
 aclError stream_enqueue_plain(npu_stream *s, stream_task_fn fn, void *arg, stream_task_cleanup_fn cleanup,
                               uint64_t *position);
-/* Queues n tasks (fns[i](args[i]), no cleanups) together, never into a capture: ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
- * with nothing queued, when the stream is capturing (checked under the lock stream_capture_set takes, so
- * that a capture begun by another thread meanwhile cannot take some of them); *last_position (if not NULL)
- * receives the last one's position.  Fails as stream_enqueue does otherwise, queueing nothing. */
 /* npualloc_launch_host_func, with `once` (if not NULL) as the one run of an uncaptured callback in place
  * of fn and release: the Python binding runs and drops a callback in one step, so that an exiting
  * interpreter never finds it between the two. */
 aclError stream_launch_callback(aclrtStream stream, aclrtCallback fn, aclrtCallback once, void *user_data,
                                 void (*release)(void *), aclrtCallbackBlockType block);
+/* Queues n tasks (fns[i](args[i]), no cleanups) together, never into a capture: ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+ * with nothing queued, when the stream is capturing (checked under the lock stream_capture_set takes, so
+ * that a capture begun by another thread meanwhile cannot take some of them); *last_position (if not NULL)
+ * receives the last one's position.  Fails as stream_enqueue does otherwise, queueing nothing. */
 aclError stream_enqueue_uncaptured(npu_stream *s, const stream_task_fn *fns, void *const *args, size_t n,
                                    uint64_t *last_position);
 /* Position of the last task queued so far (0 if none): a free "event" for internal users. */

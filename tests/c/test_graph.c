@@ -1,5 +1,6 @@
 /* test_graph.c - captured graphs with planned memory (csrc/graph.c, npualloc_graph.h). */
 #include <pthread.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -1466,10 +1467,13 @@ static void park_if_armed(void)
         host_sleep_ns(1000000);
 }
 
+/* At most 60 s, then the test fails: a thread that never reaches its parking place must not hang it. */
 static void await_parked(parking *p)
 {
-    while (!atomic_load(&p->arrived))
+    for (int waited = 0; waited < 600000 && !atomic_load(&p->arrived); waited++)
         host_sleep_ns(100000);
+    if (!atomic_load(&p->arrived))
+        fail_msg("the thread never reached its parking place");
 }
 
 aclError __real_npualloc_cache_pool_join(int32_t device, npualloc_mempool_id id, uint64_t stream);
@@ -1778,6 +1782,97 @@ static void test_a_memset_racing_capture_begin_is_queued_before_it(void **state)
     assert_int_equal(aclrtFree(d), ACL_SUCCESS);
 }
 
+/* A pool's allocator runs under the caching allocator's lock; one that waits for an event on a stream
+ * while some capture is active (aclrtStreamWaitEvent asks graph_capture_wait) must not deadlock against
+ * a stream joining a pool capture, which takes its pool route (the caching allocator's lock) after the
+ * join.  graph_capture_wait held route_lock over every capture-time wait, join or not, and over the
+ * join's pool call: the joiner (route_lock, wants the cache lock) and the allocator (cache lock, wants
+ * route_lock) waited for each other (here SIGALRM). */
+static aclrtStream alloc_waits_on;
+static aclrtEvent alloc_waits_for;
+static atomic_int in_waiting_alloc;
+static void *waiting_alloc_memory; /* made before the capture */
+
+static void *waiting_segment_alloc(size_t size, int device, aclrtStream stream)
+{
+    (void)device;
+    (void)stream;
+    atomic_store(&in_waiting_alloc, 1);
+    (void)aclrtStreamWaitEvent(alloc_waits_on, alloc_waits_for);
+    void *p = waiting_alloc_memory;
+    waiting_alloc_memory = NULL;
+    return size <= 32 * MiB_ ? p : NULL;
+}
+
+static void waiting_segment_free(void *ptr, size_t size, int device, aclrtStream stream)
+{
+    (void)size;
+    (void)device;
+    (void)stream;
+    (void)aclrtFree(ptr);
+}
+
+typedef struct pool_alloc_call {
+    aclrtStream s;
+    void *p;
+    aclError rc;
+} pool_alloc_call;
+
+static void *alloc_in_pool(void *arg)
+{
+    pool_alloc_call *c = arg;
+    c->rc = npualloc_cache_malloc(0, 1000, sh(c->s), &c->p);
+    return NULL;
+}
+
+static void test_a_join_does_not_deadlock_with_a_pool_allocator_that_waits_for_an_event(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s0 = new_stream(), s1 = new_stream();
+    alloc_waits_on = new_stream();
+    alloc_waits_for = new_event();
+    atomic_store(&in_waiting_alloc, 0);
+    assert_int_equal(aclrtMalloc(&waiting_alloc_memory, 32 * MiB_, ACL_MEM_MALLOC_HUGE_FIRST), ACL_SUCCESS);
+    npualloc_mempool_id id = npualloc_mempool_id_new(true);
+    assert_int_equal(npualloc_cache_pool_create_with_allocator(0, id, waiting_segment_alloc, waiting_segment_free),
+                     ACL_SUCCESS);
+    npualloc_capture_params pa = {.use_pool = true, .pool = id, .mode = ACL_MODEL_RI_CAPTURE_MODE_RELAXED};
+    npualloc_graph *a = new_graph(0);
+    assert_int_equal(npualloc_graph_capture_begin(a, s0, 0, &pa), ACL_SUCCESS);
+    aclrtEvent ev = new_event();
+    assert_int_equal(aclrtRecordEvent(ev, s0), ACL_SUCCESS);
+
+    alarm(getenv("NPUALLOC_VALGRIND") ? 300 : 20); /* a deadlock dies of SIGALRM instead of hanging */
+    parking join = {0};
+    parked_call w = {.s = s1, .e = ev, .p = &join, .rc = -1};
+    pool_alloc_call m = {.s = s0, .rc = -1};
+    pthread_t joiner, allocator;
+    assert_int_equal(pthread_create(&joiner, NULL, wait_event_parked, &w), 0);
+    await_parked(&join); /* s1 joined, its route still to take */
+    assert_int_equal(pthread_create(&allocator, NULL, alloc_in_pool, &m), 0);
+    while (!atomic_load(&in_waiting_alloc))
+        host_sleep_ns(100000);
+    host_sleep_ns(100 * 1000000); /* the allocator is in its wait by now, under the cache lock */
+    atomic_store(&join.go, true);
+    assert_int_equal(pthread_join(allocator, NULL), 0);
+    assert_int_equal(pthread_join(joiner, NULL), 0);
+    alarm(0);
+    assert_int_equal(w.rc, ACL_SUCCESS);
+    assert_int_equal(m.rc, ACL_SUCCESS);
+    assert_true(in_pool(m.p, id));
+    assert_int_equal(npualloc_cache_free(m.p), ACL_SUCCESS);
+    /* s1 joined back, so that the capture ends well */
+    aclrtEvent back = new_event();
+    assert_int_equal(aclrtRecordEvent(back, s1), ACL_SUCCESS);
+    assert_int_equal(aclrtStreamWaitEvent(s0, back), ACL_SUCCESS);
+    end(a);
+    npualloc_graph_destroy(a);
+    assert_int_equal(aclrtDestroyEvent(back), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(ev), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyEvent(alloc_waits_for), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1818,6 +1913,8 @@ int main(void)
         cmocka_unit_test_teardown(test_a_record_racing_capture_begin_is_made_before_it, stop_runtime),
         cmocka_unit_test_teardown(test_a_wait_racing_capture_begin_is_queued_before_it, stop_runtime),
         cmocka_unit_test_teardown(test_a_memset_racing_capture_begin_is_queued_before_it, stop_runtime),
+        cmocka_unit_test_teardown(test_a_join_does_not_deadlock_with_a_pool_allocator_that_waits_for_an_event,
+                                  stop_runtime),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
