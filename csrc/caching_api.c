@@ -92,6 +92,12 @@ static _Atomic size_t warnings_pending;
 /* At least the number of the ring's entries of this thread (another thread's push may have dropped
  * some): lets npualloc_has_warnings answer without the lock. */
 static _Thread_local size_t own_warnings;
+/* A thread that made a warning drops its pending ones when it exits (a thread-specific value's
+ * destructor): nobody else will take them, and they would hold warnings_pending up for ever. */
+static pthread_key_t warning_owner_key;
+static pthread_once_t warning_key_once = PTHREAD_ONCE_INIT;
+static bool warning_key_ready;
+static _Thread_local bool warning_owner_set;
 
 /* A number for the calling thread that no other thread of the process ever has (a pthread_t is
  * reused once its thread has been joined, and the new thread must not inherit the warnings). */
@@ -104,8 +110,33 @@ static uint64_t warning_thread(void)
     return serial;
 }
 
+static pending_warning *warning_at(size_t i) { return &warnings[(warning_head + i) % WARNING_SLOTS]; }
+
+static void drop_exiting_threads_warnings(void *unused)
+{
+    (void)unused;
+    uint64_t self = warning_thread();
+    pthread_mutex_lock(&warning_lock);
+    size_t kept = 0;
+    for (size_t i = 0; i < warning_count; i++)
+        if (warning_at(i)->thread != self)
+            *warning_at(kept++) = *warning_at(i); /* in order: kept <= i */
+    warning_count = kept;
+    warnings_pending = warning_count;
+    pthread_mutex_unlock(&warning_lock);
+}
+
+static void warning_key_create(void)
+{
+    warning_key_ready = pthread_key_create(&warning_owner_key, drop_exiting_threads_warnings) == 0;
+}
+
 void cache_push_warning(const char *fmt, ...)
 {
+    if (!warning_owner_set) {
+        pthread_once(&warning_key_once, warning_key_create);
+        warning_owner_set = warning_key_ready && pthread_setspecific(warning_owner_key, &warning_owner_key) == 0;
+    }
     pending_warning w = {.thread = warning_thread()};
     va_list ap;
     va_start(ap, fmt);
@@ -138,8 +169,6 @@ void cache_warn_1g_fallback(void)
 }
 
 bool npualloc_has_warnings(void) { return warnings_pending != 0 && own_warnings != 0; }
-
-static pending_warning *warning_at(size_t i) { return &warnings[(warning_head + i) % WARNING_SLOTS]; }
 
 bool npualloc_pop_warning(char *buf, size_t len)
 {

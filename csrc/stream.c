@@ -1654,8 +1654,12 @@ aclError aclrtProcessReport(int32_t timeout)
     }
     if (rc == ACL_SUCCESS && !r)
         rc = ACL_ERROR_RT_THREAD_SUBSCRIBE; /* its last subscription ended while it waited */
-    /* The callbacks queued when it woke up, oldest first; later ones wait for the next call. */
-    for (size_t n = rt->queued; rc == ACL_SUCCESS && n > 0 && (r = next_runnable_locked(rt, &prev)); n--) {
+    /* The callbacks queued when it woke up, oldest first, but for those left to an outer call; later ones
+     * wait for the next call. */
+    size_t n = 0;
+    for (cb_report *q = rt->head; q; q = q->next)
+        n += !own_running(q->stream);
+    for (; rc == ACL_SUCCESS && n > 0 && (r = next_runnable_locked(rt, &prev)); n--) {
         if (prev)
             prev->next = r->next;
         else

@@ -63,8 +63,10 @@
  *     synchronize or (NO_BLOCK only) destroy it; but a callback its worker waits for (BLOCK, or
  *     run on the worker) that would have to wait for another callback of the stream still
  *     running elsewhere (one blocked in a stream wait) cannot unsubscribe it:
- *     ACL_ERROR_RT_FEATURE_NOT_SUPPORT, and the subscription stays.  Until unsubscribed, a BLOCK
- *     callback waits for its thread like on CANN: aclrtSynchronizeStream/Device wait with it.
+ *     ACL_ERROR_RT_FEATURE_NOT_SUPPORT, and the subscription stays (which stream that one
+ *     waits for is not known: one waiting for an unrelated stream refuses it too, until its
+ *     wait returns).  Until unsubscribed, a BLOCK callback waits for its thread like on CANN:
+ *     aclrtSynchronizeStream/Device wait with it.
  *   - Callbacks of one stream never overlap, even when its subscription moves: a worker starts
  *     the next one (on itself or on the new thread) only after the previous one returned,
  *     unless that one is blocked in a stream wait (it may be waiting for this stream).

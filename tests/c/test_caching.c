@@ -1380,6 +1380,39 @@ static void test_a_warning_goes_to_the_thread_whose_call_made_it(void **state)
     assert_string_equal(w.text, "`segment_size_mb` is deprecated, please use `large_segment_size_mb` instead.");
 }
 
+static void *push_a_warning_and_exit(void *arg)
+{
+    (void)arg;
+    cache_push_warning("a warning of a thread that exits without taking it");
+    return NULL;
+}
+
+/* A thread's warnings go when it exits: nobody else takes them, and they took a place of the 32 kept,
+ * pushing out a living thread's oldest one. */
+static void test_a_threads_warnings_go_with_it(void **state)
+{
+    (void)state;
+    start_cache(GiB_, NULL);
+    char w[512];
+    while (npualloc_pop_warning(w, sizeof w)) {
+    }
+    cache_push_warning("the first of this thread's 32");
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, push_a_warning_and_exit, NULL), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    for (int i = 1; i < 32; i++)
+        cache_push_warning("warning %d", i);
+    int popped = 0;
+    assert_true(npualloc_pop_warning(w, sizeof w));
+    popped++;
+    assert_string_equal(w, "the first of this thread's 32");
+    while (npualloc_pop_warning(w, sizeof w))
+        popped++;
+    assert_int_equal(popped, 32);
+    assert_string_equal(w, "warning 31");
+    assert_false(npualloc_has_warnings());
+}
+
 /* ---- randomized sequence ---- */
 
 
@@ -1552,6 +1585,7 @@ int main(void)
         cmocka_unit_test_teardown(test_acl_free_refuses_the_allocators_segments, stop_cache),
         cmocka_unit_test_teardown(test_bad_environment_fails_every_allocation, stop_cache),
         cmocka_unit_test_teardown(test_a_warning_goes_to_the_thread_whose_call_made_it, stop_cache),
+        cmocka_unit_test_teardown(test_a_threads_warnings_go_with_it, stop_cache),
         cmocka_unit_test_teardown(test_a_waiting_calls_stack_goes_to_no_other_threads_entries, stop_cache),
         cmocka_unit_test_teardown(test_a_failed_record_history_changes_no_level, stop_cache),
         cmocka_unit_test_teardown(test_concurrent_record_history_calls_leave_one_state, stop_cache),

@@ -1708,6 +1708,59 @@ static void test_nested_process_report_does_not_run_the_next_callback_of_its_own
     assert_int_equal(aclrtDestroyStream(other), ACL_SUCCESS);
 }
 
+/* A callback of `other` that queues one more callback (on `third`) to the same thread while a nested
+ * aclrtProcessReport runs it: that one came after the nested call woke up. */
+typedef struct late_report {
+    aclrtStream third;
+    aclError launch, sync;
+} late_report;
+
+static void cb_queue_a_late_one(void *user_data)
+{
+    late_report *l = user_data;
+    static int five = 5;
+    log_append(4);
+    l->launch = aclrtLaunchCallback(cb_append, &five, ACL_CALLBACK_NO_BLOCK, l->third);
+    l->sync = aclrtSynchronizeStream(l->third); /* passed once the callback is handed to the thread */
+}
+
+/* A nested call ran as many reports as the thread had queued, counting those it leaves to the outer call,
+ * so it ran one that arrived after it woke up (log 1 4 5 2 3): it runs those it found, and no more. */
+static void test_nested_process_report_runs_only_what_it_found(void **state)
+{
+    (void)state;
+    aclrtStream st = new_stream(), other = new_stream(), third = new_stream();
+    nested_same n = {.process = -1};
+    atomic_init(&n.inside, 0);
+    atomic_init(&n.overlap, 0);
+    late_report late = {.third = third, .launch = -1, .sync = -1};
+    const uint64_t me = self_id();
+    assert_int_equal(aclrtSubscribeReport(me, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, other), ACL_SUCCESS);
+    assert_int_equal(aclrtSubscribeReport(me, third), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_nested_same_first, &n, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_nested_same_second, &n, ACL_CALLBACK_NO_BLOCK, st), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(st), ACL_SUCCESS);
+    assert_int_equal(aclrtLaunchCallback(cb_queue_a_late_one, &late, ACL_CALLBACK_NO_BLOCK, other), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(other), ACL_SUCCESS);
+    assert_int_equal(aclrtProcessReport(2000), ACL_SUCCESS);
+    if (log_count < 5) /* the outer call may leave the late one to the next call */
+        assert_int_equal(aclrtProcessReport(2000), ACL_SUCCESS);
+    assert_int_equal(n.process, ACL_SUCCESS);
+    assert_int_equal(late.launch, ACL_SUCCESS);
+    assert_int_equal(late.sync, ACL_SUCCESS);
+    assert_int_equal(log_count, 5);
+    static const int order[] = {1, 4, 2, 3, 5};
+    for (int i = 0; i < 5; i++)
+        assert_int_equal(log_values[i], order[i]);
+    assert_int_equal(aclrtUnSubscribeReport(me, st), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, other), ACL_SUCCESS);
+    assert_int_equal(aclrtUnSubscribeReport(me, third), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(st), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(other), ACL_SUCCESS);
+    assert_int_equal(aclrtDestroyStream(third), ACL_SUCCESS);
+}
+
 /* A NO_BLOCK callback that logs its start, sleeps, logs its end. */
 typedef struct slow_cb {
     int start, end;
@@ -2332,6 +2385,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_a_nested_block_callback_still_stands_in_for_the_outer_stream, setup, teardown),
         cmocka_unit_test_setup_teardown(test_nested_process_report_does_not_run_the_next_callback_of_its_own_stream,
                                         setup, teardown),
+        cmocka_unit_test_setup_teardown(test_nested_process_report_runs_only_what_it_found, setup, teardown),
         cmocka_unit_test_setup_teardown(test_unsubscribe_waits_for_a_running_callback_and_order_is_kept, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_no_block_callback_may_unsubscribe_sync_or_destroy_its_own_stream, setup,
