@@ -64,6 +64,7 @@ _Static_assert(sizeof(uintptr_t) >= sizeof(uint64_t), "stream and event handles 
 #define MAX_SLEEP_SECONDS 1e9
 
 typedef struct cb_report cb_report;
+typedef struct callback_task callback_task;
 typedef struct report_thread report_thread;
 
 typedef struct stream_task {
@@ -205,6 +206,9 @@ struct cb_report {
     aclrtCallback fn;
     void *user_data;
     void (*release)(void *); /* runs right after fn (an uncaptured npualloc_launch_host_func) */
+    /* A graph's NO_BLOCK host node, for which this report holds a reference: the launch counts as passed
+     * once the report is handed over, so the graph may go (and release the node's data) before it ran. */
+    callback_task *node;
     npu_stream *stream; /* not a reference: see the invariant at the top */
     bool block;
     report_state state; /* sub_lock */
@@ -239,12 +243,22 @@ static void callback_run(aclrtCallback fn, void *user_data, void (*release)(void
         release(user_data);
 }
 
+static void callback_task_put(callback_task *c);
+
+/* Frees a report that ran (no lock held: the node's release may run here). */
+static void report_free(cb_report *r)
+{
+    if (r->node)
+        callback_task_put(r->node);
+    free(r);
+}
+
 static void run_report_list(cb_report *r)
 {
     while (r) {
         cb_report *next = r->next;
         callback_run(r->fn, r->user_data, r->release);
-        free(r);
+        report_free(r);
         r = next;
     }
 }
@@ -837,7 +851,9 @@ static aclError ensure_worker_locked(npu_stream *s)
     return ACL_SUCCESS;
 }
 
-typedef struct callback_task {
+struct callback_task {
+    /* The stream task's or the graph node's, and one per report of the node still to run (cb_report.node). */
+    atomic_uint refs;
     aclrtCallback fn;
     void *user_data;
     /* npualloc_launch_host_func's destroy: right after the one run of an uncaptured callback, or
@@ -847,7 +863,7 @@ typedef struct callback_task {
     bool block;
     /* A graph node: set before the node is visible to any launch, so its runs read it unlocked. */
     bool captured;
-} callback_task;
+};
 
 static aclError run_callback(void *arg);
 static aclError run_sleep(void *arg);
@@ -1464,6 +1480,10 @@ static aclError run_callback(void *arg)
     }
     *r = (cb_report){.fn = fn, .user_data = c->user_data, .release = release, .stream = s, .block = c->block,
                      .state = REPORT_QUEUED};
+    if (c->captured && !c->block) { /* (a BLOCK one's launch waits for it) */
+        atomic_fetch_add_explicit(&c->refs, 1, memory_order_relaxed);
+        r->node = c;
+    }
     if (rt->tail)
         rt->tail->next = r;
     else
@@ -1491,15 +1511,18 @@ static aclError run_callback(void *arg)
     return ACL_SUCCESS;
 }
 
-/* The callback task's cleanup: after its one run (which released the data), or when the graph
- * that captured it frees its nodes. */
-static void callback_task_free(void *arg)
+static void callback_task_put(callback_task *c)
 {
-    callback_task *c = arg;
+    if (atomic_fetch_sub_explicit(&c->refs, 1, memory_order_acq_rel) != 1)
+        return;
     if (c->captured && c->release)
         c->release(c->user_data);
     free(c);
 }
+
+/* The callback task's cleanup: after its one run (which released the data), or when the graph
+ * that captured it frees its nodes. */
+static void callback_task_free(void *arg) { callback_task_put(arg); }
 
 aclError stream_launch_callback(aclrtStream stream, aclrtCallback fn, aclrtCallback once, void *user_data,
                                 void (*release)(void *), aclrtCallbackBlockType block)
@@ -1514,6 +1537,7 @@ aclError stream_launch_callback(aclrtStream stream, aclrtCallback fn, aclrtCallb
         return ACL_ERROR_RT_MEMORY_ALLOCATION;
     *c = (callback_task){
         .fn = fn, .user_data = user_data, .release = release, .once = once, .block = block == ACL_CALLBACK_BLOCK};
+    atomic_init(&c->refs, 1);
     /* (a task that could not be queued is freed without its release: the caller keeps user_data) */
     return enqueue_owned(stream, run_callback, c, callback_task_free);
 }
@@ -1689,12 +1713,13 @@ aclError aclrtProcessReport(int32_t timeout)
                 break;
             }
         }
+        cb_report *done = r->block ? NULL : r;
         if (r->block)
             r->state = REPORT_DONE; /* its worker frees it */
-        else
-            free(r);
         pthread_cond_broadcast(&report_done_cv);
         pthread_mutex_unlock(&sub_lock);
+        if (done)
+            report_free(done);
         stream_release(s); /* no lock may be held */
         pthread_mutex_lock(&sub_lock);
     }

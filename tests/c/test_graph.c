@@ -1873,6 +1873,50 @@ static void test_a_join_does_not_deadlock_with_a_pool_allocator_that_waits_for_a
     assert_int_equal(aclrtDestroyEvent(alloc_waits_for), ACL_SUCCESS);
 }
 
+/* A graph's NO_BLOCK host node handed to a subscribed thread counts as passed once handed over, so the
+ * graph could be destroyed (and the node's data released) before the thread ran it: the run then used
+ * released data.  The data is released once both the graph and every hand-over of it are done. */
+typedef struct handed_host_data {
+    int runs, runs_after_release, releases;
+} handed_host_data;
+
+static void handed_fn(void *arg)
+{
+    handed_host_data *d = arg;
+    d->runs_after_release += d->releases != 0;
+    d->runs++;
+}
+
+static void handed_release(void *arg) { ((handed_host_data *)arg)->releases++; }
+
+static void test_a_host_node_handed_to_a_subscriber_keeps_its_data_until_it_ran(void **state)
+{
+    (void)state;
+    start();
+    aclrtStream s = new_stream();
+    handed_host_data d = {0};
+    npualloc_graph *g = new_graph(0);
+    begin(g, s);
+    assert_int_equal(npualloc_launch_host_func(s, handed_fn, &d, handed_release, ACL_CALLBACK_NO_BLOCK),
+                     ACL_SUCCESS);
+    end(g);
+    npualloc_graph_exec *e;
+    assert_int_equal(npualloc_graph_instantiate(g, &e), ACL_SUCCESS);
+    const uint64_t me = (uint64_t)(uintptr_t)pthread_self();
+    assert_int_equal(aclrtSubscribeReport(me, s), ACL_SUCCESS);
+    assert_int_equal(npualloc_graph_launch(e, s, 0), ACL_SUCCESS);
+    assert_int_equal(aclrtSynchronizeStream(s), ACL_SUCCESS); /* handed to this thread, not run */
+    assert_int_equal(d.runs, 0);
+    npualloc_graph_exec_destroy(e);
+    npualloc_graph_destroy(g);
+    assert_int_equal(d.releases, 0);
+    assert_int_equal(aclrtProcessReport(2000), ACL_SUCCESS);
+    assert_int_equal(d.runs, 1);
+    assert_int_equal(d.runs_after_release, 0);
+    assert_int_equal(d.releases, 1);
+    assert_int_equal(aclrtUnSubscribeReport(me, s), ACL_SUCCESS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1908,6 +1952,7 @@ int main(void)
         cmocka_unit_test_teardown(test_a_launch_racing_capture_begin_is_refused_not_captured, stop_runtime),
         cmocka_unit_test_teardown(test_a_host_func_racing_capture_begin_and_end_is_released_once_after_it_ran,
                                   stop_runtime),
+        cmocka_unit_test_teardown(test_a_host_node_handed_to_a_subscriber_keeps_its_data_until_it_ran, stop_runtime),
         cmocka_unit_test_teardown(test_a_join_racing_capture_end_and_the_pools_next_recording, stop_runtime),
         cmocka_unit_test_teardown(test_a_reset_racing_capture_end_keeps_a_later_record, stop_runtime),
         cmocka_unit_test_teardown(test_a_record_racing_capture_begin_is_made_before_it, stop_runtime),
