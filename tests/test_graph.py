@@ -1221,3 +1221,170 @@ def test_a_callback_racing_capture_begin_and_end_is_dropped_once(mem):
     after = [sys.getrefcount(t) for t in tokens]
     kept = sum(a != b for a, b in zip(after, before))
     assert kept == 0, f"{kept} of {len(tokens)} callbacks' user_data never released"
+
+
+# ---- Python callbacks as graph host nodes (run in a subprocess: a use-after-free crashes the interpreter) ----
+
+HOST_NODE_PRELUDE = """
+import gc, sys, threading, time
+import npualloc
+from npualloc import acl
+rt = acl.rt
+assert rt.set_device(0) == 0
+s = npualloc.Stream()
+class Data:
+    def __init__(self):
+        self.payload = list(range(1000))
+data = Data()
+seen = []
+def cb(d):
+    seen.append((d is data, sum(d.payload), threading.get_ident()))
+gc.collect()
+base_data, base_cb = sys.getrefcount(data), sys.getrefcount(cb)
+"""
+
+
+def _ok(p):
+    assert p.returncode == 0, f"rc={p.returncode}\nstdout:{p.stdout[-1500:]}\nstderr:{p.stderr[-3000:]}"
+    assert p.stdout.splitlines()[-1:] == ["ok"], p.stdout[-1500:] + p.stderr[-1500:]
+
+
+def test_a_no_block_host_node_for_the_subscribed_main_thread_runs_after_its_graph_went():
+    # The launch hands the NO_BLOCK node to the subscribed (main) thread and passes it; the graph and its
+    # executable are destroyed before the main thread's process_report runs it: fn and user_data must still
+    # be there (the report holds the node), run once, and be released afterwards.
+    p = run_python(HOST_NODE_PRELUDE + """
+me = threading.get_ident()
+assert rt.subscribe_report(me, s.npu_stream) == 0
+g = npualloc.Graph()
+with g.capture(stream=s):
+    assert rt.launch_callback(cb, data, acl.ACL_CALLBACK_NO_BLOCK, s.npu_stream) == 0
+assert seen == []
+exe = g.instantiate()
+exe.launch(s)
+s.synchronize()
+assert seen == [], seen                    # handed to this thread, not run yet
+exe.destroy()
+g.reset()
+del exe, g
+gc.collect()
+assert sys.getrefcount(data) > base_data   # the pending report still holds the callback
+assert rt.process_report(2000) == 0
+assert seen == [(True, sum(range(1000)), me)], seen
+gc.collect()
+assert (sys.getrefcount(data), sys.getrefcount(cb)) == (base_data, base_cb), \\
+    (sys.getrefcount(data), base_data, sys.getrefcount(cb), base_cb)
+assert rt.process_report(10) == acl.ACL_ERROR_RT_REPORT_TIMEOUT   # ran once
+assert seen == [(True, sum(range(1000)), me)]
+assert rt.unsubscribe_report(me, s.npu_stream) == 0
+print("ok")
+""", timeout=30)
+    _ok(p)
+
+
+def test_a_block_host_node_runs_on_a_helper_thread_in_process_report_and_is_released_with_its_graph():
+    p = run_python(HOST_NODE_PRELUDE + """
+stop, subscribed = threading.Event(), threading.Event()
+served = []
+def serve():
+    rt.set_device(0)
+    subscribed.wait(10)                    # (process_report before the subscription: 107012)
+    while not stop.is_set():
+        served.append(rt.process_report(50))
+helper = threading.Thread(target=serve)
+helper.start()
+assert rt.subscribe_report(helper.ident, s.npu_stream) == 0
+subscribed.set()
+g = npualloc.Graph()
+with g.capture(stream=s):
+    assert rt.launch_callback(cb, data, acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+assert seen == []
+exe = g.instantiate()
+exe.launch(s)
+exe.launch(s)
+s.synchronize()
+assert seen == [(True, sum(range(1000)), helper.ident)] * 2, seen
+assert sys.getrefcount(data) > base_data   # the graph's node holds it
+exe.destroy()
+g.reset()
+del exe, g
+gc.collect()
+time.sleep(0.2)                            # the helper has nothing more to run
+assert seen == [(True, sum(range(1000)), helper.ident)] * 2, seen
+assert (sys.getrefcount(data), sys.getrefcount(cb)) == (base_data, base_cb), \\
+    (sys.getrefcount(data), base_data, sys.getrefcount(cb), base_cb)
+stop.set()
+helper.join()
+assert rt.unsubscribe_report(helper.ident, s.npu_stream) == 0
+assert set(served) <= {0, acl.ACL_ERROR_RT_REPORT_TIMEOUT}, set(served)
+print("ok")
+""", timeout=30)
+    _ok(p)
+
+
+@pytest.mark.parametrize("case", ["captured", "launched", "running", "pending_report", "cycle"])
+def test_exit_with_a_graph_holding_python_callbacks(case):
+    # Interpreter exit while a graph (and its executable) holding Python host nodes still exists: no crash,
+    # exit code 0, no hang.  "running": a launch is still queued at exit; "pending_report": a NO_BLOCK node
+    # handed to the subscribed main thread never processed; "cycle": the graph is kept only by a cycle.
+    p = run_python(HOST_NODE_PRELUDE + f"""
+case = {case!r}
+class Dies:
+    def __del__(self, write=__import__("os").write):
+        write(1, b"")
+if case == "pending_report":
+    assert rt.subscribe_report(threading.get_ident(), s.npu_stream) == 0
+g = npualloc.Graph()
+with g.capture(stream=s):
+    assert rt.launch_callback(cb, data, acl.ACL_CALLBACK_NO_BLOCK, s.npu_stream) == 0
+    assert rt.launch_callback(lambda d: time.sleep(0.05), Dies(), acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+    assert rt.launch_callback(cb, data, acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+exe = g.instantiate()
+if case != "captured":
+    exe.launch(s)
+if case == "launched":
+    s.synchronize()
+    assert len(seen) == 2, seen
+if case == "running":
+    for _ in range(3):
+        exe.launch(s)
+if case == "pending_report":
+    s.synchronize()
+if case == "cycle":
+    holder = [g, exe]
+    holder.append(holder)
+    del holder, g, exe
+print("ok", flush=True)
+""", timeout=30)
+    _ok(p)
+    assert "Fatal" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_an_exception_in_a_graph_host_node_is_unraisable_and_later_launches_still_run():
+    p = run_python(HOST_NODE_PRELUDE + """
+unraisable = []
+sys.unraisablehook = lambda u: unraisable.append((u.exc_type, u.exc_value.args, u.object))
+def boom(d):
+    raise KeyError(d)
+ran = []
+g = npualloc.Graph()
+with g.capture(stream=s):
+    assert rt.launch_callback(boom, "payload", acl.ACL_CALLBACK_BLOCK, s.npu_stream) == 0
+    assert rt.launch_callback(ran.append, "after", acl.ACL_CALLBACK_NO_BLOCK, s.npu_stream) == 0
+exe = g.instantiate()
+for _ in range(3):
+    exe.launch(s)
+s.synchronize()
+assert unraisable == [(KeyError, ("payload",), boom)] * 3, unraisable
+assert ran == ["after"] * 3, ran
+exe.launch(s)                              # the errors did not become the stream's or the graph's
+s.synchronize()
+assert len(unraisable) == 4 and ran == ["after"] * 4
+assert rt.launch_callback(ran.append, "uncaptured", 0, s.npu_stream) == 0
+s.synchronize()
+assert ran[-1] == "uncaptured"
+exe.destroy()
+g.reset()
+print("ok")
+""", timeout=30)
+    _ok(p)
