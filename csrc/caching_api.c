@@ -14,6 +14,7 @@
 #include "common.h"
 #include "device.h"
 #include "graph.h"
+#include "host.h"
 #include "pluggable.h"
 #include "snapshot.h"
 #include "va_space.h"
@@ -80,7 +81,7 @@ void npualloc_last_error_suffix(int *submodule, int *code)
  * one ring for the process, whose entries name their thread; when full, the oldest goes. */
 #define WARNING_SLOTS 32
 typedef struct pending_warning {
-    uint64_t thread; /* warning_thread() of the thread that made it */
+    uint64_t thread; /* host_thread_serial() of the thread that made it */
     char text[512];
 } pending_warning;
 static pthread_mutex_t warning_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -99,23 +100,12 @@ static pthread_once_t warning_key_once = PTHREAD_ONCE_INIT;
 static bool warning_key_ready;
 static _Thread_local bool warning_owner_set;
 
-/* A number for the calling thread that no other thread of the process ever has (a pthread_t is
- * reused once its thread has been joined, and the new thread must not inherit the warnings). */
-static uint64_t warning_thread(void)
-{
-    static atomic_uint_fast64_t threads;
-    static _Thread_local uint64_t serial;
-    if (!serial)
-        serial = atomic_fetch_add(&threads, 1) + 1;
-    return serial;
-}
-
 static pending_warning *warning_at(size_t i) { return &warnings[(warning_head + i) % WARNING_SLOTS]; }
 
 static void drop_exiting_threads_warnings(void *unused)
 {
     (void)unused;
-    uint64_t self = warning_thread();
+    uint64_t self = host_thread_serial();
     pthread_mutex_lock(&warning_lock);
     size_t kept = 0;
     for (size_t i = 0; i < warning_count; i++)
@@ -137,7 +127,7 @@ void cache_push_warning(const char *fmt, ...)
         pthread_once(&warning_key_once, warning_key_create);
         warning_owner_set = warning_key_ready && pthread_setspecific(warning_owner_key, &warning_owner_key) == 0;
     }
-    pending_warning w = {.thread = warning_thread()};
+    pending_warning w = {.thread = host_thread_serial()};
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(w.text, sizeof w.text, fmt, ap);
@@ -174,7 +164,7 @@ bool npualloc_pop_warning(char *buf, size_t len)
 {
     if (!own_warnings)
         return false;
-    uint64_t self = warning_thread();
+    uint64_t self = host_thread_serial();
     pthread_mutex_lock(&warning_lock);
     size_t i = 0;
     while (i < warning_count && warning_at(i)->thread != self)

@@ -28,6 +28,7 @@
 #include "caching.h"
 #include "common.h"
 #include "device.h"
+#include "host.h"
 #include "mem.h"
 #include "npualloc.h"
 #include "npualloc_graph.h"
@@ -137,7 +138,7 @@ struct npualloc_graph {
     struct npualloc_graph *cap_next; /* list of capturing graphs */
     unsigned joining;                /* streams that joined and are still taking their pool route (graph_lock) */
     aclmdlRICaptureMode mode;        /* capture mode (set at capture_begin) */
-    uint64_t cap_thread;             /* the thread that began the capture (this_thread) */
+    uint64_t cap_thread;             /* the thread that began the capture (host_thread_serial) */
     /* violations (viol_lock) */
     char **viol;
     size_t nviol, capviol;
@@ -222,16 +223,6 @@ static uint64_t access_setting(int32_t device)
 
 static _Thread_local char last_err[512];
 
-/* The calling thread's serial, never reused: a pthread_t is, by the next thread once its thread exited,
- * and a capture's thread must stay the one that began it. */
-static uint64_t this_thread(void)
-{
-    static atomic_uint_fast64_t threads;
-    static _Thread_local uint64_t serial;
-    if (!serial)
-        serial = atomic_fetch_add(&threads, 1) + 1;
-    return serial;
-}
 
 static void set_err(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void set_err(const char *fmt, ...)
@@ -823,7 +814,7 @@ aclError npualloc_graph_capture_begin(npualloc_graph *g, aclrtStream stream, int
     g->has_access = p.has_access;
     g->access = p.access_mask;
     g->mode = p.mode;
-    g->cap_thread = this_thread();
+    g->cap_thread = host_thread_serial();
     g->streams[0] = (cap_stream){.s = s, .handle = stream_id(s), .device = dev, .routed = p.use_pool};
     g->nstreams = 1;
     stream_capture_set(s, g);
@@ -865,7 +856,7 @@ aclError npualloc_graph_capture_end(npualloc_graph *g)
     if (stale) {
         set_err("capture_end: the graph belongs to a runtime that was shut down");
         rc = ACL_ERROR_INVALID_PARAM;
-    } else if (g->mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && g->cap_thread != this_thread()) {
+    } else if (g->mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && g->cap_thread != host_thread_serial()) {
         /* CANN's aclmdlRICaptureEnd: such a capture ends in its thread; elsewhere it ends broken */
         set_err("capture_end: a capture not begun in RELAXED mode ends in the thread that began it");
         rc = ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD;
@@ -1001,7 +992,7 @@ aclError graph_unsafe_call_check(void)
     int32_t dev;
     if (ex == ACL_MODEL_RI_CAPTURE_MODE_RELAXED || device_current(&dev) != ACL_SUCCESS)
         return ACL_SUCCESS;
-    uint64_t self = this_thread();
+    uint64_t self = host_thread_serial();
     unsigned on_device = NONE, mine = NONE;
     pthread_mutex_lock(&graph_lock);
     for (npualloc_graph *c = live_capture(capturing); c; c = live_capture(c->cap_next)) {

@@ -448,6 +448,15 @@ uint64_t host_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t host_thread_serial(void)
+{
+    static atomic_uint_fast64_t threads;
+    static _Thread_local uint64_t serial;
+    if (!serial)
+        serial = atomic_fetch_add(&threads, 1) + 1;
+    return serial;
+}
+
 int64_t host_epoch_us(void)
 {
     struct timespec ts;

@@ -75,6 +75,9 @@ int host_move_checked(void *dst, const void *src, size_t n);
 int host_set_checked(void *dst, int value, size_t n);
 
 uint64_t host_now_ns(void); /* CLOCK_MONOTONIC */
+/* The calling thread's serial, from 1, never reused in the process (a pthread_t is, once its thread
+ * was joined): what the thread made stays its own, not a later thread's. */
+uint64_t host_thread_serial(void);
 int64_t host_epoch_us(void); /* microseconds since the Unix epoch (trace timestamps, as torch) */
 void host_sleep_ns(uint64_t ns);
 
