@@ -2524,13 +2524,23 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
             break;
     if (rc == ACL_SUCCESS)
         rc = confine_to_block(base, count * page, d.offset, d.size);
+    if (rc == ACL_SUCCESS) /* (o may be NULL otherwise) */
+        *o = (open_share){.exporter = d.pid, .device = target, .s = s, .base = base,
+                          .ptr = (char *)base + d.offset, .count = count, .page_size = page,
+                          .handles = handles, .refs = 1};
+    if (rc == ACL_SUCCESS)
+        memcpy(o->token, d.token, 16);
+    /* Another thread opened the same handle meanwhile: its pointer, so that one handle has one pointer
+     * in a process (ours is undone below, as a failed open is).  The look and the listing are one
+     * section: two threads that both found none listed two pointers. */
     pthread_mutex_lock(&ipc.lock);
-    /* Another thread opened the same handle meanwhile: its pointer, so that one handle has
-     * one pointer in a process (ours is undone below, as a failed open is). */
     same = rc == ACL_SUCCESS ? open_find(&d, target) : NULL;
     if (same) {
         same->refs++;
         *ptr = same->ptr;
+    } else if (rc == ACL_SUCCESS) {
+        o->next = ipc.opens;
+        ipc.opens = o;
     }
     pthread_mutex_unlock(&ipc.lock);
     if (rc != ACL_SUCCESS || same) {
@@ -2542,20 +2552,6 @@ aclError ipc_open_shared(const void *desc, size_t len, int32_t device, void **pt
         free(o);
         return rc;
     }
-    memcpy(o->token, d.token, 16);
-    o->exporter = d.pid;
-    o->device = target;
-    o->s = s;
-    o->base = base;
-    o->ptr = (char *)base + d.offset;
-    o->count = count;
-    o->page_size = page;
-    o->handles = handles;
-    o->refs = 1;
-    pthread_mutex_lock(&ipc.lock);
-    o->next = ipc.opens;
-    ipc.opens = o;
-    pthread_mutex_unlock(&ipc.lock);
     *ptr = o->ptr;
     return ACL_SUCCESS;
 }
