@@ -871,7 +871,7 @@ static aclError run_reset(void *arg);
 
 void *stream_capture_get(const npu_stream *s)
 {
-    return s ? atomic_load_explicit(&((npu_stream *)s)->capture, memory_order_acquire) : NULL;
+    return atomic_load_explicit(&((npu_stream *)s)->capture, memory_order_acquire);
 }
 
 /* Under the stream's lock, which stream_enqueue_uncaptured holds while it checks and queues. */

@@ -187,7 +187,7 @@ void stream_shutdown(void);
  * to the graph, which owns `arg` from then on and runs `cleanup` when the graph goes, so a
  * task queued on a capturing stream may run any number of times, once per launch); event
  * records and waits on it become dependencies. */
-void *stream_capture_get(const npu_stream *s);
+void *stream_capture_get(const npu_stream *s); /* s: a stream the caller holds, never NULL */
 void stream_capture_set(npu_stream *s, void *capture);
 /* Takes one more pin on a stream the caller holds (released with stream_release); NULL is ignored. */
 void stream_pin(npu_stream *s);

@@ -63,7 +63,9 @@ def test_pip_install_and_editable_install_work(tmp_path):
     venv = tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME") and not k.startswith("NPUALLOC_")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    run([sys.executable, "-m", "venv", "--system-site-packages", venv], tmp_path, env)
+    # --without-pip: the venv's own pip and setuptools (65 on Python 3.11) would shadow the system's, and
+    # pyproject.toml's SPDX license needs setuptools 77 (build isolation would fetch it; this test has no network)
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path, env)
     py = venv / "bin" / "python"
     away = tmp_path / "elsewhere"  # not the copy: `import npualloc` must find the installed package
     away.mkdir()
