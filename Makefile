@@ -29,7 +29,7 @@ TSAN_TESTS := $(TEST_SRC:tests/c/%.c=$(BUILD)/tsan/tests/%)
 BENCHES    := $(BENCH_SRC:benchmarks/%.c=$(BUILD)/release/bench/%)
 
 .PHONY: all deps lib ctest ctest-asan ctest-tsan ext pytest test demo bench bench-count clean
-.PHONY: fuzz fuzz-ci fuzzers stress valgrind pytest-asan
+.PHONY: fuzz fuzz-ci fuzzers stress valgrind pytest-asan FORCE
 
 all: lib ext
 
@@ -60,15 +60,23 @@ $(eval $(call core_library,lto,$(CC) $(BASE) $(RELEASE) $(LTO)))
 TEST_LDFLAGS_test_graph := -Wl,--wrap=npualloc_cache_pool_join -Wl,--wrap=graph_capture_task \
                            -Wl,--wrap=graph_capture_record -Wl,--wrap=graph_capture_wait -Wl,--wrap=graph_capture_memop
 
-$(BUILD)/release/tests/%: tests/c/%.c $(BUILD)/release/libnpualloc.a $(HEADERS)
+# A test's link flags, kept in a file rewritten only when they change: editing them relinks the test.
+$(BUILD)/ldflags/%: FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(TEST_LDFLAGS_$*)' | cmp -s - $@ || echo '$(TEST_LDFLAGS_$*)' > $@
+
+FORCE:
+.PRECIOUS: $(BUILD)/ldflags/%
+
+$(BUILD)/release/tests/%: tests/c/%.c $(BUILD)/release/libnpualloc.a $(HEADERS) $(BUILD)/ldflags/%
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(RELEASE) -Itests/c $< $(BUILD)/release/libnpualloc.a -lcmocka $(TEST_LDFLAGS_$*) -o $@
 
-$(BUILD)/asan/tests/%: tests/c/%.c $(BUILD)/asan/libnpualloc.a $(HEADERS)
+$(BUILD)/asan/tests/%: tests/c/%.c $(BUILD)/asan/libnpualloc.a $(HEADERS) $(BUILD)/ldflags/%
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(ASAN) -Itests/c $< $(BUILD)/asan/libnpualloc.a -lcmocka $(TEST_LDFLAGS_$*) -o $@
 
-$(BUILD)/tsan/tests/%: tests/c/%.c $(BUILD)/tsan/libnpualloc.a $(HEADERS)
+$(BUILD)/tsan/tests/%: tests/c/%.c $(BUILD)/tsan/libnpualloc.a $(HEADERS) $(BUILD)/ldflags/%
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(TSAN) -Itests/c $< $(BUILD)/tsan/libnpualloc.a -lcmocka $(TEST_LDFLAGS_$*) -o $@
 
