@@ -28,10 +28,10 @@ if [ ${#debs[@]} -gt 0 ]; then
 fi
 PYTHON=${PYTHON:-python3}
 pips=()
-for mod in pytest:pytest xdist:pytest-xdist numpy:numpy setuptools:setuptools matplotlib:matplotlib hypothesis:hypothesis; do
+for mod in pytest:pytest xdist:pytest-xdist numpy:numpy matplotlib:matplotlib hypothesis:hypothesis; do
   "$PYTHON" -c "import ${mod%%:*}" >/dev/null 2>&1 || pips+=("${mod##*:}")
 done
-# pyproject.toml's license is an SPDX string, which setuptools reads from 77 on
+# setuptools, missing or older than 77 (pyproject.toml's license is an SPDX string, read from 77 on)
 "$PYTHON" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" >/dev/null 2>&1 ||
   pips+=("setuptools>=77")
 if [ ${#pips[@]} -gt 0 ]; then
